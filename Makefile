@@ -1,0 +1,29 @@
+# Two entry points for a newcomer on a fresh machine (README.md):
+#   make demo   set up, then profile -> solve -> run -> validate the bundled example on CPU
+#   make test   set up, then run the test suite
+# Both create .venv with the CPU build of torch pinned (an unpinned torch pulls a CUDA build).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup demo test clean
+
+$(BIN)/planner: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+setup: $(BIN)/planner
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs

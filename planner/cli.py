@@ -1,0 +1,135 @@
+"""The `planner` command line: one verb per arrow of the design.
+
+    planner profile MODEL_FILE   -> profile.json
+    planner show FILE            tables for a profile (and later plans)
+
+Every verb is a thin layer over a Python function. User mistakes raise PlannerError, which
+is printed as one paragraph with a non-zero exit; `--debug` shows the traceback instead.
+Heavy imports (torch) happen inside the verbs so that `planner --help` is instant.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from planner.errors import PlannerError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for PyTorch.")
+# Off a terminal rich assumes 80 columns, which folds every table; logs and CI get room.
+_WIDTH = None if sys.stdout.isatty() else 160
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
+_state = {"debug": False}
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks on errors.")) -> None:
+    _state["debug"] = debug
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PlannerError(f"Expected comma-separated integers, got {text!r}.", "Example: --micro-batch-sizes 1,2,4") from None
+    if not values or min(values) < 1:
+        raise PlannerError(f"Expected positive integers, got {text!r}.", "Example: --micro-batch-sizes 1,2,4")
+    return values
+
+
+def default_profile_path(model_file: str, device: str, gpu: str | None, dtype: str) -> Path:
+    where = f"meta-{gpu}" if device == "meta" else device
+    return Path("profiles") / f"{Path(model_file).stem}-{where}-{dtype}.json"
+
+
+@app.command()
+def profile(
+    model_file: str = typer.Argument(..., help="Python file defining build_model and make_batch."),
+    model_arg: list[str] = typer.Option([], "--model-arg", "-a", help="KEY=VALUE passed to build_model (repeatable)."),
+    micro_batch_sizes: str = typer.Option("1", help="Comma-separated micro-batch sizes to profile."),
+    device: str = typer.Option("cpu", help="cpu or cuda (measured), or meta (analytic)."),
+    gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200)."),
+    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    repeats: int = typer.Option(5, help="Timed repeats per unit (median is kept)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the profile JSON."),
+) -> None:
+    """Measure (or estimate) every unit of a model: time, FLOPs, bytes, cut crossings."""
+    from rich.progress import Progress
+
+    from planner.hardware import get_gpu
+    from planner.model_file import parse_model_args
+    from planner.profiler import profile_model
+    from planner.report import print_profile
+
+    args = parse_model_args(model_arg)
+    sizes = _int_list(micro_batch_sizes)
+    if gpu is not None:
+        get_gpu(gpu)  # reject unknown names before any work
+        if device != "meta":
+            console.print(f"note: --gpu {gpu} only sets analytic times; with --device {device} times are measured.")
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task("profiling", total=None)
+
+        def step(what: str, done: int, total: int) -> None:
+            bar.update(task, description=f"profiling {what}", completed=done, total=total)
+
+        result = profile_model(model_file, args, sizes, device=device, gpu=gpu, dtype=dtype, repeats=repeats, progress=step)
+    path = result.save(output or default_profile_path(model_file, device, result.target_gpu, dtype))
+    print_profile(result, console=console)
+    console.print(f"wrote {path}")
+
+
+@app.command()
+def show(
+    file: Path = typer.Argument(..., help="A profile JSON."),
+    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch", help="Which profiled micro-batch size to show."),
+    csv: Optional[Path] = typer.Option(None, help="Also write the per-unit table as CSV here."),
+) -> None:
+    """Print a profile as a table (per unit, totals, share of time)."""
+    from planner.profile_schema import load_profile
+    from planner.report import print_profile, profile_frame
+
+    prof = load_profile(file)
+    print_profile(prof, micro_batch_size, console=console)
+    if csv:
+        csv.parent.mkdir(parents=True, exist_ok=True)
+        profile_frame(prof, micro_batch_size).to_csv(csv, index=False)
+        console.print(f"wrote {csv}")
+
+
+def main() -> None:
+    """Console-script entry: run the app, turning PlannerErrors into clean messages."""
+    debug = "--debug" in sys.argv[1:]
+    try:
+        app(standalone_mode=False)
+    except PlannerError as exc:
+        if debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+        if exc.hint:
+            err_console.print(exc.hint, highlight=False)
+        sys.exit(1)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors are handled below; anything else is a bug
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if debug:
+            raise
+        err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\nRe-run with --debug for the traceback and report it.")
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

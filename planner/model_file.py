@@ -1,0 +1,166 @@
+"""Loading a model file: the contract between a user's model and the planner.
+
+A model file is a Python file that defines
+
+    build_model(**model_args) -> torch.nn.Module       # must work under torch.device("meta")
+    make_batch(batch_size, **model_args) -> (inputs, targets)
+    loss_fn(output, targets) -> torch.Tensor           # optional; default cross-entropy
+
+`--model-arg KEY=VALUE` on the CLI becomes `model_args` (see `parse_model_args`). Anything
+the user's code raises is re-raised as a `PlannerError` that names the user's file and
+line, because a traceback into the planner's internals tells them nothing.
+
+This module does not import torch at import time: `planner solve` must start fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+from planner.errors import PlannerError
+
+REQUIRED = ("build_model", "make_batch")
+
+
+def parse_model_args(pairs: list[str] | tuple[str, ...] | None) -> dict[str, Any]:
+    """Parse `KEY=VALUE` strings; values become int, float or bool where they read as one."""
+    args: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise PlannerError(
+                f"Malformed --model-arg {pair!r}: expected KEY=VALUE with KEY a Python identifier.",
+                "Example: --model-arg n_layers=4 --model-arg d_model=256",
+            )
+        args[key] = parse_value(raw.strip())
+    return args
+
+
+def parse_value(raw: str) -> Any:
+    """'4' -> 4, '1e-3' -> 0.001, 'true' -> True; anything else stays a string."""
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+@dataclass
+class ModelFile:
+    """A loaded model file and the arguments its functions are called with."""
+
+    path: Path
+    """Absolute path of the user's file."""
+    module: ModuleType
+    """The imported module."""
+    model_args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to `build_model` and `make_batch`."""
+
+    def build_model(self):
+        return call_user(self, "build_model", **self.model_args)
+
+    def make_batch(self, batch_size: int):
+        return call_user(self, "make_batch", batch_size, **self.model_args)
+
+    def loss(self, output, targets):
+        if hasattr(self.module, "loss_fn"):
+            return call_user(self, "loss_fn", output, targets)
+        return default_loss_fn(output, targets)
+
+    @property
+    def has_loss_fn(self) -> bool:
+        return hasattr(self.module, "loss_fn")
+
+    def source_sha256(self) -> str:
+        return hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+
+def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) -> ModelFile:
+    """Import a model file and check it defines the contract's functions."""
+    path = Path(path).expanduser().resolve()
+    if not path.is_file():
+        raise PlannerError(
+            f"Model file {path} does not exist.",
+            "Pass the path of a Python file that defines build_model(**args) and "
+            "make_batch(batch_size, **args); see examples/gpt.py.",
+        )
+    name = "planner_user_model_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise PlannerError(f"Cannot import {path}: it is not a Python source file.")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # the user's code: report their line, not ours
+        sys.modules.pop(name, None)
+        raise user_code_error(path, "importing the model file", exc) from exc
+    missing = [fn for fn in REQUIRED if not callable(getattr(module, fn, None))]
+    if missing:
+        raise PlannerError(
+            f"Model file {path} does not define {' and '.join(missing)}.",
+            "A model file must define build_model(**model_args) -> nn.Module and "
+            "make_batch(batch_size, **model_args) -> (inputs, targets); loss_fn(output, "
+            "targets) is optional. See examples/gpt.py.",
+        )
+    return ModelFile(path=path, module=module, model_args=dict(model_args or {}))
+
+
+def call_user(model_file: ModelFile, fn_name: str, *args, **kwargs):
+    """Call one of the user's functions; their exceptions become PlannerErrors."""
+    fn: Callable = getattr(model_file.module, fn_name)
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as exc:
+        if "unexpected keyword argument" in str(exc) and _raised_at_call(exc, fn):
+            raise PlannerError(
+                f"{fn_name}() in {model_file.path} rejected the model arguments: {exc}.",
+                f"Check the --model-arg names (given: {sorted(model_file.model_args) or 'none'}), "
+                f"or let {fn_name} accept **kwargs.",
+            ) from exc
+        raise user_code_error(model_file.path, f"calling {fn_name}()", exc) from exc
+    except PlannerError:
+        raise
+    except Exception as exc:
+        raise user_code_error(model_file.path, f"calling {fn_name}()", exc) from exc
+
+
+def _raised_at_call(exc: BaseException, fn: Callable) -> bool:
+    """True when the TypeError came from binding the arguments, not from inside `fn`."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    code = getattr(fn, "__code__", None)
+    return code is None or all(f.filename != code.co_filename for f in frames)
+
+
+def user_code_error(path: Path, doing: str, exc: BaseException) -> PlannerError:
+    """A PlannerError pointing at the deepest frame of the user's file in `exc`'s traceback."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path]
+    where = f"{path}:{frames[-1].lineno} (in {frames[-1].name})" if frames else str(path)
+    line = f"\n    {frames[-1].line}" if frames and frames[-1].line else ""
+    return PlannerError(
+        f"The model code raised {type(exc).__name__} while {doing}, at {where}:{line}\n"
+        f"    {type(exc).__name__}: {exc}",
+        "Fix the model file (run with --debug for the full traceback).",
+    )
+
+
+def default_loss_fn(output, targets):
+    """Cross-entropy; a (..., classes) output against (...) targets is flattened first."""
+    import torch.nn.functional as F
+
+    output = getattr(output, "logits", output)
+    if output.dim() > 2 and output.dim() == targets.dim() + 1 and output.shape[:-1] == targets.shape:
+        return F.cross_entropy(output.flatten(0, -2), targets.flatten())
+    return F.cross_entropy(output, targets)

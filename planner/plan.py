@@ -1,0 +1,238 @@
+"""The plan file: the contract between the solver and the runtime.
+
+A plan says how to split one model over a cluster and what that is predicted to cost. The
+solver writes it; a person may write one by hand; the runtime executes it without
+importing the solver. `planner schema plan` prints its JSON schema.
+
+Rank layout. Ranks form a (pp, dp, tp) grid with tp innermost, so a tensor-parallel group
+is a run of consecutive ranks and stays inside one node (NVLink), then data parallel, then
+pipeline (picotron's `arange(world).view(pp, dp, tp)`):
+
+    rank = pp_index * dp_degree * tp_degree + dp_index * tp_degree + tp_index
+
+With `virtual_stages` v > 1 there are pp * v stages and stage s lives on pipeline rank
+s % pp (the interleaved 1F1B "looping" placement of Narayanan et al. 2021, section 2.2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from planner.errors import PlannerError
+
+PLAN_SCHEMA_VERSION = 1
+
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+Recompute = Literal["none", "selective", "full"]
+TPStyle = Literal["colwise", "rowwise", "sequence_parallel", "replicate"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+class ModelRef(_Model):
+    file: str
+    """Model file path (relative paths are resolved against the plan file's folder, then the cwd)."""
+    args: dict[str, int | float | bool | str | list | None] = {}
+    """Arguments for build_model / make_batch."""
+    fingerprint: str | None = None
+    """Structural fingerprint; the runtime refuses a model that does not match it."""
+
+
+class ClusterRef(_Model):
+    name: str = "custom"
+    """Preset or cluster file the plan was solved for."""
+    num_nodes: int = 1
+    """Nodes."""
+    gpus_per_node: int
+    """Devices (processes) per node."""
+    gpu: str = "cpu"
+    """GPU spec name (`cpu` for gloo processes)."""
+
+
+class Training(_Model):
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter/compute dtype; bfloat16/float16 mean mixed precision with fp32 master weights."""
+    optimizer: Literal["adamw"] = "adamw"
+    """Optimizer."""
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this value, or None."""
+
+
+class Batch(_Model):
+    global_batch_size: int = Field(gt=0)
+    """Samples per optimizer step, over all data-parallel replicas."""
+    micro_batch_size: int = Field(gt=0)
+    """Samples per micro-batch on one pipeline."""
+    num_microbatches: int = Field(gt=0)
+    """Micro-batches per step per data-parallel replica."""
+
+
+class Layout(_Model):
+    pp_degree: int = Field(1, gt=0)
+    """Pipeline-parallel degree (ranks along the pipeline)."""
+    dp_degree: int = Field(1, gt=0)
+    """Data-parallel degree."""
+    tp_degree: int = Field(1, gt=0)
+    """Tensor-parallel degree."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded (FSDP)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along the sequence inside TP groups (Korthikanti et al. 2022)."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule."""
+    virtual_stages: int = Field(1, gt=0)
+    """Model chunks per pipeline rank (interleaved 1F1B)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_degree * self.dp_degree * self.tp_degree
+
+
+class Stage(_Model):
+    units: list[str]
+    """Unit FQNs, contiguous, in execution order."""
+    ranks: list[int]
+    """Global ranks holding this stage (dp_degree * tp_degree of them)."""
+    recompute: Recompute = "none"
+    """Activation recomputation for this stage's units."""
+    tp_plan: dict[str, TPStyle] = {}
+    """Module FQN (from the model root) -> tensor-parallel style."""
+
+
+class Prediction(_Model):
+    iteration_time_s: float
+    samples_per_s: float
+    tokens_per_s: float | None = None
+    tflops_per_gpu: float
+    """Model FLOPs (no recomputation) per second per GPU, in TFLOP/s."""
+    hw_tflops_per_gpu: float
+    """Hardware FLOPs (with recomputation) per second per GPU, in TFLOP/s."""
+    mfu: float
+    """Model FLOPs utilisation against the GPU's dense peak."""
+    bubble_fraction: float
+    peak_memory_bytes: list[int]
+    """Per stage."""
+    stage_time_s: list[float] = []
+    """Forward+backward time of one micro-batch per stage."""
+    breakdown_s: dict[str, float]
+    """compute, p2p, tp_comm, dp_comm, optimizer, bubble."""
+
+
+class Plan(_Model):
+    schema_version: int = PLAN_SCHEMA_VERSION
+    model: ModelRef
+    profile: str | None = None
+    """Profile the plan was solved from."""
+    cluster: ClusterRef
+    training: Training = Training()
+    batch: Batch
+    layout: Layout
+    stages: list[Stage]
+    prediction: Prediction | None = None
+    """Absent in hand-written plans."""
+    search: dict | None = None
+    """Solver statistics and alternatives."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Plan":
+        check_plan_consistency(self)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=1, exclude_none=False))
+        return path
+
+
+def rank_of(layout: Layout, pp_index: int, dp_index: int, tp_index: int) -> int:
+    """Global rank of a (pp, dp, tp) coordinate; tp is innermost (see module docstring)."""
+    return (pp_index * layout.dp_degree + dp_index) * layout.tp_degree + tp_index
+
+
+def stage_ranks(layout: Layout, stage_index: int) -> list[int]:
+    """Ranks that hold stage `stage_index` (looping placement for virtual stages)."""
+    pp_index = stage_index % layout.pp_degree
+    return [
+        rank_of(layout, pp_index, d, t) for d in range(layout.dp_degree) for t in range(layout.tp_degree)
+    ]
+
+
+def check_plan_consistency(plan: Plan) -> None:
+    """Checks that need no model: degrees, batch arithmetic, stage count and ranks."""
+    lay, batch = plan.layout, plan.batch
+    problems = []
+    if batch.micro_batch_size * batch.num_microbatches * lay.dp_degree != batch.global_batch_size:
+        problems.append(
+            f"micro_batch_size x num_microbatches x dp_degree = {batch.micro_batch_size} x "
+            f"{batch.num_microbatches} x {lay.dp_degree} != global_batch_size {batch.global_batch_size}"
+        )
+    if lay.world_size != plan.cluster.num_nodes * plan.cluster.gpus_per_node:
+        problems.append(
+            f"pp x dp x tp = {lay.pp_degree} x {lay.dp_degree} x {lay.tp_degree} = {lay.world_size} "
+            f"!= cluster devices {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node}"
+        )
+    if lay.virtual_stages > 1 and lay.schedule not in ("interleaved-1f1b", "zero-bubble"):
+        problems.append(f"virtual_stages = {lay.virtual_stages} needs schedule interleaved-1f1b or zero-bubble")
+    num_stages = lay.pp_degree * lay.virtual_stages
+    if len(plan.stages) != num_stages:
+        problems.append(f"{len(plan.stages)} stages listed, pp_degree x virtual_stages = {num_stages}")
+    else:
+        for i, stage in enumerate(plan.stages):
+            if not stage.units:
+                problems.append(f"stage {i} has no units")
+            if sorted(stage.ranks) != stage_ranks(lay, i):
+                problems.append(f"stage {i} ranks {stage.ranks} != expected {stage_ranks(lay, i)}")
+    seen: set[str] = set()
+    for stage in plan.stages:
+        for unit in stage.units:
+            if unit in seen:
+                problems.append(f"unit {unit} appears in more than one stage")
+            seen.add(unit)
+    if lay.tp_degree == 1 and any(s.tp_plan for s in plan.stages):
+        problems.append("a stage has a tp_plan but tp_degree is 1")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file; every problem is reported as a PlannerError."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlannerError(f"Plan {path} does not exist.", "Create one with `planner solve` or write it by hand.")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlannerError(f"Plan {path} is not valid JSON ({exc}).", "Fix the file or re-create it with `planner solve`.") from exc
+    return parse_plan(data, source=str(path))
+
+
+def parse_plan(data: object, source: str = "plan") -> Plan:
+    if not isinstance(data, dict) or "layout" not in data or "stages" not in data:
+        raise PlannerError(f"{source} is not a plan file (it needs `layout` and `stages`).", "Pass a file written by `planner solve`.")
+    if data.get("schema_version", PLAN_SCHEMA_VERSION) != PLAN_SCHEMA_VERSION:
+        raise PlannerError(
+            f"{source} has schema version {data.get('schema_version')}; this planner reads {PLAN_SCHEMA_VERSION}.",
+            "Re-create the plan with this version's `planner solve`.",
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in err['loc']) or '(plan)'}: {err['msg']}" for err in exc.errors()]
+        raise PlannerError(f"{source} is not a valid plan:\n" + "\n".join(lines), "Fix those fields (see `planner schema plan`).") from exc

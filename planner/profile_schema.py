@@ -1,0 +1,217 @@
+"""The profile file: everything the solver ever learns about a model.
+
+`planner profile` writes it, `planner solve` reads it without importing torch. Measured and
+analytic profiles share this one schema; `mode` says which produced it. Times are seconds,
+sizes bytes, FLOPs counted as multiply-add = 2 FLOPs (torch's FlopCounterMode convention).
+Per-micro-batch numbers are keyed by the micro-batch size (JSON keys are strings; pydantic
+turns them back into ints).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from planner.errors import PlannerError
+
+PROFILE_SCHEMA_VERSION = 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+
+class UnitCosts(_Model):
+    """One unit at one micro-batch size."""
+
+    forward_time_s: float
+    """Forward time: median of timed repeats (measured) or the roofline sum over ops (analytic)."""
+    backward_time_s: float
+    """Backward time, same method, for gradients of inputs and parameters."""
+    forward_flops: int
+    """Forward FLOPs (FlopCounterMode)."""
+    backward_flops: int
+    """Backward FLOPs (FlopCounterMode)."""
+    forward_memory_traffic_bytes: int
+    """Bytes read and written by the forward's kernels, unfused (roofline memory term)."""
+    backward_memory_traffic_bytes: int
+    """Bytes read and written by the backward's kernels, unfused."""
+    input_bytes: int
+    """Bytes of the activations the unit receives."""
+    output_bytes: int
+    """Bytes of the activations the unit returns."""
+    saved_bytes: int
+    """Bytes the forward keeps for backward (saved-tensor hooks; parameters excluded)."""
+    peak_memory_bytes: int | None = None
+    """Peak allocated memory above the baseline during forward+backward (CUDA only)."""
+
+
+class OpNode(_Model):
+    """A matmul-like op inside a unit, as the intra-op (tensor parallel) solver sees it."""
+
+    name: str
+    """Unique within the unit: the module path relative to the unit, or `kind_N` for functions."""
+    kind: Literal["linear", "embedding", "matmul", "attention", "conv"]
+    """What the op computes."""
+    module: str | None = None
+    """Module path relative to the unit (for ops that are modules), e.g. `attn.wq`."""
+    weight_shape: list[int] | None = None
+    """Parameter shape as stored (Linear: [out, in]; Embedding: [num, dim])."""
+    has_bias: bool = False
+    """Whether the module has a bias."""
+    input_shape: list[int]
+    """Shape of the first input at micro-batch size 1."""
+    output_shape: list[int]
+    """Output shape at micro-batch size 1."""
+    forward_flops: int
+    """Forward FLOPs at micro-batch size 1."""
+    inputs: list[str]
+    """Ops whose outputs flow into this op's inputs (through non-matmul ops); `input` for the unit's input."""
+
+
+class Unit(_Model):
+    """A pipeline unit: a module where a stage may begin or end."""
+
+    index: int
+    """Position in execution order."""
+    name: str
+    """Fully qualified module name, e.g. `blocks.3`."""
+    kind: str
+    """Module class name."""
+    fingerprint: str
+    """Structural hash (classes, parameter shapes); identical blocks share it."""
+    num_parameters: int
+    """Parameters owned by the unit (shared parameters counted in the first unit using them)."""
+    parameter_bytes: int
+    """Bytes of those parameters in the profiled dtype."""
+    buffer_bytes: int = 0
+    """Bytes of registered buffers."""
+    costs: dict[int, UnitCosts]
+    """Costs per micro-batch size."""
+    ops: list[OpNode] = []
+    """Matmul-like ops and their data flow, for the intra-op solver."""
+
+
+class CrossingTensor(_Model):
+    """One tensor that crosses a cut: produced before it, consumed after it."""
+
+    producer: str
+    """The unit (or `input`, or `glue:after:<unit>`) that made it."""
+    consumers: list[str]
+    """Units after the cut that use it."""
+    dtype: str
+    """Element type."""
+    shape: dict[int, list[int]]
+    """Shape per micro-batch size."""
+    bytes: dict[int, int]
+    """Bytes per micro-batch size."""
+
+
+class Cut(_Model):
+    """The boundary after unit `after_index`: what a pipeline sends if it cuts here."""
+
+    after_index: int
+    """Cut between unit `after_index` and `after_index + 1`."""
+    after: str
+    """Name of the unit before the cut."""
+    tensors: list[CrossingTensor]
+    """Every tensor that crosses (skip connections included)."""
+    bytes: dict[int, int]
+    """Total crossing bytes per micro-batch size."""
+
+
+class WholeModel(_Model):
+    """One forward+backward of the whole model, against the sum of its units."""
+
+    forward_backward_time_s: float
+    """Time of model forward, loss and backward together."""
+    sum_of_units_time_s: float
+    """Sum over units of forward + backward time."""
+    ratio: float
+    """whole / sum of units: > 1 means the per-unit view misses work (glue, loss)."""
+
+
+class ModelInfo(_Model):
+    file: str
+    """Path of the model file as given."""
+    args: dict[str, int | float | bool | str | list | None]
+    """Model arguments."""
+    fingerprint: str
+    """Structural hash of the whole model."""
+    source_sha256: str
+    """Hash of the model file's text."""
+    num_parameters: int
+    """All parameters, shared ones once."""
+    parameter_bytes: int
+    """All parameter bytes in the profiled dtype."""
+    sequence_length: int | None = None
+    """Tokens per sample when the input is a (batch, sequence) token tensor."""
+    tied_parameters: list[list[str]] = []
+    """Groups of units sharing a parameter (e.g. tied embeddings)."""
+
+
+class Profile(_Model):
+    """A profile file."""
+
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    """Bumped when a field changes meaning."""
+    tool_version: str
+    """planner version that wrote it."""
+    created_at: str
+    """ISO time."""
+    mode: Literal["measured", "analytic"]
+    """`measured` ran kernels; `analytic` used meta tensors and a GPU spec's roofline."""
+    device: str
+    """`cpu`, `cuda` or `meta`."""
+    device_name: str
+    """The processor or GPU model (analytic: `analytic:<gpu>`)."""
+    target_gpu: str | None = None
+    """GPU spec whose rates produced analytic times."""
+    dtype: str
+    """Parameter and activation dtype."""
+    torch_version: str
+    """torch.__version__ when profiled."""
+    model: ModelInfo
+    micro_batch_sizes: list[int]
+    """Micro-batch sizes profiled."""
+    units: list[Unit]
+    cuts: list[Cut]
+    """len(units) - 1 cuts, in order."""
+    whole_model: dict[int, WholeModel] = {}
+    """Whole-model check per micro-batch size (measured mode)."""
+    notes: list[str] = []
+    """Anything the profiler noticed (glue code, unused modules)."""
+
+    def unit_names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.model_dump_json(indent=1))
+        return path
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile file; a corrupt or foreign file gets a clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlannerError(f"Profile {path} does not exist.", "Create one with `planner profile MODEL_FILE`.")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlannerError(f"Profile {path} is not valid JSON ({exc}).", "Re-create it with `planner profile`.") from exc
+    if not isinstance(data, dict) or "units" not in data:
+        raise PlannerError(f"{path} is not a profile file (no `units`).", "Pass a file written by `planner profile`.")
+    if data.get("schema_version") != PROFILE_SCHEMA_VERSION:
+        raise PlannerError(
+            f"Profile {path} has schema version {data.get('schema_version')}, this planner reads {PROFILE_SCHEMA_VERSION}.",
+            "Re-create it with this version's `planner profile`.",
+        )
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as exc:
+        raise PlannerError(f"Profile {path} does not match the schema:\n{exc}", "Re-create it with `planner profile`.") from exc

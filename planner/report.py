@@ -1,0 +1,101 @@
+"""Human views of profile files: a per-unit table and a CSV export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from planner.profile_schema import Profile
+
+
+def _si(value: float, unit: str) -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= factor:
+            return f"{value / factor:.2f} {prefix}{unit}"
+    return f"{value:.0f} {unit}"
+
+
+def _time(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def _bytes(n: float) -> str:
+    for factor, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= factor:
+            return f"{n / factor:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def profile_frame(profile: Profile, micro_batch_size: int | None = None) -> pd.DataFrame:
+    """One row per unit at one micro-batch size (the smallest by default)."""
+    b = micro_batch_size or profile.micro_batch_sizes[0]
+    if b not in profile.micro_batch_sizes:
+        from planner.errors import PlannerError
+
+        raise PlannerError(f"Micro-batch size {b} was not profiled.", f"Profiled sizes: {profile.micro_batch_sizes}.")
+    rows = []
+    for unit in profile.units:
+        c = unit.costs[b]
+        rows.append(
+            dict(
+                index=unit.index,
+                unit=unit.name,
+                kind=unit.kind,
+                params=unit.num_parameters,
+                param_bytes=unit.parameter_bytes,
+                forward_s=c.forward_time_s,
+                backward_s=c.backward_time_s,
+                forward_flops=c.forward_flops,
+                backward_flops=c.backward_flops,
+                output_bytes=c.output_bytes,
+                saved_bytes=c.saved_bytes,
+                cut_bytes=profile.cuts[unit.index].bytes[b] if unit.index < len(profile.cuts) else 0,
+                peak_memory_bytes=c.peak_memory_bytes,
+            )
+        )
+    frame = pd.DataFrame(rows)
+    total = frame.forward_s + frame.backward_s
+    frame["time_share"] = total / total.sum() if total.sum() else 0.0
+    return frame
+
+
+def print_profile(profile: Profile, micro_batch_size: int | None = None, console: Console | None = None) -> None:
+    console = console or Console()
+    b = micro_batch_size or profile.micro_batch_sizes[0]
+    frame = profile_frame(profile, b)
+    where = profile.device_name if profile.mode == "measured" else f"roofline of {profile.target_gpu}"
+    table = Table(
+        title=f"{Path(profile.model.file).name} {profile.model.args or ''}: {profile.mode} on {where}, "
+        f"{profile.dtype}, micro-batch {b}",
+        title_justify="left",
+    )
+    for col in ("#", "unit", "kind", "params", "fwd", "bwd", "fwd FLOPs", "saved", "out", "cut", "share"):
+        table.add_column(col, justify="left" if col in ("unit", "kind") else "right")
+    for r in frame.itertuples():
+        table.add_row(
+            str(r.index), r.unit, r.kind, _si(r.params, ""), _time(r.forward_s), _time(r.backward_s),
+            _si(r.forward_flops, ""), _bytes(r.saved_bytes), _bytes(r.output_bytes),
+            _bytes(r.cut_bytes) if r.index < len(profile.cuts) else "", f"{r.time_share:.1%}",
+        )
+    table.add_section()
+    table.add_row(
+        "", "total", "", _si(profile.model.num_parameters, ""), _time(frame.forward_s.sum()),
+        _time(frame.backward_s.sum()), _si(frame.forward_flops.sum(), ""), _bytes(frame.saved_bytes.sum()),
+        "", "", "100%",
+    )
+    console.print(table)
+    whole = profile.whole_model.get(b)
+    if whole:
+        console.print(
+            f"whole model forward+backward: {_time(whole.forward_backward_time_s)}; sum of units "
+            f"{_time(whole.sum_of_units_time_s)}; ratio {whole.ratio:.2f}"
+        )
+    for note in profile.notes:
+        console.print(f"note: {note}")
