@@ -63,11 +63,11 @@ class OpNode(_Model):
     has_bias: bool = False
     """Whether the module has a bias."""
     input_shape: list[int]
-    """Shape of the first input at micro-batch size 1."""
+    """Shape of the first input, at the smallest profiled micro-batch size."""
     output_shape: list[int]
-    """Output shape at micro-batch size 1."""
+    """Output shape, at the smallest profiled micro-batch size."""
     forward_flops: int
-    """Forward FLOPs at micro-batch size 1."""
+    """Forward FLOPs, at the smallest profiled micro-batch size."""
     inputs: list[str]
     """Ops whose outputs flow into this op's inputs (through non-matmul ops); `input` for the unit's input."""
 

@@ -27,6 +27,7 @@ from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import Cut, CrossingTensor, ModelInfo, Profile, Unit, UnitCosts, WholeModel
 from planner.profiler.counters import MetaAttentionMode
 from planner.profiler.measure import unit_costs, whole_model_time
+from planner.profiler.opgraph import record_op_graph
 from planner.units import (
     UnitTrace,
     model_fingerprint,
@@ -195,6 +196,17 @@ def profile_model(
             )
         cuts.append(Cut(after_index=c, after=units[c], tensors=tensors, bytes={b: sum(t.bytes for t in per_size[b]) for b in sizes}))
 
+    meta_modules = dict(meta_model.named_modules())
+    op_graphs: dict[str, list] = {}
+    for name in units:
+        if fingerprints[name] not in op_graphs:
+            args, kwargs = trace.unit_inputs[name]
+            try:
+                with MetaAttentionMode():
+                    op_graphs[fingerprints[name]] = record_op_graph(meta_modules[name], args, kwargs)
+            except Exception as exc:
+                raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
+
     notes = []
     if trace.unused:
         notes.append(f"modules never called in forward (left out of the units): {', '.join(trace.unused)}")
@@ -215,6 +227,7 @@ def profile_model(
             parameter_bytes=sum(p.numel() for _, p in owned.get(name, [])) * element,
             buffer_bytes=sum(b.numel() * b.element_size() for b in modules[name].buffers()),
             costs=costs[name],
+            ops=op_graphs[fingerprints[name]],
         )
         for i, name in enumerate(units)
     ]

@@ -1,0 +1,27 @@
+"""Shared fixtures: paths of the bundled examples and a writer for throwaway model files."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+# Spawned ranks and the test process itself stay on one thread each: the machine has 2 cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture
+def write_model(tmp_path):
+    """Write a model file from source text and return its path."""
+
+    def write(source: str, name: str = "model.py") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write

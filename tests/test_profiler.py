@@ -1,0 +1,132 @@
+"""The profiler's numbers on models small enough to check by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.profile_schema import load_profile
+from planner.profiler import profile_model
+
+MLP = """
+import torch
+from torch import nn
+
+def build_model(d_in=8, d_hidden=16, d_out=4, **_):
+    return nn.Sequential(nn.Linear(d_in, d_hidden), nn.ReLU(), nn.Linear(d_hidden, d_out))
+
+def make_batch(batch_size, d_in=8, d_out=4, **_):
+    return torch.randn(batch_size, d_in), torch.randint(d_out, (batch_size,))
+"""
+
+SKIP = """
+import torch
+from torch import nn
+
+class Skip(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.stem = nn.Linear(d, d)
+        self.blocks = nn.ModuleList([nn.Linear(d, d) for _ in range(3)])
+        self.head = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.stem(x)
+        skip = h
+        for block in self.blocks:
+            h = block(h) + 1
+        return self.head(torch.cat([h, skip], dim=-1))
+
+def build_model(**_):
+    return Skip()
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 4), torch.randint(4, (batch_size,))
+"""
+
+F32 = 4
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_linear_flops_are_exact(write_model, device):
+    """A Linear's forward is 2*batch*in*out FLOPs; its backward (input + weight grads) twice that."""
+    prof = profile_model(str(write_model(MLP)), {}, [3, 5], device=device, repeats=1, warmup=0)
+    assert [u.name for u in prof.units] == ["0", "1", "2"]
+    for b in (3, 5):
+        first, relu, last = (u.costs[b] for u in prof.units)
+        assert first.forward_flops == 2 * b * 8 * 16
+        assert first.backward_flops == 2 * first.forward_flops
+        assert last.forward_flops == 2 * b * 16 * 4
+        assert last.backward_flops == 2 * last.forward_flops
+        assert relu.forward_flops == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_parameter_and_activation_bytes_are_exact(write_model, device):
+    prof = profile_model(str(write_model(MLP)), {}, [2], device=device, repeats=1, warmup=0)
+    first, relu, last = prof.units
+    assert (first.num_parameters, first.parameter_bytes) == (8 * 16 + 16, (8 * 16 + 16) * F32)
+    assert (last.num_parameters, last.parameter_bytes) == (16 * 4 + 4, (16 * 4 + 4) * F32)
+    assert prof.model.num_parameters == 8 * 16 + 16 + 16 * 4 + 4
+    b = 2
+    # Linear saves its input for the weight gradient (the weight is a parameter, not counted);
+    # ReLU saves its output for the mask.
+    assert first.costs[b].saved_bytes == b * 8 * F32
+    assert relu.costs[b].saved_bytes == b * 16 * F32
+    assert last.costs[b].saved_bytes == b * 16 * F32
+    assert first.costs[b].output_bytes == b * 16 * F32
+    assert last.costs[b].output_bytes == b * 4 * F32
+    assert [c.bytes[b] for c in prof.cuts] == [b * 16 * F32, b * 16 * F32]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_skip_connection_crosses_every_cut(write_model, device):
+    prof = profile_model(str(write_model(SKIP)), {}, [2], device=device, repeats=1, warmup=0)
+    assert prof.unit_names() == ["stem", "blocks.0", "blocks.1", "blocks.2", "head"]
+    b, row = 2, 2 * 4 * F32
+    first = prof.cuts[0]
+    assert [(t.producer, t.consumers) for t in first.tensors] == [("stem", ["blocks.0", "glue:after:blocks.2"])]
+    for cut in prof.cuts[1:]:
+        producers = sorted(t.producer for t in cut.tensors)
+        # the skip from the stem, plus the block output that the glue `+ 1` (next stage) consumes
+        assert producers == sorted(["stem", cut.after])
+        assert cut.bytes[b] == 2 * row
+
+
+def test_measured_profile_records_times_and_whole_model(write_model):
+    prof = profile_model(str(write_model(MLP)), {}, [4], device="cpu", repeats=3, warmup=1)
+    assert prof.mode == "measured"
+    for unit in prof.units:
+        assert unit.costs[4].forward_time_s > 0
+    whole = prof.whole_model[4]
+    assert whole.forward_backward_time_s > 0 and whole.sum_of_units_time_s > 0
+    assert whole.ratio == pytest.approx(whole.forward_backward_time_s / whole.sum_of_units_time_s)
+
+
+def test_analytic_times_follow_the_roofline(write_model):
+    """On a big Linear the analytic time is FLOPs over achievable FLOP/s (compute-bound)."""
+    from planner.hardware import get_gpu
+
+    source = MLP.replace("d_in=8, d_hidden=16", "d_in=4096, d_hidden=4096").replace("d_in=8, d_out", "d_in=4096, d_out")
+    prof = profile_model(str(write_model(source)), {}, [4096], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    gpu = get_gpu("a100-80gb")
+    first = prof.units[0].costs[4096]
+    compute_s = first.forward_flops / gpu.achievable_flops("bfloat16")
+    assert compute_s <= first.forward_time_s <= compute_s * 1.2
+    assert prof.target_gpu == "a100-80gb" and prof.device_name == "analytic:a100-80gb"
+
+
+def test_profile_round_trips_through_json(write_model, tmp_path):
+    prof = profile_model(str(write_model(SKIP)), {}, [1, 2], device="meta")
+    path = prof.save(tmp_path / "p.json")
+    assert load_profile(path) == prof
+
+
+def test_corrupt_and_foreign_profiles_are_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(PlannerError, match="not valid JSON"):
+        load_profile(bad)
+    bad.write_text('{"hello": 1}')
+    with pytest.raises(PlannerError, match="not a profile"):
+        load_profile(bad)
