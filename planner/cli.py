@@ -102,6 +102,27 @@ def show(
         console.print(f"wrote {csv}")
 
 
+@app.command()
+def schema(
+    kind: str = typer.Argument(..., help="plan or profile"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here instead of printing."),
+) -> None:
+    """Print the JSON schema of plan or profile files."""
+    import json
+
+    from planner.plan import Plan
+    from planner.profile_schema import Profile
+
+    models = {"plan": Plan, "profile": Profile}
+    if kind not in models:
+        raise PlannerError(f"Unknown schema {kind!r}.", "Use `planner schema plan` or `planner schema profile`.")
+    text = json.dumps(models[kind].model_json_schema(), indent=1) + "\n"
+    if output:
+        output.write_text(text)
+    else:
+        sys.stdout.write(text)
+
+
 def main() -> None:
     """Console-script entry: run the app, turning PlannerErrors into clean messages."""
     debug = "--debug" in sys.argv[1:]
