@@ -34,10 +34,10 @@ INPUT = "input"
 
 def _is_repeated_list(module: nn.Module) -> bool:
     children = list(module.children())
+    if isinstance(module, nn.ModuleList):
+        return len(children) >= 1  # an explicit list of blocks, even a list of one
     if len(children) < 2:
         return False
-    if isinstance(module, nn.ModuleList):
-        return True
     if isinstance(module, nn.Sequential):
         counts = Counter(type(c) for c in children)
         return counts.most_common(1)[0][1] >= 2 and len(counts) == 1
@@ -204,8 +204,25 @@ class _Tracer:
 
 
 def trace_units(model: nn.Module, inputs: tuple) -> UnitTrace:
-    """Run `model(*inputs)` (meta tensors advised) and record units and data flow."""
+    """Run `model(*inputs)` (meta tensors advised) and record units and data flow.
+
+    A candidate unit that the forward never calls but whose children it does (a ModuleDict,
+    a list iterated by its parent) is replaced by its children and the trace is repeated.
+    """
     names = candidate_units(model)
+    modules = dict(model.named_modules())
+    for _ in range(8):  # nesting depth; real models need one or two rounds
+        trace = _trace_once(model, inputs, names)
+        containers = [n for n in trace.unused if any(True for _ in modules[n].children())]
+        if not containers:
+            return trace
+        names = [
+            child for n in names for child in ([f"{n}.{c}" for c, _ in modules[n].named_children()] if n in containers else [n])
+        ]
+    return trace
+
+
+def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
     modules = dict(model.named_modules())
     tracer = _Tracer(model, names)
     handles = []

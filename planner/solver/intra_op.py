@@ -1,0 +1,351 @@
+"""Intra-op (tensor-parallel) layouts of one unit: an integer linear program.
+
+Per distinct unit structure (fingerprint), TP degree and boundary layout the solver picks
+one strategy per matmul-like op of the unit's op graph (`Unit.ops`); identical blocks share
+the answer (`IntraOpCache`). The graph is extended with *merge* nodes (an op fed by more than
+one producer consumes their elementwise combination, e.g. the residual stream `x + wo(.)`
+or SwiGLU's `silu(w1) * w3`), a fixed `input` node (the unit's input, in the boundary
+layout B) and a fixed `output` node (the unit's sinks, required back in B).
+
+Tensor layouts, a in A = {R replicate, F shard features/heads, S shard batch/sequence,
+P partial sum}. Strategy s of a node fixes in(s) (layout it reads), out(s) (layout it
+writes) and grad(s) (layout its input gradient comes back in):
+
+    linear     replicate R->R (grad R) | colwise R->F (grad P) | rowwise F->P (grad F)
+               | sequence S->S (grad S, parameters replicated: weight-gradient all-reduce)
+    embedding  replicate R->R | rowwise (vocab-parallel) R->P | colwise R->F
+    attention / batched matmul   heads F->F (grad F) | replicate R->R
+    conv       replicate (DTensor has no conv TP style the runtime can apply)
+    merge      R, F or S (in = out = grad)
+
+B = S when sequence parallel is on, else R.
+
+Variables
+    x[v,s]     in {0,1}  node v uses strategy s                                     (1)
+    yF[p,a,t]  in [0,1]  producer p writes a and some consumer reads t (forward)    (1)
+    yB[p,a,g]  in [0,1]  producer p writes a and some consumer returns gradient g   (1)
+    out[p,a] = sum_{s: out(s)=a} x[p,s]  (a constant for `input`)
+
+Objective (seconds per micro-batch, forward + backward)
+    min  sum_{v,s} x[v,s] (compute_s(v,s) + wgrad_s(v,s))
+       + sum yF[p,a,t] conv_s(a -> t, bytes_p) + sum yB[p,a,g] conv_s(g -> h(a), bytes_p)
+    compute_s = 3 x forward FLOPs x seconds_per_flop / (tp if sharded), h(P) = R, h(a) = a
+    conv_s: same 0; R->F, R->S 0 (slice); P->R all-reduce; P->F, P->S reduce-scatter;
+            F->R, S->R all-gather; F<->S all-to-all.  One yF per (p, a, t): a producer
+            read in the same layout by several consumers pays once (q, k, v share x).
+
+Constraints                                                   (function that adds them)
+    one_strategy[v]:        sum_s x[v,s] = 1                           `_add_one_strategy`
+    forward_conversion:     yF[p,a,t] >= out[p,a] + x[c,s] - 1, in(s)=t `_add_conversions`
+    backward_conversion:    yB[p,a,g] >= out[p,a] + x[c,s] - 1, grad(s)=g
+    parameter_memory:       sum x[v,s] param_bytes(v,s) <= limit       `_add_parameter_memory`
+
+CBC solves it with a time limit (`ILP_TIME_LIMIT_S`); a block has about 40 variables. The
+same cost is computed in closed form by `evaluate` for any assignment, which the tests
+compare with brute force and the search uses to re-price a cached plan at other micro-batch
+sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import pulp
+
+from planner.errors import PlannerError
+from planner.profile_schema import OpNode
+
+ILP_TIME_LIMIT_S = 10.0
+INPUT, OUTPUT = "input", "output"
+STYLE = {"replicate": "replicate", "colwise": "colwise", "rowwise": "rowwise", "sequence": "sequence_parallel"}
+# strategy -> (in, out, grad) layouts
+LINEAR = {"replicate": ("R", "R", "R"), "colwise": ("R", "F", "P"), "rowwise": ("F", "P", "F"), "sequence": ("S", "S", "S")}
+EMBEDDING = {"replicate": ("R", "R", None), "rowwise": ("R", "P", None), "colwise": ("R", "F", None)}
+HEADS = {"heads": ("F", "F", "F"), "replicate": ("R", "R", "R")}
+MERGE = {"R": ("R", "R", "R"), "F": ("F", "F", "F"), "S": ("S", "S", "S")}
+SHARDED = {"colwise", "rowwise", "sequence", "heads", "F", "S"}
+
+
+class TPCollectives(Protocol):
+    """Times of the TP group's collectives on a tensor of `nbytes` (its full, unsharded size)."""
+
+    def all_reduce_s(self, nbytes: float) -> float: ...
+    def all_gather_s(self, nbytes: float) -> float: ...
+    def reduce_scatter_s(self, nbytes: float) -> float: ...
+    def all_to_all_s(self, nbytes: float) -> float: ...
+
+
+@dataclass(frozen=True)
+class IntraOpProblem:
+    """One unit's op graph priced for one TP degree and micro-batch size."""
+
+    ops: tuple[OpNode, ...]
+    """The unit's matmul-like ops (profile `Unit.ops`)."""
+    tp_degree: int
+    """Ranks in the tensor-parallel group."""
+    dtype_bytes: int
+    """Bytes per activation and parameter element."""
+    seconds_per_flop: float
+    """Time of one matmul FLOP on the target GPU (1 / achievable FLOP/s)."""
+    collectives: TPCollectives
+    """Collective times within the TP group."""
+    activation_scale: float = 1.0
+    """Micro-batch size / the micro-batch size the op shapes were recorded at."""
+    sequence_parallel: bool = False
+    """Boundary layout B is sequence-sharded (S) instead of replicated (R)."""
+    parameter_bytes_limit: float | None = None
+    """Upper bound on this unit's parameter bytes per GPU (None: unbounded)."""
+
+
+@dataclass(frozen=True)
+class IntraOpSolution:
+    """A strategy per node and what it costs per micro-batch (forward + backward)."""
+
+    strategies: dict[str, str]
+    """Node (op name or `merge:<sources>`) -> strategy."""
+    tp_plan: dict[str, str]
+    """Module path relative to the unit -> DTensor style (ops that are modules only)."""
+    compute_time_s: float
+    """Matmul-like ops' time per GPU."""
+    comm_time_s: float
+    """TP collectives (resharding and weight-gradient all-reduce)."""
+    parameter_bytes: float
+    """Parameter bytes per GPU of the matmul-like ops."""
+    collectives: list[str] = field(default_factory=list)
+    """Human-readable list of the collectives paid, e.g. `fwd all-reduce attn.wo->merge`."""
+
+
+@dataclass(frozen=True)
+class _Graph:
+    nodes: dict[str, dict[str, tuple]]  # node -> strategy -> (in, out, grad)
+    sources: dict[str, str]  # consumer -> the single node it reads (an op, merge, or input)
+    nbytes: dict[str, float]  # producer -> bytes of its output at this micro-batch size
+
+
+def _numel(shape: list[int]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int]) -> dict[str, tuple]:
+    if tp == 1:
+        return {"replicate": (EMBEDDING if op.kind == "embedding" else LINEAR)["replicate"]}
+    if op.kind == "linear":
+        out_f, in_f = op.weight_shape
+        ok = {"replicate": True, "sequence": True, "rowwise": in_f % tp == 0}
+        ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0
+        return {s: v for s, v in LINEAR.items() if ok[s]}
+    if op.kind == "embedding":
+        num, dim = op.weight_shape
+        ok = {"replicate": True, "rowwise": num % tp == 0, "colwise": dim % tp == 0}
+        return {s: v for s, v in EMBEDDING.items() if ok[s]}
+    if op.kind in ("attention", "matmul") and len(op.input_shape) >= 4 and op.input_shape[-3] % tp == 0:
+        return dict(HEADS)
+    return {"replicate": HEADS["replicate"]}
+
+
+def _build_graph(problem: IntraOpProblem) -> _Graph:
+    ops, tp, scale = problem.ops, problem.tp_degree, problem.activation_scale
+    boundary = "S" if problem.sequence_parallel else "R"
+    by_name = {op.name: op for op in ops}
+    # Heads of the linears feeding an attention op: colwise must split whole (kv) heads.
+    heads_of: dict[str, int] = {}
+    for op in ops:
+        if op.kind == "attention":
+            head_dim = op.input_shape[-1]
+            for src in op.inputs:
+                if src in by_name and by_name[src].weight_shape:
+                    heads_of[src] = by_name[src].weight_shape[0] // head_dim
+    nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}
+    nbytes: dict[str, float] = {INPUT: 0.0}
+    sources: dict[str, str] = {}
+    for op in ops:
+        nodes[op.name] = _op_strategies(op, tp, heads_of)
+        nbytes[op.name] = _numel(op.output_shape) * problem.dtype_bytes * scale
+        act_bytes = _numel(op.input_shape) * problem.dtype_bytes * scale
+        if op.kind == "embedding":
+            continue  # token ids: every rank has them, they carry no gradient
+        if INPUT in op.inputs:
+            nbytes[INPUT] = max(nbytes[INPUT], act_bytes)
+        sources.update(_attach(op.name, sorted(op.inputs), nodes, nbytes, act_bytes, tp))
+    consumed = set(sources.values())
+    sinks = sorted(op.name for op in ops if op.name not in consumed)
+    if sinks:
+        out_bytes = max(nbytes[s] for s in sinks)
+        nodes[OUTPUT] = {"fixed": (boundary, None, boundary)}
+        sources.update(_attach(OUTPUT, sinks, nodes, nbytes, out_bytes, tp))
+    return _Graph(nodes, sources, nbytes)
+
+
+def _attach(consumer: str, inputs: list[str], nodes, nbytes, act_bytes: float, tp: int) -> dict[str, str]:
+    """Wire `consumer` to its producers, through a merge node when there are several."""
+    if not inputs:
+        return {}
+    if len(inputs) == 1:
+        return {consumer: inputs[0]}
+    merge = "merge:" + "+".join(inputs)
+    if merge not in nodes:
+        nodes[merge] = dict(MERGE) if tp > 1 else {"R": MERGE["R"]}
+        nbytes[merge] = act_bytes
+    return {consumer: merge, **{f"{merge}<-{src}": src for src in inputs}}
+
+
+def _consumer_of(key: str) -> str:
+    return key.split("<-")[0] if "<-" in key else key
+
+
+def conversion_s(src: str, dst: str, nbytes: float, coll: TPCollectives) -> float:
+    """Time to turn a tensor in layout `src` into layout `dst` (module docstring's conv_s)."""
+    if src == dst or (src == "R" and dst in ("F", "S")):
+        return 0.0
+    if src == "P":
+        return coll.all_reduce_s(nbytes) if dst == "R" else coll.reduce_scatter_s(nbytes)
+    if dst == "R":
+        return coll.all_gather_s(nbytes)
+    return coll.all_to_all_s(nbytes)
+
+
+def _grad_target(layout: str) -> str:
+    return "R" if layout == "P" else layout
+
+
+def _node_cost(problem: IntraOpProblem, op: OpNode | None, strategy: str) -> tuple[float, float, float]:
+    """(compute_s, weight-gradient all-reduce_s, parameter bytes per GPU) of one node."""
+    if op is None:
+        return 0.0, 0.0, 0.0
+    split = problem.tp_degree if strategy in SHARDED else 1
+    compute = 3 * op.forward_flops * problem.activation_scale * problem.seconds_per_flop / split
+    weight_bytes = (_numel(op.weight_shape) + (op.weight_shape[0] if op.has_bias else 0)) * problem.dtype_bytes if op.weight_shape else 0
+    sharded_weight = strategy in ("colwise", "rowwise")
+    wgrad = problem.collectives.all_reduce_s(weight_bytes) if strategy == "sequence" else 0.0
+    return compute, wgrad, weight_bytes / problem.tp_degree if sharded_weight else weight_bytes
+
+
+def evaluate(problem: IntraOpProblem, strategies: dict[str, str]) -> IntraOpSolution:
+    """Price an assignment exactly as the ILP's objective does."""
+    graph = _build_graph(problem)
+    by_name = {op.name: op for op in problem.ops}
+    coll = problem.collectives
+    compute = comm = params = 0.0
+    paid: list[str] = []
+    for node in graph.nodes:
+        c, w, p = _node_cost(problem, by_name.get(node), strategies.get(node, "fixed"))
+        compute, comm, params = compute + c, comm + w, params + p
+    fwd: set[tuple] = set()
+    bwd: set[tuple] = set()
+    for key, src in graph.sources.items():
+        consumer = _consumer_of(key)
+        need, _, grad = graph.nodes[consumer][strategies.get(consumer, "fixed")]
+        out = graph.nodes[src][strategies.get(src, "fixed")][1]
+        fwd.add((src, out, need))
+        if grad is not None:
+            bwd.add((src, out, grad))
+    for src, out, need in sorted(fwd):
+        t = conversion_s(out, need, graph.nbytes[src], coll)
+        if t > 0:
+            comm += t
+            paid.append(f"fwd {out}->{need} {src}")
+    for src, out, grad in sorted(bwd):
+        t = conversion_s(grad, _grad_target(out), graph.nbytes[src], coll)
+        if t > 0:
+            comm += t
+            paid.append(f"bwd {grad}->{_grad_target(out)} {src}")
+    plan = {by_name[n].module: STYLE[s] for n, s in strategies.items() if n in by_name and by_name[n].module is not None and s in STYLE}
+    return IntraOpSolution(dict(strategies), plan, compute, comm, params, paid)
+
+
+def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
+    """Build and solve the ILP of the module docstring; raise if the memory bound cannot be met."""
+    graph = _build_graph(problem)
+    free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
+    if all(len(s) == 1 for s in free.values()):
+        return evaluate(problem, {v: next(iter(s)) for v, s in free.items()})
+    model = pulp.LpProblem("intra_op", pulp.LpMinimize)
+    # x[v, s]: node v uses strategy s (1) or not (0).
+    x = {(v, s): pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for i, v in enumerate(free) for j, s in enumerate(free[v])}
+    by_name = {op.name: op for op in problem.ops}
+    node_costs = {(v, s): _node_cost(problem, by_name.get(v), s) for (v, s) in x}
+    objective = [x[k] * (c + w) for k, (c, w, _) in node_costs.items()]
+    _add_one_strategy(model, x, free)
+    objective += _add_conversions(model, x, graph, problem.collectives)
+    _add_parameter_memory(model, x, node_costs, problem.parameter_bytes_limit)
+    # Objective in microseconds: CBC's absolute tolerances (1e-6..1e-9) are too coarse for seconds.
+    model += 1e6 * pulp.lpSum(objective)
+    status = model.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=ILP_TIME_LIMIT_S))
+    if pulp.LpStatus[status] != "Optimal":
+        raise PlannerError(
+            f"The tensor-parallel ILP is {pulp.LpStatus[status].lower()} at tp={problem.tp_degree}: "
+            f"constraint `parameter_memory` (<= {problem.parameter_bytes_limit:.3g} bytes) cannot be met.",
+            "Raise the memory available per GPU or the TP degree.",
+        )
+    chosen = {v: s for (v, s), var in x.items() if var.value() > 0.5}
+    return evaluate(problem, chosen)
+
+
+def _add_one_strategy(model, x, free) -> None:
+    # [Constraint] one_strategy[v]: every free node picks exactly one strategy.
+    for i, (v, strategies) in enumerate(free.items()):
+        model += pulp.lpSum(x[v, s] for s in strategies) == 1, f"one_strategy_{i}"
+
+
+def _layout_expr(x, graph: _Graph, node: str, position: int, layout: str):
+    """sum of x[node, s] over strategies whose layout at `position` (0 in, 1 out, 2 grad) is `layout`."""
+    strategies = graph.nodes[node]
+    if "fixed" in strategies:
+        return 1 if strategies["fixed"][position] == layout else 0
+    return pulp.lpSum(x[node, s] for s, layouts in strategies.items() if layouts[position] == layout)
+
+
+def _add_conversions(model, x, graph: _Graph, coll: TPCollectives) -> list:
+    """Forward and backward resharding; returns the objective terms.
+
+    Per edge p -> c and direction, e[a, t] is a transportation plan between the producer's
+    layout marginal out[p, a] and the consumer's marginal (what it reads, or the gradient it
+    returns); y[dir, p, a, t] >= e[a, t] then charges each (producer, layout pair) once.
+    This is tighter than the plain AND linearisation, so CBC closes the gap at the root.
+    """
+    terms, y = [], {}
+    layouts = ("R", "F", "S", "P")
+    for key, src in graph.sources.items():
+        consumer = _consumer_of(key)
+        for direction, position in (("F", 0), ("B", 2)):
+            if all(layout[position] is None for layout in graph.nodes[consumer].values()):
+                continue
+            out = {a: _layout_expr(x, graph, src, 1, a) for a in layouts}
+            want = {t: _layout_expr(x, graph, consumer, position, t) for t in layouts}
+            pairs = [(a, t) for a in layouts for t in layouts if not _is_zero(out[a]) and not _is_zero(want[t])]
+            # e[a, t]: share of edge src -> consumer with producer layout a and consumer layout t.
+            e = {pair: pulp.LpVariable(f"e{direction}_{len(model.constraints)}_{pair[0]}{pair[1]}", lowBound=0) for pair in pairs}
+            for a in layouts:
+                if not _is_zero(out[a]):
+                    # [Constraint] edge_marginals: the plan's rows sum to the producer's layout choice.
+                    model += pulp.lpSum(v for (a2, _), v in e.items() if a2 == a) == out[a], f"edge_out_{len(model.constraints)}"
+            for t in layouts:
+                if not _is_zero(want[t]):
+                    # [Constraint] edge_marginals: the plan's columns sum to the consumer's layout choice.
+                    model += pulp.lpSum(v for (_, t2), v in e.items() if t2 == t) == want[t], f"edge_in_{len(model.constraints)}"
+            for (a, t), var in e.items():
+                nbytes = graph.nbytes[src]
+                cost = conversion_s(a, t, nbytes, coll) if direction == "F" else conversion_s(t, _grad_target(a), nbytes, coll)
+                if cost <= 0:
+                    continue
+                k = (direction, src, a, t)
+                if k not in y:
+                    # y[dir, p, a, t]: p writes a and a consumer reads t (dir F) or returns gradient t (dir B).
+                    y[k] = pulp.LpVariable(f"y{direction}_{len(y)}", lowBound=0, upBound=1)
+                    terms.append(cost * y[k])
+                # [Constraint] forward_conversion / backward_conversion: one payment per (producer, a, t).
+                name = "forward_conversion" if direction == "F" else "backward_conversion"
+                model += y[k] >= var, f"{name}_{len(model.constraints)}"
+    return terms
+
+
+def _is_zero(expr) -> bool:
+    return isinstance(expr, int) and expr == 0
+
+
+def _add_parameter_memory(model, x, node_costs, limit: float | None) -> None:
+    # [Constraint] parameter_memory: parameter bytes per GPU of the unit's ops stay under the limit.
+    if limit is not None:
+        model += pulp.lpSum(x[k] * p for k, (_, _, p) in node_costs.items()) <= limit, "parameter_memory"

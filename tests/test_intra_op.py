@@ -1,0 +1,131 @@
+"""The tensor-parallel ILP: Megatron's pairing rediscovered, tiny units kept whole, optimal vs brute force."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.profiler import profile_model
+from planner.solver.intra_op import IntraOpProblem, _build_graph, evaluate, solve_intra_op
+
+GPT_BIG = dict(n_layers=1, d_model=2048, n_heads=16, d_ff=8192, vocab_size=32000, seq_len=1024)
+LLAMA_BIG = dict(n_layers=1, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=5632, vocab_size=32000, seq_len=1024)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Ring collectives, alpha-beta (NVLink-like numbers)."""
+
+    group_size: int
+    bandwidth: float = 300e9
+    alpha_s: float = 5e-6
+
+    def all_reduce_s(self, nbytes: float) -> float:
+        return 2 * (self.group_size - 1) * (self.alpha_s + nbytes / self.group_size / self.bandwidth)
+
+    def all_gather_s(self, nbytes: float) -> float:
+        return (self.group_size - 1) * (self.alpha_s + nbytes / self.group_size / self.bandwidth)
+
+    def reduce_scatter_s(self, nbytes: float) -> float:
+        return self.all_gather_s(nbytes)
+
+    def all_to_all_s(self, nbytes: float) -> float:
+        return (self.group_size - 1) * (self.alpha_s + nbytes / self.group_size**2 / self.bandwidth)
+
+
+def _block_ops(model_file: str, args: dict):
+    prof = profile_model(model_file, args, [1], device="meta")
+    return tuple(prof.units[1].ops), prof
+
+
+@pytest.fixture(scope="module")
+def gpt_block():
+    return _block_ops("examples/gpt.py", GPT_BIG)
+
+
+@pytest.fixture(scope="module")
+def llama_block():
+    return _block_ops("examples/llama.py", LLAMA_BIG)
+
+
+def _problem(ops, tp, **kw) -> IntraOpProblem:
+    return IntraOpProblem(ops=ops, tp_degree=tp, dtype_bytes=2, seconds_per_flop=1 / 250e12, collectives=Ring(tp), **kw)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_gpt_block_rediscovers_megatron(gpt_block, tp, sequence_parallel):
+    ops, _ = gpt_block
+    sol = solve_intra_op(_problem(ops, tp, sequence_parallel=sequence_parallel))
+    assert sol.tp_plan == {
+        "attn.wq": "colwise", "attn.wk": "colwise", "attn.wv": "colwise", "attn.wo": "rowwise",
+        "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise",
+    }
+    assert sol.strategies["attention_1"] == "heads"
+    forward = [c for c in sol.collectives if c.startswith("fwd P->")]
+    # One reduction per (column, row) pair in forward: all-reduce, or reduce-scatter under SP.
+    assert sorted(c.split()[-1] for c in forward) == ["attn.wo", "mlp.fc_out"]
+    if not sequence_parallel:
+        assert [c.split()[1] for c in forward] == ["P->R", "P->R"]
+        assert len(sol.collectives) == 4  # + the two backward all-reduces of the conjugate f operators
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama_block_rediscovers_megatron(llama_block, tp):
+    ops, _ = llama_block
+    sol = solve_intra_op(_problem(ops, tp))
+    assert sol.tp_plan == {
+        "attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
+        "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise",
+    }
+    assert sorted(c for c in sol.collectives if c.startswith("fwd")) == ["fwd P->R attention.wo", "fwd P->R feed_forward.w2"]
+
+
+def test_gqa_heads_limit_tp(llama_block):
+    """8 kv heads: tp=16 cannot split wk/wv by whole heads, so they are not colwise."""
+    ops, _ = llama_block
+    sol = solve_intra_op(_problem(ops, 16))
+    assert sol.tp_plan["attention.wk"] != "colwise" and sol.tp_plan["attention.wv"] != "colwise"
+
+
+def test_small_unit_stays_replicated():
+    ops, _ = _block_ops("examples/gpt.py", {"n_layers": 1})  # d_model 64, 32 tokens: latency dominates
+    for tp in (2, 4, 8):
+        sol = solve_intra_op(_problem(ops, tp))
+        assert set(sol.tp_plan.values()) == {"replicate"}
+        assert sol.comm_time_s == 0
+
+
+def test_parameter_memory_forces_sharding_or_fails(gpt_block):
+    ops, _ = gpt_block
+    free = solve_intra_op(_problem(ops, 2, sequence_parallel=False))
+    replicated = evaluate(_problem(ops, 2), {k: "replicate" for k in free.strategies if not k.startswith("merge")} | {k: "R" for k in free.strategies if k.startswith("merge")})
+    assert free.parameter_bytes == pytest.approx(replicated.parameter_bytes / 2, rel=0.01)
+    with pytest.raises(PlannerError, match="parameter_memory"):
+        solve_intra_op(_problem(ops, 2, parameter_bytes_limit=free.parameter_bytes * 0.5))
+
+
+def _brute_force(problem: IntraOpProblem) -> float:
+    graph = _build_graph(problem)
+    free = {v: list(s) for v, s in graph.nodes.items() if "fixed" not in s}
+    best = float("inf")
+    for combo in itertools.product(*free.values()):
+        sol = evaluate(problem, dict(zip(free, combo)))
+        if problem.parameter_bytes_limit is None or sol.parameter_bytes <= problem.parameter_bytes_limit:
+            best = min(best, sol.compute_time_s + sol.comm_time_s)
+    return best
+
+
+@pytest.mark.parametrize(
+    "bandwidth, flops, sp",
+    [(300e9, 250e12, False), (25e9, 250e12, True), (300e9, 2e12, False), (1e9, 1e15, True)],
+)
+def test_ilp_matches_brute_force(gpt_block, bandwidth, flops, sp):
+    """The ILP optimum equals exhaustive search over every strategy assignment (same cost function)."""
+    ops, _ = gpt_block
+    problem = IntraOpProblem(ops, 2, 2, 1 / flops, Ring(2, bandwidth), sequence_parallel=sp)
+    sol = solve_intra_op(problem)
+    assert sol.compute_time_s + sol.comm_time_s == pytest.approx(_brute_force(problem), rel=1e-6)

@@ -1,0 +1,103 @@
+"""Unit discovery, cut crossings and op graphs on the bundled examples and a Hugging Face model."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import EXAMPLES
+from planner.profiler import profile_model
+
+
+def analytic(name: str, sizes=(1,), **args):
+    return profile_model(str(EXAMPLES / name), args, list(sizes), device="meta", gpu="h100-80gb")
+
+
+def test_gpt_units():
+    prof = analytic("gpt.py", n_layers=3)
+    assert prof.unit_names() == ["embed", "blocks.0", "blocks.1", "blocks.2", "norm", "head"]
+    assert prof.model.sequence_length == 32
+    assert len({u.fingerprint for u in prof.units[1:4]}) == 1  # identical blocks share one fingerprint
+
+
+def test_llama_units():
+    prof = analytic("llama.py", n_layers=2)
+    assert prof.unit_names() == ["embed", "layers.0", "layers.1", "norm", "output"]
+
+
+def test_cnn_units():
+    prof = analytic("cnn.py")
+    assert prof.unit_names() == ["blocks.0", "blocks.1", "blocks.2", "classifier"]
+
+
+def test_hugging_face_model_units_unchanged():
+    pytest.importorskip("transformers")
+    prof = analytic("hf_llama.py", sizes=(1, 2), n_layers=2)
+    names = prof.unit_names()
+    assert names[0] == "model.embed_tokens" and names[-1] == "lm_head"
+    assert [n for n in names if n.startswith("model.layers.")] == ["model.layers.0", "model.layers.1"]
+    assert "model.norm" in names
+    # The rotary cos/sin made once at the top are handed to every layer: they cross every cut
+    # between layers, beside the hidden state.
+    between_layers = prof.cuts[names.index("model.layers.0")]
+    assert len(between_layers.tensors) >= 2
+    assert any(t.producer == "model.rotary_emb" for t in between_layers.tensors)
+
+
+def test_unet_skip_crossings():
+    """Every skip tensor crosses each cut between its producer and its consumer, with its bytes."""
+    prof = analytic("unet.py", sizes=(1, 2))
+    names = prof.unit_names()
+    assert names[0] == "stem" and names[-1] == "head"
+    downs = [n for n in names if n.startswith("down.")]
+    ups = [n for n in names if n.startswith("up.")]
+    assert len(downs) == len(ups) >= 2
+    mid = names.index("mid")
+    crossing = prof.cuts[mid - 1]  # the cut just before the bottleneck
+    producers = sorted(t.producer for t in crossing.tensors)
+    # The stem's output and every down block's output are still waiting for their up block.
+    assert set(["stem"] + downs) <= set(producers)
+    for t in crossing.tensors:
+        assert t.bytes[2] == 2 * t.bytes[1]  # activations scale with the micro-batch
+        assert t.bytes[1] == 4 * eval("*".join(map(str, t.shape[1])))  # float32
+    # After the last up block consumed its skip, only the main path crosses.
+    last_cut = prof.cuts[-1]
+    assert [t.producer for t in last_cut.tensors] == [names[-2]]
+
+
+@pytest.mark.parametrize("name", ["gpt.py", "llama.py"])
+def test_analytic_and_measured_agree_on_flops_and_bytes(name):
+    measured = profile_model(str(EXAMPLES / name), {"n_layers": 2}, [2], device="cpu", repeats=1, warmup=0)
+    meta = profile_model(str(EXAMPLES / name), {"n_layers": 2}, [2], device="meta")
+    assert measured.model.fingerprint == meta.model.fingerprint
+    for m, a in zip(measured.units, meta.units):
+        cm, ca = m.costs[2], a.costs[2]
+        assert (cm.forward_flops, cm.backward_flops) == (ca.forward_flops, ca.backward_flops), m.name
+        assert (cm.output_bytes, cm.input_bytes, m.parameter_bytes) == (ca.output_bytes, ca.input_bytes, a.parameter_bytes)
+        # Flash attention on meta also saves its RNG state (a few scalars): allow 1%.
+        assert ca.saved_bytes == pytest.approx(cm.saved_bytes, rel=0.01), m.name
+    assert [c.bytes for c in measured.cuts] == [c.bytes for c in meta.cuts]
+
+
+def test_gpt_block_op_graph():
+    prof = analytic("gpt.py", n_layers=1)
+    ops = {op.name: op for op in prof.units[1].ops}
+    assert {"attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.fc_in", "mlp.fc_out", "attention_1"} <= set(ops)
+    assert ops["attn.wq"].inputs == ["input"]
+    assert ops["attention_1"].inputs == ["attn.wk", "attn.wq", "attn.wv"]
+    assert ops["attn.wo"].inputs == ["attention_1"]
+    assert ops["mlp.fc_in"].inputs == ["attn.wo", "input"]  # the residual stream
+    assert ops["mlp.fc_out"].inputs == ["mlp.fc_in"]
+    d, ff, s = 64, 256, 32
+    assert ops["mlp.fc_in"].weight_shape == [ff, d]
+    assert ops["mlp.fc_in"].forward_flops == 2 * s * d * ff
+
+
+def test_gpt3_175b_profiles_analytically():
+    """The 175B model never materialises; the parameter count matches the paper's 175B."""
+    prof = analytic("gpt.py", n_layers=96, d_model=12288, n_heads=96, d_ff=49152, vocab_size=51200, seq_len=2048)
+    assert len(prof.units) == 96 + 3
+    assert 174e9 < prof.model.num_parameters < 176e9
+    block = prof.units[1].costs[1]
+    # Per layer per sequence: 24 s h^2 (1 + s / 6h) FLOPs forward (Narayanan et al. 2021, eq. 3 / 3).
+    s, h = 2048, 12288
+    assert block.forward_flops == pytest.approx(24 * s * h * h * (1 + s / (6 * h)), rel=0.01)
