@@ -1,0 +1,146 @@
+"""Compute time of a unit on the target GPU, from the profile.
+
+Two sources, chosen per profile and target (`ComputeModel.source`):
+
+- **profiled**: the profile was made on the target itself (a measured CPU profile for the
+  `cpu` cluster, a measured CUDA profile whose device name matches the target GPU, or an
+  analytic profile made for the same GPU and dtype). Unit times are the profile's times,
+  interpolated linearly between the profiled micro-batch sizes (and extrapolated from the
+  two nearest sizes, never below proportional-to-zero). A measured profile also records
+  the whole model's forward+backward against the sum of its units (`Profile.whole_model`);
+  that ratio multiplies every unit time, because timing units one by one adds launch and
+  synchronisation work the model does not do (0.51-0.95 on an H100, see
+  benchmarks/results/h100/README.md) or misses glue code and the loss (ratio > 1).
+- **roofline**: any other target. Time = max(FLOPs / achievable FLOP/s, bytes moved /
+  achievable bandwidth) per direction, the same roofline the analytic profiler uses per op
+  (here on the unit's totals, so slightly optimistic where a unit mixes compute- and
+  memory-bound ops). Achievable rates are the GPU spec's peak times its efficiencies
+  (planner/hardware.py); `calibrate` replaces the matmul efficiency by the one a measured
+  profile from that GPU achieved.
+
+Tensor parallelism (`tp_time_s`) divides the work of the ops the intra-op solver shards by
+the TP degree; the rest of the unit (norms, residual adds, elementwise glue) stays
+replicated unless sequence parallelism shards it along the sequence too (Korthikanti et
+al. 2022, section 4.2.2). The split uses the FLOP share of the sharded ops, which
+undercounts the replicated elementwise time of a transformer block by a few percent.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, replace
+
+from planner.hardware import GPUSpec
+from planner.profile_schema import Profile, Unit
+
+
+def interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear value at x from {size: value}; proportional when one point is known."""
+    sizes = sorted(points)
+    if len(sizes) == 1:
+        return points[sizes[0]] * x / sizes[0]
+    if x in points:
+        return points[int(x)]
+    i = min(max(bisect_left(sizes, x), 1), len(sizes) - 1)
+    lo, hi = sizes[i - 1], sizes[i]
+    value = points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+    # Extrapolating below the smallest size must not go negative; above, linear is fine.
+    return max(value, points[sizes[0]] * x / sizes[0] if x < sizes[0] else 0.0)
+
+
+def _profile_matches(profile: Profile, gpu: GPUSpec, dtype: str) -> bool:
+    if profile.dtype != dtype:
+        return False
+    if profile.mode == "analytic":
+        return profile.target_gpu == gpu.name
+    if profile.device == "cpu":
+        return gpu.name == "cpu"
+    # Measured on CUDA: the device name ("NVIDIA H100 80GB HBM3") must name the target.
+    name = profile.device_name.lower()
+    family, _, size = gpu.name.partition("-")
+    return family in name and (not size or size.replace("gb", "") in name)
+
+
+def calibrate(gpu: GPUSpec, measured: Profile) -> GPUSpec:
+    """The spec with the matmul efficiency a measured profile on this GPU achieved.
+
+    Achieved rate = total FLOPs / total time over all units at the largest micro-batch size
+    (the most compute-bound); its ratio to the dense peak becomes `matmul_efficiency`.
+    """
+    mbs = max(measured.micro_batch_sizes)
+    flops = sum(u.costs[mbs].forward_flops + u.costs[mbs].backward_flops for u in measured.units)
+    time_s = sum(u.costs[mbs].forward_time_s + u.costs[mbs].backward_time_s for u in measured.units)
+    efficiency = flops / time_s / gpu.peak_flops[measured.dtype]
+    return replace(gpu, matmul_efficiency=min(max(efficiency, 0.01), 1.0))
+
+
+@dataclass(frozen=True)
+class UnitTime:
+    forward_s: float
+    """Forward time of one micro-batch."""
+    backward_s: float
+    """Backward time (input and weight gradients) of one micro-batch."""
+
+    @property
+    def total_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+class ComputeModel:
+    """Unit times for one profile on one target GPU and dtype."""
+
+    def __init__(self, profile: Profile, gpu: GPUSpec, dtype: str | None = None, use_whole_model_ratio: bool = True):
+        self.profile, self.gpu = profile, gpu
+        self.dtype = dtype or profile.dtype
+        self.source = "profiled" if _profile_matches(profile, gpu, self.dtype) else "roofline"
+        ratios = {b: w.ratio for b, w in profile.whole_model.items() if w.ratio > 0}
+        self._ratios = ratios if (use_whole_model_ratio and ratios and self.source == "profiled") else {}
+        self._cache: dict[tuple[int, float], UnitTime] = {}
+
+    def whole_model_ratio(self, micro_batch_size: float) -> float:
+        if not self._ratios:
+            return 1.0
+        sizes = sorted(self._ratios)
+        x = min(max(micro_batch_size, sizes[0]), sizes[-1])  # ratios do not extrapolate
+        return interpolate(self._ratios, x) if len(sizes) > 1 else self._ratios[sizes[0]]
+
+    def unit_time(self, unit: Unit, micro_batch_size: float) -> UnitTime:
+        key = (unit.index, micro_batch_size)
+        if key not in self._cache:
+            self._cache[key] = self._unit_time(unit, micro_batch_size)
+        return self._cache[key]
+
+    def _unit_time(self, unit: Unit, b: float) -> UnitTime:
+        costs = unit.costs
+        if self.source == "profiled":
+            ratio = self.whole_model_ratio(b)
+            fwd = interpolate({k: c.forward_time_s for k, c in costs.items()}, b)
+            bwd = interpolate({k: c.backward_time_s for k, c in costs.items()}, b)
+            return UnitTime(fwd * ratio, bwd * ratio)
+        flops_rate, bandwidth = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_bandwidth
+        # FLOPs and bytes are linear in the micro-batch size (plus a constant for weights).
+        fwd = max(interpolate({k: c.forward_flops for k, c in costs.items()}, b) / flops_rate,
+                  interpolate({k: c.forward_memory_traffic_bytes for k, c in costs.items()}, b) / bandwidth)
+        bwd = max(interpolate({k: c.backward_flops for k, c in costs.items()}, b) / flops_rate,
+                  interpolate({k: c.backward_memory_traffic_bytes for k, c in costs.items()}, b) / bandwidth)
+        return UnitTime(fwd, bwd)
+
+    def forward_flops(self, unit: Unit, micro_batch_size: float) -> float:
+        return interpolate({k: c.forward_flops for k, c in unit.costs.items()}, micro_batch_size)
+
+    def backward_flops(self, unit: Unit, micro_batch_size: float) -> float:
+        return interpolate({k: c.backward_flops for k, c in unit.costs.items()}, micro_batch_size)
+
+
+def sharded_flop_fraction(unit: Unit, sharded_ops: set[str]) -> float:
+    """Share of the unit's forward FLOPs done by the ops the TP plan shards."""
+    total = sum(op.forward_flops for op in unit.ops)
+    smallest = min(unit.costs)
+    unit_flops = max(unit.costs[smallest].forward_flops, total, 1)
+    return sum(op.forward_flops for op in unit.ops if op.name in sharded_ops) / unit_flops
+
+
+def tp_time_s(time_s: float, sharded_fraction: float, tp_degree: int, sequence_parallel: bool) -> float:
+    """A unit's time per GPU under TP: sharded work / tp, the rest / tp only with SP."""
+    rest = (1.0 - sharded_fraction) / (tp_degree if sequence_parallel else 1)
+    return time_s * (sharded_fraction / tp_degree + rest)

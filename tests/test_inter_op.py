@@ -1,0 +1,73 @@
+"""Inter-op DP: optimal against brute force over all cut positions."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from planner.errors import PlannerError
+from planner.solver.inter_op import brute_force_cuts, solve_cuts
+
+
+def _cost_table(unit_times, num_stages, p2p, memory, stage_limit):
+    """cost[k, i, j] from per-unit times and memory: sum of times + p2p at the cut, inf if over the limit."""
+    size = len(unit_times) + 1
+    prefix_t = np.concatenate([[0.0], np.cumsum(unit_times)])
+    prefix_m = np.concatenate([[0.0], np.cumsum(memory)])
+    cost = np.full((num_stages, size, size), np.inf)
+    for k in range(num_stages):
+        for i in range(size):
+            for j in range(i + 1, size):
+                # Earlier stages keep more micro-batches in flight (1F1B): memory grows with p - k.
+                mem = (prefix_m[j] - prefix_m[i]) * (num_stages - k)
+                if mem <= stage_limit:
+                    cost[k, i, j] = prefix_t[j] - prefix_t[i] + (p2p[j - 1] if j < size - 1 else 0.0)
+    return cost
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_units=st.integers(2, 12),
+    num_stages=st.integers(1, 4),
+    num_microbatches=st.integers(1, 16),
+    memory_bound=st.booleans(),
+)
+def test_dp_equals_brute_force(data, num_units, num_stages, num_microbatches, memory_bound):
+    num_stages = min(num_stages, num_units)
+    times = data.draw(st.lists(st.floats(0.1, 10.0), min_size=num_units, max_size=num_units))
+    p2p = data.draw(st.lists(st.floats(0.0, 2.0), min_size=num_units, max_size=num_units))
+    memory = data.draw(st.lists(st.floats(1.0, 10.0), min_size=num_units, max_size=num_units))
+    # Memory-bound instances: a limit that forbids many ranges; compute-bound: no limit.
+    limit = (sum(memory) * 1.5 if memory_bound else np.inf)
+    cost = _cost_table(times, num_stages, p2p, memory, limit)
+    try:
+        expected = brute_force_cuts(cost, num_microbatches)
+    except PlannerError:
+        with pytest.raises(PlannerError):
+            solve_cuts(cost, num_microbatches)
+        return
+    got = solve_cuts(cost, num_microbatches)
+    assert got.pipeline_time_s == pytest.approx(expected.pipeline_time_s, rel=1e-12)
+    assert got.bounds[0][0] == 0 and got.bounds[-1][1] == num_units
+    assert all(a[1] == b[0] for a, b in zip(got.bounds, got.bounds[1:]))
+
+
+def test_heavy_layer_gives_non_uniform_cuts():
+    times = [1.0] * 8
+    times[1] = 6.0  # one heavy layer early on
+    cost = _cost_table(times, 2, [0.0] * 8, [1.0] * 8, np.inf)
+    cuts = solve_cuts(cost, 8)
+    sizes = [j - i for i, j in cuts.bounds]
+    assert sizes[0] < sizes[1], sizes  # the heavy layer's stage holds fewer units
+    assert cuts.stage_times_s[0] == pytest.approx(7.0) and cuts.stage_times_s[1] == pytest.approx(6.0)
+
+
+def test_too_many_stages_is_an_error():
+    with pytest.raises(PlannerError, match="stages"):
+        solve_cuts(np.zeros((3, 3, 3)), 4)
+
+
+def test_nothing_fits_is_an_error():
+    cost = np.full((2, 5, 5), np.inf)
+    with pytest.raises(PlannerError, match="fit"):
+        solve_cuts(cost, 4)
