@@ -21,6 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {
     # GPT-2 medium (Radford et al. 2019): 24 layers, d 1024, 16 heads, context 1024.
     "gpt2-medium": ("examples/gpt.py", dict(n_layers=24, d_model=1024, n_heads=16, d_ff=4096, vocab_size=50257, seq_len=1024)),
+    # GPT-3 2.7B's layer shape (Brown et al. 2020), 4 layers: GEMMs large enough for the roofline.
+    "gpt-2.7b-4l": ("examples/gpt.py", dict(n_layers=4, d_model=2560, n_heads=32, d_ff=10240, vocab_size=50257, seq_len=2048)),
+    # GPT-3 6.7B's layer shape, 2 layers, with materialised attention and dropout as Megatron-LM ran in 2021.
+    "gpt-6.7b-2l-math": ("examples/gpt.py", dict(n_layers=2, d_model=4096, n_heads=32, d_ff=16384, vocab_size=50257,
+                                                  seq_len=2048, attention="math", dropout=0.1)),
     "gpt-small-cpu": ("examples/gpt.py", dict(n_layers=4, d_model=256, n_heads=4, d_ff=1024, vocab_size=1024, seq_len=128)),
 }
 

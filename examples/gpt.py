@@ -3,7 +3,9 @@
 Pre-LayerNorm residual blocks with causal multi-head attention and a GELU (tanh) MLP, learned
 token and position embeddings, and an untied output head.
 
-Model args (all optional): n_layers=4, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32.
+Model args (all optional): n_layers=4, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32,
+attention="sdpa" (fused scaled_dot_product_attention) or "math" (explicit scores and softmax, as
+Megatron-LM ran in 2021), dropout=0.0 (attention and residual dropout, as GPT-2/3 train with 0.1).
 
 Structure (the planner's units are embed, blocks.0 .. blocks.N-1, norm, head):
     embed.{tok,pos}   blocks.i.{ln1, attn.{wq,wk,wv,wo}, ln2, mlp.{fc_in,act,fc_out}}   norm   head
@@ -30,10 +32,12 @@ class Embeddings(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, attention: str = "sdpa", dropout: float = 0.0) -> None:
         super().__init__()
         assert d_model % n_heads == 0, "d_model must be divisible by n_heads"
+        assert attention in ("sdpa", "math"), "attention must be 'sdpa' or 'math'"
         self.head_dim = d_model // n_heads
+        self.attention, self.dropout = attention, dropout
         self.wq = nn.Linear(d_model, d_model)
         self.wk = nn.Linear(d_model, d_model)
         self.wv = nn.Linear(d_model, d_model)
@@ -45,8 +49,14 @@ class CausalSelfAttention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+        p = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:  # materialised scores: s x s per head, kept for backward
+            scores = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            y = F.dropout(scores.masked_fill(~causal, float("-inf")).softmax(-1), p) @ v
+        return F.dropout(self.wo(y.transpose(1, 2).reshape(b, s, -1)), p)
 
 
 class MLP(nn.Module):
@@ -61,23 +71,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, d_ff: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, attention: str = "sdpa", dropout: float = 0.0) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.attn = CausalSelfAttention(d_model, n_heads, attention, dropout)
+        self.dropout = dropout
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, d_ff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return x + F.dropout(self.mlp(self.ln2(x)), self.dropout if self.training else 0.0)
 
 
 class GPT(nn.Module):
-    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int, seq_len: int) -> None:
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int, vocab_size: int, seq_len: int,
+                 attention: str = "sdpa", dropout: float = 0.0) -> None:
         super().__init__()
         self.embed = Embeddings(vocab_size, d_model, seq_len)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, d_ff) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, d_ff, attention, dropout) for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
@@ -89,9 +101,10 @@ class GPT(nn.Module):
 
 
 def build_model(
-    n_layers: int = 4, d_model: int = 64, n_heads: int = 4, d_ff: int = 256, vocab_size: int = 256, seq_len: int = 32, **_
+    n_layers: int = 4, d_model: int = 64, n_heads: int = 4, d_ff: int = 256, vocab_size: int = 256, seq_len: int = 32,
+    attention: str = "sdpa", dropout: float = 0.0, **_
 ) -> GPT:
-    return GPT(n_layers, d_model, n_heads, d_ff, vocab_size, seq_len)
+    return GPT(n_layers, d_model, n_heads, d_ff, vocab_size, seq_len, attention, dropout)
 
 
 def make_batch(batch_size: int, vocab_size: int = 256, seq_len: int = 32, **_) -> tuple[torch.Tensor, torch.Tensor]:
