@@ -1,7 +1,8 @@
 """The `planner` command line: one verb per arrow of the design.
 
     planner profile MODEL_FILE   -> profile.json
-    planner show FILE            tables for a profile (and later plans)
+    planner solve --profile P --gpus N --global-batch B   -> plan.json
+    planner show FILE            tables for a profile or a plan (--gantt for a plan's schedule)
 
 Every verb is a thin layer over a Python function. User mistakes raise PlannerError, which
 is printed as one paragraph with a non-zero exit; `--debug` shows the traceback instead.
@@ -86,11 +87,27 @@ def profile(
 
 @app.command()
 def show(
-    file: Path = typer.Argument(..., help="A profile JSON."),
-    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch", help="Which profiled micro-batch size to show."),
-    csv: Optional[Path] = typer.Option(None, help="Also write the per-unit table as CSV here."),
+    file: Path = typer.Argument(..., help="A profile or plan JSON."),
+    micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch", help="Profiles: which profiled micro-batch size to show."),
+    csv: Optional[Path] = typer.Option(None, help="Profiles: also write the per-unit table as CSV here."),
+    gantt: Optional[Path] = typer.Option(None, help="Plans: draw the simulated schedule as a PNG here."),
 ) -> None:
-    """Print a profile as a table (per unit, totals, share of time)."""
+    """Print a profile (per unit, totals, share of time) or a plan (layout, stages, breakdown, alternatives)."""
+    import json
+
+    try:
+        data = json.loads(file.read_text()) if file.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = None  # the loaders below give the precise message
+    if isinstance(data, dict) and "layout" in data:
+        from planner.plan import load_plan
+        from planner.plan_report import draw_plan_gantt, print_plan
+
+        plan = load_plan(file)
+        print_plan(plan, console=console)
+        if gantt:
+            console.print(f"wrote {draw_plan_gantt(plan, gantt)}")
+        return
     from planner.profile_schema import load_profile
     from planner.report import print_profile, profile_frame
 
@@ -100,6 +117,57 @@ def show(
         csv.parent.mkdir(parents=True, exist_ok=True)
         profile_frame(prof, micro_batch_size).to_csv(csv, index=False)
         console.print(f"wrote {csv}")
+
+
+def load_cluster_args(cluster: Optional[Path], gpus: Optional[int], gpus_per_node: Optional[int], gpu: Optional[str]):
+    """A cluster from `--cluster FILE` or from `--gpus N [--gpus-per-node G] [--gpu NAME]`."""
+    from planner.cluster import load_cluster, make_cluster
+
+    if cluster is not None:
+        if gpus is not None or gpus_per_node is not None:
+            raise PlannerError("Give either --cluster FILE or --gpus N [--gpus-per-node G], not both.", "Drop one of them.")
+        return load_cluster(cluster)
+    if gpus is None:
+        raise PlannerError("No cluster given.", "Pass --gpus N (with --gpu NAME, --gpus-per-node G) or --cluster FILE.")
+    return make_cluster(gpus, gpus_per_node, gpu or "a100-80gb")
+
+
+@app.command()
+def solve(
+    profile_file: Path = typer.Option(..., "--profile", "-p", help="Profile JSON from `planner profile`."),
+    global_batch: int = typer.Option(..., "--global-batch", "-b", help="Samples per optimizer step."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Number of GPUs (with a preset GPU)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(gpus, 8))."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset: a100-40gb, a100-80gb, h100-80gb, h200, cpu."),
+    cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster file (YAML/JSON) instead of --gpus."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Pin the tensor-parallel degree."),
+    dp: Optional[int] = typer.Option(None, "--dp", help="Pin the data-parallel degree."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Pin the micro-batch size."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="Pin: gpipe, 1f1b, interleaved-1f1b, zero-bubble."),
+    virtual_stages: Optional[int] = typer.Option(None, "--virtual-stages", help="Pin chunks per pipeline rank."),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin: none, selective, full."),
+    zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3)."),
+    sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel", help="Pin sequence parallelism."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
+    top: int = typer.Option(3, "--top", help="Keep the K best configurations in the plan."),
+    output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="Where to write the plan."),
+) -> None:
+    """Find the fastest plan that fits and write it as a plan file."""
+    from planner.plan_report import print_plan
+    from planner.profile_schema import load_profile
+    from planner.solver.solve import Pins, solve as solve_plan
+
+    prof = load_profile(profile_file)
+    clus = load_cluster_args(cluster, gpus, gpus_per_node, gpu)
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise PlannerError(f"Unknown --dtype {dtype!r}.", "Use float32, bfloat16 or float16.")
+    pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel)
+    with err_console.status("solving"):
+        plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file))
+    plan.save(output)
+    print_plan(plan, console=console)
+    console.print(f"wrote {output}")
 
 
 @app.command()

@@ -1,0 +1,90 @@
+"""Turn the search's best evaluation into a plan file, with alternatives and why they lost."""
+
+from __future__ import annotations
+
+from planner.cluster import Cluster
+from planner.plan import Batch, ClusterRef, Layout, ModelRef, Plan, Prediction, Stage, Training, stage_ranks
+from planner.profile_schema import Profile
+from planner.solver.search import Evaluation
+
+
+def _layout(e: Evaluation) -> Layout:
+    c = e.config
+    return Layout(
+        pp_degree=c.pp, dp_degree=c.dp, tp_degree=c.tp, zero_stage=c.zero_stage,
+        sequence_parallel=c.sequence_parallel, schedule=c.schedule, virtual_stages=c.virtual_stages,
+    )
+
+
+def why_lost(loser: Evaluation, winner: Evaluation) -> str:
+    """The breakdown terms that grew the most, in words."""
+    slower = loser.iteration_time_s / winner.iteration_time_s - 1
+    deltas = sorted(((loser.breakdown_s[k] - winner.breakdown_s.get(k, 0.0), k) for k in loser.breakdown_s), reverse=True)
+    grew = [f"{k} +{d * 1e3:.3g} ms" for d, k in deltas[:2] if d > 0]
+    return f"{slower:+.1%} slower" + (f": {', '.join(grew)}" if grew else "")
+
+
+def _alternative(e: Evaluation, winner: Evaluation) -> dict:
+    return {
+        "layout": _layout(e).model_dump(),
+        "micro_batch_size": e.config.micro_batch_size,
+        "num_microbatches": e.config.num_microbatches,
+        "stage_units": [j - i for i, j in e.bounds],
+        "recompute": list(e.stage_recompute),
+        "iteration_time_s": e.iteration_time_s,
+        "peak_memory_bytes": [int(m) for m in e.peak_memory_bytes],
+        "why_lost": why_lost(e, winner) if e is not winner else "best",
+    }
+
+
+def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, result, top_k: int, dtype: str,
+               profile_path: str | None) -> Plan:
+    best = result.ranked[0]
+    cfg = best.config
+    layout = _layout(best)
+    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+    names = profile.unit_names()
+    stages = []
+    for k, ((i, j), recompute) in enumerate(zip(best.bounds, best.stage_recompute)):
+        tp_plan = {}
+        if cfg.tp > 1:
+            for u in range(i, j):
+                tp_plan.update({f"{names[u]}.{module}": style for module, style in table.tp_plans[u].items()})
+        stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute, tp_plan=tp_plan))
+    n = cluster.world_size
+    t = best.iteration_time_s
+    samples = global_batch_size / t
+    seq = profile.model.sequence_length
+    peak = cluster.gpu.peak_flops.get(dtype, 0.0)
+    tflops = best.model_flops / t / n / 1e12
+    prediction = Prediction(
+        iteration_time_s=t,
+        samples_per_s=samples,
+        tokens_per_s=samples * seq if seq else None,
+        tflops_per_gpu=tflops,
+        hw_tflops_per_gpu=best.hardware_flops / t / n / 1e12,
+        mfu=tflops * 1e12 / peak if peak else 0.0,
+        bubble_fraction=best.bubble_fraction,
+        peak_memory_bytes=[int(m) for m in best.peak_memory_bytes],
+        stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s)],
+        breakdown_s=best.breakdown_s,
+    )
+    alternatives = [_alternative(e, best) for e in result.ranked[1:top_k]]
+    return Plan(
+        model=ModelRef(file=profile.model.file, args=profile.model.args, fingerprint=profile.model.fingerprint),
+        profile=profile_path,
+        cluster=ClusterRef(**cluster.to_ref()),
+        training=Training(dtype=dtype),
+        batch=Batch(global_batch_size=global_batch_size, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches),
+        layout=layout,
+        stages=stages,
+        prediction=prediction,
+        search={
+            "solve_time_s": result.solve_time_s,
+            "candidates_evaluated": result.evaluated,
+            "pruned_by_memory_bound": result.pruned,
+            "stage_forward_s": list(best.stage_forward_s),
+            "stage_backward_s": list(best.stage_backward_s),
+            "alternatives": alternatives,
+        },
+    )

@@ -1,0 +1,209 @@
+"""Outer search: every parallel knob around the inter-op DP and the intra-op ILP.
+
+For each (tp, sequence parallel, pp, micro-batch size, schedule, virtual stages, ZeRO stage)
+that the pins allow, `evaluate_config` builds the stage cost table
+
+    cost[k, i, j] = min over recompute r (allowed, fitting in stage k's memory) of
+                    sum_{u in [i, j)} (fwd_u + bwd_u + recompute_r,u + tp_comm_u + zero3_gather_u)
+                    + 2 * p2p(bytes crossing cut j)
+
+(stage memory = model states under ZeRO + in-flight micro-batches x stored activations +
+the largest recomputation transient + send/receive buffers), lets the DP
+(planner/solver/inter_op.py) pick the cuts and per-stage recomputation, and prices the
+result with the schedule's closed form (planner/cost/schedules.py) plus the data-parallel
+gradient synchronisation and the optimizer step. Configurations whose model states alone
+cannot fit (a lower bound: the whole model's states over pp x tp, ZeRO applied) are pruned
+before the DP. ZeRO stages are all priced: stage 1 is usually the fastest here (its
+reduce-scatter + all-gather cost what an all-reduce does, and each rank updates only its
+1/dp of the optimizer state), stage 3 adds parameter all-gathers per micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.cost.memory import model_state_bytes
+from planner.cost.schedules import iteration_time_s, in_flight_microbatches
+from planner.errors import PlannerError
+from planner.solver.costs import RECOMPUTE_MODES, UnitCostTable
+from planner.solver.inter_op import solve_cuts
+
+# Adam's step streams weights, gradients, master weights and both moments in and the
+# updated ones out: about 2 x 16 bytes per parameter of memory traffic (memory-bound).
+OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
+
+
+@dataclass(frozen=True)
+class Config:
+    tp: int
+    sequence_parallel: bool
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    zero_stage: int
+
+    def describe(self) -> str:
+        sched = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{' +sp' if self.sequence_parallel else ''}, "
+                f"mbs {self.micro_batch_size} x {self.num_microbatches}, {sched}, zero {self.zero_stage}")
+
+
+@dataclass
+class Evaluation:
+    config: Config
+    feasible: bool
+    reason: str = ""
+    iteration_time_s: float = math.inf
+    bounds: tuple = ()
+    stage_recompute: tuple = ()
+    stage_forward_s: tuple = ()
+    stage_backward_s: tuple = ()
+    peak_memory_bytes: tuple = ()
+    breakdown_s: dict = field(default_factory=dict)
+    bubble_fraction: float = 0.0
+    model_flops: float = 0.0
+    hardware_flops: float = 0.0
+    min_memory_bytes: float = math.inf
+    """Least per-GPU memory any stage arrangement needs (for infeasibility messages)."""
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What a configuration is priced with: cluster-dependent callables and limits."""
+
+    usable_memory_bytes: float
+    dtype: str
+    dtype_bytes: int
+    allowed_recompute: tuple[str, ...]
+    dp_all_reduce_s: object  # (nbytes, dp, tp) -> s
+    dp_reduce_scatter_s: object
+    dp_all_gather_s: object
+    p2p_s: object  # (nbytes, same_node) -> s
+    gpus_per_node: int
+    achievable_bandwidth: float
+
+
+def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
+    """Per unit and recompute mode: time per micro-batch and memory pieces (prefix-summable)."""
+    zero3_gather = np.zeros_like(table.parameters)
+    if cfg.zero_stage == 3 and cfg.dp > 1:
+        # FSDP gathers each unit's parameters before its forward and again before its backward.
+        zero3_gather = 2 * np.array([env.dp_all_gather_s(p * env.dtype_bytes, cfg.dp, cfg.tp) for p in table.parameters])
+    base = table.forward_s + table.backward_s + table.tp_comm_s + zero3_gather
+    times = {r: base + table.recompute_s[r] for r in env.allowed_recompute}
+    states = np.array([model_state_bytes(p, env.dtype, cfg.zero_stage, cfg.dp).total for p in table.parameters])
+    return times, states, zero3_gather
+
+
+def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None) -> Evaluation:
+    """Price one configuration; the DP chooses the cuts unless `fixed_bounds` gives them (baselines)."""
+    num_units = len(table.parameters)
+    num_chunks = cfg.pp * cfg.virtual_stages
+    if num_chunks > num_units:
+        return Evaluation(cfg, False, f"{num_chunks} stages but only {num_units} units")
+    times, states, gathers = _stage_arrays(table, cfg, env)
+    size = num_units + 1
+    prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
+    start, end = np.triu_indices(size, k=1)
+    p_states = prefix(states)
+    # Stage p2p: send activations across the cut at its end and receive their gradients.
+    same_node = cfg.dp * cfg.tp < env.gpus_per_node
+    p2p = np.array([2 * env.p2p_s(b, same_node) if b > 0 else 0.0 for b in table.cut_bytes])
+    p2p[-1] = 0.0
+    limit = env.usable_memory_bytes / cfg.virtual_stages  # interleaving: a rank's chunks share its memory
+    cost = np.full((num_chunks, size, size), np.inf)
+    choice = np.full((num_chunks, size, size), -1, dtype=int)
+    min_needed = math.inf
+    for k in range(num_chunks):
+        in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
+        for ri, r in enumerate(env.allowed_recompute):
+            p_time, p_act = prefix(times[r]), prefix(table.activations[r])
+            transient = np.array([table.transient[r][i:j].max() for i, j in zip(start, end)]) if r == "full" else 0.0
+            buffers = 2 * table.cut_bytes[end - 1]
+            memory = p_states[end] - p_states[start] + in_flight * (p_act[end] - p_act[start]) + transient + buffers
+            min_needed = min(min_needed, float(memory.min()))
+            t = p_time[end] - p_time[start] + p2p[end - 1]
+            better = (memory <= limit) & (t < cost[k, start, end])
+            cost[k, start[better], end[better]] = t[better]
+            choice[k, start[better], end[better]] = ri
+    if fixed_bounds is not None:
+        if len(fixed_bounds) != num_chunks or not all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(fixed_bounds)):
+            return Evaluation(cfg, False, "the given cuts do not fit in memory", min_memory_bytes=min_needed)
+        bounds = tuple(fixed_bounds)
+    else:
+        try:
+            bounds = solve_cuts(cost, cfg.num_microbatches).bounds
+        except PlannerError:
+            return Evaluation(cfg, False, "no stage cuts fit in memory", min_memory_bytes=min_needed)
+    return _price(table, cfg, env, bounds, [int(choice[k, i, j]) for k, (i, j) in enumerate(bounds)], times, states, gathers, p2p)
+
+
+def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, states, gathers, p2p) -> Evaluation:
+    recompute = tuple(env.allowed_recompute[r] for r in recompute_idx)
+    fwd, bwd, mem = [], [], []
+    for k, ((i, j), r) in enumerate(zip(bounds, recompute)):
+        f = float(table.forward_s[i:j].sum() + table.recompute_s[r][i:j].sum())
+        total = float(times[r][i:j].sum() + p2p[j - 1])
+        fwd.append(f + p2p[j - 1] / 2)
+        bwd.append(total - f - p2p[j - 1] / 2)
+        in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
+        transient = float(table.transient[r][i:j].max()) if r == "full" else 0.0
+        mem.append(float(states[i:j].sum() + in_flight * table.activations[r][i:j].sum() + transient + 2 * table.cut_bytes[j - 1]))
+    # Memory per pipeline rank: its chunks together (interleaving puts v chunks on one rank).
+    rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
+    if max(rank_mem) > env.usable_memory_bytes:
+        return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
+    pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages)
+    m = cfg.num_microbatches
+    rank_work = [sum(fwd[k] + bwd[k] for k in range(rank, len(fwd), cfg.pp)) for rank in range(cfg.pp)]
+    # Data-parallel gradient synchronisation and optimizer step, once per iteration per rank.
+    dp_s, opt_s = [], []
+    for rank in range(cfg.pp):
+        params = sum(float(table.parameters[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
+        grad_bytes = params * (4 if env.dtype == "float32" else 2)
+        if cfg.dp == 1:
+            dp_s.append(0.0)
+        elif cfg.zero_stage == 0:
+            dp_s.append(env.dp_all_reduce_s(grad_bytes, cfg.dp, cfg.tp))
+        else:  # gradients reduce-scattered; ZeRO-1/2 all-gather the updated parameters back
+            gather = env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp) if cfg.zero_stage < 3 else 0.0
+            dp_s.append(env.dp_reduce_scatter_s(grad_bytes, cfg.dp, cfg.tp) + gather)
+        sharded = params / (cfg.dp if cfg.zero_stage >= 1 else 1)
+        opt_s.append(sharded * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / env.achievable_bandwidth)
+    tail = max(d + o for d, o in zip(dp_s, opt_s))
+    slowest = int(np.argmax([d + o for d, o in zip(dp_s, opt_s)]))
+    busiest = int(np.argmax(rank_work))
+    compute = m * sum(float((table.forward_s + table.backward_s)[i:j].sum() + table.recompute_s[r][i:j].sum())
+                      for k, ((i, j), r) in enumerate(zip(bounds, recompute)) if k % cfg.pp == busiest)
+    tp_comm = m * sum(float(table.tp_comm_s[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
+    p2p_total = m * sum(float(p2p[j - 1]) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
+    gather_total = m * sum(float(gathers[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
+    bubble = max(pipeline_s - m * rank_work[busiest], 0.0)
+    model_flops = m * cfg.dp * float(table.model_flops.sum())
+    hw_flops = model_flops + m * cfg.dp * sum(float(table.recompute_flops[r][i:j].sum()) for (i, j), r in zip(bounds, recompute))
+    return Evaluation(
+        cfg, True,
+        iteration_time_s=pipeline_s + tail,
+        bounds=tuple(bounds),
+        stage_recompute=recompute,
+        stage_forward_s=tuple(fwd),
+        stage_backward_s=tuple(bwd),
+        peak_memory_bytes=tuple(mem),
+        breakdown_s={
+            "compute": compute,
+            "tp_comm": tp_comm,
+            "p2p": p2p_total,
+            "bubble": bubble,
+            "dp_comm": dp_s[slowest] + gather_total,
+            "optimizer": opt_s[slowest],
+        },
+        bubble_fraction=bubble / (pipeline_s + tail) if pipeline_s + tail > 0 else 0.0,
+        model_flops=model_flops,
+        hardware_flops=hw_flops,
+    )

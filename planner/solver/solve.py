@@ -1,0 +1,246 @@
+"""`planner solve`: the fastest plan that fits, from a profile and a cluster (no torch).
+
+`solve` enumerates the configurations the pins allow (`candidate_configs`), prices each
+with `planner.solver.search.evaluate_config`, keeps the best `top_k`, and writes the winner
+as a plan file (planner/plan.py) whose `search` section lists the runners-up and why each
+lost. When nothing fits it says what does not fit and by how much.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+
+from planner.cluster import Cluster
+from planner.cost.collectives import CollectiveModel, group_placement
+from planner.cost.compute import ComputeModel
+from planner.errors import PlannerError
+from planner.plan import RECOMPUTE, SCHEDULES, Batch, ClusterRef, Layout, ModelRef, Plan, Prediction, Stage, Training, stage_ranks
+from planner.profile_schema import Profile
+from planner.solver.costs import DTYPE_BYTES, UnitCosts
+from planner.solver.search import Config, Environment, Evaluation, evaluate_config
+
+GIB = 1024**3
+# Share of device memory the plan may use: the rest is the CUDA context, NCCL buffers,
+# cuBLAS workspaces and allocator fragmentation (PyTorch's caching allocator typically
+# loses 5-10% to fragmentation on long runs).
+MEMORY_FRACTION = 0.9
+INTERLEAVE_CHOICES = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Dimensions the user fixed; None leaves the dimension to the search."""
+
+    pp: int | None = None
+    tp: int | None = None
+    dp: int | None = None
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
+    zero_stage: int | None = None
+    sequence_parallel: bool | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int) -> None:
+    n, gpn = cluster.world_size, cluster.gpus_per_node
+    problems = []
+    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages"):
+        value = getattr(pins, name)
+        if value is not None and value < 1:
+            problems.append(f"--{name.replace('_', '-')} must be positive (got {value})")
+    if pins.schedule is not None and pins.schedule not in SCHEDULES:
+        problems.append(f"--schedule {pins.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if pins.recompute is not None and pins.recompute not in RECOMPUTE:
+        problems.append(f"--recompute {pins.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+    if pins.zero_stage is not None and pins.zero_stage not in (0, 1, 2, 3):
+        problems.append(f"--zero must be 0, 1, 2 or 3 (got {pins.zero_stage})")
+    fixed = [d for d in (pins.pp, pins.tp, pins.dp) if d]
+    if fixed and n % math.prod(fixed):
+        problems.append(f"pp x tp x dp pins ({pins.pp}, {pins.tp}, {pins.dp}) do not divide the {n} GPUs")
+    if all((pins.pp, pins.tp, pins.dp)) and pins.pp * pins.tp * pins.dp != n:
+        problems.append(f"pp x tp x dp = {pins.pp * pins.tp * pins.dp} but the cluster has {n} GPUs")
+    if pins.tp and pins.tp > gpn:
+        problems.append(f"--tp {pins.tp} exceeds the {gpn} GPUs of a node (tensor parallelism stays inside a node)")
+    if pins.pp and pins.pp * (pins.virtual_stages or 1) > num_units:
+        problems.append(f"--pp {pins.pp} x --virtual-stages {pins.virtual_stages or 1} exceeds the model's {num_units} units")
+    if pins.virtual_stages and pins.virtual_stages > 1 and pins.schedule not in (None, "interleaved-1f1b"):
+        problems.append(f"--virtual-stages {pins.virtual_stages} needs --schedule interleaved-1f1b (zero-bubble is modelled for 1)")
+    if pins.sequence_parallel and pins.tp == 1:
+        problems.append("--sequence-parallel needs --tp > 1")
+    if pins.dp and global_batch_size % pins.dp:
+        problems.append(f"--global-batch {global_batch_size} is not divisible by --dp {pins.dp}")
+    if problems:
+        raise PlannerError("Invalid pins: " + "; ".join(problems) + ".", "Change the pinned values (see `planner solve --help`).")
+
+
+def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int]):
+    n, gpn = cluster.world_size, cluster.gpus_per_node
+    for tp in [pins.tp] if pins.tp else [t for t in _divisors(min(n, gpn))]:
+        for pp in [pins.pp] if pins.pp else [p for p in _divisors(n // tp) if p <= num_units]:
+            dp = n // (tp * pp)
+            if (n % (tp * pp)) or (pins.dp and pins.dp != dp) or global_batch_size % dp:
+                continue
+            local = global_batch_size // dp
+            sizes = [pins.micro_batch_size] if pins.micro_batch_size else [
+                b for b in _divisors(local) if (b & (b - 1)) == 0 or b in profiled_mbs
+            ]
+            for b in sizes:
+                if local % b:
+                    continue
+                m = local // b
+                for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else ([False, True] if tp > 1 else [False]):
+                    if sp and tp == 1:
+                        continue
+                    for schedule, v in _schedules(pins, pp, m, num_units):
+                        zeros = [pins.zero_stage] if pins.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
+                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z) for z in zeros]
+
+
+def _schedules(pins: Pins, pp: int, m: int, num_units: int):
+    if pp == 1:
+        if pins.schedule in (None, "1f1b", "gpipe"):
+            yield (pins.schedule or "1f1b"), 1
+        return
+    # GPipe runs as fast as 1F1B in this model and holds more activations: searched only when pinned.
+    names = [pins.schedule] if pins.schedule else ["1f1b", "interleaved-1f1b", "zero-bubble"]
+    for name in names:
+        if name == "interleaved-1f1b":
+            choices = [pins.virtual_stages] if pins.virtual_stages else INTERLEAVE_CHOICES
+            for v in choices:
+                if v > 1 and pp * v <= num_units and m % pp == 0:
+                    yield name, v
+        elif name == "zero-bubble":
+            yield name, 1
+        else:
+            yield name, 1
+
+
+def _environment(cluster: Cluster, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
+    coll = CollectiveModel(cluster)
+    place = lambda dp, tp: group_placement(cluster, dp, tp)  # noqa: E731  (DP ranks are tp apart)
+    return Environment(
+        usable_memory_bytes=cluster.gpu.memory_bytes * memory_fraction,
+        dtype=dtype,
+        dtype_bytes=DTYPE_BYTES[dtype],
+        allowed_recompute=(pins.recompute,) if pins.recompute else ("none", "selective", "full"),
+        dp_all_reduce_s=lambda nbytes, dp, tp: coll.all_reduce_s(nbytes, place(dp, tp)),
+        dp_reduce_scatter_s=lambda nbytes, dp, tp: coll.reduce_scatter_s(nbytes, place(dp, tp)),
+        dp_all_gather_s=lambda nbytes, dp, tp: coll.all_gather_s(nbytes, place(dp, tp)),
+        p2p_s=lambda nbytes, same_node: coll.p2p_s(nbytes, same_node),
+        gpus_per_node=cluster.gpus_per_node,
+        achievable_bandwidth=cluster.gpu.achievable_bandwidth,
+    )
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Evaluation]
+    """Feasible evaluations, fastest first."""
+    evaluated: int
+    """Configurations priced (DP runs)."""
+    pruned: int
+    """Configurations rejected by the memory lower bound before the DP."""
+    min_memory_bytes: float
+    """Smallest per-GPU memory any configuration needed (when none fits)."""
+    solve_time_s: float
+    costs: UnitCosts
+    """Per-unit cost tables (and TP plans) the evaluations were priced with."""
+
+
+def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
+           memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False) -> SearchResult:
+    """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline)."""
+    started = time.perf_counter()
+    dtype = dtype or profile.dtype
+    check_pins(pins, cluster, global_batch_size, len(profile.units))
+    compute = ComputeModel(profile, cluster.gpu, dtype)
+    coll = CollectiveModel(cluster)
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype)
+    env = _environment(cluster, dtype, pins, memory_fraction)
+    # Branch and bound: price the groups in order of a lower bound on their iteration time
+    # (perfectly balanced stages, no bubble, no communication) and stop once that bound
+    # exceeds the k-th best time found; feasibility is not monotone, so nothing else is cut.
+    groups = []
+    for zero_variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units), profile.micro_batch_sizes):
+        cfg = zero_variants[0]
+        table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+        groups.append((time_lower_bound(table, cfg, env), zero_variants))
+    groups.sort(key=lambda g: g[0])
+    ranked, evaluated, pruned, least = [], 0, 0, math.inf
+    for bound_s, zero_variants in groups:
+        if len(ranked) >= keep and bound_s >= sorted(e.iteration_time_s for e in ranked)[keep - 1]:
+            break
+        for cfg in zero_variants:
+            table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+            bound = env_lower_bound(table, cfg, env)
+            if bound > env.usable_memory_bytes:
+                pruned, least = pruned + 1, min(least, bound)
+                continue
+            evaluated += 1
+            bounds = uniform_bounds(len(profile.units), cfg.pp * cfg.virtual_stages) if uniform_cuts else None
+            result = evaluate_config(table, cfg, env, bounds)
+            if result.feasible:
+                ranked.append(result)
+            else:
+                least = min(least, result.min_memory_bytes)
+    ranked.sort(key=lambda e: e.iteration_time_s)
+    return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs)
+
+
+def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
+    """Units split as evenly as possible, in order (what hand-written pipelines do)."""
+    if num_stages > num_units:
+        return None
+    edges = [round(k * num_units / num_stages) for k in range(num_stages + 1)]
+    return tuple(zip(edges[:-1], edges[1:]))
+
+
+def time_lower_bound(table, cfg: Config, env: Environment) -> float:
+    """No configuration in the group can beat m x (cheapest work per micro-batch) / pp."""
+    extra = min(float(table.recompute_s[r].sum()) for r in env.allowed_recompute)
+    work = float((table.forward_s + table.backward_s).sum()) + extra
+    return cfg.num_microbatches * work / cfg.pp
+
+
+def env_lower_bound(table, cfg: Config, env: Environment) -> float:
+    """Model states per GPU if the stages split them perfectly evenly (no activations)."""
+    from planner.cost.memory import model_state_bytes
+
+    return model_state_bytes(float(table.parameters.sum()) / cfg.pp, env.dtype, cfg.zero_stage, cfg.dp).total
+
+
+def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), **kw) -> Plan:
+    """Like `solve`, with evenly split stages instead of the DP's cuts (baselines only)."""
+    return solve(profile, cluster, global_batch_size, pins, uniform_cuts=True, **kw)
+
+
+def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), top_k: int = 3,
+          dtype: str | None = None, profile_path: str | None = None, memory_fraction: float = MEMORY_FRACTION,
+          uniform_cuts: bool = False) -> Plan:
+    """The best plan, or a PlannerError that says what does not fit and by how much."""
+    if global_batch_size < 1:
+        raise PlannerError(f"--global-batch must be positive (got {global_batch_size}).", "Pass the samples per optimizer step.")
+    result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1), uniform_cuts=uniform_cuts)
+    usable = cluster.gpu.memory_bytes * memory_fraction
+    if not result.ranked:
+        if result.evaluated == 0 and result.pruned == 0:
+            raise PlannerError(
+                f"No configuration of {cluster.world_size} GPUs matches the pins and a global batch of {global_batch_size}.",
+                "Relax the pins or choose a global batch divisible by the data-parallel degree.",
+            )
+        raise PlannerError(
+            f"The model does not fit: the smallest per-GPU memory any configuration needs is "
+            f"{result.min_memory_bytes / GIB:.2f} GiB, but {cluster.gpu.name} offers {usable / GIB:.2f} GiB usable "
+            f"({memory_fraction:.0%} of {cluster.gpu.memory_bytes / GIB:.1f} GiB).",
+            "Use more GPUs, a GPU with more memory, or allow recomputation and ZeRO (unpin --recompute/--zero).",
+        )
+    from planner.solver.plan_builder import build_plan
+
+    return build_plan(profile, cluster, global_batch_size, result, top_k, dtype or profile.dtype, profile_path)

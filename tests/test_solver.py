@@ -1,0 +1,132 @@
+"""planner solve: plans that are valid, pins honoured, infeasibility explained, no torch on the solve path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from planner.cluster import make_cluster
+from planner.errors import PlannerError
+from planner.plan import parse_plan
+from planner.profiler import profile_model
+from planner.solver.solve import Pins, solve
+from tests.conftest import ROOT
+
+# A GPT with 1.3B-parameter-class blocks (d 2048) but only 8 layers: small enough to profile in seconds.
+GPT = dict(n_layers=8, d_model=2048, n_heads=16, d_ff=8192, vocab_size=32000, seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def gpt_profile():
+    return profile_model("examples/gpt.py", GPT, [1, 2, 4], device="meta", gpu="a100-80gb", dtype="bfloat16")
+
+
+def _covers_all_units(plan, profile):
+    units = [u for s in plan.stages for u in s.units]
+    assert units == profile.unit_names()
+
+
+def test_free_search_gives_a_valid_fast_plan(gpt_profile):
+    plan = solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 64, top_k=5)
+    parse_plan(json.loads(plan.model_dump_json()))  # round-trips through the schema
+    _covers_all_units(plan, gpt_profile)
+    pred = plan.prediction
+    assert pred.iteration_time_s > 0 and 0 < pred.mfu < 1
+    assert pred.tokens_per_s == pytest.approx(pred.samples_per_s * 1024)
+    assert plan.search["candidates_evaluated"] > 10
+    alts = plan.search["alternatives"]
+    assert alts and all(a["iteration_time_s"] >= pred.iteration_time_s for a in alts)
+    assert all("slower" in a["why_lost"] for a in alts)
+    assert max(pred.peak_memory_bytes) <= 80 * 1024**3
+
+
+def test_all_pins_evaluate_exactly_that_configuration(gpt_profile):
+    pins = Pins(pp=2, tp=2, dp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=2,
+                recompute="full", zero_stage=1, sequence_parallel=True)
+    plan = solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 32, pins)
+    lay = plan.layout
+    assert (lay.pp_degree, lay.tp_degree, lay.dp_degree, lay.zero_stage) == (2, 2, 2, 1)
+    assert (lay.schedule, lay.virtual_stages, lay.sequence_parallel) == ("interleaved-1f1b", 2, True)
+    assert plan.batch.micro_batch_size == 2 and plan.batch.num_microbatches == 8
+    assert len(plan.stages) == 4 and all(s.recompute == "full" for s in plan.stages)
+    assert plan.search["candidates_evaluated"] == 1
+    _covers_all_units(plan, gpt_profile)
+
+
+def test_tp_plan_is_megatron_style(gpt_profile):
+    plan = solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 16, Pins(tp=8, pp=1, dp=1))
+    tp_plan = plan.stages[0].tp_plan
+    for i in range(GPT["n_layers"]):
+        assert tp_plan[f"blocks.{i}.attn.wq"] == "colwise" and tp_plan[f"blocks.{i}.attn.wo"] == "rowwise"
+        assert tp_plan[f"blocks.{i}.mlp.fc_in"] == "colwise" and tp_plan[f"blocks.{i}.mlp.fc_out"] == "rowwise"
+
+
+def test_memory_pressure_turns_on_recomputation_or_zero(gpt_profile):
+    cluster = make_cluster(8, 8, "a100-80gb")
+    pins = Pins(pp=1, tp=1, dp=8, micro_batch_size=32, zero_stage=0)  # activations outweigh states
+    roomy = solve(gpt_profile, cluster, 256, pins)
+    assert roomy.stages[0].recompute == "none"
+    # A GPU with 30% less than that plan needs: with ZeRO pinned off the solver must recompute.
+    needed = max(roomy.prediction.peak_memory_bytes)
+    small = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=int(needed * 0.7 / 0.9)))
+    tight = solve(gpt_profile, small, 256, pins)
+    assert max(tight.prediction.peak_memory_bytes) <= needed * 0.7 * (1 + 1e-9)
+    assert tight.stages[0].recompute != "none"
+    assert tight.prediction.iteration_time_s > roomy.prediction.iteration_time_s
+    # Unpinned, sharding optimizer state (ZeRO) is the cheaper way to fit.
+    free = solve(gpt_profile, small, 256, Pins(pp=1, tp=1, dp=8, micro_batch_size=32))
+    assert free.prediction.iteration_time_s <= tight.prediction.iteration_time_s
+
+
+def test_model_that_cannot_fit_says_by_how_much():
+    huge = profile_model("examples/gpt.py", dict(n_layers=4, d_model=12288, n_heads=96, d_ff=49152, vocab_size=51200, seq_len=2048),
+                         [1], device="meta", gpu="a100-40gb", dtype="bfloat16")
+    with pytest.raises(PlannerError, match=r"does not fit: the smallest per-GPU memory .* GiB, but a100-40gb offers"):
+        solve(huge, make_cluster(1, 1, "a100-40gb"), 8)
+
+
+@pytest.mark.parametrize("pins,needle", [
+    (Pins(pp=3), "do not divide"),
+    (Pins(tp=16), "exceeds the 8 GPUs of a node"),
+    (Pins(schedule="round-robin"), "is not one of"),
+    (Pins(recompute="sometimes"), "is not one of"),
+    (Pins(virtual_stages=2, schedule="1f1b"), "needs --schedule interleaved-1f1b"),
+    (Pins(pp=2, tp=2, dp=1), "but the cluster has 8 GPUs"),
+])
+def test_invalid_pins_are_explained(gpt_profile, pins, needle):
+    with pytest.raises(PlannerError, match=needle):
+        solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 64, pins)
+
+
+def test_solve_path_does_not_import_torch(gpt_profile, tmp_path):
+    path = gpt_profile.save(tmp_path / "p.json")
+    code = (
+        "import sys\n"
+        "from planner.profile_schema import load_profile\n"
+        "from planner.cluster import make_cluster\n"
+        "from planner.solver.solve import solve\n"
+        f"plan = solve(load_profile({str(path)!r}), make_cluster(8, 8, 'a100-80gb'), 32)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
+def test_cli_solve_show_and_gantt(gpt_profile, tmp_path):
+    path = gpt_profile.save(tmp_path / "p.json")
+    plan_path, png = tmp_path / "plan.json", tmp_path / "g.png"
+    cli = [sys.executable, "-m", "planner.cli"]
+    done = subprocess.run([*cli, "solve", "--profile", str(path), "--gpus", "8", "--gpu", "a100-80gb", "--global-batch", "32",
+                           "--pp", "2", "--output", str(plan_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Stages" in done.stdout and plan_path.is_file()
+    shown = subprocess.run([*cli, "show", str(plan_path), "--gantt", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert "Breakdown" in shown.stdout and png.stat().st_size > 1000
+    bad = subprocess.run([*cli, "solve", "--profile", str(path), "--gpus", "8", "--global-batch", "32", "--tp", "3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr and "Invalid pins" in bad.stderr
