@@ -1,98 +1,169 @@
-"""Pipeline schedules in closed form: iteration time and activations in flight.
+"""Pipeline schedules in closed form: bubble, iteration time and activations in flight.
 
-p pipeline ranks, m micro-batches, v model chunks per rank (interleaving; chunk c of the
-p*v lives on rank c % p, the "looping" placement). f_k, b_k: forward and backward time of
-chunk k for one micro-batch. The event simulator (planner/cost/simulator.py) plays the
-same schedules action by action; on uniform stages the two agree exactly (tests).
+p pipeline ranks, m micro-batches, v chunks per rank (virtual stages; chunk c of the p*v
+lives on rank c % p, the looping placement). f_k, b_k: forward and backward time of chunk
+k for one micro-batch; R_r = sum of (f_k + b_k) over rank r's chunks. The event simulator
+(planner/cost/simulator.py) plays the same schedules as per-rank action lists; on uniform
+stages the two agree exactly (tests/test_schedules.py). Bubble fractions here are bubble
+time / whole iteration time (Narayanan's (p-1)/m is bubble / ideal time instead).
 
-GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021a): the first
-micro-batch crosses every stage, the other m-1 are paced by the slowest stage:
+GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021a, "Memory-
+Efficient Pipeline-Parallel DNN Training"): the first micro-batch crosses every stage, the
+other m - 1 are paced by the slowest one (Alpa's form, Zheng et al. 2022, eq. 2):
 
-    T = sum_k (f_k + b_k) + (m - 1) max_k (f_k + b_k)                  (Alpa's eq. 2)
+    T = sum_k (f_k + b_k) + (m - 1) max_k (f_k + b_k),   bubble (p-1)/(m+p-1) when uniform.
 
-bubble fraction (p-1)/(m+p-1) on uniform stages. GPipe keeps all m micro-batches'
-activations; 1F1B keeps min(m, p - i) on rank i.
+GPipe runs all forwards, then all backwards: two flow shops of identical jobs, so exactly
+T = sum f + (m-1) max f + sum b + (m-1) max b, which is the form above when one stage is
+slowest in both f and b (as when b is proportional to f) and larger otherwise. For 1F1B on
+non-uniform stages the form is an upper bound (never beaten in the property test; the
+simulator was up to ~20% faster on random stages) and the simulator is never faster than
+max_k [sum_{i<k}(f_i + b_i) + m (f_k + b_k)]: rank k cannot start before micro-batch 0
+reaches it, and its last backward must still flow down to rank 0. GPipe holds m
+micro-batches of activations, 1F1B min(m, p - i) on rank i.
 
-Interleaved 1F1B (Narayanan et al. 2021b, SC21, section 2.2): with W_r = rank r's work per
-micro-batch (sum of its chunks), the bubble shrinks by v:
+Interleaved 1F1B (Narayanan et al. 2021b, SC21 "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM", section 2.2): the fill and drain are made of
+chunks, 1/v of a rank's work each, so the bubble shrinks by v:
 
-    T = m max_r W_r + (p - 1) max_r W_r / v,  bubble fraction ((p-1)/v) / (m + (p-1)/v)
+    T = m max_r R_r + (p - 1) max_k (f_k + b_k),   bubble ((p-1)/v) / (m + (p-1)/v) uniform,
 
-and needs m % p == 0 (Megatron's rule). Rank i holds up to (p - i - 1)·2 + (v - 1)·p + 1
-chunk-micro-batches (Megatron's warm-up count plus the one in flight), i.e. that / v
-micro-batches' worth of its activations: rank 0 holds p (1 + (p-1)/(p v)) (Korthikanti
-et al. 2022, section 4.2.3).
+valid for m % p == 0 (Megatron's rule, enforced). Exact on uniform chunks; on random
+non-uniform chunks an estimate (the simulator was within -27%..+19% of it; simulate when
+it matters). With v = 1 it is plain 1F1B. Rank i warms up with (v-1) p + 2 (p-1-i) forwards
+(Megatron's and torch's ScheduleInterleaved1F1B count) and so holds (v-1) p + 2 (p-1-i) + 1
+chunk-micro-batches at its peak (capped at m v); in micro-batches of the whole rank that is divided by v: p + (p-1)/v on rank 0, the
+p (1 + (p-1)/(p v)) of Korthikanti et al. 2022, section 4.2.3.
 
-Zero bubble (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", ZB-H1): the backward is
-split into B (input gradients, on the critical path) and W (weight gradients, deferrable);
-deferred W's fill the cool-down bubble, so with W a fraction w of the backward
+Zero bubble (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward splits into B
+(input gradient, on the critical path) and W (weight gradient, deferrable), B = (1-w) b and
+W = w b with w = backward_weight_fraction. Modelled: torch.distributed.pipelining's
+ScheduleInterleavedZeroBubble ("ZB1P"; for v = 1 that is the paper's handcrafted ZB-H1):
+1F1B order for F and B with warm-up (v-1) m_r + p-1-i forwards (m_r = m // max(1, m // p)),
+and rank i runs the W of its oldest B from its (i+1)-th steady step on; the rest at the end.
+For m >= p the simulator gives exactly (uniform chunks, checked over a grid of f, b, w, p, m)
 
-    T = T_1F1B - (p - 1) · 2 w · mean_k b_k       (uniform: bubble (p-1)(F + B - W))
+    T = m v (f + b) + (p - 1) max(f + B - W, f, B)
 
-Modelled for v = 1 only, as the simulator plays it: B's in 1F1B order, each W deferred to
-the first gap it fits or the cool-down. In steady state there are no gaps, so the W's
-wait for the cool-down and every micro-batch's weight-gradient inputs stay alive until
-then: we charge m micro-batches of activations (more than ZB-H1's 1F1B-sized memory, which
-needs a hand-placed W order this simulator does not reproduce). The solver therefore picks
-zero-bubble only where memory is plentiful.
+i.e. the paper's ZB-H1 bubble (p-1)(F + B - W) when W <= f and W <= B, and the ramp of the
+forwards or the drain of the B's when W is larger. Non-uniform, an estimate: m max_r R_r
+plus, for v = 1, the hop max(f_k + B_k - W_k, f_k, B_k) of every chunk but the slowest
+(Alpa's form with the hop in place of f_k + b_k; the simulator was within -11%..+0.4% of
+it on random stages), for v > 1 (p - 1) times the largest hop (-11%..+38% at v = 2). For m < p the
+W's cannot fill the drain regularly and there is no simple form: iteration_time_s plays the
+schedule in the simulator. Activations are counted until W (W still needs the layer
+inputs): rank i holds min(m v, (v-1) m_r + p) chunk-micro-batches, every rank alike; for
+v = 1 that is min(m, p), 1F1B's peak on rank 0, as the paper states for ZB-H1.
+
+p2p: a pure latency per chunk boundary (sends are asynchronous and take no compute time);
+the first micro-batch crosses 2 (p v - 1) boundaries there and back, each adding p2p_s.
+Exact for GPipe, and for interleaved 1F1B while p2p_s is below a chunk's forward time (the
+tests). 1F1B and zero bubble keep only about p micro-batches in flight, so each round trip's
+2 (p - 1) p2p_s also stretches the steady state: the simulator is slower than this form by
+up to m * 2 (p - 1) p2p_s / p. The solver folds p2p into the stage times instead.
 """
 
 from __future__ import annotations
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+"""Schedule names accepted everywhere."""
 
 
 def check_schedule(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+    """Raise ValueError, saying what to change, if the schedule cannot run with these sizes."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
     if num_stages < 1 or num_microbatches < 1 or virtual_stages < 1:
-        raise ValueError("pipeline ranks, micro-batches and virtual stages must be positive")
-    if virtual_stages > 1 and schedule != "interleaved-1f1b":
-        raise ValueError(f"virtual stages > 1 are modelled for interleaved-1f1b only, not {schedule}")
-    if schedule == "interleaved-1f1b" and num_stages > 1 and num_microbatches % num_stages:
-        raise ValueError(f"interleaved 1F1B needs the micro-batches ({num_microbatches}) to be a multiple of the pipeline ranks ({num_stages})")
+        raise ValueError(f"pipeline ranks ({num_stages}), micro-batches ({num_microbatches}) and virtual stages "
+                         f"({virtual_stages}) must all be positive (at least 1)")
+    if virtual_stages > 1 and schedule in ("gpipe", "1f1b"):
+        raise ValueError(f"{schedule} runs one chunk per rank; use interleaved-1f1b or zero-bubble for "
+                         f"{virtual_stages} virtual stages")
+    if schedule == "interleaved-1f1b" and virtual_stages > 1 and num_microbatches % num_stages:
+        raise ValueError(f"interleaved 1F1B needs the micro-batches ({num_microbatches}) to be a multiple of the "
+                         f"pipeline ranks ({num_stages}) (Megatron's rule); use a multiple of {num_stages}")
+    rounds = max(1, num_microbatches // num_stages)
+    if schedule == "zero-bubble" and virtual_stages > 1 and num_microbatches % rounds:
+        raise ValueError(f"interleaved zero bubble needs the micro-batches ({num_microbatches}) to be a multiple of "
+                         f"m // p = {rounds} (torch's ScheduleInterleavedZeroBubble rule)")
+
+
+def check_stage_lists(stage_forward_s: list[float], stage_backward_s: list[float], virtual_stages: int) -> int:
+    """Validate per-chunk time lists (p * v entries, chunk order); returns p * v."""
+    num_chunks = len(stage_forward_s)
+    if len(stage_backward_s) != num_chunks:
+        raise ValueError(f"{num_chunks} forward times but {len(stage_backward_s)} backward times: give one of each per chunk")
+    if virtual_stages < 1 or num_chunks == 0 or num_chunks % virtual_stages:
+        raise ValueError(f"{num_chunks} chunk times do not split into pipeline ranks x {virtual_stages} virtual stages; "
+                         "give p * v times in chunk order")
+    if min(stage_forward_s) < 0 or min(stage_backward_s) < 0:
+        raise ValueError("stage times must be non-negative")
+    return num_chunks
 
 
 def bubble_fraction(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
-                    backward_weight_fraction: float = 0.5, forward_share: float = 1 / 3) -> float:
-    """Idle share of the iteration on uniform stages (bubble time / iteration time)."""
+                    backward_weight_fraction: float = 0.5, forward_fraction: float = 1 / 3) -> float:
+    """Idle share of the iteration (bubble time / iteration time) on uniform stages.
+
+    Only zero-bubble depends on the split of a micro-batch's work: forward_fraction f/(f+b)
+    (1/3: backward twice the forward) and backward_weight_fraction W/b.
+    """
     check_schedule(schedule, num_stages, num_microbatches, virtual_stages)
     p, m, v = num_stages, num_microbatches, virtual_stages
+    if schedule in ("gpipe", "1f1b") or (schedule == "interleaved-1f1b" and v == 1):
+        return (p - 1) / (m + p - 1)
     if schedule == "interleaved-1f1b":
         return ((p - 1) / v) / (m + (p - 1) / v)
-    if schedule == "zero-bubble":
-        # per micro-batch f + b = 1 with f = forward_share; the bubble is (p-1)(f + b - 2 w b).
-        b = 1 - forward_share
-        bubble = (p - 1) * (1 - 2 * backward_weight_fraction * b)
-        return bubble / (m + bubble)
-    return (p - 1) / (m + p - 1)
+    f = forward_fraction / v
+    b = (1 - forward_fraction) / v
+    t = iteration_time_s(schedule, [f] * (p * v), [b] * (p * v), m, v, backward_weight_fraction=backward_weight_fraction)
+    return 1 - m / t
 
 
 def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
                      virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5) -> float:
-    """Closed-form pipeline time of one iteration (module docstring); lists are per chunk."""
-    num_chunks = len(stage_forward_s)
-    if len(stage_backward_s) != num_chunks or num_chunks % virtual_stages:
-        raise ValueError(f"{num_chunks} forward and {len(stage_backward_s)} backward times for {virtual_stages} virtual stages")
+    """Closed-form time of the pipeline part of one iteration (module docstring); lists per chunk."""
+    num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
     p, m, v = num_chunks // virtual_stages, num_microbatches, virtual_stages
     check_schedule(schedule, p, m, v)
     work = [f + b for f, b in zip(stage_forward_s, stage_backward_s)]
-    latency = 2 * (num_chunks - 1) * p2p_s  # the first micro-batch's sends there and back
-    if schedule == "interleaved-1f1b":
-        rank_work = [sum(work[k] for k in range(r, num_chunks, p)) for r in range(p)]
-        return m * max(rank_work) + (p - 1) * max(rank_work) / v + latency
-    t = sum(work) + (m - 1) * max(work)
-    if schedule == "zero-bubble":
-        mean_b = sum(stage_backward_s) / p
-        t = max(t - (p - 1) * 2 * backward_weight_fraction * mean_b, m * max(work))
-    return t + latency
-
-
-def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int, stage_index: int, virtual_stages: int = 1) -> float:
-    """Peak micro-batches whose activations pipeline rank `stage_index` holds (in whole-rank units)."""
-    p, m, v, i = num_stages, num_microbatches, virtual_stages, stage_index
-    if schedule in ("gpipe", "zero-bubble"):
-        return float(m)
+    latency_s = 2 * (num_chunks - 1) * p2p_s  # the first micro-batch's hops there and back
     if schedule == "interleaved-1f1b" and v > 1:
-        return min(m * v, (p - i - 1) * 2 + (v - 1) * p + 1) / v
-    return float(min(m, p - i))
+        rank_work = [sum(work[k] for k in range(r, num_chunks, p)) for r in range(p)]
+        return m * max(rank_work) + (p - 1) * max(work) + latency_s
+    if schedule == "gpipe":  # two flow shops of identical jobs: all forwards, then all backwards
+        forward_s = sum(stage_forward_s) + (m - 1) * max(stage_forward_s)
+        return forward_s + sum(stage_backward_s) + (m - 1) * max(stage_backward_s) + latency_s
+    if schedule != "zero-bubble":
+        return sum(work) + (m - 1) * max(work) + latency_s
+    w = backward_weight_fraction
+    if m < p:  # no closed form (module docstring): play it
+        from planner.cost.simulator import simulate
+
+        return simulate(schedule, stage_forward_s, stage_backward_s, m, v, p2p_s, w).makespan_s
+    # Qi et al. 2023: with the drain filled by deferred W's, a hop of the fill/drain costs
+    # max(f + B - W, f, B) instead of f + b (module docstring).
+    hop = [max(f + (1 - w) * b - w * b, f, (1 - w) * b) for f, b in zip(stage_forward_s, stage_backward_s)]
+    rank_work = [sum(work[k] for k in range(r, num_chunks, p)) for r in range(p)]
+    if v == 1:
+        slowest = max(range(num_chunks), key=lambda k: work[k])
+        return m * work[slowest] + sum(h for k, h in enumerate(hop) if k != slowest) + latency_s
+    return m * max(rank_work) + (p - 1) * max(hop) + latency_s
+
+
+def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int, stage_index: int,
+                           virtual_stages: int = 1) -> float:
+    """Peak micro-batches whose activations pipeline rank `stage_index` holds, in units of one
+    micro-batch through all of that rank's chunks (chunk-micro-batches / v)."""
+    check_schedule(schedule, num_stages, num_microbatches, virtual_stages)
+    p, m, v, i = num_stages, num_microbatches, virtual_stages, stage_index
+    if not 0 <= i < p:
+        raise ValueError(f"stage_index {i} is not a pipeline rank of {p}")
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):
+        return float(min(m, p - i))
+    if schedule == "interleaved-1f1b":
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - i) + 1) / v
+    per_round = m // max(1, m // p)
+    return min(m * v, (v - 1) * per_round + p) / v

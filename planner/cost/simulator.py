@@ -1,16 +1,27 @@
-"""Event simulator: play a pipeline schedule action by action on per-stage times.
+"""Event simulator: pipeline schedules as data, played action by action on per-chunk times.
 
-A schedule is data: per rank, the ordered list of actions `(kind, chunk, microbatch)` with
-kind F (forward), B (backward; for zero-bubble only the input-gradient part) or W (weight
-gradient, zero-bubble only), written like torch.distributed.pipelining's actions: `0F3` is
-the forward of micro-batch 3 on chunk 0. Each rank runs its list in order and waits when
-an action's inputs are not ready:
+A schedule is, per pipeline rank, the ordered list of actions `(kind, chunk, microbatch)`
+(`schedule_actions`), written like torch.distributed.pipelining's actions: `0F3` is the
+forward of micro-batch 3 on chunk 0. Kinds: F (forward), BW (full backward), B (input
+gradient only) and W (weight gradient only); B/W appear in zero-bubble, BW elsewhere.
+With v virtual stages there are p*v chunks and chunk c lives on rank c % p.
 
-    F(c, j) needs F(c-1, j) (+ p2p)       B(c, j) needs F(c, j) and B(c+1, j) (+ p2p)
-    W(c, j) needs B(c, j)
+`simulate` plays the lists: a rank runs its actions strictly in order, each as soon as the
+rank is free and the action's inputs have arrived:
 
-The result is a per-rank timeline (its Gantt chart is `draw_gantt`), the makespan and the
-peak number of chunk-micro-batches whose activations each rank held (F done, B not yet).
+    F(c, j)  needs F(c-1, j) + p2p                     (c > 0)
+    BW/B(c, j) needs F(c, j) and BW/B(c+1, j) + p2p      (the last chunk: only F(c, j))
+    W(c, j)  needs B(c, j)
+
+p2p is a pure latency on every chunk boundary, also between two chunks of one rank (no
+special case for a local hand-off); sends are asynchronous: they occupy no compute time and
+links have no contention. A list that can never finish (an action waits on one that is
+behind it somewhere) raises ValueError with the rank grid, the stuck action in brackets.
+
+Activations held: a chunk-micro-batch is counted from its F until its BW (or, in
+zero-bubble, its W: the weight gradient still needs the layer inputs, Qi et al. 2023
+section 2). Because a rank's count changes only at its own actions, the peak follows from
+the action order alone.
 """
 
 from __future__ import annotations
@@ -18,178 +29,197 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.cost.schedules import check_schedule
+from planner.cost.schedules import check_schedule, check_stage_lists
+
+Action = tuple[str, int, int]
+"""(kind, global chunk, micro-batch); kind is F, BW, B or W."""
 
 
 @dataclass(frozen=True)
 class Event:
+    """One action as it ran."""
+
     rank: int
+    """Pipeline rank that ran it."""
     chunk: int
-    """Global stage index (chunk c lives on rank c % p)."""
+    """Global chunk (stage) index; lives on rank chunk % num_ranks."""
     microbatch: int
+    """Micro-batch index, 0-based."""
     kind: str
-    """F, B or W."""
+    """F, BW (full backward), B (input gradient) or W (weight gradient)."""
     start_s: float
+    """Start time from the beginning of the iteration."""
     end_s: float
+    """End time from the beginning of the iteration."""
 
 
 @dataclass(frozen=True)
 class Timeline:
+    """The result of playing a schedule."""
+
     schedule: str
+    """Schedule name (one of planner.cost.schedules.SCHEDULES)."""
     num_ranks: int
+    """Pipeline ranks p."""
     events: tuple[Event, ...]
+    """Every action that ran, in the order the simulator committed them."""
     makespan_s: float
+    """End of the last action: the pipeline part of one iteration."""
     peak_in_flight: tuple[int, ...]
-    """Per rank: most chunk-micro-batches held at once."""
+    """Per rank: most chunk-micro-batches whose activations it held at once."""
 
     def busy_s(self, rank: int) -> float:
+        """Compute time of `rank` (sum of its action durations)."""
         return sum(e.end_s - e.start_s for e in self.events if e.rank == rank)
 
     def bubble_fraction(self) -> float:
+        """Idle share of the iteration: 1 - mean busy time / makespan."""
+        if self.makespan_s <= 0:
+            return 0.0
         mean_busy = sum(self.busy_s(r) for r in range(self.num_ranks)) / self.num_ranks
-        return 1 - mean_busy / self.makespan_s if self.makespan_s else 0.0
+        return 1.0 - mean_busy / self.makespan_s
 
 
-def action_name(action: tuple[str, int, int]) -> str:
+def action_name(action: Action) -> str:
+    """torch.distributed.pipelining's string form: chunk, kind, micro-batch (`1F0`, `0BW3`)."""
     kind, chunk, microbatch = action
     return f"{chunk}{kind}{microbatch}"
 
 
-def schedule_actions(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[tuple[str, int, int]]]:
-    """Per rank, its ordered actions (kind, global chunk, micro-batch)."""
+def format_actions(actions: list[list[Action]], mark: dict[int, int] | None = None) -> str:
+    """One line per rank; the action at index mark[rank] is shown in brackets."""
+    mark = mark or {}
+    lines = []
+    for r, acts in enumerate(actions):
+        names = [f"[{action_name(a)}]" if mark.get(r) == i else action_name(a) for i, a in enumerate(acts)]
+        lines.append(f"rank {r}: " + " ".join(names))
+    return "\n".join(lines)
+
+
+def schedule_actions(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """Per rank, its ordered actions (kind, global chunk, micro-batch): the schedule as data."""
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
     p, m, v = num_ranks, num_microbatches, virtual_stages
-    ranks = []
-    for r in range(p):
-        if schedule == "gpipe":
-            ranks.append([("F", r, j) for j in range(m)] + [("B", r, j) for j in range(m)])
-        elif schedule == "1f1b":
-            ranks.append(_one_f_one_b([(r, j) for j in range(m)], [(r, j) for j in range(m)], min(p - r - 1, m)))
-        elif schedule == "interleaved-1f1b":
-            # Megatron's order: groups of p micro-batches go through chunk 0, then chunk 1, ...
-            total = m * v
-            fwd = [(((k // p) % v) * p + r, (k // (p * v)) * p + k % p) for k in range(total)]
-            bwd = [((v - 1 - (k // p) % v) * p + r, (k // (p * v)) * p + k % p) for k in range(total)]
-            warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-            ranks.append(_one_f_one_b(fwd, bwd, warmup))
-        else:  # zero-bubble: 1F1B order of F and B; the simulator fills idle time with deferred W's
-            ranks.append(_one_f_one_b([(r, j) for j in range(m)], [(r, j) for j in range(m)], min(p - r - 1, m)))
-    return ranks
+    if schedule == "gpipe":
+        # GPipe (Huang et al. 2019): all forwards, then all backwards.
+        return [[("F", r, j) for j in range(m)] + [("BW", r, j) for j in range(m)] for r in range(p)]
+    if schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):
+        # PipeDream-Flush (Narayanan et al. 2021a): p - r - 1 warm-up forwards, then one
+        # forward / one backward, then the remaining backwards.
+        return [_looped(r, p, m, 1, min(p - r - 1, m), zero_bubble=False) for r in range(p)]
+    if schedule == "interleaved-1f1b":
+        # Megatron-LM (Narayanan et al. 2021b, section 2.2) as torch's ScheduleInterleaved1F1B:
+        # warm-up (v - 1) p + 2 (p - r - 1) forwards so the first backward of the last chunk
+        # can come back before the rank runs dry.
+        return [_looped(r, p, m, v, min((v - 1) * p + 2 * (p - r - 1), m * v), zero_bubble=False) for r in range(p)]
+    # Zero bubble as torch's ScheduleInterleavedZeroBubble ("ZB1P"; ZB-H1 of Qi et al. 2023 for
+    # v = 1): warm-up (v - 1) * per_round + p - r - 1 forwards, then F, B and, after the first
+    # r steps, the W of the oldest B; the last W's run at the end.
+    per_round = m // max(1, m // p)
+    return [_looped(r, p, m, v, min((v - 1) * per_round + p - r - 1, m * v), zero_bubble=True) for r in range(p)]
 
 
-def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list[tuple[str, int, int]]:
-    """Warm-up forwards, then one forward / one backward, then the remaining backwards."""
-    actions = [("F", c, j) for c, j in fwd[:warmup]]
-    f_next, b_next = warmup, 0
-    while b_next < len(bwd):
-        if f_next < len(fwd):
-            actions.append(("F", *fwd[f_next]))
-            f_next += 1
-        actions.append(("B", *bwd[b_next]))
-        b_next += 1
+def _looped(rank: int, p: int, m: int, v: int, warmup: int, zero_bubble: bool) -> list[Action]:
+    """torch's `_get_1f1b_rank_ops` without its no-op padding (the simulator waits instead).
+
+    Forwards visit the rank's chunks in rounds of `per_round` micro-batches (chunk 0 of the
+    rank, then chunk 1, ...); backwards visit them in reverse chunk order.
+    """
+    per_round = m // max(1, m // p)
+    total = m * v
+    fwd, bwd, next_f, next_b = [], [], [0] * v, [0] * v
+    for k in range(total):
+        local = (k // per_round) % v
+        fwd.append((local * p + rank, next_f[local]))
+        next_f[local] += 1
+        local = v - 1 - (k // per_round) % v
+        bwd.append((local * p + rank, next_b[local]))
+        next_b[local] += 1
+    actions: list[Action] = [("F", c, j) for c, j in fwd[:warmup]]
+    backward = "B" if zero_bubble else "BW"
+    weights_done = 0
+    for k in range(total):
+        if warmup + k < total:
+            actions.append(("F", *fwd[warmup + k]))
+        actions.append((backward, *bwd[k]))
+        if zero_bubble and k >= rank:  # rank r delays its W's by r steps to fill the cool-down
+            actions.append(("W", *bwd[weights_done]))
+            weights_done += 1
+    if zero_bubble:
+        actions.extend(("W", c, j) for c, j in bwd[weights_done:])
     return actions
 
 
 def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
              virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5) -> Timeline:
-    num_chunks = len(stage_forward_s)
-    if len(stage_backward_s) != num_chunks or num_chunks % virtual_stages:
-        raise ValueError(f"{num_chunks} forward and {len(stage_backward_s)} backward times for {virtual_stages} virtual stages")
+    """Play `schedule_actions` on per-chunk forward / backward times (lists in chunk order).
+
+    In zero-bubble the backward b of a chunk splits into B = (1 - w) b and W = w b with w =
+    backward_weight_fraction.
+    """
+    num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
+    if not 0.0 <= backward_weight_fraction <= 1.0:
+        raise ValueError(f"backward_weight_fraction must lie in [0, 1], got {backward_weight_fraction}")
     p = num_chunks // virtual_stages
     plans = schedule_actions(schedule, p, num_microbatches, virtual_stages)
-    split = schedule == "zero-bubble"
-    w = backward_weight_fraction if split else 0.0
+    w = backward_weight_fraction
 
     def duration(kind: str, c: int) -> float:
-        return stage_forward_s[c] if kind == "F" else stage_backward_s[c] * ((1 - w) if kind == "B" else w)
+        return {"F": stage_forward_s[c], "BW": stage_backward_s[c],
+                "B": (1 - w) * stage_backward_s[c], "W": w * stage_backward_s[c]}[kind]
 
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * p
-    pointer = [0] * p
-    held, peak = [0] * p, [0] * p
-    events = []
-    remaining = sum(len(a) for a in plans)
-    pending: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]  # zero-bubble: W's not yet run
-    while remaining or any(pending):
-        best = None
-        for r in range(p):
-            start = None
-            if pointer[r] < len(plans[r]):
-                kind, c, j = plans[r][pointer[r]]
-                ready = _ready(kind, c, j, num_chunks, done, p2p_s)
-                start = None if ready is None else max(ready, free[r])
-                if start is not None and (best is None or start < best[0]):
-                    best = (start, r, plans[r][pointer[r]])
-            # Zero bubble (Qi et al. 2023): a deferred W runs in any gap it fits, and in the cool-down.
-            if pending[r]:
-                w_end = free[r] + duration("W", pending[r][0][1])
-                if (start is None or start >= w_end) and (best is None or free[r] < best[0]):
-                    best = (free[r], r, pending[r][0])
-        if best is None:
-            stuck = {r: action_name(plans[r][pointer[r]]) for r in range(p) if pointer[r] < len(plans[r])}
-            grid = "\n".join(f"rank {r}: " + " ".join(("[" + action_name(a) + "]") if i == pointer[r] else action_name(a)
-                                                       for i, a in enumerate(plans[r])) for r in range(p))
-            raise ValueError(f"schedule {schedule} deadlocks; waiting actions {stuck}\n{grid}")
-        start, r, action = best
-        kind, c, j = action
-        end = start + duration(kind, c)
-        done[action] = end
-        free[r] = end
+    def ready_s(kind: str, c: int, j: int) -> float | None:
+        """When the inputs of an action have arrived, or None if they are not produced yet."""
         if kind == "W":
-            pending[r].pop(0)
-            held[r] -= 1  # a zero-bubble micro-batch's activations live until its W
-        else:
-            pointer[r], remaining = pointer[r] + 1, remaining - 1
-            if kind == "F":
-                held[r] += 1
-            elif split:
-                pending[r].append(("W", c, j))
-            else:
-                held[r] -= 1
-        peak[r] = max(peak[r], held[r])
-        events.append(Event(r, c, j, kind, start, end))
-    return Timeline(schedule, p, tuple(events), max(free), tuple(peak))
-
-
-def _ready(kind: str, c: int, j: int, num_chunks: int, done: dict, p2p_s: float) -> float | None:
-    if kind == "F":
-        if c == 0:
-            return 0.0
-        prev = done.get(("F", c - 1, j))
-        return None if prev is None else prev + p2p_s
-    if kind == "B":
+            return done.get(("B", c, j))
+        if kind == "F":
+            return 0.0 if c == 0 else _plus(done.get(("F", c - 1, j)), p2p_s)
         own = done.get(("F", c, j))
-        if own is None:
-            return None
-        if c == num_chunks - 1:
+        if own is None or c == num_chunks - 1:
             return own
-        after = done.get(("B", c + 1, j))
-        return None if after is None else max(own, after + p2p_s)
-    return done.get(("B", c, j))
+        later = _plus(done.get((kind, c + 1, j)), p2p_s)
+        return None if later is None else max(own, later)
+
+    done: dict[Action, float] = {}
+    free_s, pointer = [0.0] * p, [0] * p
+    events: list[Event] = []
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pointer[r] < len(plans[r]):
+                kind, c, j = plans[r][pointer[r]]
+                ready = ready_s(kind, c, j)
+                if ready is None:
+                    break
+                start = max(ready, free_s[r])
+                free_s[r] = start + duration(kind, c)
+                done[(kind, c, j)] = free_s[r]
+                events.append(Event(r, c, j, kind, start, free_s[r]))
+                pointer[r] += 1
+                progress = True
+    if any(pointer[r] < len(plans[r]) for r in range(p)):
+        stuck = {r: pointer[r] for r in range(p) if pointer[r] < len(plans[r])}
+        raise ValueError(f"schedule {schedule!r} deadlocks: no rank can run its next action [bracketed]\n"
+                         + format_actions(plans, stuck))
+    return Timeline(schedule, p, tuple(events), max(free_s), tuple(_peak_held(a) for a in plans))
+
+
+def _plus(t: float | None, dt: float) -> float | None:
+    return None if t is None else t + dt
+
+
+def _peak_held(actions: list[Action]) -> int:
+    held = peak = 0
+    releases = "W" if any(k == "W" for k, _, _ in actions) else "BW"
+    for kind, _, _ in actions:
+        held += (kind == "F") - (kind == releases)
+        peak = max(peak, held)
+    return peak
 
 
 def draw_gantt(timeline: Timeline, path: str | Path, title: str = "") -> Path:
-    """One row per rank; forward, backward and weight-gradient boxes with the micro-batch number."""
-    import matplotlib
+    """PNG Gantt chart of a timeline (see planner.cost.gantt)."""
+    from planner.cost.gantt import draw_gantt as draw
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-    fig, ax = plt.subplots(figsize=(max(8, len(timeline.events) / 6), 0.6 * timeline.num_ranks + 1.2))
-    for e in timeline.events:
-        ax.barh(e.rank, e.end_s - e.start_s, left=e.start_s, color=colors[e.kind], edgecolor="black", linewidth=0.4)
-        if timeline.makespan_s and (e.end_s - e.start_s) / timeline.makespan_s > 0.012:
-            ax.text((e.start_s + e.end_s) / 2, e.rank, str(e.microbatch), ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(timeline.num_ranks), [f"rank {r}" for r in range(timeline.num_ranks)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (s)")
-    ax.set_title(title or f"{timeline.schedule}: makespan {timeline.makespan_s:.4g} s, bubble {timeline.bubble_fraction():.1%}")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in colors.items() if any(e.kind == k for e in timeline.events)]
-    ax.legend(handles, [k for k in colors if any(e.kind == k for e in timeline.events)], loc="upper right", fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return draw(timeline, path, title)

@@ -93,11 +93,15 @@ class UnitCosts:
         )
 
     def tp_solution(self, unit: Unit, t: int, sp: bool, b: float) -> IntraOpSolution:
+        """The ILP's answer at the smallest profiled micro-batch, re-priced at b (cached per structure)."""
         key = (unit.fingerprint, t, sp)
         if key not in self._ilp:
             self._ilp[key] = solve_intra_op(self._problem(unit, t, sp, self.base_mbs))
-        solution = self._ilp[key]
-        return solution if b == self.base_mbs else evaluate(self._problem(unit, t, sp, b), solution.strategies)
+        if b == self.base_mbs:
+            return self._ilp[key]
+        if (*key, b) not in self._ilp:
+            self._ilp[(*key, b)] = evaluate(self._problem(unit, t, sp, b), self._ilp[key].strategies)
+        return self._ilp[(*key, b)]
 
     def table(self, t: int, sp: bool, b: int) -> UnitCostTable:
         key = (t, sp, b)

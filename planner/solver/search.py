@@ -15,7 +15,8 @@ gradient synchronisation and the optimizer step. Configurations whose model stat
 cannot fit (a lower bound: the whole model's states over pp x tp, ZeRO applied) are pruned
 before the DP. ZeRO stages are all priced: stage 1 is usually the fastest here (its
 reduce-scatter + all-gather cost what an all-reduce does, and each rank updates only its
-1/dp of the optimizer state), stage 3 adds parameter all-gathers per micro-batch.
+1/dp of the optimizer state); stages 2 and 3 reduce-scatter gradients every micro-batch
+and stage 3 also gathers parameters twice per micro-batch.
 """
 
 from __future__ import annotations
@@ -92,9 +93,14 @@ class Environment:
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     """Per unit and recompute mode: time per micro-batch and memory pieces (prefix-summable)."""
     zero3_gather = np.zeros_like(table.parameters)
-    if cfg.zero_stage == 3 and cfg.dp > 1:
-        # FSDP gathers each unit's parameters before its forward and again before its backward.
-        zero3_gather = 2 * np.array([env.dp_all_gather_s(p * env.dtype_bytes, cfg.dp, cfg.tp) for p in table.parameters])
+    if cfg.zero_stage >= 2 and cfg.dp > 1:
+        # Sharded gradients cannot accumulate over micro-batches unsharded: each backward
+        # reduce-scatters its gradients (FSDP's default); ZeRO-3 also gathers each unit's
+        # parameters before its forward and again before its backward.
+        grad_bytes = 4 if env.dtype == "float32" else 2
+        scatter = np.array([env.dp_reduce_scatter_s(p * grad_bytes, cfg.dp, cfg.tp) for p in table.parameters])
+        gather = np.array([env.dp_all_gather_s(p * env.dtype_bytes, cfg.dp, cfg.tp) for p in table.parameters])
+        zero3_gather = scatter + (2 * gather if cfg.zero_stage == 3 else 0.0)
     base = table.forward_s + table.backward_s + table.tp_comm_s + zero3_gather
     times = {r: base + table.recompute_s[r] for r in env.allowed_recompute}
     states = np.array([model_state_bytes(p, env.dtype, cfg.zero_stage, cfg.dp).total for p in table.parameters])
@@ -119,19 +125,21 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     limit = env.usable_memory_bytes / cfg.virtual_stages  # interleaving: a rank's chunks share its memory
     cost = np.full((num_chunks, size, size), np.inf)
     choice = np.full((num_chunks, size, size), -1, dtype=int)
+    # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
+    in_flight = np.array([in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
+                          for k in range(num_chunks)])[:, None]
+    buffers = 2 * table.cut_bytes[end - 1]
     min_needed = math.inf
-    for k in range(num_chunks):
-        in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
-        for ri, r in enumerate(env.allowed_recompute):
-            p_time, p_act = prefix(times[r]), prefix(table.activations[r])
-            transient = np.array([table.transient[r][i:j].max() for i, j in zip(start, end)]) if r == "full" else 0.0
-            buffers = 2 * table.cut_bytes[end - 1]
-            memory = p_states[end] - p_states[start] + in_flight * (p_act[end] - p_act[start]) + transient + buffers
-            min_needed = min(min_needed, float(memory.min()))
-            t = p_time[end] - p_time[start] + p2p[end - 1]
-            better = (memory <= limit) & (t < cost[k, start, end])
-            cost[k, start[better], end[better]] = t[better]
-            choice[k, start[better], end[better]] = ri
+    for ri, r in enumerate(env.allowed_recompute):
+        p_time, p_act = prefix(times[r]), prefix(table.activations[r])
+        fixed = p_states[end] - p_states[start] + buffers + (_range_max(table.transient[r])[start, end] if r == "full" else 0.0)
+        memory = fixed[None, :] + in_flight * (p_act[end] - p_act[start])[None, :]  # [stage position, range]
+        min_needed = min(min_needed, float(memory.min()))
+        t = np.broadcast_to(p_time[end] - p_time[start] + p2p[end - 1], memory.shape)
+        current = cost[:, start, end]
+        better = (memory <= limit) & (t < current)
+        cost[:, start, end] = np.where(better, t, current)
+        choice[:, start, end] = np.where(better, ri, choice[:, start, end])
     if fixed_bounds is not None:
         if len(fixed_bounds) != num_chunks or not all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(fixed_bounds)):
             return Evaluation(cfg, False, "the given cuts do not fit in memory", min_memory_bytes=min_needed)
@@ -142,6 +150,15 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
         except PlannerError:
             return Evaluation(cfg, False, "no stage cuts fit in memory", min_memory_bytes=min_needed)
     return _price(table, cfg, env, bounds, [int(choice[k, i, j]) for k, (i, j) in enumerate(bounds)], times, states, gathers, p2p)
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """out[i, j] = max(values[i:j]) for i < j (running maxima, one row per start)."""
+    size = len(values) + 1
+    out = np.zeros((size, size))
+    for i in range(len(values)):
+        out[i, i + 1:] = np.maximum.accumulate(values[i:])
+    return out
 
 
 def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, states, gathers, p2p) -> Evaluation:
@@ -171,9 +188,11 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
             dp_s.append(0.0)
         elif cfg.zero_stage == 0:
             dp_s.append(env.dp_all_reduce_s(grad_bytes, cfg.dp, cfg.tp))
-        else:  # gradients reduce-scattered; ZeRO-1/2 all-gather the updated parameters back
+        else:  # ZeRO-1 reduce-scatters once per step (ZeRO-2/3 per micro-batch, in the stage times);
+            # ZeRO-1/2 all-gather the updated parameters back after the step.
+            scatter = env.dp_reduce_scatter_s(grad_bytes, cfg.dp, cfg.tp) if cfg.zero_stage == 1 else 0.0
             gather = env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp) if cfg.zero_stage < 3 else 0.0
-            dp_s.append(env.dp_reduce_scatter_s(grad_bytes, cfg.dp, cfg.tp) + gather)
+            dp_s.append(scatter + gather)
         sharded = params / (cfg.dp if cfg.zero_stage >= 1 else 1)
         opt_s.append(sharded * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / env.achievable_bandwidth)
     tail = max(d + o for d, o in zip(dp_s, opt_s))

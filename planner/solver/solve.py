@@ -26,7 +26,8 @@ GIB = 1024**3
 # cuBLAS workspaces and allocator fragmentation (PyTorch's caching allocator typically
 # loses 5-10% to fragmentation on long runs).
 MEMORY_FRACTION = 0.9
-INTERLEAVE_CHOICES = (2, 3, 4)
+INTERLEAVE_CHOICES = (2, 4)  # other v only when pinned
+MAX_MICRO_BATCH = 32  # larger micro-batches only when pinned
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         problems.append(f"--tp {pins.tp} exceeds the {gpn} GPUs of a node (tensor parallelism stays inside a node)")
     if pins.pp and pins.pp * (pins.virtual_stages or 1) > num_units:
         problems.append(f"--pp {pins.pp} x --virtual-stages {pins.virtual_stages or 1} exceeds the model's {num_units} units")
-    if pins.virtual_stages and pins.virtual_stages > 1 and pins.schedule not in (None, "interleaved-1f1b"):
-        problems.append(f"--virtual-stages {pins.virtual_stages} needs --schedule interleaved-1f1b (zero-bubble is modelled for 1)")
+    if pins.virtual_stages and pins.virtual_stages > 1 and pins.schedule not in (None, "interleaved-1f1b", "zero-bubble"):
+        problems.append(f"--virtual-stages {pins.virtual_stages} needs --schedule interleaved-1f1b or zero-bubble")
     if pins.sequence_parallel and pins.tp == 1:
         problems.append("--sequence-parallel needs --tp > 1")
     if pins.dp and global_batch_size % pins.dp:
@@ -89,7 +90,7 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
                 continue
             local = global_batch_size // dp
             sizes = [pins.micro_batch_size] if pins.micro_batch_size else [
-                b for b in _divisors(local) if (b & (b - 1)) == 0 or b in profiled_mbs
+                b for b in _divisors(local) if ((b & (b - 1)) == 0 or b in profiled_mbs) and b <= MAX_MICRO_BATCH
             ]
             for b in sizes:
                 if local % b:
@@ -117,7 +118,9 @@ def _schedules(pins: Pins, pp: int, m: int, num_units: int):
                 if v > 1 and pp * v <= num_units and m % pp == 0:
                     yield name, v
         elif name == "zero-bubble":
-            yield name, 1
+            v = pins.virtual_stages or 1  # interleaved zero bubble only when pinned
+            if pp * v <= num_units:
+                yield name, v
         else:
             yield name, 1
 
@@ -203,10 +206,20 @@ def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
 
 
 def time_lower_bound(table, cfg: Config, env: Environment) -> float:
-    """No configuration in the group can beat m x (cheapest work per micro-batch) / pp."""
+    """A bound no configuration of the group can beat, from W = the cheapest work per micro-batch.
+
+    Stage times add up to at least W and the slowest is at least W / pp, so GPipe and 1F1B
+    take at least W + (m - 1) W / pp; interleaving at least (m + (pp - 1) / v) W / pp; zero
+    bubble at least m W / pp.
+    """
     extra = min(float(table.recompute_s[r].sum()) for r in env.allowed_recompute)
     work = float((table.forward_s + table.backward_s).sum()) + extra
-    return cfg.num_microbatches * work / cfg.pp
+    m, p, v = cfg.num_microbatches, cfg.pp, cfg.virtual_stages
+    if cfg.schedule == "interleaved-1f1b":
+        return (m + (p - 1) / v) * work / p
+    if cfg.schedule == "zero-bubble":
+        return m * work / p
+    return work + (m - 1) * work / p
 
 
 def env_lower_bound(table, cfg: Config, env: Environment) -> float:

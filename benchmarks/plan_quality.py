@@ -1,0 +1,119 @@
+"""Is the solver's free choice at least as good as the experts' and the usual defaults?
+
+For every row of shared/reference/megatron_sc21_table1.csv (Narayanan et al. 2021): an
+analytic profile of examples/gpt.py at the row's shape (float16, A100-80GB, materialised
+attention and dropout 0.1), then, all predicted by the same cost model:
+
+- `published`: the row's own configuration, pinned (the solver still picks the cuts);
+- `free`: the solver's free choice (same GPUs and global batch);
+- `pure-dp`: pp = tp = 1, data parallel over every GPU, ZeRO stage left to the solver
+  (ZeRO-3 when nothing else fits);
+- `megatron-uniform`: tp = 8, 1F1B, full recomputation, the smallest pp that fits, with
+  layers split evenly (no DP over the cuts);
+- `titan-fsdp-tp`: torchtitan's usual defaults: tp = 8 with sequence parallelism, FSDP
+  (ZeRO-3) over the rest, no pipeline, selective recomputation.
+
+The free choice must never be predicted slower than the published configuration (it
+searches a superset); where it is faster the CSV says how its layout differs.
+Writes benchmarks/results/plan_quality.{csv,png}.
+
+    python benchmarks/plan_quality.py
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from planner.cluster import make_cluster
+from planner.errors import PlannerError
+from planner.profiler import profile_model
+from planner.solver.solve import Pins, solve, solve_uniform
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT.parent / "shared" / "reference" / "megatron_sc21_table1.csv"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _describe(plan) -> str:
+    lay = plan.layout
+    return (f"pp{lay.pp_degree} dp{lay.dp_degree} tp{lay.tp_degree}{'+sp' if lay.sequence_parallel else ''} "
+            f"zero{lay.zero_stage} {lay.schedule}{' v' + str(lay.virtual_stages) if lay.virtual_stages > 1 else ''} "
+            f"mbs{plan.batch.micro_batch_size} recompute={'/'.join(sorted({s.recompute for s in plan.stages}))}")
+
+
+def _try(label, fn):
+    try:
+        plan = fn()
+        return {f"{label}_s": plan.prediction.iteration_time_s, f"{label}_layout": _describe(plan)}
+    except PlannerError as exc:
+        return {f"{label}_s": float("nan"), f"{label}_layout": f"no plan: {exc.message[:80]}"}
+
+
+def _uniform_megatron(prof, cluster, batch):
+    """tp 8, smallest pp that fits, layers split evenly: the hand-written Megatron recipe."""
+    for pp in (1, 2, 4, 8, 16, 32, 64):
+        if cluster.world_size % (8 * pp):
+            continue
+        try:
+            return solve_uniform(prof, cluster, batch, Pins(tp=8, pp=pp, schedule="1f1b", recompute="full", zero_stage=0,
+                                                                           sequence_parallel=False))
+        except PlannerError:
+            continue
+    raise PlannerError("no uniform Megatron split fits", "")
+
+
+def main() -> None:
+    reference = pd.read_csv(REFERENCE)
+    rows = []
+    for row in reference.itertuples():
+        args = dict(n_layers=int(row.num_layers), d_model=int(row.hidden_size), n_heads=int(row.num_heads),
+                    d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
+                    attention="math", dropout=0.1)
+        prof = profile_model("examples/gpt.py", args, [1, 2, 4, 8], device="meta", gpu="a100-80gb", dtype="float16")
+        cluster = make_cluster(int(row.num_gpus), int(row.gpus_per_node), "a100-80gb")
+        batch = int(row.global_batch_size_seqs)
+        found = re.match(r"(\d+) chunks", str(row.virtual_pipeline))
+        v = int(found.group(1)) if found else 1
+        published = Pins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), micro_batch_size=int(row.micro_batch_size),
+                         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full", zero_stage=0,
+                         sequence_parallel=False)
+        r = {"model": row.model, "gpus": int(row.num_gpus)}
+        r.update(_try("published", lambda: solve(prof, cluster, batch, published, top_k=1)))
+        r.update(_try("free", lambda: solve(prof, cluster, batch, top_k=1)))
+        r.update(_try("pure_dp", lambda: solve(prof, cluster, batch, Pins(pp=1, tp=1), top_k=1)))
+        r.update(_try("megatron_uniform", lambda: _uniform_megatron(prof, cluster, batch)))
+        r.update(_try("titan_fsdp_tp", lambda: solve(prof, cluster, batch, Pins(pp=1, tp=8, zero_stage=3, sequence_parallel=True,
+                                                                                 recompute="selective"), top_k=1)))
+        r["free_vs_published"] = r["free_s"] / r["published_s"] - 1
+        rows.append(r)
+        print(f"{r['model']:>12}: published {r['published_s']:.2f} s ({r['published_layout']}) | free {r['free_s']:.2f} s "
+              f"({r['free_layout']}) {r['free_vs_published']:+.1%}", flush=True)
+    frame = pd.DataFrame(rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(RESULTS / "plan_quality.csv", index=False)
+    worse = frame[frame["free_vs_published"] > 1e-9]
+    print(f"free choice slower than published in {len(worse)} of {len(frame)} rows")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = ["published", "free", "pure_dp", "megatron_uniform", "titan_fsdp_tp"]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.16
+    for n, label in enumerate(labels):
+        rel = frame[f"{label}_s"] / frame["published_s"]
+        ax.bar([i + n * width for i in range(len(frame))], rel, width, label=label)
+    ax.set_xticks([i + 2 * width for i in range(len(frame))], frame["model"], rotation=30, fontsize=7)
+    ax.set_ylabel("predicted iteration time / published config's")
+    ax.set_title("Solver's free choice vs Megatron-LM's configurations and common defaults (A100-80GB)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "plan_quality.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

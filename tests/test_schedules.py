@@ -1,0 +1,205 @@
+"""Pipeline schedules: closed forms (planner.cost.schedules) against the event simulator.
+
+Tolerances are 1e-9 relative: on uniform stages both sides are sums of the same few
+floating-point numbers, so any real disagreement is a modelling difference, not rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.cost.schedules import SCHEDULES, bubble_fraction, in_flight_microbatches, iteration_time_s
+from planner.cost.simulator import action_name, draw_gantt, schedule_actions, simulate
+
+F_S, B_S = 1.0, 2.0  # backward twice the forward per micro-batch (Narayanan et al. 2021b)
+
+
+def uniform(p: int, v: int = 1) -> tuple[list[float], list[float]]:
+    """Per-chunk times of a model split evenly into p * v chunks."""
+    return [F_S / v] * (p * v), [B_S / v] * (p * v)
+
+
+PLAIN = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, p, 2 * p + 1, 4 * p)]
+INTERLEAVED = [(p, m, v) for p in (2, 3, 4) for m in (p, 2 * p, 4 * p) for v in (2, 3)]
+ZERO_BUBBLE = [(p, m, v) for p in (2, 3, 4, 8) for m in (p, p + 1, 2 * p, 3 * p) for v in (1, 2, 3)
+               if v == 1 or m % max(1, m // p) == 0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), PLAIN)
+def test_gpipe_1f1b_uniform_closed_form_matches_simulator(schedule, p, m):
+    f, b = uniform(p)
+    timeline = simulate(schedule, f, b, m)
+    assert timeline.makespan_s == pytest.approx(iteration_time_s(schedule, f, b, m), rel=1e-9)
+    assert timeline.makespan_s == pytest.approx((m + p - 1) * (F_S + B_S), rel=1e-9)
+    assert timeline.bubble_fraction() == pytest.approx(bubble_fraction(schedule, p, m), abs=1e-9)
+    assert bubble_fraction(schedule, p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), INTERLEAVED)
+def test_interleaved_uniform_closed_form_matches_simulator(p, m, v):
+    f, b = uniform(p, v)
+    timeline = simulate("interleaved-1f1b", f, b, m, v)
+    assert timeline.makespan_s == pytest.approx(iteration_time_s("interleaved-1f1b", f, b, m, v), rel=1e-9)
+    assert timeline.bubble_fraction() == pytest.approx(bubble_fraction("interleaved-1f1b", p, m, v), abs=1e-9)
+    # Narayanan et al. 2021b section 2.2: the bubble time shrinks by v against 1F1B.
+    assert timeline.makespan_s - m * (F_S + B_S) == pytest.approx((p - 1) * (F_S + B_S) / v, rel=1e-9)
+    assert bubble_fraction("interleaved-1f1b", p, m, v) == pytest.approx(((p - 1) / v) / (m + (p - 1) / v))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), ZERO_BUBBLE)
+@pytest.mark.parametrize("weight_fraction", [0.0, 0.3, 0.5, 0.8])
+def test_zero_bubble_uniform_closed_form_matches_simulator(p, m, v, weight_fraction):
+    f, b = uniform(p, v)
+    timeline = simulate("zero-bubble", f, b, m, v, backward_weight_fraction=weight_fraction)
+    closed = iteration_time_s("zero-bubble", f, b, m, v, backward_weight_fraction=weight_fraction)
+    assert timeline.makespan_s == pytest.approx(closed, rel=1e-9)
+    one_f_one_b = (m * v + p - 1) * (F_S + B_S) / v  # interleaved 1F1B's time, 1F1B's for v = 1
+    if weight_fraction > 0:
+        assert timeline.makespan_s < one_f_one_b
+    if weight_fraction == 0.5 and v == 1:  # W = B = F: ZB-H1's bubble (p-1)(F + B - W) = (p-1) F (Qi et al. 2023)
+        assert timeline.makespan_s - m * (F_S + B_S) == pytest.approx((p - 1) * F_S)
+    assert timeline.bubble_fraction() == pytest.approx(
+        bubble_fraction("zero-bubble", p, m, v, backward_weight_fraction=weight_fraction), abs=1e-9)
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (4, 1), (4, 3), (8, 5)])
+def test_zero_bubble_few_microbatches_is_simulated(p, m):
+    f, b = uniform(p)
+    assert iteration_time_s("zero-bubble", f, b, m) == simulate("zero-bubble", f, b, m).makespan_s
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 8), (8, 16), (4, 5)])
+def test_zero_bubble_has_smaller_bubble_than_1f1b(p, m):
+    assert bubble_fraction("zero-bubble", p, m) < bubble_fraction("1f1b", p, m)
+    f, b = uniform(p)
+    assert simulate("zero-bubble", f, b, m).bubble_fraction() < simulate("1f1b", f, b, m).bubble_fraction()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 2), (4, 4), (4, 8), (3, 9), (4, 2), (8, 16)])
+def test_peak_in_flight_matches_simulator(schedule, p, m):
+    for v in ((1, 2, 3) if schedule in ("interleaved-1f1b", "zero-bubble") else (1,)):
+        if (schedule == "interleaved-1f1b" and v > 1 and m % p) or (schedule == "zero-bubble" and m % max(1, m // p)):
+            continue
+        f, b = uniform(p, v)
+        peaks = simulate(schedule, f, b, m, v).peak_in_flight
+        for i in range(p):
+            assert peaks[i] / v == in_flight_microbatches(schedule, p, m, i, v), (schedule, v, i)
+            if schedule == "gpipe":
+                assert peaks[i] == m
+            if schedule == "1f1b":
+                assert peaks[i] == min(m, p - i)
+
+
+def test_interleaved_rank0_holds_megatrons_count():
+    # Korthikanti et al. 2022 section 4.2.3: rank 0 holds p (1 + (p-1)/(p v)) micro-batches.
+    p, v = 4, 2
+    assert in_flight_microbatches("interleaved-1f1b", p, 4 * p, 0, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+def test_zero_bubble_v1_peak_is_1f1b_rank0_peak():
+    # Qi et al. 2023: ZB-H1 keeps 1F1B's peak memory (p micro-batches on the busiest rank).
+    assert [in_flight_microbatches("zero-bubble", 4, 8, i) for i in range(4)] == [4.0] * 4
+
+
+stage_times = st.lists(st.floats(0.05, 3.0), min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(forward=stage_times, ratio=st.lists(st.floats(0.5, 3.0), min_size=6, max_size=6), m=st.integers(1, 12))
+def test_non_uniform_bounds(forward, ratio, m):
+    backward = [f * r for f, r in zip(forward, ratio)]
+    work = [f + b for f, b in zip(forward, backward)]
+    # Rank k cannot start before micro-batch 0 reaches it; with a full backward its last
+    # action is a backward, which must still reach rank 0 (zero-bubble may end on a W instead).
+    lower = max(sum(work[:k]) + m * work[k] for k in range(len(work)))
+    lower_zb = max(sum(forward[:k]) + m * work[k] for k in range(len(work)))
+    for schedule, bound in (("gpipe", lower), ("1f1b", lower), ("zero-bubble", lower_zb)):
+        t = simulate(schedule, forward, backward, m).makespan_s
+        assert t >= bound * (1 - 1e-9) and t >= m * max(work) * (1 - 1e-9)
+    # GPipe: two flow shops, exact. 1F1B: Alpa's sum + (m-1) max is an upper bound.
+    assert simulate("gpipe", forward, backward, m).makespan_s == pytest.approx(
+        iteration_time_s("gpipe", forward, backward, m), rel=1e-9)
+    assert simulate("1f1b", forward, backward, m).makespan_s <= iteration_time_s("1f1b", forward, backward, m) * (1 + 1e-9)
+
+
+def test_proportional_stages_match_alpa_form_exactly():
+    # b proportional to f: one stage is slowest in f, b and f + b, so GPipe meets Alpa's form.
+    forward = [0.3, 1.1, 0.7, 0.9]
+    backward = [2 * f for f in forward]
+    work = [3 * f for f in forward]
+    for m in (1, 4, 9):
+        alpa = sum(work) + (m - 1) * max(work)
+        assert simulate("gpipe", forward, backward, m).makespan_s == pytest.approx(alpa, rel=1e-9)
+        assert iteration_time_s("1f1b", forward, backward, m) == pytest.approx(alpa, rel=1e-9)
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 1)])
+def test_p2p_latency(schedule, v):
+    p, m, p2p_s = 4, 8, 0.1
+    f, b = uniform(p, v)
+    t = simulate(schedule, f, b, m, v, p2p_s=p2p_s).makespan_s
+    closed = iteration_time_s(schedule, f, b, m, v, p2p_s=p2p_s)
+    assert closed == pytest.approx(iteration_time_s(schedule, f, b, m, v) + 2 * (p * v - 1) * p2p_s)
+    if schedule in ("gpipe", "interleaved-1f1b"):
+        assert t == pytest.approx(closed, rel=1e-9)
+    else:  # only p micro-batches in flight: every round trip's latency stretches the steady state
+        assert closed <= t <= closed + m * 2 * (p - 1) * p2p_s / p
+
+
+def test_actions_are_data_with_torch_string_form():
+    actions = schedule_actions("1f1b", 2, 3)
+    assert [" ".join(action_name(a) for a in rank) for rank in actions] == [
+        "0F0 0F1 0BW0 0F2 0BW1 0BW2", "1F0 1BW0 1F1 1BW1 1F2 1BW2"]
+    for rank_actions in schedule_actions("zero-bubble", 3, 4):  # one F, one B, one W per micro-batch
+        assert sorted(k for k, _, _ in rank_actions) == sorted(["F", "B", "W"] * 4)
+    for rank, rank_actions in enumerate(schedule_actions("interleaved-1f1b", 2, 4, 2)):
+        assert {c % 2 for _, c, _ in rank_actions} == {rank}  # looping placement
+
+
+def test_every_schedule_completes_every_action():
+    for schedule, (p, m, v) in itertools.product(SCHEDULES, [(1, 1, 1), (2, 4, 2), (4, 8, 2), (3, 6, 3)]):
+        v = v if schedule in ("interleaved-1f1b", "zero-bubble") else 1
+        f, b = uniform(p, v)
+        timeline = simulate(schedule, f, b, m, v)
+        assert len(timeline.events) == sum(len(a) for a in schedule_actions(schedule, p, m, v))
+        assert 0 <= timeline.bubble_fraction() < 1
+
+
+def test_deadlock_reports_the_grid(monkeypatch):
+    import planner.cost.simulator as simulator
+
+    bad = [[("F", 0, 0), ("BW", 0, 0)], [("BW", 1, 0), ("F", 1, 0)]]  # rank 1 backs up before its forward
+    monkeypatch.setattr(simulator, "schedule_actions", lambda *args: bad)
+    with pytest.raises(ValueError, match=r"deadlocks[\s\S]*rank 1: \[1BW0\] 1F0"):
+        simulator.simulate("1f1b", [1.0, 1.0], [2.0, 2.0], 1)
+
+
+def test_gantt_png_is_written(tmp_path):
+    f, b = uniform(4, 2)
+    for schedule, v in (("interleaved-1f1b", 2), ("zero-bubble", 2)):
+        path = draw_gantt(simulate(schedule, f, b, 8, v), tmp_path / f"{schedule}.png")
+        assert path.exists() and path.stat().st_size > 1000
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: iteration_time_s("interleaved-1f1b", *uniform(4, 2), 6, 2), "multiple of the pipeline ranks"),
+    (lambda: simulate("interleaved-1f1b", *uniform(4, 2), 6, 2), "multiple of the pipeline ranks"),
+    (lambda: bubble_fraction("pipedream", 4, 8), "unknown schedule 'pipedream'"),
+    (lambda: simulate("1F1B", *uniform(2), 4), "unknown schedule"),
+    (lambda: iteration_time_s("1f1b", [1.0, 1.0], [2.0], 4), "2 forward times but 1 backward"),
+    (lambda: simulate("interleaved-1f1b", [1.0] * 5, [2.0] * 5, 4, 2), "do not split"),
+    (lambda: iteration_time_s("gpipe", *uniform(2, 2), 4, 2), "one chunk per rank"),
+    (lambda: in_flight_microbatches("1f1b", 4, 8, 4), "not a pipeline rank"),
+    (lambda: simulate("1f1b", *uniform(2), 0), "positive"),
+    (lambda: simulate("zero-bubble", *uniform(2), 4, backward_weight_fraction=1.5), "backward_weight_fraction"),
+])
+def test_invalid_input_raises_clear_error(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
