@@ -94,7 +94,7 @@ def test_model_that_cannot_fit_says_by_how_much():
     (Pins(tp=16), "exceeds the 8 GPUs of a node"),
     (Pins(schedule="round-robin"), "is not one of"),
     (Pins(recompute="sometimes"), "is not one of"),
-    (Pins(virtual_stages=2, schedule="1f1b"), "needs --schedule interleaved-1f1b"),
+    (Pins(virtual_stages=2, schedule="1f1b"), "needs --schedule interleaved-1f1b or zero-bubble"),
     (Pins(pp=2, tp=2, dp=1), "but the cluster has 8 GPUs"),
 ])
 def test_invalid_pins_are_explained(gpt_profile, pins, needle):

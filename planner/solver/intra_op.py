@@ -133,7 +133,11 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int]) -> dict[str, t
         return {"replicate": (EMBEDDING if op.kind == "embedding" else LINEAR)["replicate"]}
     if op.kind == "linear":
         out_f, in_f = op.weight_shape
-        ok = {"replicate": True, "sequence": True, "rowwise": in_f % tp == 0}
+        # `sequence` (replicated weight, sequence-sharded tokens) is data parallelism inside the
+        # TP group: the outer search prices that as dp, with gradients reduced once per step
+        # rather than per micro-batch and without the replicated weights' memory, so it is
+        # not offered here (the ILP's objective sees neither advantage of real TP).
+        ok = {"replicate": True, "sequence": False, "rowwise": in_f % tp == 0}
         ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0
         return {s: v for s, v in LINEAR.items() if ok[s]}
     if op.kind == "embedding":
