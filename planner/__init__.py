@@ -15,3 +15,10 @@ def profile(*args, **kwargs):
     from planner.profiler import profile_model
 
     return profile_model(*args, **kwargs)
+
+
+def solve(*args, **kwargs):
+    """See `planner.solver.solve.solve` (profile, cluster, global batch, pins) -> Plan."""
+    from planner.solver.solve import solve as solve_plan
+
+    return solve_plan(*args, **kwargs)

@@ -1,0 +1,68 @@
+"""`python -m runtime PLAN ...`: one rank of a plan's run under torchrun, or `--reference`.
+
+    torchrun --nproc-per-node 4 -m runtime plan.json --steps 10 --output metrics.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from planner.errors import PlannerError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m runtime", description="Run a plan (one rank under torchrun).")
+    parser.add_argument("plan")
+    parser.add_argument("--model-file", default=None, help="Model file (default: the plan's).")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--output", default=None, help="Metrics JSON (written by rank 0).")
+    parser.add_argument("--save-params", default=None, help="Write the final full parameters here (torch.save; tests).")
+    parser.add_argument("--reference", action="store_true", help="One process, no parallelism.")
+    return parser.parse_args(argv)
+
+
+@record
+def main(argv=None) -> None:
+    from planner.plan import load_plan
+    from runtime.launch import resolve_model_file
+    from runtime.train import train
+
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        plan = load_plan(args.plan)
+        model_file = resolve_model_file(plan, args.plan, args.model_file)
+        metrics = train(plan, model_file, args.steps, args.seed, args.lr, args.reference)
+    except PlannerError as exc:
+        rank = os.environ.get("RANK", "0")
+        print(f"error (rank {rank}): {exc.message}\n{exc.hint or ''}", file=sys.stderr)
+        sys.exit(1)
+    params = metrics.pop("_params")
+    rank = int(os.environ.get("RANK", 0))
+    if args.save_params and params:
+        import torch
+
+        path = Path(args.save_params)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(params, path.with_name(f"{path.stem}.rank{rank}{path.suffix}") if not args.reference else path)
+    if rank == 0:
+        metrics["plan"] = str(args.plan)
+        metrics["reference"] = args.reference
+        text = json.dumps(metrics, indent=1)
+        if args.output:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(text)
+        losses = ", ".join(f"{x:.5f}" for x in metrics["losses"])
+        print(f"losses: {losses}\nmedian step: {metrics['median_iteration_time_s'] * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

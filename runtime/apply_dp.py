@@ -1,0 +1,43 @@
+"""Data parallelism: replicated parameters with gradient averaging (ZeRO 0) or FSDP2.
+
+ZeRO 0 averages gradients over the dp group after the step's last backward (one
+all-reduce per parameter, like DDP without bucketing; written by hand because DDP does not
+compose with torch's pipeline schedules and DTensor parameters as simply). ZeRO 1-3 use
+FSDP2 `fully_shard` on every unit and on the stage: ZeRO-3 reshards parameters after each
+forward; ZeRO-1/2 keep them gathered between forward and backward
+(`reshard_after_forward=False`), which is the closest FSDP2 offers (it shards gradients
+and optimizer state in both).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_stage: int) -> None:
+    present = dict(module.named_modules())
+    reshard = zero_stage >= 3
+    for name in units:
+        if name in present and any(True for _ in present[name].parameters()):
+            fully_shard(present[name], mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+
+
+def average_gradients(modules: list[nn.Module], dp_group) -> None:
+    """All-reduce and average every gradient over the dp group (ZeRO 0)."""
+    size = dist.get_world_size(dp_group)
+    if size == 1:
+        return
+    for module in modules:
+        for p in module.parameters():
+            if p.grad is None:
+                continue
+            local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+            dist.all_reduce(local, group=dp_group)
+            local.div_(size)
+
+

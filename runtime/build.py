@@ -1,0 +1,109 @@
+"""Build the model a rank needs: checked against the plan, initialised like the reference.
+
+Initialisation must be identical to the one-process reference under the same seed, yet a
+rank should not have to hold the whole model. Two ways, chosen per model (`init_mode`):
+
+- `per-module` (used when every module that owns parameters or buffers has
+  `reset_parameters()`, as torch's own layers do): the model is built on the meta device,
+  each rank materialises only its units (`to_empty`), and every module is re-initialised
+  from a generator seeded by (seed, its FQN). The reference does exactly the same on the
+  whole model, so the numbers agree whatever the plan, and no rank ever holds more than
+  its stage.
+- `full` (anything else, e.g. Hugging Face layers with hand-written init): every rank
+  builds the whole model on the CPU under `torch.manual_seed(seed)` and drops what it does
+  not hold; this needs host memory for the whole model once.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from planner.errors import PlannerError
+from planner.model_file import ModelFile
+from planner.plan import Plan
+from planner.units import model_fingerprint, trace_units
+
+
+def build_meta_model(model_file: ModelFile) -> nn.Module:
+    with torch.device("meta"):
+        return model_file.build_model()
+
+
+def as_tuple(inputs) -> tuple:
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def trace(model: nn.Module, model_file: ModelFile):
+    """The unit trace of one meta forward (units in execution order, crossing tensors)."""
+    inputs, _ = model_file.make_batch(1)
+    meta_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in as_tuple(inputs))
+    return trace_units(model, meta_inputs)
+
+
+def check_fingerprint(plan: Plan, model: nn.Module, model_file: ModelFile):
+    """The model's unit trace; refuses a model the plan was not made for."""
+    traced = trace(model, model_file)
+    units = traced.units
+    planned = [u for s in plan.stages for u in s.units]
+    if planned != units:
+        missing = [u for u in units if u not in planned]
+        extra = [u for u in planned if u not in units]
+        raise PlannerError(
+            f"The plan's stages do not match the model's units: missing {missing[:5]}, unknown {extra[:5]}"
+            + ("" if missing or extra else " (order differs)") + ".",
+            "Re-solve the plan for this model (planner profile, then planner solve).",
+        )
+    if plan.model.fingerprint and plan.model.fingerprint != model_fingerprint(model, units):
+        raise PlannerError(
+            "The model does not match the plan's fingerprint: the model file or its arguments changed since the plan was made.",
+            "Re-profile and re-solve, or pass the model arguments the plan names.",
+        )
+    return traced
+
+
+def init_mode(model: nn.Module) -> str:
+    for module in model.modules():
+        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        if owns and not hasattr(module, "reset_parameters"):
+            return "full"
+    return "per-module"
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def materialize(model: nn.Module, units: list[str], keep: set[str] | None, seed: int, device: torch.device, mode: str,
+                model_file: ModelFile) -> nn.Module:
+    """Real tensors for the units in `keep` (None: all), initialised as the module docstring says."""
+    if mode == "full":
+        torch.manual_seed(seed)
+        full = model_file.build_model()
+        if keep is not None:
+            drop_units(full, units, keep)
+        return full.to(device)
+    if keep is not None:
+        drop_units(model, units, keep)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if hasattr(module, "reset_parameters"):
+                torch.manual_seed(_seed_for(seed, name))
+                module.reset_parameters()
+    return model
+
+
+def drop_units(model: nn.Module, units: list[str], keep: set[str]) -> None:
+    """Replace every unit not in `keep` by an empty module (the kept ones keep their names)."""
+    for name in units:
+        if name in keep:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            parent[int(child)] = nn.Identity()
+        else:
+            setattr(parent, child, nn.Identity())
