@@ -171,6 +171,41 @@ def solve(
 
 
 @app.command()
+def run(
+    plan_file: Path = typer.Argument(..., help="Plan JSON (from planner solve, or hand-written)."),
+    model_file: Optional[Path] = typer.Option(None, "--model-file", help="Model file (default: the plan's)."),
+    steps: int = typer.Option(5, "--steps", help="Optimizer steps."),
+    seed: int = typer.Option(0, "--seed", help="Seed for initialisation and data."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="Learning rate (default: the plan's)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Metrics JSON."),
+    reference: bool = typer.Option(False, "--reference", help="One process, no parallelism (the parity yardstick)."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Wall-clock limit of the whole job, seconds."),
+) -> None:
+    """Execute a plan with torchrun (gloo on CPU, NCCL on GPUs) and record what happened."""
+    from runtime.launch import run_plan  # planner never imports runtime's training code at import time
+
+    if steps < 1:
+        raise PlannerError(f"--steps must be positive (got {steps}).", "Run at least one step.")
+    run_plan(str(plan_file), str(model_file) if model_file else None, steps, seed, lr,
+             str(output) if output else None, reference, timeout_s=timeout)
+    if output:
+        console.print(f"wrote {output}")
+
+
+@app.command()
+def validate(
+    plan_file: Path = typer.Argument(..., help="The plan that was run."),
+    metrics_file: Path = typer.Argument(..., help="Metrics JSON from planner run."),
+) -> None:
+    """Predicted vs measured, with the error of each term."""
+    from planner.plan import load_plan
+    from planner.validate import compare, print_comparison
+
+    plan = load_plan(plan_file)
+    print_comparison(compare(plan, metrics_file), console=console)
+
+
+@app.command()
 def schema(
     kind: str = typer.Argument(..., help="plan or profile"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here instead of printing."),

@@ -1,7 +1,7 @@
 """Data parallelism: replicated parameters with gradient averaging (ZeRO 0) or FSDP2.
 
 ZeRO 0 averages gradients over the dp group after the step's last backward (one
-all-reduce per parameter, like DDP without bucketing; written by hand because DDP does not
+all-reduce of a flat bucket; written by hand because DDP does not
 compose with torch's pipeline schedules and DTensor parameters as simply). ZeRO 1-3 use
 FSDP2 `fully_shard` on every unit and on the stage: ZeRO-3 reshards parameters after each
 forward; ZeRO-1/2 keep them gathered between forward and backward
@@ -32,12 +32,17 @@ def average_gradients(modules: list[nn.Module], dp_group) -> None:
     size = dist.get_world_size(dp_group)
     if size == 1:
         return
-    for module in modules:
-        for p in module.parameters():
-            if p.grad is None:
-                continue
-            local = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-            dist.all_reduce(local, group=dp_group)
-            local.div_(size)
+    # One flat bucket per dtype, as DDP buckets gradients: one collective's latency, not one per tensor.
+    grads = [p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+             for module in modules for p in module.parameters() if p.grad is not None]
+    for dtype in {g.dtype for g in grads}:
+        group = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(flat, group=dp_group)
+        flat.div_(size)
+        offset = 0
+        for g in group:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 

@@ -174,7 +174,7 @@ def _peak_memory() -> int:
 
 def _metrics(plan: Plan, losses, times, peaks, stage_times, params, world_size: int) -> dict:
     after = times[WARMUP_STEPS:] or times
-    median = statistics.median(after)
+    median = statistics.median(after) if after else float("nan")
     return {
         "losses": losses,
         "step_times_s": times,

@@ -13,10 +13,10 @@ the largest recomputation transient + send/receive buffers), lets the DP
 result with the schedule's closed form (planner/cost/schedules.py) plus the data-parallel
 gradient synchronisation and the optimizer step. Configurations whose model states alone
 cannot fit (a lower bound: the whole model's states over pp x tp, ZeRO applied) are pruned
-before the DP. ZeRO stages are all priced: stage 1 is usually the fastest here (its
-reduce-scatter + all-gather cost what an all-reduce does, and each rank updates only its
-1/dp of the optimizer state); stages 2 and 3 reduce-scatter gradients every micro-batch
-and stage 3 also gathers parameters twice per micro-batch.
+before the DP. ZeRO stages are all priced as the runtime runs them: stage 0 all-reduces
+gradients once per step; stages 1-3 are FSDP2, which reduce-scatters each unit's gradients
+every micro-batch (and each rank updates only its 1/dp of the optimizer state); stages 1
+and 2 gather parameters once per step, stage 3 twice per micro-batch.
 """
 
 from __future__ import annotations
@@ -93,9 +93,9 @@ class Environment:
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     """Per unit and recompute mode: time per micro-batch and memory pieces (prefix-summable)."""
     zero3_gather = np.zeros_like(table.parameters)
-    if cfg.zero_stage >= 2 and cfg.dp > 1:
-        # Sharded gradients cannot accumulate over micro-batches unsharded: each backward
-        # reduce-scatters its gradients (FSDP's default); ZeRO-3 also gathers each unit's
+    if cfg.zero_stage >= 1 and cfg.dp > 1:
+        # The runtime runs ZeRO 1-3 as FSDP2, which reduce-scatters each unit's gradients in
+        # every backward (sharded gradients do not accumulate unsharded); ZeRO-3 also gathers each unit's
         # parameters before its forward and again before its backward.
         grad_bytes = 4 if env.dtype == "float32" else 2
         scatter = np.array([env.dp_reduce_scatter_s(p * grad_bytes, cfg.dp, cfg.tp) for p in table.parameters])
@@ -188,11 +188,9 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
             dp_s.append(0.0)
         elif cfg.zero_stage == 0:
             dp_s.append(env.dp_all_reduce_s(grad_bytes, cfg.dp, cfg.tp))
-        else:  # ZeRO-1 reduce-scatters once per step (ZeRO-2/3 per micro-batch, in the stage times);
-            # ZeRO-1/2 all-gather the updated parameters back after the step.
-            scatter = env.dp_reduce_scatter_s(grad_bytes, cfg.dp, cfg.tp) if cfg.zero_stage == 1 else 0.0
-            gather = env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp) if cfg.zero_stage < 3 else 0.0
-            dp_s.append(scatter + gather)
+        else:  # gradients were reduce-scattered per micro-batch (stage times); ZeRO-1/2 gather
+            # the updated parameters once per step (FSDP2 with reshard_after_forward=False).
+            dp_s.append(env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp) if cfg.zero_stage < 3 else 0.0)
         sharded = params / (cfg.dp if cfg.zero_stage >= 1 else 1)
         opt_s.append(sharded * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / env.achievable_bandwidth)
     tail = max(d + o for d, o in zip(dp_s, opt_s))

@@ -1,0 +1,52 @@
+"""Predicted (the plan) against measured (a run's metrics JSON), term by term."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from planner.errors import PlannerError
+from planner.plan import Plan
+from planner.report import _bytes, _time
+
+
+def load_metrics(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlannerError(f"Metrics file {path} does not exist.", "Create one with `planner run PLAN --output FILE`.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlannerError(f"Metrics file {path} is not valid JSON ({exc}).", "Re-run the plan.") from None
+    if not isinstance(data, dict) or "median_iteration_time_s" not in data:
+        raise PlannerError(f"{path} is not a metrics file from `planner run`.", "Pass the file written by --output.")
+    return data
+
+
+def compare(plan: Plan, metrics_path: str | Path) -> list[tuple[str, float | None, float | None, str]]:
+    """Rows (term, predicted, measured, kind) for what both sides have."""
+    metrics = load_metrics(metrics_path)
+    pred = plan.prediction
+    rows = [("iteration time", pred.iteration_time_s if pred else None, metrics["median_iteration_time_s"], "time"),
+            ("samples/s", pred.samples_per_s if pred else None, metrics["samples_per_s"], "rate")]
+    peaks = [p for p in metrics.get("peak_memory_bytes", []) if p]
+    if peaks:
+        rows.append(("peak memory (max over ranks)", max(pred.peak_memory_bytes) if pred else None, max(peaks), "bytes"))
+    return rows
+
+
+def print_comparison(rows, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="Predicted vs measured")
+    for col in ("term", "predicted", "measured", "error"):
+        table.add_column(col, justify="left" if col == "term" else "right")
+    fmt = {"time": _time, "bytes": _bytes, "rate": lambda x: f"{x:.4g}"}
+    for term, predicted, measured, kind in rows:
+        error = f"{predicted / measured - 1:+.1%}" if predicted and measured else "-"
+        table.add_row(term, fmt[kind](predicted) if predicted is not None else "-", fmt[kind](measured), error)
+    console.print(table)
+    console.print("Peak memory on CPU is the process's resident set (interpreter and torch included), "
+                  "so it is not comparable with the prediction's tensors-only figure.")
