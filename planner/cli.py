@@ -234,9 +234,11 @@ def main() -> None:
     except PlannerError as exc:
         if debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False)
+        from rich.markup import escape
+
+        err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False)
         if exc.hint:
-            err_console.print(exc.hint, highlight=False)
+            err_console.print(escape(exc.hint), highlight=False)
         sys.exit(1)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -251,7 +253,9 @@ def main() -> None:
             sys.exit(exc.exit_code)
         if debug:
             raise
-        err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\nRe-run with --debug for the traceback and report it.")
+        from rich.markup import escape
+
+        err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))}\nRe-run with --debug for the traceback and report it.")
         sys.exit(2)
 
 

@@ -79,10 +79,17 @@ def failure_summary(stderr: str, code: int) -> str:
     own = re.findall(r"error \(rank (\d+)\): (.+)", stderr)
     if own:
         return f"Rank {own[0][0]} failed: {own[0][1]}"
-    rank = re.search(r"rank\s*:\s*(\d+)", stderr)
-    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", stderr)
-    cause = [line.strip() for line in stderr.splitlines() if re.match(r"\s*\w*(Error|Exception)\b.*:", line)]
-    signal = re.search(r"Signal (\d+) \((\w+)\)", stderr)
-    what = cause[-1] if cause else (f"killed by {signal.group(2)}" if signal else f"exit code {exitcode.group(1) if exitcode else code}")
+    # torchrun's "Root Cause (first observed failure)" block names the rank that failed first.
+    root = stderr[stderr.rfind("Root Cause"):] if "Root Cause" in stderr else stderr
+    rank = re.search(r"rank\s*:\s*(\d+)", root)
+    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    signal = re.search(r"Signal (\d+) \((\w+)\)", root)
+    cause = [line.strip() for line in root.splitlines() if re.match(r"\s*[\w.]*(Error|Exception)\b.*:", line)]
+    if signal:
+        what = f"killed by {signal.group(2)}"
+    elif cause:
+        what = cause[-1]
+    else:
+        what = f"exit code {exitcode.group(1) if exitcode else code}"
     who = f"Rank {rank.group(1)}" if rank else "A rank"
     return f"{who} failed ({what}); the whole job was stopped."

@@ -78,6 +78,7 @@ CASES = {
     "tp2-gpt": dict(tp=2, tp_plan=GPT_TP),
     "tp2-llama": dict(model="llama", tp=2, tp_plan=LLAMA_TP),
     "pp2-gpipe": dict(pp=2, schedule="gpipe", m=4),
+    "pp2-zero-bubble": dict(pp=2, schedule="zero-bubble", m=4),
     "pp2-1f1b": dict(pp=2, schedule="1f1b", m=4),
     "pp2-interleaved-v2": dict(pp=2, schedule="interleaved-1f1b", v=2, m=4),
     "pp2-non-uniform": dict(pp=2, m=4, cuts=[0, 2, len(GPT_UNITS)]),

@@ -96,7 +96,9 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
                 if local % b:
                     continue
                 m = local // b
-                for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else ([False, True] if tp > 1 else [False]):
+                # Sequence parallelism is priced when pinned; the free search leaves it off because
+                # the runtime cannot execute it yet (a plan must be runnable).
+                for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else [False]:
                     if sp and tp == 1:
                         continue
                     for schedule, v in _schedules(pins, pp, m, num_units):
