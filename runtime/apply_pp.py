@@ -16,6 +16,7 @@ with virtual stages, stage s lives on pipeline rank s % pp (the plan's looping p
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -50,13 +51,14 @@ def check_chain(traced, plan: Plan) -> None:
             )
 
 
-def make_stage_module(model: nn.Module, units: list[str]) -> nn.Module:
+def make_stage_module(model: nn.Module, units: list[str], autocast=None) -> nn.Module:
     """`model` restricted to `units` (already dropped from it by the builder), run in order."""
     def forward(self, *args):
         # Looked up at call time: recomputation and FSDP may wrap the units after this.
-        x = self.get_submodule(units[0])(*args)
-        for unit in units[1:]:
-            x = self.get_submodule(unit)(x)
+        with autocast() if autocast else contextlib.nullcontext():
+            x = self.get_submodule(units[0])(*args)
+            for unit in units[1:]:
+                x = self.get_submodule(unit)(x)
         return x
 
     model.forward = types.MethodType(forward, model)

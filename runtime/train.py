@@ -46,6 +46,16 @@ def batch_for_step(model_file, global_batch_size: int, seed: int, step: int):
     return as_tuple(inputs), targets
 
 
+def _to(x, device):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def _autocast(plan: Plan, device):
+    """Mixed precision: fp32 master weights, 16-bit compute where autocast allows it."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(plan.training.dtype)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
 def _slice(x, start: int, stop: int):
     return x[start:stop] if isinstance(x, torch.Tensor) else x
 
@@ -80,7 +90,9 @@ def _train_reference(plan: Plan, mf, units, meta, steps: int, seed: int, lr: flo
         inputs, targets = batch_for_step(mf, plan.batch.global_batch_size, seed, step)
         start = time.perf_counter()
         optimizer.zero_grad()
-        loss = mf.loss(model(*inputs), targets)
+        with _autocast(plan, torch.device("cpu")):
+            out = model(*inputs)
+        loss = mf.loss(out.float(), targets)
         loss.backward()
         if plan.training.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), plan.training.grad_clip)
@@ -104,7 +116,7 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
         keep = set(stage.units) if lay.pp_degree > 1 else None
         model = materialize(model, units, keep, seed, device, init_mode(model), mf)
         if lay.pp_degree > 1:
-            make_stage_module(model, stage.units)
+            make_stage_module(model, stage.units, lambda: _autocast(plan, device))
         apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel)
         apply_recompute(model, stage.units, stage.recompute)
         if lay.zero_stage >= 1 and lay.dp_degree > 1:
@@ -112,15 +124,16 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
         chunks.append((s, model))
     modules = [m for _, m in chunks]
     optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=lr, weight_decay=plan.training.weight_decay)
-    schedule = build_schedule(chunks, plan, mesh["pp"].get_group(), device, mf.loss) if lay.pp_degree > 1 else None
+    loss_fn = lambda out, tgt: mf.loss(out.float(), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
+    schedule = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn) if lay.pp_degree > 1 else None
     has_first = any(s == 0 for s, _ in chunks)
     has_last = any(s == len(plan.stages) - 1 for s, _ in chunks)
     local = batch.micro_batch_size * batch.num_microbatches
     losses, times = [], []
     for step in range(steps):
         inputs, targets = batch_for_step(mf, batch.global_batch_size, seed, step)
-        inputs = tuple(_slice(x, dp_rank * local, (dp_rank + 1) * local) for x in inputs)
-        targets = _slice(targets, dp_rank * local, (dp_rank + 1) * local)
+        inputs = tuple(_to(_slice(x, dp_rank * local, (dp_rank + 1) * local), device) for x in inputs)
+        targets = _to(_slice(targets, dp_rank * local, (dp_rank + 1) * local), device)
         start = time.perf_counter()
         optimizer.zero_grad()
         if schedule is not None:
@@ -132,8 +145,9 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
             m = batch.num_microbatches
             for k in range(m):
                 lo, hi = k * batch.micro_batch_size, (k + 1) * batch.micro_batch_size
-                out = modules[0](*(_slice(x, lo, hi) for x in inputs))
-                loss = mf.loss(out, _slice(targets, lo, hi)) / m
+                with _autocast(plan, device):
+                    out = modules[0](*(_slice(x, lo, hi) for x in inputs))
+                loss = mf.loss(out.float(), _slice(targets, lo, hi)) / m
                 loss.backward()
                 local_loss += loss.detach().float()
         if lay.zero_stage == 0:

@@ -1,0 +1,71 @@
+"""Predicted vs measured on the machine at hand: profile, solve, run, compare.
+
+On CPU: a measured CPU profile, the `cpu` cluster preset with N gloo processes, the plan
+run under torchrun. On a GPU: a measured CUDA profile, one GPU (`--gpus 1`), the plan run
+in one process (several NCCL processes sharing one GPU say nothing about a real cluster).
+Writes benchmarks/results/predicted_vs_measured_<device>.csv with each term.
+
+    python benchmarks/predicted_vs_measured.py --device cpu --gpus 2
+    python benchmarks/predicted_vs_measured.py --device cuda --gpu h100-80gb --gpus 1 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MODELS = {
+    "cpu": ["-a", "n_layers=4", "-a", "d_model=128", "-a", "n_heads=4", "-a", "d_ff=512", "-a", "vocab_size=512", "-a", "seq_len=64"],
+    "cuda": ["-a", "n_layers=8", "-a", "d_model=1024", "-a", "n_heads=16", "-a", "d_ff=4096", "-a", "vocab_size=32768", "-a", "seq_len=1024"],
+}
+
+
+def planner(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    if done.returncode:
+        sys.exit(f"planner {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gpu", default="cpu")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.device}-{args.gpu}-{args.dtype}-{args.gpus}"
+    profile, plan, metrics = out / f"pvm-{tag}-profile.json", out / f"pvm-{tag}-plan.json", out / f"pvm-{tag}-metrics.json"
+    planner("profile", "examples/gpt.py", *MODELS[args.device], "--device", args.device, "--dtype", args.dtype,
+            "--micro-batch-sizes", "1,2,4,8", "-o", str(profile))
+    planner("solve", "--profile", str(profile), "--gpus", str(args.gpus), "--gpu", args.gpu, "--global-batch", str(args.global_batch),
+            "-o", str(plan))
+    planner("run", str(plan), "--steps", str(args.steps), "--output", str(metrics))
+    print(planner("validate", str(plan), str(metrics)))
+    p, m = json.loads(plan.read_text()), json.loads(metrics.read_text())
+    pred = p["prediction"]
+    device_name = json.loads(profile.read_text())["device_name"]
+    row = {"device": device_name, "gpus": args.gpus, "dtype": args.dtype, "layout": json.dumps(p["layout"]),
+           "micro_batch": p["batch"]["micro_batch_size"], "num_microbatches": p["batch"]["num_microbatches"],
+           "predicted_iteration_s": pred["iteration_time_s"], "measured_iteration_s": m["median_iteration_time_s"],
+           "error": pred["iteration_time_s"] / m["median_iteration_time_s"] - 1,
+           "predicted_peak_memory_bytes": max(pred["peak_memory_bytes"]), "measured_peak_memory_bytes": max(x or 0 for x in m["peak_memory_bytes"]),
+           **{f"predicted_{k}_s": v for k, v in pred["breakdown_s"].items()}}
+    pd.DataFrame([row]).to_csv(out / f"predicted_vs_measured_{tag}.csv", index=False)
+    print(row)
+
+
+if __name__ == "__main__":
+    main()
