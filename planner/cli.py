@@ -180,6 +180,8 @@ def run(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Metrics JSON."),
     reference: bool = typer.Option(False, "--reference", help="One process, no parallelism (the parity yardstick)."),
     timeout: float = typer.Option(600.0, "--timeout", help="Wall-clock limit of the whole job, seconds."),
+    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Save a checkpoint here at the end."),
+    resume: bool = typer.Option(False, "--resume", help="Start from the checkpoint in --checkpoint-dir (any plan)."),
 ) -> None:
     """Execute a plan with torchrun (gloo on CPU, NCCL on GPUs) and record what happened."""
     from runtime.launch import run_plan  # planner never imports runtime's training code at import time
@@ -187,7 +189,8 @@ def run(
     if steps < 1:
         raise PlannerError(f"--steps must be positive (got {steps}).", "Run at least one step.")
     run_plan(str(plan_file), str(model_file) if model_file else None, steps, seed, lr,
-             str(output) if output else None, reference, timeout_s=timeout)
+             str(output) if output else None, reference, timeout_s=timeout,
+             checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=resume)
     if output:
         console.print(f"wrote {output}")
 

@@ -26,6 +26,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", default=None, help="Metrics JSON (written by rank 0).")
     parser.add_argument("--save-params", default=None, help="Write the final full parameters here (torch.save; tests).")
     parser.add_argument("--reference", action="store_true", help="One process, no parallelism.")
+    parser.add_argument("--checkpoint-dir", default=None, help="Save a checkpoint here at the end (DCP).")
+    parser.add_argument("--resume", action="store_true", help="Start from the checkpoint in --checkpoint-dir.")
     return parser.parse_args(argv)
 
 
@@ -40,7 +42,9 @@ def main(argv=None) -> None:
     try:
         plan = load_plan(args.plan)
         model_file = resolve_model_file(plan, args.plan, args.model_file)
-        metrics = train(plan, model_file, args.steps, args.seed, args.lr, args.reference)
+        if args.resume and not args.checkpoint_dir:
+            raise PlannerError("--resume needs --checkpoint-dir.", "Pass the directory a previous run saved to.")
+        metrics = train(plan, model_file, args.steps, args.seed, args.lr, args.reference, args.checkpoint_dir, args.resume)
     except PlannerError as exc:
         rank = os.environ.get("RANK", "0")
         print(f"error (rank {rank}): {exc.message}\n{exc.hint or ''}", file=sys.stderr)

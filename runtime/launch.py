@@ -46,12 +46,14 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
 
 def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed: int = 0, lr: float | None = None,
              output: str | None = None, reference: bool = False, save_params: str | None = None,
-             timeout_s: float = 600.0) -> int:
+             timeout_s: float = 600.0, checkpoint_dir: str | None = None, resume: bool = False) -> int:
     plan, path = precheck(plan_path, model_file)
     extra = ["--model-file", path, "--steps", str(steps), "--seed", str(seed)]
     extra += ["--lr", str(lr)] if lr is not None else []
     extra += ["--output", output] if output else []
     extra += ["--save-params", save_params] if save_params else []
+    extra += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
+    extra += ["--resume"] if resume else []
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if reference:
         command = [sys.executable, "-m", "runtime", plan_path, *extra, "--reference"]

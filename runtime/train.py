@@ -28,8 +28,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from planner.errors import PlannerError
 from planner.model_file import load_model_file
 from planner.plan import Plan
+from runtime import checkpoint
 from runtime.apply_dp import apply_fsdp, average_gradients
 from runtime.apply_pp import build_schedule, check_chain, make_stage_module, stage_indices
 from runtime.apply_tp import apply_tp
@@ -60,7 +62,8 @@ def _slice(x, start: int, stop: int):
     return x[start:stop] if isinstance(x, torch.Tensor) else x
 
 
-def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | None, reference: bool) -> dict:
+def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | None, reference: bool,
+          checkpoint_dir: str | None = None, resume: bool = False) -> dict:
     mf = load_model_file(model_file_path, plan.model.args)
     meta = build_meta_model(mf)
     traced = check_fingerprint(plan, meta, mf)
@@ -68,6 +71,8 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
     lay = plan.layout
     lr = lr if lr is not None else plan.training.lr
     if reference:
+        if checkpoint_dir:
+            raise PlannerError("--reference does not save checkpoints.", "Drop --checkpoint-dir for the reference run.")
         return _train_reference(plan, mf, units, meta, steps, seed, lr)
     if lay.pp_degree > 1:
         check_chain(traced, plan)
@@ -77,7 +82,13 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
     try:
-        return _train_parallel(plan, mf, units, steps, seed, lr, device)
+        from planner.units import model_fingerprint
+
+        fingerprint = model_fingerprint(meta, units)
+        first_step = 0
+        if resume:
+            first_step = checkpoint.read_meta(checkpoint_dir, fingerprint)["step"]
+        return _train_parallel(plan, mf, units, steps, seed, lr, device, checkpoint_dir, resume, first_step, fingerprint)
     finally:
         dist.destroy_process_group()
 
@@ -103,7 +114,8 @@ def _train_reference(plan: Plan, mf, units, meta, steps: int, seed: int, lr: flo
     return _metrics(plan, losses, times, [_peak_memory()], {}, params, world_size=1)
 
 
-def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, device) -> dict:
+def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume=False,
+                    first_step: int = 0, fingerprint: str = "") -> dict:
     from runtime.mesh import build_mesh
 
     lay, batch = plan.layout, plan.batch
@@ -126,11 +138,13 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
     optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=lr, weight_decay=plan.training.weight_decay)
     loss_fn = lambda out, tgt: mf.loss(out.float(), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
     schedule = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn) if lay.pp_degree > 1 else None
+    if resume:
+        checkpoint.load(checkpoint_dir, modules, optimizer)
     has_first = any(s == 0 for s, _ in chunks)
     has_last = any(s == len(plan.stages) - 1 for s, _ in chunks)
     local = batch.micro_batch_size * batch.num_microbatches
     losses, times = [], []
-    for step in range(steps):
+    for step in range(first_step, first_step + steps):
         inputs, targets = batch_for_step(mf, batch.global_batch_size, seed, step)
         inputs = tuple(_to(_slice(x, dp_rank * local, (dp_rank + 1) * local), device) for x in inputs)
         targets = _to(_slice(targets, dp_rank * local, (dp_rank + 1) * local), device)
@@ -161,6 +175,8 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
         report = local_loss.to(device) if (has_last and tp_rank == 0) else torch.zeros((), device=device)
         dist.all_reduce(report)
         losses.append(report.item() / lay.dp_degree)
+    if checkpoint_dir:
+        checkpoint.save(checkpoint_dir, modules, optimizer, first_step + steps, fingerprint)
     params = _full_parameters(modules) if (dp_rank == 0 and tp_rank == 0) else _full_parameters(modules, keep=False)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, _peak_memory())
