@@ -107,8 +107,14 @@ def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     return times, states, zero3_gather
 
 
-def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None) -> Evaluation:
-    """Price one configuration; the DP chooses the cuts unless `fixed_bounds` gives them (baselines)."""
+def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None,
+                    time_cap_s: float = math.inf) -> Evaluation:
+    """Price one configuration; the DP chooses the cuts unless `fixed_bounds` gives them (baselines).
+
+    `time_cap_s` is the search's k-th best iteration time so far: every schedule takes at least
+    m x its slowest stage, so stage ranges slower than time_cap_s / m cannot be part of a plan
+    that enters the top k and are left out of the DP (exact pruning, not a heuristic).
+    """
     num_units = len(table.parameters)
     num_chunks = cfg.pp * cfg.virtual_stages
     if num_chunks > num_units:
@@ -117,6 +123,12 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     size = num_units + 1
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
     start, end = np.triu_indices(size, k=1)
+    if fixed_bounds is None and math.isfinite(time_cap_s):
+        fastest = prefix(np.min(np.stack([times[r] for r in env.allowed_recompute]), axis=0))
+        keep = fastest[end] - fastest[start] <= time_cap_s / cfg.num_microbatches
+        start, end = start[keep], end[keep]
+        if start.size == 0:
+            return Evaluation(cfg, False, "dominated: every stage range is slower than the best plans allow")
     p_states = prefix(states)
     # Stage p2p: send activations across the cut at its end and receive their gradients.
     same_node = cfg.dp * cfg.tp < env.gpus_per_node
@@ -148,7 +160,9 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
         try:
             bounds = solve_cuts(cost, cfg.num_microbatches).bounds
         except PlannerError:
-            return Evaluation(cfg, False, "no stage cuts fit in memory", min_memory_bytes=min_needed)
+            dominated = math.isfinite(time_cap_s)
+            return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
+                              min_memory_bytes=math.inf if dominated else min_needed)
     return _price(table, cfg, env, bounds, [int(choice[k, i, j]) for k, (i, j) in enumerate(bounds)], times, states, gathers, p2p)
 
 

@@ -190,7 +190,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                 continue
             evaluated += 1
             bounds = uniform_bounds(len(profile.units), cfg.pp * cfg.virtual_stages) if uniform_cuts else None
-            result = evaluate_config(table, cfg, env, bounds)
+            cap = sorted(e.iteration_time_s for e in ranked)[keep - 1] if len(ranked) >= keep else math.inf
+            result = evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
             if result.feasible:
                 ranked.append(result)
             else:
