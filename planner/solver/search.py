@@ -103,7 +103,7 @@ def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
         zero3_gather = scatter + (2 * gather if cfg.zero_stage == 3 else 0.0)
     base = table.forward_s + table.backward_s + table.tp_comm_s + zero3_gather
     times = {r: base + table.recompute_s[r] for r in env.allowed_recompute}
-    states = np.array([model_state_bytes(p, env.dtype, cfg.zero_stage, cfg.dp).total for p in table.parameters])
+    states = model_state_bytes(table.parameters, env.dtype, cfg.zero_stage, cfg.dp).total  # linear: vectorised
     return times, states, zero3_gather
 
 

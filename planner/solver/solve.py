@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import lru_cache
 from dataclasses import dataclass, replace
 
 from planner.cluster import Cluster
@@ -129,16 +130,18 @@ def _schedules(pins: Pins, pp: int, m: int, num_units: int):
 
 def _environment(cluster: Cluster, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
     coll = CollectiveModel(cluster)
-    place = lambda dp, tp: group_placement(cluster, dp, tp)  # noqa: E731  (DP ranks are tp apart)
+    place = lru_cache(maxsize=None)(lambda dp, tp: group_placement(cluster, dp, tp))  # DP ranks are tp apart
+    # Identical units ask the same questions thousands of times in one search: memoise.
+    cached = lambda fn: lru_cache(maxsize=None)(fn)  # noqa: E731
     return Environment(
         usable_memory_bytes=cluster.gpu.memory_bytes * memory_fraction,
         dtype=dtype,
         dtype_bytes=DTYPE_BYTES[dtype],
         allowed_recompute=(pins.recompute,) if pins.recompute else ("none", "selective", "full"),
-        dp_all_reduce_s=lambda nbytes, dp, tp: coll.all_reduce_s(nbytes, place(dp, tp)),
-        dp_reduce_scatter_s=lambda nbytes, dp, tp: coll.reduce_scatter_s(nbytes, place(dp, tp)),
-        dp_all_gather_s=lambda nbytes, dp, tp: coll.all_gather_s(nbytes, place(dp, tp)),
-        p2p_s=lambda nbytes, same_node: coll.p2p_s(nbytes, same_node),
+        dp_all_reduce_s=cached(lambda nbytes, dp, tp: coll.all_reduce_s(nbytes, place(dp, tp))),
+        dp_reduce_scatter_s=cached(lambda nbytes, dp, tp: coll.reduce_scatter_s(nbytes, place(dp, tp))),
+        dp_all_gather_s=cached(lambda nbytes, dp, tp: coll.all_gather_s(nbytes, place(dp, tp))),
+        p2p_s=cached(lambda nbytes, same_node: coll.p2p_s(nbytes, same_node)),
         gpus_per_node=cluster.gpus_per_node,
         achievable_bandwidth=cluster.gpu.achievable_bandwidth,
     )
