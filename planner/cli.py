@@ -229,6 +229,11 @@ def schema(
         sys.stdout.write(text)
 
 
+from planner.cluster_probe import profile_cluster_command as _pcc  # noqa: E402  (typer reads its signature; no torch import)
+
+app.command("profile-cluster", help=_pcc.__doc__)(_pcc)
+
+
 def main() -> None:
     """Console-script entry: run the app, turning PlannerErrors into clean messages."""
     debug = "--debug" in sys.argv[1:]
