@@ -1,11 +1,11 @@
 """Predicted vs measured on the machine at hand: profile, solve, run, compare.
 
-On CPU: a measured CPU profile, the `cpu` cluster preset with N gloo processes, the plan
-run under torchrun. On a GPU: a measured CUDA profile, one GPU (`--gpus 1`), the plan run
+On CPU: a measured CPU profile, a cluster file measured by `planner profile-cluster` with
+N gloo processes (or the `cpu` preset with --preset-cluster), the plan run under torchrun. On a GPU: a measured CUDA profile, one GPU (`--gpus 1`), the plan run
 in one process (several NCCL processes sharing one GPU say nothing about a real cluster).
 Writes benchmarks/results/predicted_vs_measured_<device>.csv with each term.
 
-    python benchmarks/predicted_vs_measured.py --device cpu --gpus 2
+    python benchmarks/predicted_vs_measured.py --device cpu --gpus 2          # measured gloo cluster
     python benchmarks/predicted_vs_measured.py --device cuda --gpu h100-80gb --gpus 1 --dtype bfloat16
 """
 
@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--preset-cluster", action="store_true", help="CPU: use the cpu preset instead of measuring gloo.")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,8 +51,13 @@ def main() -> None:
     profile, plan, metrics = out / f"pvm-{tag}-profile.json", out / f"pvm-{tag}-plan.json", out / f"pvm-{tag}-metrics.json"
     planner("profile", "examples/gpt.py", *MODELS[args.device], "--device", args.device, "--dtype", args.dtype,
             "--micro-batch-sizes", "1,2,4,8", "-o", str(profile))
-    planner("solve", "--profile", str(profile), "--gpus", str(args.gpus), "--gpu", args.gpu, "--global-batch", str(args.global_batch),
-            "-o", str(plan))
+    if args.device == "cpu" and not args.preset_cluster:
+        cluster = out / f"pvm-{tag}-cluster.yaml"
+        planner("profile-cluster", "--nproc", str(args.gpus), "--max-bytes", str(8 * 2**20), "--time-budget", "20", "-o", str(cluster))
+        where = ["--cluster", str(cluster)]
+    else:
+        where = ["--gpus", str(args.gpus), "--gpu", args.gpu]
+    planner("solve", "--profile", str(profile), *where, "--global-batch", str(args.global_batch), "-o", str(plan))
     planner("run", str(plan), "--steps", str(args.steps), "--output", str(metrics))
     print(planner("validate", str(plan), str(metrics)))
     p, m = json.loads(plan.read_text()), json.loads(metrics.read_text())

@@ -1,6 +1,6 @@
 """The whole product on the bundled GPT example, on this machine's CPU (README's `make demo`).
 
-    profile (measured, CPU) -> solve for 2 gloo processes (one per core) -> run the plan -> predicted vs measured
+    profile (measured, CPU) -> measure gloo -> solve for 2 processes (one per core) -> run -> predicted vs measured
 
 Each step is the same command a user would type; the files land under runs/demo/.
 """
@@ -31,7 +31,9 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     profile, plan, metrics = OUT / "gpt-cpu.json", OUT / "plan.json", OUT / "metrics.json"
     planner("profile", *MODEL, "--micro-batch-sizes", "1,2,4", "--device", "cpu", "--output", str(profile))
-    planner("solve", "--profile", str(profile), "--gpus", "2", "--gpu", "cpu", "--global-batch", "16",
+    cluster = OUT / "cluster.yaml"
+    planner("profile-cluster", "--nproc", "2", "--max-bytes", str(4 * 2**20), "--time-budget", "10", "--output", str(cluster))
+    planner("solve", "--profile", str(profile), "--cluster", str(cluster), "--global-batch", "16",
             "--output", str(plan), "--top", "5")
     planner("show", str(plan), "--gantt", str(OUT / "schedule.png"))
     planner("run", str(plan), "--steps", "8", "--output", str(metrics))
