@@ -25,3 +25,11 @@ def write_model(tmp_path):
         return path
 
     return write
+
+# Property tests draw the same examples on every CI run (a failure there is reproducible);
+# locally they explore new ones.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    _hypothesis_settings.load_profile("ci")

@@ -122,10 +122,12 @@ def test_non_uniform_bounds(forward, ratio, m):
     for schedule, bound in (("gpipe", lower), ("1f1b", lower), ("zero-bubble", lower_zb)):
         t = simulate(schedule, forward, backward, m).makespan_s
         assert t >= bound * (1 - 1e-9) and t >= m * max(work) * (1 - 1e-9)
-    # GPipe: two flow shops, exact. 1F1B: Alpa's sum + (m-1) max is an upper bound.
+    # GPipe: two flow shops, exact.
     assert simulate("gpipe", forward, backward, m).makespan_s == pytest.approx(
         iteration_time_s("gpipe", forward, backward, m), rel=1e-9)
-    assert simulate("1f1b", forward, backward, m).makespan_s <= iteration_time_s("1f1b", forward, backward, m) * (1 + 1e-9)
+    # 1F1B on non-uniform stages has no exact closed form: Alpa's sum + (m-1) max is neither an
+    # upper nor a lower bound (hypothesis found forward [1, 2, 3, .25], backward [1, 4, 3, .25],
+    # m = 2: simulated 21.0 against 20.5), so only the lower bounds above are asserted.
 
 
 def test_proportional_stages_match_alpa_form_exactly():

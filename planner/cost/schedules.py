@@ -16,8 +16,9 @@ other m - 1 are paced by the slowest one (Alpa's form, Zheng et al. 2022, eq. 2)
 GPipe runs all forwards, then all backwards: two flow shops of identical jobs, so exactly
 T = sum f + (m-1) max f + sum b + (m-1) max b, which is the form above when one stage is
 slowest in both f and b (as when b is proportional to f) and larger otherwise. For 1F1B on
-non-uniform stages the form is an upper bound (never beaten in the property test; the
-simulator was up to ~20% faster on random stages) and the simulator is never faster than
+non-uniform stages the form is an estimate, not a bound (the simulator is usually faster, by
+up to ~20% on random stages, but can be slower: forward [1, 2, 3, .25], backward
+[1, 4, 3, .25], m = 2 simulates to 21.0 against 20.5); the simulator is never faster than
 max_k [sum_{i<k}(f_i + b_i) + m (f_k + b_k)]: rank k cannot start before micro-batch 0
 reaches it, and its last backward must still flow down to rank 0. GPipe holds m
 micro-batches of activations, 1F1B min(m, p - i) on rank i.
