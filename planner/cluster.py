@@ -2,16 +2,21 @@
 
 Presets come from planner/hardware.py (`make_cluster(gpus, gpus_per_node, gpu)`); files in
 YAML or JSON (`load_cluster`) describe or override them, and `planner profile-cluster`
-writes one from measurements. Link latencies of the presets are typical published values:
-NVLink/NVSwitch about 3 us per hop for small NCCL messages and InfiniBand about 5 us
-(NCCL tests on DGX A100/H100 report 5-10 us for 8-byte all-reduces in a node and 10-20 us
-across nodes; per step of a ring that is a few us). The CPU preset stands for gloo over
-loopback on one machine: ~2 GB/s and ~50 us per message are rough defaults, measured
-clusters (`planner profile-cluster`) replace them.
+writes one from measurements. Link bandwidths are the GPU preset's (NVLink per GPU per
+direction inside a node, one NIC per GPU across nodes). Link latencies are typical
+published values, per message (one hop of a ring):
 
-File format (YAML or JSON):
+- NVLink/NVSwitch ~3 us: NCCL tests on DGX A100/H100 report 5-10 us for a small
+  all-reduce inside a node, a few us of which is per-step link latency.
+- InfiniBand ~5 us: small-message RDMA latency is 1-2 us, and NCCL's per-step cost across
+  nodes (proxy thread, network plugin) is about 5 us; 10-20 us small all-reduces across
+  nodes are typical in nccl-tests results.
+- CPU preset (gloo over loopback TCP on one machine): ~2 GB/s and ~50 us per message are
+  rough defaults, not measurements; `planner profile-cluster` replaces them.
 
-    name: my-cluster            # optional
+File format (YAML or JSON; profiles/clusters/ holds one file per preset):
+
+    name: my-cluster            # optional, else the file stem
     gpu: a100-80gb              # a preset, or {preset: a100-80gb, memory_bytes: ..., peak_flops: {...}, ...}
     num_nodes: 4
     gpus_per_node: 8
@@ -26,28 +31,36 @@ nodes of different GPU types are parsed and rejected (not supported yet).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from planner.errors import PlannerError
-from planner.hardware import GPUSpec, get_gpu
+from planner.hardware import GPUS, GPUSpec, get_gpu
 
 # Per-message latency of one hop, seconds (module docstring).
 NVLINK_LATENCY_S = 3e-6
 NETWORK_LATENCY_S = 5e-6
 GLOO_LATENCY_S = 50e-6
 
+TOP_LEVEL_KEYS = {"name", "gpu", "num_nodes", "gpus_per_node", "intra_node", "inter_node", "fitted", "nodes"}
+_HINT = "Fix the cluster file (format: planner/cluster.py, examples: profiles/clusters/)."
+
 
 @dataclass(frozen=True)
 class Link:
+    """One kind of connection between two GPUs, alpha-beta style."""
+
     bandwidth_bytes_per_s: float
     """Per GPU, per direction."""
     latency_s: float
-    """Fixed cost of one message."""
+    """Fixed cost of one message (one step of a ring)."""
 
 
 @dataclass(frozen=True)
 class Cluster:
+    """Identical nodes of identical GPUs."""
+
     name: str
     """Preset name or file stem."""
     gpu: GPUSpec
@@ -60,21 +73,24 @@ class Cluster:
     """Between GPUs of one node."""
     inter_node: Link
     """Between GPUs of different nodes."""
-    fitted: dict = field(default_factory=dict, hash=False, compare=False)
-    """Per-collective fits from `planner profile-cluster` (used for groups inside one node)."""
+    fitted: dict[str, dict] = field(default_factory=dict, hash=False, compare=False)
+    """Per-collective fits from `planner profile-cluster`, e.g. `{"all_reduce": {"latency_s",
+    "bandwidth_bytes_per_s", "num_ranks", "points"}}`; used for groups inside one node."""
 
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
     def to_ref(self) -> dict:
+        """The plan file's ClusterRef."""
         return {"name": self.name, "num_nodes": self.num_nodes, "gpus_per_node": self.gpus_per_node, "gpu": self.gpu.name}
 
 
-def _default_links(gpu: GPUSpec) -> tuple[Link, Link]:
-    latency = GLOO_LATENCY_S if gpu.name == "cpu" else NVLINK_LATENCY_S
-    inter = GLOO_LATENCY_S if gpu.name == "cpu" else NETWORK_LATENCY_S
-    return Link(gpu.intra_node_bandwidth_bytes_per_s, latency), Link(gpu.inter_node_bandwidth_bytes_per_s, inter)
+def default_links(gpu: GPUSpec) -> tuple[Link, Link]:
+    """(intra-node, inter-node) links of a preset GPU (latencies: module docstring)."""
+    cpu = gpu.name == "cpu"
+    return (Link(gpu.intra_node_bandwidth_bytes_per_s, GLOO_LATENCY_S if cpu else NVLINK_LATENCY_S),
+            Link(gpu.inter_node_bandwidth_bytes_per_s, GLOO_LATENCY_S if cpu else NETWORK_LATENCY_S))
 
 
 def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str = "a100-80gb") -> Cluster:
@@ -88,32 +104,60 @@ def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str = "a100-8
             f"{gpus} GPUs do not split into nodes of {per_node}.",
             "Make --gpus a multiple of --gpus-per-node.",
         )
-    intra, inter = _default_links(spec)
+    intra, inter = default_links(spec)
     return Cluster(f"{spec.name}x{gpus}", spec, gpus // per_node, per_node, intra, inter)
 
 
 def _positive(value, what: str, source: str) -> float:
+    """A finite number > 0, or a PlannerError naming the field."""
+    if isinstance(value, bool):
+        value = "a boolean"
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise PlannerError(f"{source}: {what} must be a number (got {value!r}).", "Fix the cluster file.") from None
-    if not number > 0:
-        raise PlannerError(f"{source}: {what} must be positive (got {value!r}).", "Fix the cluster file.")
+        raise PlannerError(f"{source}: {what} must be a number (got {value!r}).", _HINT) from None
+    if not (number > 0 and math.isfinite(number)):
+        raise PlannerError(f"{source}: {what} must be positive and finite (got {value!r}).", _HINT)
     return number
 
 
+def _count(value, what: str, source: str) -> int:
+    """A positive whole number (2.0 is accepted, 2.5 is not)."""
+    number = _positive(value, what, source)
+    if number != int(number):
+        raise PlannerError(f"{source}: {what} must be a whole number (got {value!r}).", _HINT)
+    return int(number)
+
+
+def _preset(name, what: str, source: str) -> GPUSpec:
+    try:
+        return get_gpu(str(name))
+    except PlannerError as exc:
+        raise PlannerError(f"{source}: {what}: {exc.message}", exc.hint) from None
+
+
 def _gpu_from(entry, source: str) -> GPUSpec:
+    """`gpu: NAME` or `gpu: {preset: NAME, <GPUSpec field>: value, ...}`."""
     if isinstance(entry, str):
-        return get_gpu(entry)
-    if isinstance(entry, dict) and "preset" in entry:
-        spec = get_gpu(entry["preset"])
-        known = {f.name for f in fields(GPUSpec)} - {"name"}
-        unknown = set(entry) - known - {"preset", "name"}
-        if unknown:
-            raise PlannerError(f"{source}: unknown GPU fields {sorted(unknown)}.", f"Known fields: {sorted(known)}.")
-        overrides = {k: v for k, v in entry.items() if k in known}
-        return replace(spec, name=entry.get("name", spec.name), **overrides)
-    raise PlannerError(f"{source}: `gpu` must be a preset name or {{preset: NAME, ...overrides}}.", "Example: gpu: a100-80gb")
+        return _preset(entry, "gpu", source)
+    if not (isinstance(entry, dict) and "preset" in entry):
+        raise PlannerError(f"{source}: `gpu` must be a preset name or {{preset: NAME, ...overrides}}.", "Example: gpu: a100-80gb")
+    spec = _preset(entry["preset"], "gpu.preset", source)
+    known = {f.name for f in fields(GPUSpec)} - {"name"}
+    unknown = set(entry) - known - {"preset", "name"}
+    if unknown:
+        raise PlannerError(f"{source}: unknown gpu fields {sorted(unknown)}.", f"Known fields: {sorted(known)}.")
+    overrides: dict = {}
+    for key, value in entry.items():
+        if key == "peak_flops":
+            if not isinstance(value, dict) or not value:
+                raise PlannerError(f"{source}: gpu.peak_flops must map dtype names to FLOP/s.", "Example: {bfloat16: 3.12e14}")
+            overrides[key] = {**spec.peak_flops, **{str(d): _positive(v, f"gpu.peak_flops.{d}", source) for d, v in value.items()}}
+        elif key == "memory_bytes":
+            overrides[key] = _count(value, "gpu.memory_bytes", source)
+        elif key in known:
+            overrides[key] = _positive(value, f"gpu.{key}", source)
+    return replace(spec, name=str(entry.get("name", spec.name)), **overrides)
 
 
 def _link(entry, default: Link, what: str, source: str) -> Link:
@@ -121,70 +165,107 @@ def _link(entry, default: Link, what: str, source: str) -> Link:
         return default
     if not isinstance(entry, dict):
         raise PlannerError(f"{source}: `{what}` must be a mapping.", "Example: {bandwidth_bytes_per_s: 3.0e11, latency_s: 3.0e-6}")
+    unknown = set(entry) - {"bandwidth_bytes_per_s", "latency_s"}
+    if unknown:
+        raise PlannerError(f"{source}: unknown {what} fields {sorted(unknown)}.", "Known fields: bandwidth_bytes_per_s, latency_s.")
     return Link(
         _positive(entry.get("bandwidth_bytes_per_s", default.bandwidth_bytes_per_s), f"{what}.bandwidth_bytes_per_s", source),
         _positive(entry.get("latency_s", default.latency_s), f"{what}.latency_s", source),
     )
 
 
+def _fitted(entry, source: str) -> dict[str, dict]:
+    """Check the numbers the collective model reads; keep everything else (raw points, notes)."""
+    if entry is None:
+        return {}
+    if not isinstance(entry, dict):
+        raise PlannerError(f"{source}: `fitted` must be a mapping.", "Re-create the file with `planner profile-cluster`.")
+    out = {}
+    for kind, fit in entry.items():
+        if not isinstance(fit, dict):
+            raise PlannerError(f"{source}: fitted.{kind} must be a mapping.", "Re-create the file with `planner profile-cluster`.")
+        for key in ("latency_s", "bandwidth_bytes_per_s"):
+            _positive(fit.get(key), f"fitted.{kind}.{key}", source)
+        if "num_ranks" in fit:
+            _count(fit["num_ranks"], f"fitted.{kind}.num_ranks", source)
+        out[str(kind)] = dict(fit)
+    return out
+
+
+def _flatten_nodes(data: dict, source: str) -> dict:
+    """`nodes: [...]` -> num_nodes / gpus_per_node / gpu, or the heterogeneity error."""
+    nodes = data["nodes"]
+    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, dict) and "gpu" in n for n in nodes):
+        raise PlannerError(f"{source}: `nodes` must be a non-empty list of {{gpu, count, gpus_per_node}}.", _HINT)
+    if "num_nodes" in data or "gpus_per_node" in data or "gpu" in data:
+        raise PlannerError(f"{source}: give either `nodes` or `gpu`/`num_nodes`/`gpus_per_node`, not both.", _HINT)
+    kinds = []
+    for i, node in enumerate(nodes):
+        spec = _gpu_from(node["gpu"], f"{source}: nodes[{i}]")
+        kinds.append((spec, _count(node.get("gpus_per_node", 8), f"nodes[{i}].gpus_per_node", source)))
+        _count(node.get("count", 1), f"nodes[{i}].count", source)
+    if any(kind != kinds[0] for kind in kinds):  # GPUSpec holds a dict: compare, do not hash
+        described = sorted({f"{per_node} x {spec.name}" for spec, per_node in kinds})
+        raise PlannerError(
+            f"{source} mixes node types ({', '.join(described)}): heterogeneous clusters are not supported yet.",
+            "Plan for one node type at a time (a cluster file with a single `gpu`).",
+        )
+    rest = {k: v for k, v in data.items() if k != "nodes"}
+    return {**rest, "gpu": nodes[0]["gpu"], "num_nodes": sum(int(n.get("count", 1)) for n in nodes),
+            "gpus_per_node": kinds[0][1]}
+
+
 def parse_cluster(data, source: str = "cluster") -> Cluster:
+    """A Cluster from a parsed YAML/JSON mapping; `source` names it in errors."""
     if not isinstance(data, dict):
-        raise PlannerError(f"{source} is not a cluster description (expected a mapping).", "See planner/cluster.py for the format.")
+        raise PlannerError(f"{source} is not a cluster description (expected a mapping).", _HINT)
+    unknown = set(data) - TOP_LEVEL_KEYS
+    if unknown:
+        raise PlannerError(f"{source}: unknown fields {sorted(unknown)}.", f"Known fields: {sorted(TOP_LEVEL_KEYS)}.")
     if "nodes" in data:
-        nodes = data["nodes"]
-        if not isinstance(nodes, list) or not nodes or not all(isinstance(n, dict) and "gpu" in n for n in nodes):
-            raise PlannerError(f"{source}: `nodes` must be a list of {{gpu, count, gpus_per_node}}.", "Fix the cluster file.")
-        kinds = {(_gpu_from(n["gpu"], source).name, int(n.get("gpus_per_node", 8))) for n in nodes}
-        if len(kinds) > 1:
-            raise PlannerError(
-                f"{source} mixes node types {sorted(kinds)}: heterogeneous clusters are not supported yet.",
-                "Plan for one node type at a time (a cluster file with a single `gpu`).",
-            )
-        (gpu_name, per_node), = kinds
-        data = {**{k: v for k, v in data.items() if k != "nodes"}, "gpu": nodes[0]["gpu"],
-                "num_nodes": sum(int(n.get("count", 1)) for n in nodes), "gpus_per_node": per_node}
+        data = _flatten_nodes(data, source)
     if "gpu" not in data:
         raise PlannerError(f"{source}: missing `gpu`.", "Add e.g. `gpu: a100-80gb`.")
     gpu = _gpu_from(data["gpu"], source)
-    num_nodes = int(_positive(data.get("num_nodes", 1), "num_nodes", source))
-    per_node = int(_positive(data.get("gpus_per_node", 8), "gpus_per_node", source))
-    intra, inter = _default_links(gpu)
-    fitted = data.get("fitted") or {}
-    if not isinstance(fitted, dict):
-        raise PlannerError(f"{source}: `fitted` must be a mapping.", "Re-create the file with `planner profile-cluster`.")
+    intra, inter = default_links(gpu)  # overridden GPU bandwidths carry into the default links
     return Cluster(
-        name=str(data.get("name", Path(source).stem)),
+        name=str(data.get("name") or Path(source).stem),
         gpu=gpu,
-        num_nodes=num_nodes,
-        gpus_per_node=per_node,
+        num_nodes=_count(data.get("num_nodes", 1), "num_nodes", source),
+        gpus_per_node=_count(data.get("gpus_per_node", 8), "gpus_per_node", source),
         intra_node=_link(data.get("intra_node"), intra, "intra_node", source),
         inter_node=_link(data.get("inter_node"), inter, "inter_node", source),
-        fitted=fitted,
+        fitted=_fitted(data.get("fitted"), source),
     )
 
 
 def load_cluster(path: str | Path) -> Cluster:
+    """Read a cluster file (YAML, or JSON by its `.json` suffix)."""
     path = Path(path)
     if not path.is_file():
-        raise PlannerError(f"Cluster file {path} does not exist.", "Write one (see planner/cluster.py) or use --gpus N --gpu NAME.")
-    text = path.read_text()
+        raise PlannerError(f"Cluster file {path} does not exist.", "Write one (see profiles/clusters/) or use --gpus N --gpu NAME.")
     try:
+        text = path.read_text()
         if path.suffix == ".json":
             data = json.loads(text)
         else:
             import yaml
 
             data = yaml.safe_load(text)
-    except Exception as exc:  # yaml and json raise their own error types
+    except Exception as exc:  # yaml, json and decoding raise their own error types
         raise PlannerError(f"Cluster file {path} cannot be parsed ({exc}).", "Fix its YAML/JSON syntax.") from None
     return parse_cluster(data, str(path))
 
 
 def cluster_data(cluster: Cluster) -> dict:
-    preset = get_gpu(cluster.gpu.name) if cluster.gpu.name in _preset_names() else None
-    gpu: object = cluster.gpu.name
-    if preset is None or preset != cluster.gpu:
-        gpu = {"preset": preset.name if preset else "cpu", **{k: v for k, v in asdict(cluster.gpu).items()}}
+    """The file form: a preset GPU by name, a modified one as {preset, changed fields}."""
+    preset = GPUS.get(cluster.gpu.name)
+    if preset == cluster.gpu:
+        gpu: object = cluster.gpu.name
+    else:
+        base = preset or GPUS["cpu"]  # a renamed GPU is written out in full on top of any preset
+        changed = {k: v for k, v in asdict(cluster.gpu).items() if k != "name" and (preset is None or getattr(base, k) != v)}
+        gpu = {"preset": base.name, **({"name": cluster.gpu.name} if preset is None else {}), **changed}
     return {
         "name": cluster.name,
         "gpu": gpu,
@@ -196,13 +277,8 @@ def cluster_data(cluster: Cluster) -> dict:
     }
 
 
-def _preset_names() -> set[str]:
-    from planner.hardware import GPUS
-
-    return set(GPUS)
-
-
 def save_cluster(cluster: Cluster, path: str | Path) -> Path:
+    """Write `cluster` as YAML (read back by `load_cluster`)."""
     import yaml
 
     path = Path(path)

@@ -1,34 +1,45 @@
 """Collective and point-to-point times: alpha-beta models per algorithm, cheapest wins.
 
 A message of M bytes over a link of latency alpha and bandwidth beta (per GPU, per
-direction) costs alpha + M / beta. For a group of n ranks (Thakur, Rabenseifner and Gropp
-2005, "Optimization of Collective Communication Operations in MPICH", section 4; the NCCL
-documentation for ring and tree):
+direction) costs alpha + M / beta. For a group of n ranks, with lg = ceil(log2 n) (Thakur,
+Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in
+MPICH", IJHPCA 19(1), section 4; NCCL's documentation and nccl-tests' PERFORMANCE.md for
+ring and tree):
 
     all-reduce     ring                     2(n-1) alpha + 2(n-1)/n M / beta
-                   recursive halving-doubling (Rabenseifner: reduce-scatter by halving,
-                                            all-gather by doubling)
-                                            2 log2(n) alpha + 2(n-1)/n M / beta
-                   tree (pipelined reduce + broadcast, NCCL's double binary tree)
-                                            2 log2(n) alpha + 2 M / beta
+                   recursive doubling       lg alpha + lg M / beta      (short messages)
+                   Rabenseifner (reduce-scatter by recursive halving, all-gather by
+                   recursive doubling)      2 lg alpha + 2(n-1)/n M / beta
+                   tree (reduce up a binary tree, broadcast down, pipelined as in NCCL)
+                                            2 lg alpha + 2 M / beta
     all-gather /   ring                     (n-1) alpha + (n-1)/n M / beta
-    reduce-scatter recursive doubling/halving  log2(n) alpha + (n-1)/n M / beta
+    reduce-scatter recursive doubling / halving (Bruck for n not a power of two)
+                                            lg alpha + (n-1)/n M / beta
     broadcast      pipelined ring           (n-1) alpha + M / beta
-                   binomial tree            log2(n) (alpha + M / beta)
+                   binomial tree            lg (alpha + M / beta)
     all-to-all     pairwise exchange        (n-1) alpha + (n-1)/n^2 M / beta
     p2p                                     alpha + M / beta
 
-M is the full (unsharded) tensor: the all-gather's output, the reduce-scatter's input.
-log2 is rounded up for group sizes that are not powers of two.
+M is the full (unsharded) tensor: the all-gather's output, the reduce-scatter's input, the
+all-to-all's whole tensor (every rank holds M/n and keeps 1/n of it). The ring moves each
+rank's bytes over n-1 (twice for all-reduce) steps, so it pays the most latency terms and
+the fewest bytes; recursive doubling the reverse. Which is cheapest therefore switches from
+the latency-optimal algorithm to the bandwidth-optimal one as M grows.
 
 Placement decides the link: a group inside one node uses the intra-node link; a group
 spread over several nodes is priced two ways and the cheaper is used: flat (the algorithms
-above on the inter-node link, the slowest hop paces a ring) and hierarchical (all-reduce:
-reduce-scatter inside each node, all-reduce of the 1/g shard across nodes with every GPU
-using its own NIC, all-gather inside the node; all-gather and reduce-scatter likewise in
-two levels). A cluster measured by `planner profile-cluster` carries fitted latency and
-bandwidth per collective (in terms of the ring's per-rank traffic); those replace the
-alpha-beta terms for groups inside one node.
+above on the inter-node link, whose slowest hop paces the whole ring) and hierarchical
+(all-reduce: reduce-scatter inside each node over g = size / nodes GPUs, all-reduce of the
+1/g shard across nodes with every GPU using its own NIC, all-gather inside the node, as in
+NCCL's and Horovod's hierarchical all-reduce; all-gather and reduce-scatter likewise in
+two levels; broadcast across then within).
+
+A cluster measured by `planner profile-cluster` carries a fitted latency and bandwidth per
+collective, in terms of the ring's per-rank traffic (2(n-1)/n M for all-reduce, (n-1)/n M
+for all-gather and reduce-scatter, M for p2p). Those replace the alpha-beta terms for
+groups inside one node. A fit made with k ranks (`num_ranks`) is applied to a group of n
+by scaling its latency by the ring's step count, (n-1)/(k-1); fits made across several
+nodes (`num_nodes` > 1) are not used.
 """
 
 from __future__ import annotations
@@ -40,9 +51,21 @@ from planner.cluster import Cluster, Link
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
+RING_TRAFFIC = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n**2,
+    "p2p": lambda n: 1.0,
+}
+"""Bytes each rank sends in the ring algorithm, as a fraction of M (the fits' x axis)."""
+
 
 @dataclass(frozen=True)
 class Group:
+    """Where a process group's ranks sit."""
+
     size: int
     """Ranks in the group."""
     num_nodes: int
@@ -50,30 +73,39 @@ class Group:
 
     @property
     def per_node(self) -> int:
+        """Ranks of the group on each node it spans."""
         return max(self.size // self.num_nodes, 1)
 
 
 def group_placement(cluster: Cluster, size: int, stride: int) -> Group:
-    """The group of ranks r0, r0 + stride, ..., r0 + (size-1) stride (nodes hold consecutive ranks)."""
+    """The group of ranks r0, r0 + stride, ..., r0 + (size-1) stride (nodes hold consecutive ranks).
+
+    Every group of one kind in the (pp, dp, tp) rank grid is placed alike, so the group
+    starting at rank 0 stands for all of them.
+    """
     if size <= 1:
         return Group(1, 1)
-    # The group starting at rank 0 (the (pp, dp, tp) grid makes every group of a kind alike).
+    if stride < 1 or (size - 1) * stride >= cluster.world_size:
+        raise ValueError(f"a group of {size} ranks {stride} apart does not fit in {cluster.world_size} ranks")
     nodes = len({(i * stride) // cluster.gpus_per_node for i in range(size)})
     return Group(size, nodes)
 
 
 def _log2(n: int) -> int:
-    return max(math.ceil(math.log2(n)), 1) if n > 1 else 0
+    return math.ceil(math.log2(n)) if n > 1 else 0
 
 
-def _flat(kind: str, n: int, nbytes: float, link: Link) -> dict[str, float]:
-    """Every algorithm's time for one flat group on one link."""
-    if n <= 1:
+def flat_times(kind: str, n: int, nbytes: float, link: Link) -> dict[str, float]:
+    """Every algorithm's time for a group of `n` ranks all on `link` (module docstring)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown collective {kind!r}; use one of {KINDS}")
+    if n <= 1 or nbytes <= 0:
         return {"none": 0.0}
     a, b, lg = link.latency_s, link.bandwidth_bytes_per_s, _log2(n)
     if kind == "all_reduce":
         return {
             "ring": 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / b,
+            "recursive_doubling": lg * (a + nbytes / b),
             "halving_doubling": 2 * lg * a + 2 * (n - 1) / n * nbytes / b,
             "tree": 2 * lg * a + 2 * nbytes / b,
         }
@@ -81,42 +113,59 @@ def _flat(kind: str, n: int, nbytes: float, link: Link) -> dict[str, float]:
         return {"ring": (n - 1) * a + (n - 1) / n * nbytes / b, "recursive": lg * a + (n - 1) / n * nbytes / b}
     if kind == "broadcast":
         return {"ring": (n - 1) * a + nbytes / b, "tree": lg * (a + nbytes / b)}
-    if kind == "all_to_all":
-        return {"pairwise": (n - 1) * a + (n - 1) / n**2 * nbytes / b}
-    raise ValueError(f"unknown collective {kind!r}; use one of {KINDS}")
-
-
-RING_TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "all_to_all": lambda n: (n - 1) / n**2}
+    return {"pairwise": (n - 1) * a + (n - 1) / n**2 * nbytes / b}
 
 
 class CollectiveModel:
-    """Times of collectives and p2p on one cluster."""
+    """Times of collectives and p2p on one cluster; the public methods return the cheapest algorithm's."""
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
 
+    def _fitted_s(self, kind: str, nbytes: float, size: int) -> float | None:
+        """Time from a profile-cluster fit, or None when the cluster has none for `kind`."""
+        fit = self.cluster.fitted.get(kind)
+        if not fit or int(fit.get("num_nodes", 1)) > 1:  # a fit made across nodes says nothing about one node
+            return None
+        measured = int(fit.get("num_ranks", size))
+        steps = (size - 1) / (measured - 1) if measured > 1 and kind != "p2p" else 1.0
+        return steps * float(fit["latency_s"]) + RING_TRAFFIC[kind](size) * nbytes / float(fit["bandwidth_bytes_per_s"])
+
     def algorithm_times(self, kind: str, nbytes: float, group: Group) -> dict[str, float]:
+        """Every applicable algorithm's time in seconds, by name (for explanations and tests)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown collective {kind!r}; use one of {KINDS}")
         if group.size <= 1 or nbytes <= 0:
             return {"none": 0.0}
         c = self.cluster
         if group.num_nodes <= 1:
-            fit = c.fitted.get(kind)
-            if fit:
-                traffic = RING_TRAFFIC[kind](group.size) * nbytes
-                return {"fitted": float(fit["latency_s"]) + traffic / float(fit["bandwidth_bytes_per_s"])}
-            return _flat(kind, group.size, nbytes, c.intra_node)
-        times = {f"flat_{k}": v for k, v in _flat(kind, group.size, nbytes, c.inter_node).items()}
+            fitted = self._fitted_s(kind, nbytes, group.size)
+            return {"fitted": fitted} if fitted is not None else flat_times(kind, group.size, nbytes, c.intra_node)
+        times = {f"flat_{k}": v for k, v in flat_times(kind, group.size, nbytes, c.inter_node).items()}
         g, nodes = group.per_node, group.num_nodes
-        inside = lambda k, m: min(_flat(k, g, m, c.intra_node).values())  # noqa: E731
-        across = lambda k, m: min(_flat(k, nodes, m, c.inter_node).values())  # noqa: E731
+
+        def inside(k: str, m: float) -> float:
+            fitted = self._fitted_s(k, m, g) if g > 1 else None
+            return fitted if fitted is not None else min(flat_times(k, g, m, c.intra_node).values())
+
+        def across(k: str, m: float) -> float:
+            return min(flat_times(k, nodes, m, c.inter_node).values())
+
         if kind == "all_reduce":
             times["hierarchical"] = inside("reduce_scatter", nbytes) + across("all_reduce", nbytes / g) + inside("all_gather", nbytes)
-        elif kind in ("all_gather", "reduce_scatter"):
-            times["hierarchical"] = across(kind, nbytes / g) + inside(kind, nbytes)
+        elif kind == "all_gather":  # gather the node's shards across nodes, then the node's full blocks inside
+            times["hierarchical"] = across("all_gather", nbytes / g) + inside("all_gather", nbytes)
+        elif kind == "reduce_scatter":  # the mirror image: inside first, then across on 1/g
+            times["hierarchical"] = inside("reduce_scatter", nbytes) + across("reduce_scatter", nbytes / g)
         elif kind == "broadcast":
             times["hierarchical"] = across("broadcast", nbytes) + inside("broadcast", nbytes)
         return times
+
+    def best_algorithm(self, kind: str, nbytes: float, group: Group) -> tuple[str, float]:
+        """(name, seconds) of the cheapest algorithm."""
+        times = self.algorithm_times(kind, nbytes, group)
+        name = min(times, key=times.__getitem__)
+        return name, times[name]
 
     def _best(self, kind: str, nbytes: float, group: Group) -> float:
         return min(self.algorithm_times(kind, nbytes, group).values())
@@ -125,23 +174,27 @@ class CollectiveModel:
         return self._best("all_reduce", nbytes, group)
 
     def all_gather_s(self, nbytes: float, group: Group) -> float:
+        """`nbytes` is the gathered (output) size."""
         return self._best("all_gather", nbytes, group)
 
     def reduce_scatter_s(self, nbytes: float, group: Group) -> float:
+        """`nbytes` is the input (unscattered) size."""
         return self._best("reduce_scatter", nbytes, group)
 
     def broadcast_s(self, nbytes: float, group: Group) -> float:
         return self._best("broadcast", nbytes, group)
 
     def all_to_all_s(self, nbytes: float, group: Group) -> float:
+        """`nbytes` is the whole tensor (each rank holds 1/size of it)."""
         return self._best("all_to_all", nbytes, group)
 
     def p2p_s(self, nbytes: float, same_node: bool = True) -> float:
+        """One message between two ranks."""
         if nbytes <= 0:
             return 0.0
-        fit = self.cluster.fitted.get("p2p") if same_node else None
-        if fit:
-            return float(fit["latency_s"]) + nbytes / float(fit["bandwidth_bytes_per_s"])
+        fitted = self._fitted_s("p2p", nbytes, 2) if same_node else None
+        if fitted is not None:
+            return fitted
         link = self.cluster.intra_node if same_node else self.cluster.inter_node
         return link.latency_s + nbytes / link.bandwidth_bytes_per_s
 
@@ -154,7 +207,9 @@ class GroupCollectives:
     """Collectives bound to one group (the intra-op solver's TPCollectives)."""
 
     model: CollectiveModel
+    """The cluster's collective model."""
     group: Group
+    """The group every call is priced for."""
 
     def all_reduce_s(self, nbytes: float) -> float:
         return self.model.all_reduce_s(nbytes, self.group)

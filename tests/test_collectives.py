@@ -1,0 +1,165 @@
+"""Collective costs against their closed forms (Thakur, Rabenseifner & Gropp 2005) and a simulated ring."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from planner.cluster import Cluster, Link, make_cluster
+from planner.cost.collectives import RING_TRAFFIC, CollectiveModel, Group, flat_times, group_placement
+
+M = 64 * 2**20  # a 64 MiB message
+ALPHA, BETA = 5e-6, 100e9
+
+
+def _cluster(per_node=8, nodes=1, inter_bw=BETA / 10, fitted=None) -> Cluster:
+    c = make_cluster(per_node * nodes, per_node, "a100-80gb")
+    return Cluster(c.name, c.gpu, nodes, per_node, Link(BETA, ALPHA), Link(inter_bw, 2 * ALPHA), fitted or {})
+
+
+def _ring_all_reduce_bytes_sent(n: int, elems: int) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+    """Run a ring all-reduce on random data: n-1 reduce-scatter steps (after which rank r holds
+    the full sum of chunk r+1), then n-1 all-gather steps passing the full chunks on.
+    Returns the bytes each rank sent, every rank's result and the true sum."""
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal(elems) for _ in range(n)]
+    chunks = [np.array_split(d.copy(), n) for d in data]
+    sent = np.zeros(n)
+    for phase in ("reduce_scatter", "all_gather"):
+        for step in range(n - 1):
+            # Rank r sends chunk r - step (+1 in the gather) to rank r + 1; a step's sends are simultaneous.
+            offset = 0 if phase == "reduce_scatter" else 1
+            msgs = [((r - step + offset) % n, chunks[r][(r - step + offset) % n].copy()) for r in range(n)]
+            for r, (i, payload) in enumerate(msgs):
+                dst = (r + 1) % n
+                chunks[dst][i] = chunks[dst][i] + payload if phase == "reduce_scatter" else payload
+                sent[r] += payload.nbytes
+    return sent, [np.concatenate(c) for c in chunks], sum(data)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_simulated_ring_sends_2_n_minus_1_over_n_of_the_message(n):
+    elems = 840  # divisible by 2, 3, 4, 8: equal chunks
+    sent, results, expected = _ring_all_reduce_bytes_sent(n, elems)
+    for r in results:
+        np.testing.assert_allclose(r, expected, rtol=1e-12)  # the simulated ring really all-reduces
+    message = elems * 8
+    assert sent == pytest.approx(np.full(n, RING_TRAFFIC["all_reduce"](n) * message))
+    # ... and the model's bandwidth term is exactly those bytes over the link.
+    ring = flat_times("all_reduce", n, message, Link(BETA, 0.0))["ring"]
+    assert ring == pytest.approx(sent[0] / BETA)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_all_reduce_closed_form(n):
+    times = CollectiveModel(_cluster(n)).algorithm_times("all_reduce", M, Group(n, 1))
+    assert times["ring"] == pytest.approx(2 * (n - 1) * ALPHA + 2 * (n - 1) / n * M / BETA)
+    assert times["halving_doubling"] == pytest.approx(2 * math.log2(n) * ALPHA + 2 * (n - 1) / n * M / BETA)
+    assert times["recursive_doubling"] == pytest.approx(math.log2(n) * (ALPHA + M / BETA))
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_all_gather_and_reduce_scatter_move_n_minus_1_over_n(kind, n):
+    t = CollectiveModel(_cluster(n)).algorithm_times(kind, M, Group(n, 1))["ring"]
+    assert t == pytest.approx((n - 1) * ALPHA + (n - 1) / n * M / BETA)
+
+
+def test_broadcast_all_to_all_and_p2p_closed_forms():
+    model = CollectiveModel(_cluster(8))
+    assert model.algorithm_times("broadcast", M, Group(8, 1)) == pytest.approx(
+        {"ring": 7 * ALPHA + M / BETA, "tree": 3 * (ALPHA + M / BETA)})
+    assert model.all_to_all_s(M, Group(8, 1)) == pytest.approx(7 * ALPHA + 7 / 64 * M / BETA)
+    assert model.p2p_s(M) == pytest.approx(ALPHA + M / BETA)
+    assert model.p2p_s(M, same_node=False) == pytest.approx(2 * ALPHA + M / (BETA / 10))
+    assert model.p2p_s(0) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "broadcast"])
+def test_cheapest_algorithm_switches_from_latency_to_bandwidth_optimal(kind):
+    model, group = CollectiveModel(_cluster(8)), Group(8, 1)
+    small, _ = model.best_algorithm(kind, 1024, group)
+    large, _ = model.best_algorithm(kind, M, group)
+    # Few latency terms win for small messages, few bytes for large ones.
+    assert (small, large) == {"all_reduce": ("recursive_doubling", "halving_doubling"), "broadcast": ("tree", "ring")}[kind]
+
+
+def test_public_methods_return_the_cheapest_algorithm():
+    model = CollectiveModel(_cluster(8, nodes=4))
+    for group in (Group(8, 1), Group(32, 4), Group(4, 4)):
+        for nbytes in (1e3, 1e6, 1e9):
+            for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
+                assert getattr(model, f"{kind}_s")(nbytes, group) == min(model.algorithm_times(kind, nbytes, group).values())
+
+
+def test_group_of_one_is_free():
+    model = CollectiveModel(make_cluster(8))
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"):
+        assert getattr(model, f"{kind}_s")(M, Group(1, 1)) == 0.0
+    assert group_placement(make_cluster(8), 1, 4) == Group(1, 1)
+
+
+@pytest.mark.parametrize("size,stride", [(8, 1), (4, 2), (4, 8), (2, 4), (8, 4), (2, 16), (16, 2), (32, 1)])
+def test_placement_matches_listing_the_ranks(size, stride):
+    c = make_cluster(32, 8)
+    ranks = [i * stride for i in range(size)]
+    assert group_placement(c, size, stride) == Group(size, len({r // 8 for r in ranks}))
+
+
+def test_group_larger_than_the_cluster_is_rejected():
+    with pytest.raises(ValueError, match="does not fit"):
+        group_placement(make_cluster(8), 4, 4)
+
+
+def test_stride_crossing_nodes_uses_the_inter_node_link():
+    c = _cluster(8, nodes=4)
+    model = CollectiveModel(c)
+    inside, across = group_placement(c, 4, 1), group_placement(c, 4, 8)  # 4 GPUs of one node vs one per node
+    assert inside == Group(4, 1) and across == Group(4, 4)
+    assert model.all_reduce_s(M, inside) == min(flat_times("all_reduce", 4, M, c.intra_node).values())
+    # One GPU per node: no in-node part, so hierarchical is the flat inter-node collective.
+    assert model.all_reduce_s(M, across) == pytest.approx(min(flat_times("all_reduce", 4, M, c.inter_node).values()))
+    assert model.all_reduce_s(M, across) > 5 * model.all_reduce_s(M, inside)
+
+
+def test_hierarchical_beats_flat_ring_across_slow_network():
+    times = CollectiveModel(_cluster(8, nodes=4)).algorithm_times("all_reduce", M, Group(32, 4))
+    assert times["hierarchical"] < times["flat_ring"] and times["hierarchical"] < times["flat_halving_doubling"]
+    # In-node reduce-scatter + all-gather on NVLink, cross-node all-reduce on 1/8 of the data.
+    in_node = 2 * (3 * ALPHA + 7 / 8 * M / BETA)  # recursive: log2(8) = 3 latency terms beat the ring's 7
+    across = min(flat_times("all_reduce", 4, M / 8, Link(BETA / 10, 2 * ALPHA)).values())
+    assert times["hierarchical"] == pytest.approx(in_node + across)
+
+
+def test_fitted_numbers_replace_alpha_beta_inside_a_node():
+    fit = {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}
+    model = CollectiveModel(_cluster(4, fitted={"all_reduce": fit, "p2p": fit}))
+    assert model.algorithm_times("all_reduce", 1e6, Group(4, 1)) == {"fitted": pytest.approx(1e-3 + 1.5e6 / 1e9)}
+    assert model.p2p_s(1e6) == pytest.approx(1e-3 + 1e6 / 1e9)
+    assert "fitted" not in model.algorithm_times("all_gather", 1e6, Group(4, 1))  # no fit: alpha-beta
+
+
+def test_fit_latency_scales_with_the_ring_steps():
+    fit = {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9, "num_ranks": 2}
+    model = CollectiveModel(_cluster(8, fitted={"all_reduce": fit}))
+    assert model.all_reduce_s(1e6, Group(8, 1)) == pytest.approx(7 * 1e-3 + 2 * 7 / 8 * 1e6 / 1e9)
+
+
+def test_fit_made_across_nodes_is_not_used_inside_one():
+    fit = {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9, "num_ranks": 16, "num_nodes": 2}
+    model = CollectiveModel(_cluster(8, nodes=2, fitted={"all_reduce": fit}))
+    assert "fitted" not in model.algorithm_times("all_reduce", 1e6, Group(8, 1))
+
+
+def test_for_group_binds_the_group():
+    model, group = CollectiveModel(_cluster(8, nodes=2)), Group(16, 2)
+    bound = model.for_group(group)
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        assert getattr(bound, f"{kind}_s")(M) == getattr(model, f"{kind}_s")(M, group)
+
+
+def test_unknown_collective_is_rejected():
+    with pytest.raises(ValueError, match="unknown collective"):
+        CollectiveModel(make_cluster(8)).algorithm_times("all_scatter", M, Group(8, 1))
