@@ -35,6 +35,13 @@ def compare(plan: Plan, metrics_path: str | Path) -> list[tuple[str, float | Non
     peaks = [p for p in metrics.get("peak_memory_bytes", []) if p]
     if peaks:
         rows.append(("peak memory (max over ranks)", max(pred.peak_memory_bytes) if pred else None, max(peaks), "bytes"))
+    measured_stages = metrics.get("stage_times_s") or {}
+    predicted_stages = pred.stage_time_s if pred else []
+    for k in range(max(len(predicted_stages), len(measured_stages))):
+        t = measured_stages.get(str(k))
+        if t is not None or k < len(predicted_stages):
+            rows.append((f"stage {k} fwd+bwd per micro-batch", predicted_stages[k] if k < len(predicted_stages) else None,
+                         t["forward_s"] + t["backward_s"] if t else None, "time"))
     return rows
 
 
@@ -46,7 +53,8 @@ def print_comparison(rows, console: Console | None = None) -> None:
     fmt = {"time": _time, "bytes": _bytes, "rate": lambda x: f"{x:.4g}"}
     for term, predicted, measured, kind in rows:
         error = f"{predicted / measured - 1:+.1%}" if predicted and measured else "-"
-        table.add_row(term, fmt[kind](predicted) if predicted is not None else "-", fmt[kind](measured), error)
+        table.add_row(term, fmt[kind](predicted) if predicted is not None else "-",
+                      fmt[kind](measured) if measured is not None else "-", error)
     console.print(table)
     console.print("Peak memory on CPU is the process's resident set (interpreter and torch included), "
                   "so it is not comparable with the prediction's tensors-only figure.")

@@ -1,45 +1,207 @@
-"""Tensor parallelism from a stage's `tp_plan` with DTensor's parallelize_module.
+"""Tensor (and sequence) parallelism from a stage's `tp_plan` with DTensor's parallelize_module.
 
 The plan names each module's style (planner/solver/intra_op.py). A column-parallel module
 whose output no row-parallel sibling consumes (a vocabulary-sharded output head, a sharded
 embedding) gathers its output back (`output_layouts=Replicate()`), and a row-parallel module
 without a column-parallel sibling slices its replicated input (`input_layouts=Replicate()`):
 the plan is per module, the layouts between modules are the runtime's to make consistent.
+
+Sequence parallelism (`layout.sequence_parallel`; Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models", section 4.2.2) keeps the activations
+*between* the column/row sandwiches sharded along the sequence (dim 1), as the intra-op
+solver's boundary layout S assumes:
+
+- the *SP region* is every unit of the stage that holds a column/row pair (or a module the
+  plan styles `sequence_parallel`); a replicated activation entering the region is cut to
+  this rank's sequence chunk, and one leaving it is all-gathered back;
+- the module that owns a column/row pair (`attn`, `mlp`, Hugging Face's `self_attn`, ...)
+  all-gathers its first input (g in the paper) and the row-parallel module reduce-scatters
+  its output (g-bar) instead of all-reducing it; in backward these swap, as DTensor derives;
+- every other module with parameters in the region (the norms) runs on the local sequence
+  chunk with replicated weights (torch's `SequenceParallel`), whose gradients DTensor sums
+  over the TP group. That is exact for modules that act on each position alone (norms,
+  per-token linears), which is what a transformer block has outside its sandwiches.
+
+The sequence length must divide by the TP degree. Attention code must take the sequence
+length from its input's shape and split heads with `view(b, s, -1, head_dim)`, as the
+examples and Hugging Face's Llama do: the owner of a pair sees the full sequence.
 """
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from planner.errors import PlannerError
+from planner.plan import Plan
+
+SEQUENCE_DIM = 1  # (batch, sequence, features) activations, as every example model has
 
 
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
 
 
-def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], sequence_parallel: bool) -> None:
+def _in_unit(name: str, unit: str) -> bool:
+    return name == unit or name.startswith(unit + ".")
+
+
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], sequence_parallel: bool,
+             units: list[str] | None = None) -> None:
+    """Shard `module` (a whole model or one stage of it) over `tp_mesh` as `tp_plan` says.
+
+    `units` are the stage's units in execution order (needed for sequence parallelism only).
+    """
     if not tp_plan or tp_mesh.size() == 1:
         return
-    if sequence_parallel:
-        raise PlannerError("This runtime does not run sequence parallelism yet.", "Re-solve with --no-sequence-parallel.")
     present = dict(module.named_modules())
+    missing = sorted(n for n in tp_plan if n not in present)
+    if missing:  # check_tp_plan refuses these before launch; a caller that skipped it hears it here
+        raise PlannerError(f"tp_plan names modules this stage does not have: {missing[:5]}.",
+                           "Name modules by their FQN from the model root (see check_tp_plan).")
+    pairs = _paired_owners(tp_plan)
+    if sequence_parallel:
+        if units is None:
+            raise PlannerError("Sequence parallelism needs the stage's units.", "Pass units= to apply_tp.")
+        region = [u for u in units if u in present and any(_in_unit(n, u) for n in pairs | _explicit_sp(tp_plan))]
+    else:
+        region = []
     styles = {}
     for name, style in tp_plan.items():
-        if name not in present:
-            continue  # another stage's module
-        siblings = {n: s for n, s in tp_plan.items() if _parent(n) == _parent(name) and n != name}
+        in_region = any(_in_unit(name, u) for u in region)
+        paired = _parent(name) in pairs
         if style == "colwise":
-            paired = "rowwise" in siblings.values()
+            # Paired: the owner hands it the full sequence (SP) or it is already replicated.
             styles[name] = ColwiseParallel() if paired else ColwiseParallel(output_layouts=Replicate())
         elif style == "rowwise":
-            paired = "colwise" in siblings.values()
-            styles[name] = RowwiseParallel() if paired else RowwiseParallel(input_layouts=Replicate())
-        elif style == "replicate":
-            continue
-        else:
-            raise PlannerError(f"tp_plan style {style!r} for {name} is not runnable here.", "Use colwise, rowwise or replicate.")
+            if paired:
+                styles[name] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM)) if in_region else RowwiseParallel()
+            else:
+                styles[name] = RowwiseParallel(input_layouts=Replicate())
+        elif style == "sequence_parallel":
+            styles[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
+        elif style != "replicate":
+            raise PlannerError(f"tp_plan style {style!r} for {name} is not runnable here.",
+                               "Use colwise, rowwise, sequence_parallel or replicate.")
+    if region:
+        styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
     parallelize_module(module, tp_mesh, styles)
+    if region:
+        for owner in sorted(pairs):
+            if any(_in_unit(owner, u) for u in region):
+                _gather_first_input(present[owner], tp_mesh)
+        _mark_region_boundaries(present, [u for u in units if u in present], set(region), tp_mesh)
+
+
+def check_tp_plan(plan: Plan, model: nn.Module) -> None:
+    """Refuse, before launch, a tp_plan naming modules the model lacks, outside its stage, or of a kind
+    DTensor's styles cannot shard (colwise/rowwise take nn.Linear and nn.Embedding)."""
+    modules = dict(model.named_modules())
+    problems = []
+    if not plan.layout.sequence_parallel and any(s == "sequence_parallel" for st in plan.stages for s in st.tp_plan.values()):
+        problems.append("modules are styled `sequence_parallel` but layout.sequence_parallel is false")
+    for k, stage in enumerate(plan.stages):
+        for name, style in stage.tp_plan.items():
+            if name not in modules:
+                problems.append(f"stage {k}: {name!r} is not a module of the model")
+            elif not any(_in_unit(name, u) for u in stage.units):
+                problems.append(f"stage {k}: {name!r} is outside the stage's units")
+            elif style in ("colwise", "rowwise") and not isinstance(modules[name], (nn.Linear, nn.Embedding)):
+                problems.append(f"stage {k}: {name!r} is a {type(modules[name]).__name__}; {style} shards nn.Linear "
+                                "and nn.Embedding only")
+    if problems:
+        raise PlannerError("The plan's tp_plan does not fit the model: " + "; ".join(problems[:5])
+                           + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + ".",
+                           "Name modules by their FQN from the model root, as `planner show` lists them; re-solve "
+                           "the plan for this model.")
+
+
+def _paired_owners(plan: dict[str, str]) -> set[str]:
+    """Modules whose children include both a colwise and a rowwise module (a Megatron sandwich)."""
+    styles_under: dict[str, set[str]] = {}
+    for name, style in plan.items():
+        styles_under.setdefault(_parent(name), set()).add(style)
+    return {owner for owner, styles in styles_under.items() if {"colwise", "rowwise"} <= styles}
+
+
+def _explicit_sp(plan: dict[str, str]) -> set[str]:
+    return {n for n, s in plan.items() if s == "sequence_parallel"}
+
+
+def _implicit_sequence_parallel(present: dict, region: list[str], plan: dict[str, str], pairs: set[str]) -> dict:
+    """SequenceParallel for every other parameter-owning module in the region (the norms)."""
+    covered = set(plan) | pairs
+    out = {}
+    for name, mod in present.items():
+        if not any(_in_unit(name, u) for u in region) or not any(True for _ in mod.parameters(recurse=False)):
+            continue
+        if any(_in_unit(name, c) for c in covered):
+            continue
+        out[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
+    return out
+
+
+def _first_input_hook(convert):
+    """A forward pre-hook applying `convert` to the module's first argument, positional or keyword."""
+    def hook(mod, args, kwargs):
+        if args:
+            return (convert(args[0]), *args[1:]), kwargs
+        name = next(iter(inspect.signature(mod.forward).parameters))
+        if name in kwargs:
+            kwargs = {**kwargs, name: convert(kwargs[name])}
+        return args, kwargs
+    return hook
+
+
+def _gather_first_input(owner: nn.Module, mesh: DeviceMesh) -> None:
+    """All-gather the sequence before a column/row pair. The result stays a Replicate DTensor
+    (torchtitan does the same) so that backward sums the colwise input gradients as one
+    Partial and reduce-scatters them once, rather than all-reducing each."""
+    def convert(x):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(SEQUENCE_DIM),), run_check=False)
+        return x.redistribute(mesh, (Replicate(),))
+    owner.register_forward_pre_hook(_first_input_hook(convert), with_kwargs=True)
+
+
+def _mark_region_boundaries(present: dict, units: list[str], region: set[str], mesh: DeviceMesh) -> None:
+    """Cut activations entering the region to this rank's sequence chunk; gather those leaving it.
+
+    Going through DTensor keeps the gradients right: the cut's backward all-gathers the
+    gradient (every rank's replicated producer needs all of it), the gather's backward cuts it.
+    """
+    tp_degree = mesh.size()
+
+    def enter(x):
+        if isinstance(x, DTensor):
+            return x.redistribute(mesh, (Shard(SEQUENCE_DIM),)).to_local()
+        if x.dim() <= SEQUENCE_DIM or x.shape[SEQUENCE_DIM] % tp_degree:
+            raise PlannerError(f"Sequence parallelism splits dim {SEQUENCE_DIM} of a {tuple(x.shape)} activation "
+                               f"over {tp_degree} ranks, which does not divide it.",
+                               "Use a sequence length divisible by tp_degree, or turn sequence_parallel off.")
+        full = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return full.redistribute(mesh, (Shard(SEQUENCE_DIM),)).to_local()
+
+    def leave(x):
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(SEQUENCE_DIM),), run_check=False)
+        return x.redistribute(mesh, (Replicate(),)).to_local()
+
+    for i, unit in enumerate(units):
+        if unit not in region:
+            continue
+        if i == 0 or units[i - 1] not in region:
+            present[unit].register_forward_pre_hook(_first_input_hook(enter), with_kwargs=True)
+        if i == len(units) - 1 or units[i + 1] not in region:
+            present[unit].register_forward_hook(lambda mod, args, out: _map_first(out, leave))
+
+
+def _map_first(out, fn):
+    """Apply `fn` to a unit's output tensor (or the first element of a tuple output)."""
+    if isinstance(out, tuple):
+        return (fn(out[0]), *out[1:])
+    return fn(out)

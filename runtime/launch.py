@@ -31,12 +31,15 @@ def resolve_model_file(plan: Plan, plan_path: str, override: str | None) -> str:
 def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
     """Refuse a bad plan or a mismatched model before starting any process."""
     from planner.model_file import load_model_file
+    from runtime.apply_tp import check_tp_plan
     from runtime.build import build_meta_model, check_fingerprint
 
     plan = load_plan(plan_path)
     path = resolve_model_file(plan, plan_path, model_file)
     mf = load_model_file(path, plan.model.args)
-    traced = check_fingerprint(plan, build_meta_model(mf), mf)
+    meta = build_meta_model(mf)
+    traced = check_fingerprint(plan, meta, mf)
+    check_tp_plan(plan, meta)
     if plan.layout.pp_degree > 1:
         from runtime.apply_pp import check_chain
 

@@ -21,7 +21,6 @@ then split. The loss reported is the mean over the global batch, as in the refer
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from datetime import timedelta
 
@@ -34,11 +33,12 @@ from planner.plan import Plan
 from runtime import checkpoint
 from runtime.apply_dp import apply_fsdp, average_gradients
 from runtime.apply_pp import build_schedule, check_chain, make_stage_module, stage_indices
-from runtime.apply_tp import apply_tp
+from runtime.apply_tp import apply_tp, check_tp_plan
 from runtime.build import as_tuple, build_meta_model, check_fingerprint, init_mode, materialize
+from runtime.grad_clip import clip_grad_norm
+from runtime.metrics import StageTimer, build_metrics, merge_stage_times, peak_memory
 from runtime.recompute import apply_recompute
 
-WARMUP_STEPS = 1
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)  # a dead peer fails the job instead of hanging it
 
 
@@ -58,6 +58,16 @@ def _autocast(plan: Plan, device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
+def _fp32(output):
+    """16-bit logits go to the loss in fp32; a model output object (Hugging Face's) gets its logits cast."""
+    if isinstance(output, torch.Tensor):
+        return output.float()
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor) and logits.dtype != torch.float32:
+        output.logits = logits.float()
+    return output
+
+
 def _slice(x, start: int, stop: int):
     return x[start:stop] if isinstance(x, torch.Tensor) else x
 
@@ -67,6 +77,7 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
     mf = load_model_file(model_file_path, plan.model.args)
     meta = build_meta_model(mf)
     traced = check_fingerprint(plan, meta, mf)
+    check_tp_plan(plan, meta)
     units = traced.units
     lay = plan.layout
     lr = lr if lr is not None else plan.training.lr
@@ -97,21 +108,24 @@ def _train_reference(plan: Plan, mf, units, meta, steps: int, seed: int, lr: flo
     model = materialize(meta, units, None, seed, torch.device("cpu"), init_mode(meta), mf)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=plan.training.weight_decay)
     losses, times = [], []
+    timer = StageTimer(torch.device("cpu"))
     for step in range(steps):
+        timer.step = step
         inputs, targets = batch_for_step(mf, plan.batch.global_batch_size, seed, step)
         start = time.perf_counter()
         optimizer.zero_grad()
-        with _autocast(plan, torch.device("cpu")):
+        with timer.time(0, "forward"), _autocast(plan, torch.device("cpu")):
             out = model(*inputs)
-        loss = mf.loss(out.float(), targets)
-        loss.backward()
+            loss = mf.loss(_fp32(out), targets)
+        with timer.time(0, "backward"):
+            loss.backward()
         if plan.training.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), plan.training.grad_clip)
+            clip_grad_norm([model], plan.training.grad_clip)
         optimizer.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return _metrics(plan, losses, times, [_peak_memory()], {}, params, world_size=1)
+    return build_metrics(plan, losses, times, [peak_memory()], merge_stage_times([timer.summary()]), params, world_size=1)
 
 
 def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume=False,
@@ -129,15 +143,18 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
         model = materialize(model, units, keep, seed, device, init_mode(model), mf)
         if lay.pp_degree > 1:
             make_stage_module(model, stage.units, lambda: _autocast(plan, device))
-        apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel)
+        apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel, stage.units)
         apply_recompute(model, stage.units, stage.recompute)
         if lay.zero_stage >= 1 and lay.dp_degree > 1:
             apply_fsdp(model, mesh["dp"], stage.units, lay.zero_stage)
         chunks.append((s, model))
     modules = [m for _, m in chunks]
     optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=lr, weight_decay=plan.training.weight_decay)
-    loss_fn = lambda out, tgt: mf.loss(out.float(), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
+    loss_fn = lambda out, tgt: mf.loss(_fp32(out), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
     schedule = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn) if lay.pp_degree > 1 else None
+    timer = StageTimer(device)
+    if schedule is not None:
+        timer.watch_pipeline(schedule)
     if resume:
         checkpoint.load(checkpoint_dir, modules, optimizer)
     has_first = any(s == 0 for s, _ in chunks)
@@ -145,6 +162,7 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
     local = batch.micro_batch_size * batch.num_microbatches
     losses, times = [], []
     for step in range(first_step, first_step + steps):
+        timer.step = step - first_step
         inputs, targets = batch_for_step(mf, batch.global_batch_size, seed, step)
         inputs = tuple(_to(_slice(x, dp_rank * local, (dp_rank + 1) * local), device) for x in inputs)
         targets = _to(_slice(targets, dp_rank * local, (dp_rank + 1) * local), device)
@@ -159,16 +177,17 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
             m = batch.num_microbatches
             for k in range(m):
                 lo, hi = k * batch.micro_batch_size, (k + 1) * batch.micro_batch_size
-                with _autocast(plan, device):
-                    out = modules[0](*(_slice(x, lo, hi) for x in inputs))
-                loss = mf.loss(out.float(), _slice(targets, lo, hi)) / m
-                loss.backward()
+                with timer.time(0, "forward"):
+                    with _autocast(plan, device):
+                        out = modules[0](*(_slice(x, lo, hi) for x in inputs))
+                    loss = mf.loss(_fp32(out), _slice(targets, lo, hi)) / m
+                with timer.time(0, "backward"):
+                    loss.backward()
                 local_loss += loss.detach().float()
         if lay.zero_stage == 0:
             average_gradients(modules, mesh["dp"].get_group())
-        if plan.training.grad_clip:
-            for m in modules:
-                torch.nn.utils.clip_grad_norm_(m.parameters(), plan.training.grad_clip)
+        if plan.training.grad_clip:  # after the dp reduction: the norm of the averaged gradient
+            clip_grad_norm(modules, plan.training.grad_clip, mesh["pp"].get_group())
         optimizer.step()
         times.append(time.perf_counter() - start)
         # One copy per data-parallel replica reports (last stage, tp rank 0); the mean over replicas is the global mean.
@@ -178,9 +197,10 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
     if checkpoint_dir:
         checkpoint.save(checkpoint_dir, modules, optimizer, first_step + steps, fingerprint)
     params = _full_parameters(modules) if (dp_rank == 0 and tp_rank == 0) else _full_parameters(modules, keep=False)
-    peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, _peak_memory())
-    return _metrics(plan, losses, times, peaks, {}, params, world_size=dist.get_world_size())
+    peaks, stage_times = [None] * dist.get_world_size(), [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak_memory())
+    dist.all_gather_object(stage_times, timer.summary())
+    return build_metrics(plan, losses, times, peaks, merge_stage_times(stage_times), params, world_size=dist.get_world_size())
 
 
 def _full_parameters(modules, keep: bool = True) -> dict:
@@ -192,27 +212,3 @@ def _full_parameters(modules, keep: bool = True) -> dict:
             if keep:
                 out[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().cpu().clone()
     return out
-
-
-def _peak_memory() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def _metrics(plan: Plan, losses, times, peaks, stage_times, params, world_size: int) -> dict:
-    after = times[WARMUP_STEPS:] or times
-    median = statistics.median(after) if after else float("nan")
-    return {
-        "losses": losses,
-        "step_times_s": times,
-        "median_iteration_time_s": median,
-        "samples_per_s": plan.batch.global_batch_size / median,
-        "peak_memory_bytes": peaks,
-        "stage_times_s": stage_times,
-        "world_size": world_size,
-        "prediction": plan.prediction.model_dump() if plan.prediction else None,
-        "_params": params,
-    }

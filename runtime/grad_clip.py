@@ -1,0 +1,41 @@
+"""Gradient clipping by the global norm, under any plan.
+
+The norm must be the one the one-process reference computes over the whole model
+(torch.nn.utils.clip_grad_norm_ with the same formula, coef = min(1, max_norm / (norm + 1e-6))).
+Under a plan a rank holds a part of the gradients, in three ways, each summed once:
+- DTensor gradients (TP shards, FSDP shards): DTensor reduces their norm over their own
+  mesh; they are grouped by mesh because one foreach kernel cannot mix meshes;
+- plain gradients (replicated parameters): every TP/DP replica holds the same values, so
+  they count once, locally;
+- pipeline stages: each pp rank holds other units, so the squared norms add over the pp group
+  (as torchtitan's dist_utils.clip_grad_norm_ does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm(modules: list[nn.Module], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Scale every gradient so the global L2 norm is at most `max_norm`; returns the norm before clipping."""
+    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for mesh, group in groups.items():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared = squared + norm.float() ** 2
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    coef = min(max_norm / (total.item() + 1e-6), 1.0)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total

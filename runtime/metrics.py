@@ -1,0 +1,108 @@
+"""What a run measures: step times, per-stage forward/backward times, peak memory.
+
+Per-stage times are what `planner validate` holds against the plan's `stage_time_s`
+(forward + backward of one micro-batch per stage). A pipelined stage is timed around
+torch's `PipelineStage.forward_one_chunk` / `backward_one_chunk` /
+`backward_weight_one_chunk` (zero-bubble splits backward in two; both count as backward),
+so the p2p waits of the schedule are not included; an unpipelined run is timed around its
+forward (loss included) and its backward. On CUDA each timed region synchronises the
+device at both ends, which serialises a little of what would overlap: the stage times are
+a measurement of the stage, not of the step (use the step time for that).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+WARMUP_STEPS = 1
+
+
+class StageTimer:
+    """Seconds per micro-batch of each stage's forward and backward, after warm-up steps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.step = 0
+        self._seconds: dict[tuple[int, str], float] = defaultdict(float)
+        self._forwards: dict[int, int] = defaultdict(int)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def time(self, stage: int, kind: str):
+        """Time one micro-batch's `kind` ("forward" or "backward") of `stage`."""
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            if self.step >= WARMUP_STEPS:
+                self._seconds[(stage, kind)] += time.perf_counter() - start
+                self._forwards[stage] += kind == "forward"
+
+    def watch_pipeline(self, schedule) -> None:
+        """Time the pipeline stages this rank runs (torch keeps them as `_stages` or `_stage`)."""
+        stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage")]
+        for stage in stages:
+            self._wrap(stage, "forward_one_chunk", "forward")
+            self._wrap(stage, "backward_one_chunk", "backward")
+            self._wrap(stage, "backward_weight_one_chunk", "backward")
+
+    def _wrap(self, stage, method: str, kind: str) -> None:
+        inner = getattr(stage, method)
+
+        def timed(*args, **kwargs):
+            with self.time(stage.stage_index, kind):
+                return inner(*args, **kwargs)
+
+        setattr(stage, method, timed)
+
+    def summary(self) -> dict[int, dict[str, float]]:
+        """{stage: {"forward_s", "backward_s"}} per micro-batch (mean over the timed steps)."""
+        out = {}
+        for stage, count in self._forwards.items():
+            out[stage] = {kind + "_s": self._seconds[(stage, kind)] / count for kind in ("forward", "backward")}
+        return out
+
+
+def merge_stage_times(per_rank: list[dict[int, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """One entry per stage: the slowest of the ranks that hold it (the one the others wait for)."""
+    merged: dict[int, dict[str, float]] = {}
+    for times in per_rank:
+        for stage, t in times.items():
+            if stage not in merged or sum(t.values()) > sum(merged[stage].values()):
+                merged[stage] = t
+    return {str(s): merged[s] for s in sorted(merged)}
+
+
+def peak_memory() -> int:
+    """Peak bytes: CUDA's max_memory_allocated, or the process's resident set on CPU."""
+    if torch.cuda.is_available():
+        return int(torch.cuda.max_memory_allocated())
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: int) -> dict:
+    after = times[WARMUP_STEPS:] or times
+    median = statistics.median(after) if after else float("nan")
+    return {
+        "losses": losses,
+        "step_times_s": times,
+        "median_iteration_time_s": median,
+        "samples_per_s": plan.batch.global_batch_size / median,
+        "peak_memory_bytes": peaks,
+        "stage_times_s": stage_times,
+        "world_size": world_size,
+        "prediction": plan.prediction.model_dump() if plan.prediction else None,
+        "_params": params,
+    }
