@@ -1,23 +1,32 @@
 """Pipeline parallelism: the plan's stages as torch.distributed.pipelining stages and schedules.
 
-A stage is the original model object with every unit outside the stage replaced by an
-empty module and its `forward` replaced by one that runs the stage's units in order, so
-parameter names stay the model's own (the plan's TP plans, FSDP and checkpoints address
-them). That is exact for *chain* models, where each cut is crossed by one tensor, the
-output of the unit before it, and no code runs between units (GPT, Llama, VGG-style
-stacks); `check_chain` refuses anything else with a clear message. Models whose skip
-connections cross cuts need a graph split (torch's `pipeline()` tracer frontend), which
-this runtime does not do yet.
+Stage modules are cut by runtime/pp_split.py (the model's own forward replayed per stage,
+so any model whose units the planner found can be cut, skip connections included, and
+parameter FQNs stay the model's own). This file turns them into `PipelineStage`s and one
+schedule object from torch, chosen by the plan (a schedule is data: torch builds the
+per-rank action lists; we pick which):
 
-Schedules map one to one: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
-interleaved-1f1b -> ScheduleInterleaved1F1B, zero-bubble -> ScheduleInterleavedZeroBubble;
-with virtual stages, stage s lives on pipeline rank s % pp (the plan's looping placement).
+    gpipe            -> ScheduleGPipe                   (one stage per rank)
+    1f1b             -> Schedule1F1B                    (one stage per rank)
+    interleaved-1f1b -> ScheduleInterleaved1F1B         (v stages per rank, looping)
+    zero-bubble      -> ScheduleInterleavedZeroBubble   (v >= 1 stages per rank, looping)
+
+Placement: stage s lives on pipeline rank s % pp (planner/plan.py's `stage_ranks`, the
+looping placement of Narayanan et al. 2021). ScheduleZBVZeroBubble needs the V placement
+(rank r holds stages r and 2pp - 1 - r), which the plan's placement does not express, so
+zero-bubble runs as ScheduleInterleavedZeroBubble (Qi et al. 2023's B/W split on looping
+stages); torch's stage->rank map for it is the same `s % pp`.
+
+Gradients: torch's schedules call `loss_fn` per micro-batch and, with `scale_grads=True`,
+divide the accumulated gradients by the number of micro-batches, so for a mean-reduced
+loss over equal micro-batches they equal the one-process gradient of the whole local batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
+import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,52 +40,116 @@ from torch.distributed.pipelining.schedules import (
 
 from planner.errors import PlannerError
 from planner.plan import Plan
+from runtime.pp_flow import trace_layout
+from runtime.pp_split import check_splittable, make_stage, restore_output, set_example_microbatch
 
-SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-MULTI = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
-
-
-def check_chain(traced, plan: Plan) -> None:
-    """Every cut between stages must carry exactly the previous unit's output."""
-    index = {u: i for i, u in enumerate(traced.units)}
-    for stage in plan.stages[:-1]:
-        cut = index[stage.units[-1]]
-        crossing = traced.crossings(cut)
-        if len(crossing) != 1 or crossing[0].producer != cut:
-            what = ", ".join(traced.position_name(t.producer) for t in crossing) or "nothing"
-            raise PlannerError(
-                f"Pipeline cut after {stage.units[-1]} is crossed by {len(crossing)} tensor(s) from {what}: this runtime "
-                "pipelines only chain models (one tensor, the previous unit's output, crosses each cut).",
-                "Run this model without pipeline parallelism (re-solve with --pp 1).",
-            )
-
-
-def make_stage_module(model: nn.Module, units: list[str], autocast=None) -> nn.Module:
-    """`model` restricted to `units` (already dropped from it by the builder), run in order."""
-    def forward(self, *args):
-        # Looked up at call time: recomputation and FSDP may wrap the units after this.
-        with autocast() if autocast else contextlib.nullcontext():
-            x = self.get_submodule(units[0])(*args)
-            for unit in units[1:]:
-                x = self.get_submodule(unit)(x)
-        return x
-
-    model.forward = types.MethodType(forward, model)
-    return model
-
-
-def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, device, loss_fn):
-    num_stages = len(plan.stages)
-    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stages]
-    m = plan.batch.num_microbatches
-    schedule = plan.layout.schedule
-    if schedule in SINGLE and len(pipeline_stages) == 1:
-        return SINGLE[schedule](pipeline_stages[0], m, loss_fn=loss_fn)
-    if schedule in MULTI:
-        return MULTI[schedule](pipeline_stages, m, loss_fn=loss_fn)
-    raise PlannerError(f"Schedule {schedule} with {len(pipeline_stages)} stages per rank is not runnable.",
-                       "Use interleaved-1f1b or zero-bubble for virtual stages > 1.")
+SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+"""Schedules that hold one stage per rank."""
+MULTI_STAGE = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
+"""Schedules that take a list of (looping-placed) stages per rank."""
 
 
 def stage_indices(plan: Plan, pp_rank: int) -> list[int]:
+    """Stages on pipeline rank `pp_rank` (looping placement, planner/plan.py)."""
     return [s for s in range(len(plan.stages)) if s % plan.layout.pp_degree == pp_rank]
+
+
+def build_stage_modules(model: nn.Module, plan: Plan, pp_rank: int, example_inputs: tuple,
+                        forward_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> list[tuple[int, nn.Module]]:
+    """This rank's stage chunks, each a copy of `model` holding only its units (same FQNs).
+
+    `model` is best on the meta device (copies are free); `example_inputs` may have any batch
+    size (only used to trace which tensors cross each cut). Materialise, TP, recompute and
+    FSDP the returned modules afterwards, by the model's own parameter names.
+    `forward_context` (e.g. `lambda: torch.autocast(...)`) is entered around each stage's
+    forward, since torch's schedule calls the stage module directly.
+    """
+    check_splittable(model, plan)
+    layout = trace_layout(model, plan, example_inputs)
+    return [(s, make_stage(model, layout, s, tuple(example_inputs), forward_context)) for s in stage_indices(plan, pp_rank)]
+
+
+class PipelineRunner:
+    """One optimizer step's forward and backward through the plan's schedule on this rank."""
+
+    def __init__(self, schedule, stages: list[PipelineStage], num_stages: int):
+        self.schedule = schedule
+        """torch's schedule object (ScheduleGPipe, ...)."""
+        self.stages = stages
+        """This rank's PipelineStages."""
+        self.has_first = any(s.stage_index == 0 for s in stages)
+        self.has_last = any(s.stage_index == num_stages - 1 for s in stages)
+        self.stage_times: dict[int, dict[str, float]] = {}
+        """Per stage index: forward_s, backward_s of the last step, summed over its micro-batches
+        (wall time on this rank; backward_s includes zero-bubble's deferred weight passes)."""
+        self._running: dict[int, dict[str, float]] = {}
+        for stage in stages:
+            self._time(stage, "forward_one_chunk", "forward_s")
+            self._time(stage, "backward_one_chunk", "backward_s")
+            self._time(stage, "backward_weight_one_chunk", "backward_s")
+
+    def _time(self, stage: PipelineStage, method: str, kind: str) -> None:
+        inner = getattr(stage, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                times = self._running.setdefault(stage.stage_index, {"forward_s": 0.0, "backward_s": 0.0})
+                times[kind] += time.perf_counter() - start
+
+        setattr(stage, method, timed)
+
+    def step(self, inputs: tuple, targets) -> torch.Tensor | None:
+        """Run the schedule over this replica's batch; the mean micro-batch loss on the last stage.
+
+        Gradients are left accumulated on the stage modules (the caller zeroes them).
+        """
+        self._running = {}
+        losses: list[torch.Tensor] = []
+        self.schedule.step(
+            *(tuple(inputs) if self.has_first else ()),
+            target=targets if self.has_last else None,
+            losses=losses if self.has_last else None,
+        )
+        self.stage_times = self._running
+        if not self.has_last:
+            return None
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, device, loss_fn,
+                   example_microbatch: tuple) -> PipelineRunner:
+    """PipelineStages for this rank's chunks and the plan's schedule over them.
+
+    `example_microbatch`: one micro-batch of model inputs (any values); later stages replay
+    shape arithmetic of the model's forward on it. Shapes crossing each cut are inferred by
+    torch on the first step (dynamic metadata inference), so TP/SP-local shapes just work.
+    """
+    num_stages = len(plan.stages)
+    num_microbatches = plan.batch.num_microbatches
+    for _, module in stages:
+        set_example_microbatch(module, example_microbatch)
+    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stages]
+    last = [module for index, module in stages if index == num_stages - 1]
+    if last:  # the loss sees the model's own output object, not the tensors torch's stage passes around
+        user_loss_fn = loss_fn
+
+        def loss_fn(output, target):
+            return user_loss_fn(restore_output(last[0], output), target)
+    name = plan.layout.schedule
+    try:
+        if name in SINGLE_STAGE:
+            if len(pipeline_stages) != 1:
+                raise PlannerError(f"Schedule {name} runs one stage per pipeline rank; this rank holds {len(pipeline_stages)}.",
+                                   "Use interleaved-1f1b or zero-bubble for virtual_stages > 1.")
+            schedule = SINGLE_STAGE[name](pipeline_stages[0], num_microbatches, loss_fn=loss_fn)
+        elif name in MULTI_STAGE:
+            schedule = MULTI_STAGE[name](pipeline_stages, num_microbatches, loss_fn=loss_fn)
+        else:
+            raise PlannerError(f"Unknown pipeline schedule {name}.", "Use one of gpipe, 1f1b, interleaved-1f1b, zero-bubble.")
+    except ValueError as exc:  # torch's own constraints, e.g. micro-batches a multiple of the rounds
+        raise PlannerError(f"torch cannot build schedule {name} for this plan: {exc}",
+                           "Change num_microbatches (a multiple of pp_degree is always accepted).") from exc
+    return PipelineRunner(schedule, pipeline_stages, num_stages)

@@ -10,8 +10,8 @@ rank should not have to hold the whole model. Two ways, chosen per model (`init_
   whole model, so the numbers agree whatever the plan, and no rank ever holds more than
   its stage.
 - `full` (anything else, e.g. Hugging Face layers with hand-written init): every rank
-  builds the whole model on the CPU under `torch.manual_seed(seed)` and drops what it does
-  not hold; this needs host memory for the whole model once.
+  builds the whole model on the CPU under `torch.manual_seed(seed)` and copies the tensors
+  it holds by name; this needs host memory for the whole model once.
 """
 
 from __future__ import annotations
@@ -76,34 +76,23 @@ def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def materialize(model: nn.Module, units: list[str], keep: set[str] | None, seed: int, device: torch.device, mode: str,
-                model_file: ModelFile) -> nn.Module:
-    """Real tensors for the units in `keep` (None: all), initialised as the module docstring says."""
+def materialize(model: nn.Module, seed: int, device: torch.device, mode: str, model_file: ModelFile) -> nn.Module:
+    """Real tensors for every parameter and buffer `model` holds (the whole model, or a pipeline
+    stage cut from it with the same FQNs), initialised as the module docstring says; in place."""
+    full = None
     if mode == "full":
         torch.manual_seed(seed)
         full = model_file.build_model()
-        if keep is not None:
-            drop_units(full, units, keep)
-        return full.to(device)
-    if keep is not None:
-        drop_units(model, units, keep)
     model.to_empty(device=device)
     with torch.no_grad():
-        for name, module in model.named_modules():
-            if hasattr(module, "reset_parameters"):
-                torch.manual_seed(_seed_for(seed, name))
-                module.reset_parameters()
-    return model
-
-
-def drop_units(model: nn.Module, units: list[str], keep: set[str]) -> None:
-    """Replace every unit not in `keep` by an empty module (the kept ones keep their names)."""
-    for name in units:
-        if name in keep:
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            parent[int(child)] = nn.Identity()
+        if full is not None:
+            # Non-persistent buffers (rotary inv_freq) are not in state_dict(): copy by name instead.
+            values = {**dict(full.named_parameters()), **dict(full.named_buffers())}
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                tensor.copy_(values[name])
         else:
-            setattr(parent, child, nn.Identity())
+            for name, module in model.named_modules():
+                if hasattr(module, "reset_parameters"):
+                    torch.manual_seed(_seed_for(seed, name))
+                    module.reset_parameters()
+    return model

@@ -38,12 +38,12 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
     path = resolve_model_file(plan, plan_path, model_file)
     mf = load_model_file(path, plan.model.args)
     meta = build_meta_model(mf)
-    traced = check_fingerprint(plan, meta, mf)
+    check_fingerprint(plan, meta, mf)
     check_tp_plan(plan, meta)
     if plan.layout.pp_degree > 1:
-        from runtime.apply_pp import check_chain
+        from runtime.pp_split import check_splittable
 
-        check_chain(traced, plan)
+        check_splittable(meta, plan)
     return plan, path
 
 

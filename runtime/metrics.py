@@ -1,13 +1,11 @@
 """What a run measures: step times, per-stage forward/backward times, peak memory.
 
 Per-stage times are what `planner validate` holds against the plan's `stage_time_s`
-(forward + backward of one micro-batch per stage). A pipelined stage is timed around
-torch's `PipelineStage.forward_one_chunk` / `backward_one_chunk` /
-`backward_weight_one_chunk` (zero-bubble splits backward in two; both count as backward),
-so the p2p waits of the schedule are not included; an unpipelined run is timed around its
-forward (loss included) and its backward. On CUDA each timed region synchronises the
-device at both ends, which serialises a little of what would overlap: the stage times are
-a measurement of the stage, not of the step (use the step time for that).
+(forward + backward of one micro-batch per stage). A pipelined stage is timed by the
+PipelineRunner (runtime/apply_pp.py) around torch's forward/backward chunk calls, so the
+schedule's p2p waits are not included; an unpipelined run is timed here around its forward
+(loss included) and its backward, synchronising CUDA at both ends (which serialises a
+little of what would overlap: a measurement of the stage, not of the step).
 """
 
 from __future__ import annotations
@@ -48,22 +46,14 @@ class StageTimer:
                 self._seconds[(stage, kind)] += time.perf_counter() - start
                 self._forwards[stage] += kind == "forward"
 
-    def watch_pipeline(self, schedule) -> None:
-        """Time the pipeline stages this rank runs (torch keeps them as `_stages` or `_stage`)."""
-        stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage")]
-        for stage in stages:
-            self._wrap(stage, "forward_one_chunk", "forward")
-            self._wrap(stage, "backward_one_chunk", "backward")
-            self._wrap(stage, "backward_weight_one_chunk", "backward")
-
-    def _wrap(self, stage, method: str, kind: str) -> None:
-        inner = getattr(stage, method)
-
-        def timed(*args, **kwargs):
-            with self.time(stage.stage_index, kind):
-                return inner(*args, **kwargs)
-
-        setattr(stage, method, timed)
+    def record(self, stage_times: dict[int, dict[str, float]], num_microbatches: int) -> None:
+        """Add one step's per-stage sums over its micro-batches (a PipelineRunner's `stage_times`)."""
+        if self.step < WARMUP_STEPS:
+            return
+        for stage, t in stage_times.items():
+            self._seconds[(stage, "forward")] += t["forward_s"]
+            self._seconds[(stage, "backward")] += t["backward_s"]
+            self._forwards[stage] += num_microbatches
 
     def summary(self) -> dict[int, dict[str, float]]:
         """{stage: {"forward_s", "backward_s"}} per micro-batch (mean over the timed steps)."""

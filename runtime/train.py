@@ -4,18 +4,31 @@ The order of construction is fixed, and each step needs the one before it:
 
 1. check the plan against the model (before anything is allocated);
 2. the (pp, dp, tp) mesh (runtime/mesh.py);
-3. per stage chunk this rank holds: build the model on meta, drop the other units,
-   materialise and initialise (runtime/build.py: identical to the reference's values);
-4. pipeline stage forward (runtime/apply_pp.py), since TP and FSDP must see the module
-   that will actually run;
-5. tensor parallelism (runtime/apply_tp.py), which shards the initialised full tensors;
-6. activation checkpointing (runtime/recompute.py), inside the sharding wrappers;
+3. the model on meta, cut into this rank's stage chunks (runtime/apply_pp.py; the whole
+   model without pipelining): TP, FSDP and checkpoints must see the module that will run,
+   and cutting on meta costs no memory;
+4. materialise and initialise each chunk (runtime/build.py: the reference's values, by FQN);
+   this comes *before* TP because TP shards initialised full tensors: a sharded init would
+   draw different random numbers than the one-process reference (parity by construction);
+5. tensor parallelism (runtime/apply_tp.py);
+6. activation checkpointing (runtime/recompute.py), inside the TP hooks so that recompute
+   replays the TP collectives;
 7. FSDP (runtime/apply_dp.py) last, wrapping the TP-sharded parameters on the dp mesh;
-8. the pipeline schedule, the optimizer, then the loop.
+8. the pipeline schedule over the chunks, the optimizer, then the loop.
 
 Data: step s's global batch is `make_batch(global_batch_size)` under a seed made of
 (seed, s); every rank draws it and keeps its data-parallel slice, which the micro-batches
 then split. The loss reported is the mean over the global batch, as in the reference.
+Real data: a model file may also define
+
+    def get_batch(step: int, batch_size: int, **model_args) -> (inputs, targets)
+
+which the runtime then calls instead of make_batch (make_batch stays the contract's shape
+example for profiling and tracing). It must return the same global batch for the same step
+on every rank and in the reference (index a dataset by step, e.g. samples
+[step * batch_size, (step + 1) * batch_size) of a shuffled-once order); every rank keeps its
+slice. That costs each rank the whole global batch's loading, which is what keeps parity
+with the reference trivially true; a sharded loader is the next step.
 """
 
 from __future__ import annotations
@@ -28,23 +41,29 @@ import torch
 import torch.distributed as dist
 
 from planner.errors import PlannerError
-from planner.model_file import load_model_file
+from planner.model_file import call_user, load_model_file
 from planner.plan import Plan
 from runtime import checkpoint
 from runtime.apply_dp import apply_fsdp, average_gradients
-from runtime.apply_pp import build_schedule, check_chain, make_stage_module, stage_indices
+from runtime.apply_pp import build_schedule, build_stage_modules
 from runtime.apply_tp import apply_tp, check_tp_plan
 from runtime.build import as_tuple, build_meta_model, check_fingerprint, init_mode, materialize
 from runtime.grad_clip import clip_grad_norm
 from runtime.metrics import StageTimer, build_metrics, merge_stage_times, peak_memory
+from runtime.pp_split import check_splittable
 from runtime.recompute import apply_recompute
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)  # a dead peer fails the job instead of hanging it
 
 
 def batch_for_step(model_file, global_batch_size: int, seed: int, step: int):
+    """Step `step`'s global batch: the model file's `get_batch` if it has one, else `make_batch`
+    under a seed made of (seed, step) (module docstring, Data)."""
     torch.manual_seed(seed * 100_003 + step)
-    inputs, targets = model_file.make_batch(global_batch_size)
+    if hasattr(model_file.module, "get_batch"):
+        inputs, targets = call_user(model_file, "get_batch", step, global_batch_size, **model_file.model_args)
+    else:
+        inputs, targets = model_file.make_batch(global_batch_size)
     return as_tuple(inputs), targets
 
 
@@ -72,6 +91,20 @@ def _slice(x, start: int, stop: int):
     return x[start:stop] if isinstance(x, torch.Tensor) else x
 
 
+def _local_batch(mf, plan: Plan, seed: int, step: int, dp_rank: int, device):
+    """This data-parallel replica's contiguous slice of step `step`'s global batch, on `device`."""
+    local = plan.batch.micro_batch_size * plan.batch.num_microbatches
+    inputs, targets = batch_for_step(mf, plan.batch.global_batch_size, seed, step)
+    inputs = tuple(_to(_slice(x, dp_rank * local, (dp_rank + 1) * local), device) for x in inputs)
+    return inputs, _to(_slice(targets, dp_rank * local, (dp_rank + 1) * local), device)
+
+
+def _meta_inputs(mf) -> tuple:
+    """A one-sample batch on the meta device: enough to trace which tensors cross each cut."""
+    inputs, _ = mf.make_batch(1)
+    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in as_tuple(inputs))
+
+
 def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | None, reference: bool,
           checkpoint_dir: str | None = None, resume: bool = False) -> dict:
     mf = load_model_file(model_file_path, plan.model.args)
@@ -84,9 +117,9 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
     if reference:
         if checkpoint_dir:
             raise PlannerError("--reference does not save checkpoints.", "Drop --checkpoint-dir for the reference run.")
-        return _train_reference(plan, mf, units, meta, steps, seed, lr)
+        return _train_reference(plan, mf, meta, steps, seed, lr)
     if lay.pp_degree > 1:
-        check_chain(traced, plan)
+        check_splittable(meta, plan)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
@@ -99,13 +132,13 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
         first_step = 0
         if resume:
             first_step = checkpoint.read_meta(checkpoint_dir, fingerprint)["step"]
-        return _train_parallel(plan, mf, units, steps, seed, lr, device, checkpoint_dir, resume, first_step, fingerprint)
+        return _train_parallel(plan, mf, steps, seed, lr, device, checkpoint_dir, resume, first_step, fingerprint)
     finally:
         dist.destroy_process_group()
 
 
-def _train_reference(plan: Plan, mf, units, meta, steps: int, seed: int, lr: float) -> dict:
-    model = materialize(meta, units, None, seed, torch.device("cpu"), init_mode(meta), mf)
+def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> dict:
+    model = materialize(meta, seed, torch.device("cpu"), init_mode(meta), mf)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=plan.training.weight_decay)
     losses, times = [], []
     timer = StageTimer(torch.device("cpu"))
@@ -128,50 +161,49 @@ def _train_reference(plan: Plan, mf, units, meta, steps: int, seed: int, lr: flo
     return build_metrics(plan, losses, times, [peak_memory()], merge_stage_times([timer.summary()]), params, world_size=1)
 
 
-def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume=False,
+def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume=False,
                     first_step: int = 0, fingerprint: str = "") -> dict:
     from runtime.mesh import build_mesh
 
     lay, batch = plan.layout, plan.batch
     mesh = build_mesh(plan, device.type)
     pp_rank, dp_rank, tp_rank = (mesh[axis].get_local_rank() for axis in ("pp", "dp", "tp"))
-    chunks = []
-    for s in stage_indices(plan, pp_rank):
+    meta = build_meta_model(mf)
+    mode = init_mode(meta)
+    if lay.pp_degree > 1:
+        # torch's schedule calls the stage modules itself: autocast goes inside their forward.
+        chunks = build_stage_modules(meta, plan, pp_rank, _meta_inputs(mf), forward_context=lambda: _autocast(plan, device))
+    else:
+        chunks = [(0, meta)]
+    for s, model in chunks:
         stage = plan.stages[s]
-        model = build_meta_model(mf)
-        keep = set(stage.units) if lay.pp_degree > 1 else None
-        model = materialize(model, units, keep, seed, device, init_mode(model), mf)
-        if lay.pp_degree > 1:
-            make_stage_module(model, stage.units, lambda: _autocast(plan, device))
+        materialize(model, seed, device, mode, mf)
         apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel, stage.units)
         apply_recompute(model, stage.units, stage.recompute)
         if lay.zero_stage >= 1 and lay.dp_degree > 1:
             apply_fsdp(model, mesh["dp"], stage.units, lay.zero_stage)
-        chunks.append((s, model))
     modules = [m for _, m in chunks]
     optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=lr, weight_decay=plan.training.weight_decay)
     loss_fn = lambda out, tgt: mf.loss(_fp32(out), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
-    schedule = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn) if lay.pp_degree > 1 else None
+    runner = None
+    if lay.pp_degree > 1:
+        example, _ = _local_batch(mf, plan, seed, first_step, dp_rank, device)
+        example_microbatch = tuple(_slice(x, 0, batch.micro_batch_size) for x in example)
+        runner = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn, example_microbatch)
     timer = StageTimer(device)
-    if schedule is not None:
-        timer.watch_pipeline(schedule)
     if resume:
         checkpoint.load(checkpoint_dir, modules, optimizer)
-    has_first = any(s == 0 for s, _ in chunks)
     has_last = any(s == len(plan.stages) - 1 for s, _ in chunks)
-    local = batch.micro_batch_size * batch.num_microbatches
     losses, times = [], []
     for step in range(first_step, first_step + steps):
         timer.step = step - first_step
-        inputs, targets = batch_for_step(mf, batch.global_batch_size, seed, step)
-        inputs = tuple(_to(_slice(x, dp_rank * local, (dp_rank + 1) * local), device) for x in inputs)
-        targets = _to(_slice(targets, dp_rank * local, (dp_rank + 1) * local), device)
+        inputs, targets = _local_batch(mf, plan, seed, step, dp_rank, device)
         start = time.perf_counter()
         optimizer.zero_grad()
-        if schedule is not None:
-            mb_losses: list = []
-            schedule.step(*(inputs if has_first else ()), target=targets if has_last else None, losses=mb_losses if has_last else None)
-            local_loss = torch.stack([x.detach().float() for x in mb_losses]).mean() if has_last else torch.zeros(())
+        if runner is not None:
+            mean_loss = runner.step(inputs, targets)  # the last stage's mean over micro-batches, else None
+            local_loss = mean_loss.float() if mean_loss is not None else torch.zeros((), device=device)
+            timer.record(runner.stage_times, batch.num_microbatches)
         else:
             local_loss = torch.zeros((), device=device)
             m = batch.num_microbatches
@@ -200,6 +232,9 @@ def _train_parallel(plan: Plan, mf, units, steps: int, seed: int, lr: float, dev
     peaks, stage_times = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_memory())
     dist.all_gather_object(stage_times, timer.summary())
+    # Every rank past its last collective before any tears the group down (gloo aborts a
+    # process whose peer closed a connection it still reads from).
+    dist.barrier()
     return build_metrics(plan, losses, times, peaks, merge_stage_times(stage_times), params, world_size=dist.get_world_size())
 
 

@@ -69,3 +69,11 @@ def test_pp_stage_tp_plan_outside_its_units_is_refused(tmp_path):
     plan.stages[0].tp_plan["head"] = "colwise"  # head belongs to stage 1
     with pytest.raises(PlannerError, match="outside the stage's units"):
         precheck(str(plan.save(tmp_path / "plan.json")), None)
+
+
+@pytest.mark.slow
+def test_hf_llama_pp2xtp2_sp_parity(tmp_path):
+    # Everything at once on a third-party model: a pipeline cut crossed by the rotary cos/sin
+    # as well as the hidden state, TP with its attention taking `hidden_states=` by keyword,
+    # and sequence-parallel norms (HF's LlamaRMSNorm has no reset_parameters: `full` init).
+    check_parity(_plan(**HF, pp=2, tp=2, m=2, cuts=[0, 3, 6], tp_plan=HF_TP, sp=True), tmp_path)

@@ -1,0 +1,178 @@
+"""Tensor data flow between units, keyed the way planner/units.py keys it, for pipeline cuts.
+
+A tensor made outside a unit's internals gets a key (position, ordinal): position -1 is the
+model input, i the output of unit i, i + 0.5 the glue code after unit i (which runs in the
+stage of unit i + 1); the ordinal counts new tensors made at that position. `Flow` is one
+`TorchFunctionMode` with two uses: recording consumers on a meta run (`trace_layout`, which
+gives every cut's crossing set) and replaying one stage (runtime/pp_split.py), where the same
+code makes the same keys in the same order, so a received tensor can stand in for its key.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from planner.errors import PlannerError
+from planner.plan import Plan
+
+Key = tuple[float, int]
+"""(position, ordinal): position -1 model input, i unit i's output, i + 0.5 glue after unit i."""
+INPUT = -1.0
+
+
+class StopStage(Exception):
+    """Raised at the first code of a later stage: this stage's outputs are all made."""
+
+
+@dataclass
+class CutLayout:
+    """Where the plan cuts the model and which tensors cross each cut (one meta trace)."""
+
+    units: list[str]
+    """Unit FQNs in execution order."""
+    unit_stage: list[int]
+    """Stage index of each unit."""
+    num_stages: int
+    crossings: list[list[Key]] = field(default_factory=list)
+    """crossings[k]: keys of the tensors sent from stage k to k + 1, sorted."""
+
+    def stage_of(self, position: float) -> int:
+        """The stage that runs code at `position`; glue after unit i runs with unit i + 1."""
+        if position < 0:
+            return 0
+        index = int(position + 0.5) if position % 1 else int(position)
+        return self.unit_stage[min(index, len(self.units) - 1)]
+
+
+def to_meta(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else t.detach().to("meta")
+
+
+class Flow(TorchFunctionMode):
+    """Numbers tensors made outside units (as planner/units.py's tracer does) and either
+    records their consumers (`stage` None) or replays stage `stage` of `layout`."""
+
+    def __init__(self, layout: CutLayout | None = None, stage: int | None = None, received: dict[Key, torch.Tensor] | None = None):
+        super().__init__()
+        self.layout, self.stage, self.received = layout, stage, received or {}
+        self.depth = 0
+        self.glue = -0.5
+        self.keys: dict[int, Key] = {}
+        self.values: dict[Key, torch.Tensor] = {}
+        self.ordinals: Counter = Counter()
+        self.consumers: dict[Key, set[float]] = defaultdict(set)
+        self.order: list[int] = []
+
+    @property
+    def recording(self) -> bool:
+        return self.stage is None
+
+    def produce(self, obj, position: float):
+        """Key the new tensors in `obj`; a received crossing tensor replaces its stand-in."""
+        flat, spec = tree_flatten(obj)
+        changed = False
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in self.keys:
+                key = (position, self.ordinals[position])
+                self.ordinals[position] += 1
+                if key in self.received:
+                    t = flat[i] = self.received[key]
+                    changed = True
+                self.keys[id(t)] = key
+                self.values[key] = t  # also keeps the object alive, so ids stay unique
+        return tree_unflatten(flat, spec) if changed else obj
+
+    def consume(self, obj, position: float) -> None:
+        for t in tree_flatten(obj)[0]:
+            key = self.keys.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if key is not None:
+                self.consumers[key].add(position)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth > 0:  # inside a unit: its internals are the unit's business
+            return func(*args, **kwargs)
+        position = self.glue
+        if self.recording:
+            self.consume((args, kwargs), position)
+        else:
+            stage = self.layout.stage_of(position)
+            if stage > self.stage:
+                raise StopStage
+            if stage < self.stage:  # an earlier stage's glue: shapes only, the values arrive by p2p
+                args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+        return self.produce(func(*args, **kwargs), position)
+
+    def hooks(self, root: nn.Module, units: list[str]) -> list:
+        """Unit hooks, looked up now (TP, FSDP and checkpoint wrappers may have replaced units).
+
+        The pre-hook is prepended so depth rises before other hooks (FSDP's all-gather) run:
+        their tensor ops must not be numbered as glue. The post-hook runs last so it sees the
+        output after TP's output hooks.
+        """
+        handles = []
+        for index, name in enumerate(units):
+            module = root.get_submodule(name)
+            handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True, prepend=True))
+            handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
+        return handles
+
+    def _pre(self, index: int):
+        def hook(module, args, kwargs):
+            if self.depth == 0:
+                if self.recording:
+                    self.order.append(index)
+                    self.consume((args, kwargs), float(index))
+                elif self.layout.unit_stage[index] > self.stage:
+                    raise StopStage
+            self.depth += 1
+
+        return hook
+
+    def _post(self, index: int):
+        def hook(module, args, kwargs, output):
+            self.depth -= 1
+            if self.depth == 0:
+                self.glue = index + 0.5
+                new = self.produce(output, float(index))
+                return new if new is not output else None
+            return None
+
+        return hook
+
+
+def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayout:
+    """One meta forward of `model`: unit order and the crossing set of every cut."""
+    units = [u for s in plan.stages for u in s.units]
+    unit_stage = [k for k, s in enumerate(plan.stages) for _ in s.units]
+    layout = CutLayout(units, unit_stage, len(plan.stages))
+    meta_model = model if all(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
+    flow = Flow()
+    inputs = flow.produce(tree_map_only(torch.Tensor, to_meta, tuple(example_inputs)), INPUT)
+    handles = flow.hooks(meta_model, units)
+    try:
+        with flow, torch.no_grad():
+            meta_model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if flow.order != list(range(len(units))):
+        seen = [units[i] for i in flow.order]
+        raise PlannerError(
+            f"The model's forward calls its units as {seen[:8]}..., not once each in the plan's order {units[:8]}...: "
+            "a pipeline needs each unit called once, in order.",
+            "Re-solve the plan for this model, or run it without pipeline parallelism (--pp 1).",
+        )
+    for k in range(layout.num_stages - 1):
+        layout.crossings.append(sorted(
+            key for key, users in flow.consumers.items()
+            if layout.stage_of(key[0]) <= k < max(layout.stage_of(u) for u in users)
+        ))
+    return layout

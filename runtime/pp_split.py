@@ -1,0 +1,221 @@
+"""Cutting a model into pipeline stages at the plan's unit boundaries, skip connections included.
+
+Approach: *replay the model's own forward, restricted to one stage.* A stage module is the
+original model object (deep-copied per chunk) whose units outside the stage are replaced by
+parameter-free stubs, and whose `forward` runs the original `forward` under a
+`TorchFunctionMode` that numbers every tensor made between units exactly as
+`planner/units.py` does: a tensor is keyed by (position, ordinal), position -1 the model
+input, i the output of unit i, i + 0.5 the "glue" code after unit i (which belongs to the
+stage of unit i + 1). One meta-device run at build time records, per key, who consumes it,
+hence the crossing set of every cut (skip connections cross several). At run time stage k:
+
+- runs its own units and glue on real tensors;
+- runs the units and glue of earlier stages on the meta device (stubs hold a meta copy of
+  the unit, not registered, so it owns no parameters): this costs no FLOPs and yields
+  outputs of the right structure, and every crossing tensor among them is replaced by the
+  real one received from stage k - 1 as soon as it is made;
+- stops (an exception) at the first code of a later stage and returns, in key order, every
+  tensor that crosses the cut after it; tensors it only passes on (a U-Net skip from stage
+  k - 2) go out through an identity autograd node, so their gradients flow back unchanged.
+
+Why this and not the alternatives:
+- torch's tracer frontend `pipeline()` (torch.export) runs each stage as a traced graph
+  with its shapes fixed at trace time, not as the model's eager modules: `parallelize_module`
+  addresses modules by FQN and expects their code to run (GPT's `view(b, s, -1, head_dim)`
+  is what lets colwise-sharded heads work), so TP would have to come before tracing, and
+  FSDP, activation checkpointing and checkpoints would need a name mapping. Here the
+  model's eager code runs and the stage module keeps the model's own FQNs.
+- torchtitan's pruning (`del model.layers[i]`, forward written to skip `None`) needs the
+  model's cooperation; any model file must work here, and skip connections are invisible
+  to it.
+
+Cost: per micro-batch, a stage re-runs the glue of earlier stages on meta tensors (Python
+only) and looks up its stubs' cached meta outputs; the real work is only its own units.
+
+Limits (each raises or is documented): the forward must call units in the plan's order and
+each unit once (no weight sharing across calls); parameters owned by the root module (not
+by a unit) and parameters tied across stages are refused; glue of an earlier stage runs on
+meta tensors, so it must not read tensor values (`.item()`, data-dependent control flow).
+Python numbers derived from tensors (e.g. `b, s = idx.shape`) are recomputed from the
+placeholder inputs, which therefore carry the micro-batch's shapes (`set_example_microbatch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from planner.errors import PlannerError
+from planner.plan import Plan
+from planner.units import owned_parameters, tied_units
+from runtime.pp_flow import INPUT, CutLayout, Flow, Key, StopStage, to_meta
+
+class _Stub(nn.Module):
+    """Stands in for a unit another stage holds: outputs of the right structure, on meta.
+
+    The meta copy sits in a tuple so it is not registered: the stage owns no parameters of
+    it, and TP, FSDP and the optimizer never see it. Outputs are cached per input shapes
+    (stages have static shapes), so a stage replays an earlier unit once, not per micro-batch.
+    """
+
+    def __init__(self, meta_unit: nn.Module):
+        super().__init__()
+        self._meta = (meta_unit,)
+        self._cache: dict = {}
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+        flat = tree_flatten((args, kwargs))[0]
+        signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
+        if signature not in self._cache:
+            with torch.no_grad():
+                self._cache[signature] = self._meta[0](*args, **kwargs)
+        return self._cache[signature]
+
+
+def check_splittable(model: nn.Module, plan: Plan) -> None:
+    """Refuse what stage modules cannot hold: root-owned parameters, weights tied across stages."""
+    units = [u for s in plan.stages for u in s.units]
+    root_owned = [name for name, _ in owned_parameters(model, units).get("", [])]
+    if root_owned:
+        raise PlannerError(
+            f"Parameters {root_owned[:4]} belong to the model root, not to a unit, so no pipeline stage owns them.",
+            "Move them into a submodule (a unit), or run without pipeline parallelism (--pp 1).",
+        )
+    stage_of_unit = {u: k for k, s in enumerate(plan.stages) for u in s.units}
+    for group in tied_units(model, units):
+        if len({stage_of_unit[u] for u in group}) > 1:
+            raise PlannerError(
+                f"Units {list(group)} share a parameter (tied weights) but the plan puts them in different stages.",
+                "Put tied units in one stage, untie the weights, or run without pipeline parallelism (--pp 1).",
+            )
+
+
+@dataclass
+class StageSpec:
+    """What a stage module needs to replay its part of the forward."""
+
+    layout: CutLayout
+    stage: int
+    forward: types.FunctionType
+    """The model class's own forward (unbound)."""
+    placeholders: tuple
+    """Meta stand-ins for the model inputs (stages > 0), shaped like one micro-batch."""
+    forward_context: Callable[[], contextlib.AbstractContextManager] | None = None
+    """Entered around the stage's forward (e.g. autocast for mixed precision), or None."""
+    output_tree: tuple | None = None
+    """Last stage with a structured output (a Hugging Face ModelOutput): its pytree spec and
+    non-tensor leaves, to rebuild it for the loss (torch's stages pass tensors only)."""
+
+    @property
+    def in_keys(self) -> list[Key]:
+        return self.layout.crossings[self.stage - 1] if self.stage > 0 else []
+
+    @property
+    def out_keys(self) -> list[Key]:
+        return self.layout.crossings[self.stage] if self.stage < self.layout.num_stages - 1 else []
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    The gradient of a received tensor is sent back with gloo/NCCL, which need contiguous
+    buffers, and torch sizes the receive buffer from the gradient's strides: a U-Net skip's
+    gradient is a slice of `torch.cat`'s gradient (strided), and gloo refuses it.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _received(t):
+    return _ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+
+
+def _stage_forward(self: nn.Module, *args):
+    spec: StageSpec = self._pp_stage
+    layout = spec.layout
+    if spec.stage == 0:
+        received, inputs = {}, args
+    else:
+        if len(args) != len(spec.in_keys):
+            raise RuntimeError(f"stage {spec.stage} got {len(args)} tensors, expected {len(spec.in_keys)}")
+        received, inputs = {k: _received(t) for k, t in zip(spec.in_keys, args)}, spec.placeholders
+    flow = Flow(layout, spec.stage, received)
+    inputs = flow.produce(tuple(inputs), INPUT)
+    handles = flow.hooks(self, layout.units)
+    output = None
+    try:
+        with spec.forward_context() if spec.forward_context else contextlib.nullcontext(), flow:
+            output = spec.forward(self, *inputs)
+    except StopStage:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    if spec.stage == layout.num_stages - 1:
+        assert output is not None, "the last stage must run to the end of forward"
+        return _flatten_output(spec, output)
+    missing = [k for k in spec.out_keys if k not in flow.values]
+    assert not missing, f"stage {spec.stage} did not make crossing tensors {missing}"
+    # A tensor only passed on is already a fresh autograd node (`_received`), so the schedule's
+    # backward (autograd.grad w.r.t. the stage inputs) routes its gradient straight back.
+    # Contiguous: p2p sends need it (a no-op for almost every activation).
+    return tuple(flow.values[k].contiguous() for k in spec.out_keys)
+
+
+_TENSOR = object()  # marks a tensor leaf in StageSpec.output_tree
+
+
+def _flatten_output(spec: StageSpec, output):
+    if isinstance(output, torch.Tensor) or (isinstance(output, tuple) and all(isinstance(t, torch.Tensor) for t in output)):
+        return output
+    leaves, tree = tree_flatten(output)
+    spec.output_tree = (tree, [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves])
+    return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+
+
+def restore_output(module: nn.Module, output):
+    """The model's own output object from what the last stage module returned (for the loss)."""
+    spec: StageSpec = module._pp_stage
+    if spec.output_tree is None:
+        return output
+    tree, template = spec.output_tree
+    tensors = iter(output if isinstance(output, (tuple, list)) else (output,))
+    return tree_unflatten([next(tensors) if x is _TENSOR else x for x in template], tree)
+
+
+def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tuple, forward_context=None) -> nn.Module:
+    """A copy of `model` holding only `stage`'s units (same FQNs), running only its part."""
+    chunk = copy.deepcopy(model)
+    for name, stage_index in zip(layout.units, layout.unit_stage):
+        if stage_index == stage:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = chunk.get_submodule(parent_name) if parent_name else chunk
+        stub = _Stub(chunk.get_submodule(name).to("meta"))
+        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+            parent[int(child)] = stub
+        else:
+            setattr(parent, child, stub)
+    # The original class's forward, fetched before anything (FSDP2) swaps the class.
+    chunk._pp_stage = StageSpec(layout, stage, type(model).forward, placeholders, forward_context)
+    chunk.forward = types.MethodType(_stage_forward, chunk)
+    return chunk
+
+
+def set_example_microbatch(module: nn.Module, example_microbatch: tuple) -> None:
+    """Placeholders shaped like one micro-batch (see the module docstring: Python shapes)."""
+    module._pp_stage.placeholders = tree_map_only(torch.Tensor, to_meta, tuple(example_microbatch))
