@@ -10,7 +10,9 @@ code makes the same keys in the same order, so a received tensor can stand in fo
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -63,6 +65,8 @@ class Flow(TorchFunctionMode):
         super().__init__()
         self.layout, self.stage, self.received = layout, stage, received or {}
         self.depth = 0
+        self.suspended = False
+        """True while a unit runs: the mode is off the stack, so the unit's ops run at full speed."""
         self.glue = -0.5
         self.keys: dict[int, Key] = {}
         self.values: dict[Key, torch.Tensor] = {}
@@ -76,6 +80,8 @@ class Flow(TorchFunctionMode):
 
     def produce(self, obj, position: float):
         """Key the new tensors in `obj`; a received crossing tensor replaces its stand-in."""
+        if isinstance(obj, torch.Tensor):  # the common case, without pytree's cost
+            return self.produce((obj,), position)[0]
         flat, spec = tree_flatten(obj)
         changed = False
         for i, t in enumerate(flat):
@@ -110,42 +116,86 @@ class Flow(TorchFunctionMode):
                 args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
         return self.produce(func(*args, **kwargs), position)
 
-    def hooks(self, root: nn.Module, units: list[str]) -> list:
-        """Unit hooks, looked up now (TP, FSDP and checkpoint wrappers may have replaced units).
+    # A unit's internals are not numbered, so while one runs the mode steps off torch's
+    # function-mode stack: its ops then pay no Python dispatch (a TorchFunctionMode costs a few
+    # microseconds per op, which is most of a small stage's overhead on CPU).
+    def _suspend(self) -> None:
+        depth = torch._C._len_torch_function_stack()
+        if not self.suspended and depth and torch._C._get_function_stack_at(depth - 1) is self:
+            torch._C._pop_torch_function_stack()
+            self.suspended = True
 
-        The pre-hook is prepended so depth rises before other hooks (FSDP's all-gather) run:
-        their tensor ops must not be numbered as glue. The post-hook runs last so it sees the
-        output after TP's output hooks.
-        """
-        handles = []
+    def _resume(self) -> None:
+        if self.suspended:
+            torch._C._push_on_torch_function_stack(self)
+            self.suspended = False
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        self._resume()  # a unit that raised left the mode off the stack
+        return super().__exit__(exc_type, exc_value, traceback)
+
+    def enter_unit(self, index: int, args, kwargs) -> None:
+        """Unit `index` is called (its pre-hook, runtime/pp_flow.py's UnitHooks)."""
+        if self.depth == 0:
+            if self.recording:
+                self.order.append(index)
+                self.consume((args, kwargs), float(index))
+            elif self.layout.unit_stage[index] > self.stage:
+                raise StopStage
+            self._suspend()
+        self.depth += 1
+
+    def leave_unit(self, index: int, output):
+        """Unit `index` returned `output`; a replacement output, or None to keep it."""
+        self.depth -= 1
+        if self.depth == 0:
+            self._resume()
+            self.glue = index + 0.5
+            new = self.produce(output, float(index))
+            return new if new is not output else None
+        return None
+
+
+class UnitHooks:
+    """Hooks on every unit, installed once, that report to the active `Flow` (if any).
+
+    Installed once rather than per forward (registering hooks costs about as much as a small
+    unit's Python work), and after TP, FSDP and checkpoint wrappers replaced the units, so
+    the modules hooked are the ones that run. Outside `active(flow)` they do nothing, so an
+    activation-checkpoint recompute or a plain call of a unit is unaffected. The pre-hook is
+    prepended so depth rises before other pre-hooks (FSDP's all-gather) run: their tensor
+    ops must not be numbered as glue. The post-hook runs last so it sees the output after
+    TP's output hooks.
+    """
+
+    def __init__(self, root: nn.Module, units: list[str]):
+        self.flow: Flow | None = None
+        self.handles = []
         for index, name in enumerate(units):
             module = root.get_submodule(name)
-            handles.append(module.register_forward_pre_hook(self._pre(index), with_kwargs=True, prepend=True))
-            handles.append(module.register_forward_hook(self._post(index), with_kwargs=True))
-        return handles
+            self.handles.append(module.register_forward_pre_hook(functools.partial(self._pre, index), with_kwargs=True, prepend=True))
+            self.handles.append(module.register_forward_hook(functools.partial(self._post, index), with_kwargs=True))
 
-    def _pre(self, index: int):
-        def hook(module, args, kwargs):
-            if self.depth == 0:
-                if self.recording:
-                    self.order.append(index)
-                    self.consume((args, kwargs), float(index))
-                elif self.layout.unit_stage[index] > self.stage:
-                    raise StopStage
-            self.depth += 1
+    def _pre(self, index: int, module, args, kwargs):
+        if self.flow is not None:
+            self.flow.enter_unit(index, args, kwargs)
 
-        return hook
+    def _post(self, index: int, module, args, kwargs, output):
+        return self.flow.leave_unit(index, output) if self.flow is not None else None
 
-    def _post(self, index: int):
-        def hook(module, args, kwargs, output):
-            self.depth -= 1
-            if self.depth == 0:
-                self.glue = index + 0.5
-                new = self.produce(output, float(index))
-                return new if new is not output else None
-            return None
+    @contextlib.contextmanager
+    def active(self, flow: Flow):
+        """`flow` numbers and replays while inside (the mode entered, the hooks reporting to it)."""
+        self.flow = flow
+        try:
+            with flow:
+                yield flow
+        finally:
+            self.flow = None
 
-        return hook
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayout:
@@ -156,13 +206,12 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
     meta_model = model if all(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
     flow = Flow()
     inputs = flow.produce(tree_map_only(torch.Tensor, to_meta, tuple(example_inputs)), INPUT)
-    handles = flow.hooks(meta_model, units)
+    hooks = UnitHooks(meta_model, units)
     try:
-        with flow, torch.no_grad():
+        with hooks.active(flow), torch.no_grad():
             meta_model(*inputs)
     finally:
-        for h in handles:
-            h.remove()
+        hooks.remove()
     if flow.order != list(range(len(units))):
         seen = [units[i] for i in flow.order]
         raise PlannerError(

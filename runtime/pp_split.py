@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from planner.errors import PlannerError
 from planner.plan import Plan
 from planner.units import owned_parameters, tied_units
-from runtime.pp_flow import INPUT, CutLayout, Flow, Key, StopStage, to_meta
+from runtime.pp_flow import INPUT, CutLayout, Flow, Key, StopStage, UnitHooks, to_meta
 
 class _Stub(nn.Module):
     """Stands in for a unit another stage holds: outputs of the right structure, on meta.
@@ -71,6 +71,12 @@ class _Stub(nn.Module):
         self._cache: dict = {}
 
     def forward(self, *args, **kwargs):
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common case, without pytree's cost
+            key = (tuple(args[0].shape), args[0].dtype)
+            if key not in self._cache:
+                with torch.no_grad():
+                    self._cache[key] = self._meta[0](to_meta(args[0]))
+            return self._cache[key]
         args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
         flat = tree_flatten((args, kwargs))[0]
         signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
@@ -113,6 +119,8 @@ class StageSpec:
     output_tree: tuple | None = None
     """Last stage with a structured output (a Hugging Face ModelOutput): its pytree spec and
     non-tensor leaves, to rebuild it for the loss (torch's stages pass tensors only)."""
+    hooks: UnitHooks | None = None
+    """Installed on the first forward (runtime/pp_flow.py)."""
 
     @property
     def in_keys(self) -> list[Key]:
@@ -153,18 +161,16 @@ def _stage_forward(self: nn.Module, *args):
         if len(args) != len(spec.in_keys):
             raise RuntimeError(f"stage {spec.stage} got {len(args)} tensors, expected {len(spec.in_keys)}")
         received, inputs = {k: _received(t) for k, t in zip(spec.in_keys, args)}, spec.placeholders
+    if spec.hooks is None:  # first call: after TP, FSDP and recompute wrapped the units
+        spec.hooks = UnitHooks(self, layout.units)
     flow = Flow(layout, spec.stage, received)
     inputs = flow.produce(tuple(inputs), INPUT)
-    handles = flow.hooks(self, layout.units)
     output = None
     try:
-        with spec.forward_context() if spec.forward_context else contextlib.nullcontext(), flow:
+        with spec.forward_context() if spec.forward_context else contextlib.nullcontext(), spec.hooks.active(flow):
             output = spec.forward(self, *inputs)
     except StopStage:
         pass
-    finally:
-        for h in handles:
-            h.remove()
     if spec.stage == layout.num_stages - 1:
         assert output is not None, "the last stage must run to the end of forward"
         return _flatten_output(spec, output)

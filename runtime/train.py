@@ -91,6 +91,11 @@ def _slice(x, start: int, stop: int):
     return x[start:stop] if isinstance(x, torch.Tensor) else x
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _local_batch(mf, plan: Plan, seed: int, step: int, dp_rank: int, device):
     """This data-parallel replica's contiguous slice of step `step`'s global batch, on `device`."""
     local = plan.batch.micro_batch_size * plan.batch.num_microbatches
@@ -183,7 +188,9 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         if lay.zero_stage >= 1 and lay.dp_degree > 1:
             apply_fsdp(model, mesh["dp"], stage.units, lay.zero_stage)
     modules = [m for _, m in chunks]
-    optimizer = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=lr, weight_decay=plan.training.weight_decay)
+    # One optimizer per chunk (AdamW is per parameter, so this is the same update): each
+    # chunk's optimizer state is then keyed by its own parameter names (runtime/checkpoint.py).
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=plan.training.weight_decay) for m in modules]
     loss_fn = lambda out, tgt: mf.loss(_fp32(out), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
     runner = None
     if lay.pp_degree > 1:
@@ -192,14 +199,15 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         runner = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn, example_microbatch)
     timer = StageTimer(device)
     if resume:
-        checkpoint.load(checkpoint_dir, modules, optimizer)
+        checkpoint.load(checkpoint_dir, modules, optimizers)
     has_last = any(s == len(plan.stages) - 1 for s, _ in chunks)
-    losses, times = [], []
+    reports, times = [], []
     for step in range(first_step, first_step + steps):
         timer.step = step - first_step
         inputs, targets = _local_batch(mf, plan, seed, step, dp_rank, device)
         start = time.perf_counter()
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
         if runner is not None:
             mean_loss = runner.step(inputs, targets)  # the last stage's mean over micro-batches, else None
             local_loss = mean_loss.float() if mean_loss is not None else torch.zeros((), device=device)
@@ -220,14 +228,19 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
             average_gradients(modules, mesh["dp"].get_group())
         if plan.training.grad_clip:  # after the dp reduction: the norm of the averaged gradient
             clip_grad_norm(modules, plan.training.grad_clip, mesh["pp"].get_group())
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.step()
+        _synchronize(device)  # the step's kernels are done, not just queued
         times.append(time.perf_counter() - start)
         # One copy per data-parallel replica reports (last stage, tp rank 0); the mean over replicas is the global mean.
-        report = local_loss.to(device) if (has_last and tp_rank == 0) else torch.zeros((), device=device)
-        dist.all_reduce(report)
-        losses.append(report.item() / lay.dp_degree)
+        reports.append(local_loss.detach().to(device) if (has_last and tp_rank == 0) else torch.zeros((), device=device))
+    # Summed once after the loop: a collective per step would add a synchronisation of all
+    # ranks to every step that the training itself does not need.
+    total = torch.stack(reports) if reports else torch.zeros(0, device=device)
+    dist.all_reduce(total)
+    losses = (total / lay.dp_degree).tolist()
     if checkpoint_dir:
-        checkpoint.save(checkpoint_dir, modules, optimizer, first_step + steps, fingerprint)
+        checkpoint.save(checkpoint_dir, modules, optimizers, first_step + steps, fingerprint)
     params = _full_parameters(modules) if (dp_rank == 0 and tp_rank == 0) else _full_parameters(modules, keep=False)
     peaks, stage_times = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_memory())

@@ -16,10 +16,20 @@ def cli(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+RESUMES = {
+    "pp2xdp2-to-tp2xdp2": (dict(pp=2, dp=2, m=2), dict(tp=2, dp=2, m=2, tp_plan=GPT_TP)),
+    # Two stage chunks per rank (each with its own optimizer) saved, resumed as FSDP shards: and back.
+    "interleaved-to-zero3": (dict(pp=2, v=2, schedule="interleaved-1f1b", m=2, mbs=4), dict(dp=2, zero=3, m=2)),
+    "zero3-to-interleaved": (dict(dp=2, zero=3, m=2), dict(pp=2, v=2, schedule="interleaved-1f1b", m=2, mbs=4)),
+}
+
+
 @pytest.mark.slow
-def test_resume_under_another_plan_matches_reference(tmp_path):
-    plan_a = make_plan(pp=2, dp=2, m=2).save(tmp_path / "a.json")
-    plan_b = make_plan(tp=2, dp=2, m=2, tp_plan=GPT_TP).save(tmp_path / "b.json")
+@pytest.mark.parametrize("case", RESUMES)
+def test_resume_under_another_plan_matches_reference(tmp_path, case):
+    a, b = RESUMES[case]
+    plan_a = make_plan(**a).save(tmp_path / "a.json")
+    plan_b = make_plan(**b).save(tmp_path / "b.json")
     ck = tmp_path / "ck"
     ref = cli("run", str(plan_a), "--reference", "--steps", "6", "--output", str(tmp_path / "ref.json"))
     first = cli("run", str(plan_a), "--steps", "3", "--checkpoint-dir", str(ck), "--output", str(tmp_path / "a-m.json"))
