@@ -3,7 +3,9 @@
 On CPU: a measured CPU profile, a cluster file measured by `planner profile-cluster` with
 N gloo processes (or the `cpu` preset with --preset-cluster), the plan run under torchrun. On a GPU: a measured CUDA profile, one GPU (`--gpus 1`), the plan run
 in one process (several NCCL processes sharing one GPU say nothing about a real cluster).
-Writes benchmarks/results/predicted_vs_measured_<device>.csv with each term.
+Writes benchmarks/results/predicted_vs_measured_<device>.csv with each term, and for a
+pipelined plan the predicted and the measured schedule as one Gantt chart
+(predicted_vs_measured_<tag>_gantt.png). `--pin "--pp 2"` passes pins to `planner solve`.
 
     python benchmarks/predicted_vs_measured.py --device cpu --gpus 2          # measured gloo cluster
     python benchmarks/predicted_vs_measured.py --device cuda --gpu h100-80gb --gpus 1 --dtype bfloat16
@@ -44,10 +46,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--preset-cluster", action="store_true", help="CPU: use the cpu preset instead of measuring gloo.")
+    parser.add_argument("--pin", default="", help='Pins for planner solve, e.g. "--pp 2 --schedule 1f1b".')
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.device}-{args.gpu}-{args.dtype}-{args.gpus}"
+    tag = f"{args.device}-{args.gpu}-{args.dtype}-{args.gpus}" + "".join(args.pin.replace("--", "-").split())
     profile, plan, metrics = out / f"pvm-{tag}-profile.json", out / f"pvm-{tag}-plan.json", out / f"pvm-{tag}-metrics.json"
     planner("profile", "examples/gpt.py", *MODELS[args.device], "--device", args.device, "--dtype", args.dtype,
             "--micro-batch-sizes", "1,2,4,8", "-o", str(profile))
@@ -57,9 +60,11 @@ def main() -> None:
         where = ["--cluster", str(cluster)]
     else:
         where = ["--gpus", str(args.gpus), "--gpu", args.gpu]
-    planner("solve", "--profile", str(profile), *where, "--global-batch", str(args.global_batch), "-o", str(plan))
+    planner("solve", "--profile", str(profile), *where, "--global-batch", str(args.global_batch), *args.pin.split(), "-o", str(plan))
     planner("run", str(plan), "--steps", str(args.steps), "--output", str(metrics))
-    print(planner("validate", str(plan), str(metrics)))
+    pipelined = json.loads(plan.read_text())["layout"]["pp_degree"] > 1
+    gantt = ["--gantt", str(out / f"predicted_vs_measured_{tag}_gantt.png")] if pipelined else []
+    print(planner("validate", str(plan), str(metrics), *gantt))
     p, m = json.loads(plan.read_text()), json.loads(metrics.read_text())
     pred = p["prediction"]
     device_name = json.loads(profile.read_text())["device_name"]

@@ -199,13 +199,16 @@ def run(
 def validate(
     plan_file: Path = typer.Argument(..., help="The plan that was run."),
     metrics_file: Path = typer.Argument(..., help="Metrics JSON from planner run."),
+    gantt: Optional[Path] = typer.Option(None, help="Pipelined runs: draw the predicted and the measured schedule as a PNG here."),
 ) -> None:
     """Predicted vs measured, with the error of each term."""
     from planner.plan import load_plan
-    from planner.validate import compare, print_comparison
+    from planner.validate import compare, draw_validation_gantt, print_comparison
 
     plan = load_plan(plan_file)
     print_comparison(compare(plan, metrics_file), console=console)
+    if gantt:
+        console.print(f"wrote {draw_validation_gantt(plan, metrics_file, gantt)}")
 
 
 @app.command()

@@ -88,9 +88,9 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(alt)
 
 
-def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
-    """Simulate the plan's schedule on its predicted stage times and draw it."""
-    from planner.cost.simulator import draw_gantt, simulate
+def simulated_timeline(plan: Plan):
+    """The plan's schedule played by the event simulator on its predicted stage times."""
+    from planner.cost.simulator import simulate
     from planner.errors import PlannerError
 
     search = plan.search or {}
@@ -98,5 +98,12 @@ def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
     if not fwd or not bwd:
         raise PlannerError("This plan has no predicted stage times to simulate.", "Draw Gantt charts of plans written by `planner solve`.")
     lay = plan.layout
-    timeline = simulate(lay.schedule, fwd, bwd, plan.batch.num_microbatches, lay.virtual_stages)
-    return draw_gantt(timeline, path, title=f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}")
+    return simulate(lay.schedule, fwd, bwd, plan.batch.num_microbatches, lay.virtual_stages)
+
+
+def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
+    """Simulate the plan's schedule on its predicted stage times and draw it."""
+    from planner.cost.simulator import draw_gantt
+
+    lay = plan.layout
+    return draw_gantt(simulated_timeline(plan), path, title=f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}")

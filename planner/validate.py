@@ -35,6 +35,9 @@ def compare(plan: Plan, metrics_path: str | Path) -> list[tuple[str, float | Non
     peaks = [p for p in metrics.get("peak_memory_bytes", []) if p]
     if peaks:
         rows.append(("peak memory (max over ranks)", max(pred.peak_memory_bytes) if pred else None, max(peaks), "bytes"))
+    measured_timeline = timeline_from_metrics(metrics)
+    if measured_timeline is not None:
+        rows.append(("bubble fraction (last step)", pred.bubble_fraction if pred else None, measured_timeline.bubble_fraction(), "share"))
     measured_stages = metrics.get("stage_times_s") or {}
     predicted_stages = pred.stage_time_s if pred else []
     for k in range(max(len(predicted_stages), len(measured_stages))):
@@ -50,11 +53,45 @@ def print_comparison(rows, console: Console | None = None) -> None:
     table = Table(title="Predicted vs measured")
     for col in ("term", "predicted", "measured", "error"):
         table.add_column(col, justify="left" if col == "term" else "right")
-    fmt = {"time": _time, "bytes": _bytes, "rate": lambda x: f"{x:.4g}"}
+    fmt = {"time": _time, "bytes": _bytes, "rate": lambda x: f"{x:.4g}", "share": lambda x: f"{x:.1%}"}
     for term, predicted, measured, kind in rows:
-        error = f"{predicted / measured - 1:+.1%}" if predicted and measured else "-"
+        if kind == "share":  # a share's error is the difference in points, not a ratio
+            error = f"{(predicted - measured) * 100:+.1f} pt" if predicted is not None and measured is not None else "-"
+        else:
+            error = f"{predicted / measured - 1:+.1%}" if predicted and measured else "-"
         table.add_row(term, fmt[kind](predicted) if predicted is not None else "-",
                       fmt[kind](measured) if measured is not None else "-", error)
     console.print(table)
     console.print("Peak memory on CPU is the process's resident set (interpreter and torch included), "
                   "so it is not comparable with the prediction's tensors-only figure.")
+
+
+def timeline_from_metrics(metrics: dict):
+    """The measured pipeline timeline a pipelined run recorded (runtime/metrics.py), or None."""
+    from planner.cost.simulator import Event, Timeline, _peak_held
+
+    data = metrics.get("timeline")
+    if not data or not data.get("events"):
+        return None
+    events = tuple(sorted((Event(e["rank"], e["chunk"], e["microbatch"], e["kind"], e["start_s"], e["end_s"]) for e in data["events"]),
+                          key=lambda e: e.start_s))
+    per_rank = [[(e.kind, e.chunk, e.microbatch) for e in events if e.rank == r] for r in range(data["num_ranks"])]
+    return Timeline(data["schedule"], data["num_ranks"], events, max(e.end_s for e in events), tuple(_peak_held(a) for a in per_rank))
+
+
+def draw_validation_gantt(plan: Plan, metrics_path: str | Path, path: str | Path) -> Path:
+    """The plan's simulated schedule above the run's measured last step, on one time axis."""
+    from planner.cost.gantt import draw_gantts
+    from planner.plan_report import simulated_timeline
+
+    measured = timeline_from_metrics(load_metrics(metrics_path))
+    if measured is None:
+        raise PlannerError(f"{metrics_path} has no pipeline timeline (the plan was not pipelined, or the run is older).",
+                           "Draw a measured Gantt chart of a plan with pp_degree > 1, run by this version.")
+    lay = plan.layout
+    what = f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}"
+    panels = [(measured, f"measured, last step ({what}): makespan {measured.makespan_s:.4g} s, bubble {measured.bubble_fraction():.1%}")]
+    if (plan.search or {}).get("stage_forward_s"):  # a hand-written plan has no predicted stage times
+        simulated = simulated_timeline(plan)
+        panels.insert(0, (simulated, f"predicted: makespan {simulated.makespan_s:.4g} s, bubble {simulated.bubble_fraction():.1%}"))
+    return draw_gantts(panels, path)

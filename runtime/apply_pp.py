@@ -40,6 +40,7 @@ from torch.distributed.pipelining.schedules import (
 
 from planner.errors import PlannerError
 from planner.plan import Plan
+from runtime.metrics import synchronize
 from runtime.pp_flow import trace_layout
 from runtime.pp_split import check_splittable, make_stage, restore_output, set_example_microbatch
 
@@ -69,8 +70,20 @@ def build_stage_modules(model: nn.Module, plan: Plan, pp_rank: int, example_inpu
     return [(s, make_stage(model, layout, s, tuple(example_inputs), forward_context)) for s in stage_indices(plan, pp_rank)]
 
 
+ACTION_KIND = {"forward_one_chunk": "F", "backward_one_chunk": "BW", "backward_weight_one_chunk": "W"}
+"""torch's PipelineStage methods -> action kinds of planner/cost/simulator.py (B: input-gradient only)."""
+
+
 class PipelineRunner:
-    """One optimizer step's forward and backward through the plan's schedule on this rank."""
+    """One optimizer step's forward and backward through the plan's schedule on this rank.
+
+    Each action torch's schedule runs on a stage is timed (forward, full backward, or
+    zero-bubble's input- and weight-gradient halves): summed per stage for `stage_times`, and
+    kept one by one in `events` for a measured Gantt chart. The p2p waits happen between
+    actions, so they show as gaps. On CUDA each action synchronises the device at both ends
+    so that its time is the kernels', not the launches' (it serialises a little of what
+    would overlap: a measurement of the stages, not of the step).
+    """
 
     def __init__(self, schedule, stages: list[PipelineStage], num_stages: int):
         self.schedule = schedule
@@ -82,22 +95,33 @@ class PipelineRunner:
         self.stage_times: dict[int, dict[str, float]] = {}
         """Per stage index: forward_s, backward_s of the last step, summed over its micro-batches
         (wall time on this rank; backward_s includes zero-bubble's deferred weight passes)."""
+        self.events: list[tuple[str, int, int, float, float]] = []
+        """The last step's actions on this rank: (kind, stage, micro-batch, start, end), start
+        and end in seconds of the wall clock (comparable across ranks of one machine)."""
         self._running: dict[int, dict[str, float]] = {}
+        self._events: list[tuple[str, int, int, float, float]] = []
         for stage in stages:
-            self._time(stage, "forward_one_chunk", "forward_s")
-            self._time(stage, "backward_one_chunk", "backward_s")
-            self._time(stage, "backward_weight_one_chunk", "backward_s")
+            for method in ACTION_KIND:
+                self._time(stage, method)
 
-    def _time(self, stage: PipelineStage, method: str, kind: str) -> None:
+    def _time(self, stage: PipelineStage, method: str) -> None:
         inner = getattr(stage, method)
+        total = "forward_s" if method == "forward_one_chunk" else "backward_s"
 
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
+        def timed(chunk_id: int, *args, **kwargs):
+            synchronize(stage.device)
+            start = time.time()
             try:
-                return inner(*args, **kwargs)
+                return inner(chunk_id, *args, **kwargs)
             finally:
+                synchronize(stage.device)
+                end = time.time()
                 times = self._running.setdefault(stage.stage_index, {"forward_s": 0.0, "backward_s": 0.0})
-                times[kind] += time.perf_counter() - start
+                times[total] += end - start
+                kind = ACTION_KIND[method]
+                if kind == "BW" and not kwargs.get("full_backward", args[1] if len(args) > 1 else True):
+                    kind = "B"
+                self._events.append((kind, stage.stage_index, chunk_id, start, end))
 
         setattr(stage, method, timed)
 
@@ -106,14 +130,14 @@ class PipelineRunner:
 
         Gradients are left accumulated on the stage modules (the caller zeroes them).
         """
-        self._running = {}
+        self._running, self._events = {}, []
         losses: list[torch.Tensor] = []
         self.schedule.step(
             *(tuple(inputs) if self.has_first else ()),
             target=targets if self.has_last else None,
             losses=losses if self.has_last else None,
         )
-        self.stage_times = self._running
+        self.stage_times, self.events = self._running, self._events
         if not self.has_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()

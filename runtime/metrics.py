@@ -20,6 +20,25 @@ import torch
 WARMUP_STEPS = 1
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timeline_of(per_rank_events: list[list[tuple]], schedule: str, num_ranks: int) -> dict:
+    """The last step's pipeline actions of every pipeline rank as one JSON-able timeline.
+
+    `per_rank_events[r]`: PipelineRunner.events of pipeline rank r. Times become seconds from
+    the first action's start (wall clock, so ranks on one machine line up exactly; across
+    nodes, as well as their clocks agree). Read by planner/validate.py's measured Gantt.
+    """
+    origin = min((e[3] for events in per_rank_events for e in events), default=0.0)
+    return {"schedule": schedule, "num_ranks": num_ranks, "events": [
+        {"rank": r, "chunk": stage, "microbatch": mb, "kind": kind, "start_s": start - origin, "end_s": end - origin}
+        for r, events in enumerate(per_rank_events) for kind, stage, mb, start, end in events]}
+
+
 class StageTimer:
     """Seconds per micro-batch of each stage's forward and backward, after warm-up steps."""
 
@@ -30,8 +49,7 @@ class StageTimer:
         self._forwards: dict[int, int] = defaultdict(int)
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
 
     @contextlib.contextmanager
     def time(self, stage: int, kind: str):
@@ -82,7 +100,7 @@ def peak_memory() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: int) -> dict:
+def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: int, timeline: dict | None = None) -> dict:
     after = times[WARMUP_STEPS:] or times
     median = statistics.median(after) if after else float("nan")
     return {
@@ -92,6 +110,7 @@ def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: i
         "samples_per_s": plan.batch.global_batch_size / median,
         "peak_memory_bytes": peaks,
         "stage_times_s": stage_times,
+        "timeline": timeline,
         "world_size": world_size,
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "_params": params,

@@ -49,7 +49,7 @@ from runtime.apply_pp import build_schedule, build_stage_modules
 from runtime.apply_tp import apply_tp, check_tp_plan
 from runtime.build import as_tuple, build_meta_model, check_fingerprint, init_mode, materialize
 from runtime.grad_clip import clip_grad_norm
-from runtime.metrics import StageTimer, build_metrics, merge_stage_times, peak_memory
+from runtime.metrics import StageTimer, build_metrics, merge_stage_times, peak_memory, synchronize, timeline_of
 from runtime.pp_split import check_splittable
 from runtime.recompute import apply_recompute
 
@@ -89,11 +89,6 @@ def _fp32(output):
 
 def _slice(x, start: int, stop: int):
     return x[start:stop] if isinstance(x, torch.Tensor) else x
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _local_batch(mf, plan: Plan, seed: int, step: int, dp_rank: int, device):
@@ -230,7 +225,7 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
             clip_grad_norm(modules, plan.training.grad_clip, mesh["pp"].get_group())
         for optimizer in optimizers:
             optimizer.step()
-        _synchronize(device)  # the step's kernels are done, not just queued
+        synchronize(device)  # the step's kernels are done, not just queued
         times.append(time.perf_counter() - start)
         # One copy per data-parallel replica reports (last stage, tp rank 0); the mean over replicas is the global mean.
         reports.append(local_loss.detach().to(device) if (has_last and tp_rank == 0) else torch.zeros((), device=device))
@@ -245,10 +240,16 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     peaks, stage_times = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_memory())
     dist.all_gather_object(stage_times, timer.summary())
+    timeline = None
+    if runner is not None:  # the last step's actions of one pipeline (dp and tp rank 0), for a measured Gantt
+        events = [None] * dist.get_world_size()
+        dist.all_gather_object(events, runner.events if (dp_rank == 0 and tp_rank == 0) else None)
+        timeline = timeline_of([e for e in events if e is not None], lay.schedule, lay.pp_degree)
     # Every rank past its last collective before any tears the group down (gloo aborts a
     # process whose peer closed a connection it still reads from).
     dist.barrier()
-    return build_metrics(plan, losses, times, peaks, merge_stage_times(stage_times), params, world_size=dist.get_world_size())
+    return build_metrics(plan, losses, times, peaks, merge_stage_times(stage_times), params, world_size=dist.get_world_size(),
+                         timeline=timeline)
 
 
 def _full_parameters(modules, keep: bool = True) -> dict:
