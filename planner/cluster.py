@@ -23,6 +23,7 @@ File format (YAML or JSON; profiles/clusters/ holds one file per preset):
     intra_node: {bandwidth_bytes_per_s: 3.0e11, latency_s: 3.0e-6}   # optional, else from the preset
     inter_node: {bandwidth_bytes_per_s: 2.5e10, latency_s: 5.0e-6}
     fitted: {all_reduce: {latency_s: ..., bandwidth_bytes_per_s: ...}, ...}   # written by profile-cluster
+    compute_slowdown: 1.3       # optional (CPU): compute time with every process busy / one alone
 
 A file may instead list `nodes: [{gpu: a100-80gb, count: 2, gpus_per_node: 8}, ...]`;
 nodes of different GPU types are parsed and rejected (not supported yet).
@@ -43,7 +44,7 @@ NVLINK_LATENCY_S = 3e-6
 NETWORK_LATENCY_S = 5e-6
 GLOO_LATENCY_S = 50e-6
 
-TOP_LEVEL_KEYS = {"name", "gpu", "num_nodes", "gpus_per_node", "intra_node", "inter_node", "fitted", "nodes"}
+TOP_LEVEL_KEYS = {"name", "gpu", "num_nodes", "gpus_per_node", "intra_node", "inter_node", "fitted", "nodes", "compute_slowdown"}
 _HINT = "Fix the cluster file (format: planner/cluster.py, examples: profiles/clusters/)."
 
 
@@ -76,6 +77,12 @@ class Cluster:
     fitted: dict[str, dict] = field(default_factory=dict, hash=False, compare=False)
     """Per-collective fits from `planner profile-cluster`, e.g. `{"all_reduce": {"latency_s",
     "bandwidth_bytes_per_s", "num_ranks", "points"}}`; used for groups inside one node."""
+    compute_slowdown: float = 1.0
+    """How much slower a device computes while every device of its node computes at once than
+    alone. 1 for GPUs (each is its own chip). Processes sharing a CPU share its cores, caches
+    and memory bandwidth (on a 2-vCPU VM, possibly one physical core): `planner profile-cluster`
+    measures it on gloo, and the cost model multiplies profiled compute times by it, since a
+    profile is measured by one process alone."""
 
     @property
     def world_size(self) -> int:
@@ -236,7 +243,16 @@ def parse_cluster(data, source: str = "cluster") -> Cluster:
         intra_node=_link(data.get("intra_node"), intra, "intra_node", source),
         inter_node=_link(data.get("inter_node"), inter, "inter_node", source),
         fitted=_fitted(data.get("fitted"), source),
+        compute_slowdown=_slowdown(data.get("compute_slowdown", 1.0), source),
     )
+
+
+def _slowdown(value, source: str) -> float:
+    number = _positive(value, "compute_slowdown", source)
+    if number < 1.0:
+        raise PlannerError(f"{source}: compute_slowdown must be at least 1 (got {value!r}): sharing a node never speeds a device up.",
+                           _HINT)
+    return number
 
 
 def load_cluster(path: str | Path) -> Cluster:
@@ -274,6 +290,7 @@ def cluster_data(cluster: Cluster) -> dict:
         "intra_node": asdict(cluster.intra_node),
         "inter_node": asdict(cluster.inter_node),
         **({"fitted": cluster.fitted} if cluster.fitted else {}),
+        **({"compute_slowdown": cluster.compute_slowdown} if cluster.compute_slowdown != 1.0 else {}),
     }
 
 

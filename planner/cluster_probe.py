@@ -19,7 +19,10 @@ all-reduce, (n-1)/n M for all-gather and reduce-scatter, M for p2p;
 planner/cost/collectives.py), and writes a cluster YAML: the GPU preset (`cpu` on gloo, the
 detected CUDA GPU otherwise), the intra-node link from the p2p fit and a `fitted` section
 (each fit with its raw [bytes, seconds] points) that the collective model uses for groups
-inside a node. The parent process reads the file back with `load_cluster`.
+inside a node. On gloo it also measures the node's compute contention
+(`compute_slowdown`, planner/cluster.py): each rank's time for a fixed mix of matrix
+products and elementwise work run alone, then by all ranks at once. The parent process
+reads the file back with `load_cluster`.
 
 It measures the node it runs on. Across nodes, start the worker under torchrun yourself
 (`torchrun --nnodes K --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT
@@ -91,6 +94,8 @@ def profile_cluster_command(
     cluster = load_cluster(output)  # what the solver will read: fails here, not later, if the file is unusable
     for kind, fit in cluster.fitted.items():
         print(f"{kind:>15}: latency {fit['latency_s'] * 1e6:9.1f} us, bandwidth {fit['bandwidth_bytes_per_s'] / 1e9:8.3f} GB/s")
+    if cluster.compute_slowdown != 1.0:
+        print(f"compute slowdown with all {nproc} processes busy: x{cluster.compute_slowdown:.2f}")
     print(f"wrote {output}")
 
 
@@ -173,7 +178,41 @@ def fit_cluster(raw: dict):
     inter = fitted.get("p2p_inter_node")
     return replace(base, name=f"measured-{raw['backend']}-{n}", intra_node=intra,
                    inter_node=Link(inter["bandwidth_bytes_per_s"], inter["latency_s"]) if inter else base.inter_node,
-                   fitted=fitted)
+                   fitted=fitted, compute_slowdown=max(1.0, float(raw.get("compute_slowdown", 1.0))))
+
+
+def compute_slowdown(dist, torch, rank: int, n: int, repeats: int) -> float:
+    """Median over ranks of (time of a fixed workload with all ranks running it) / (alone).
+
+    The workload mixes a matrix product (compute-bound) with elementwise work over its output
+    (memory-bound), as a layer does; each rank runs it alone while the others wait at a
+    barrier, then all at once.
+    """
+    a, w = torch.randn(256, 512), torch.randn(512, 512)
+
+    def work() -> None:
+        for _ in range(4):
+            torch.nn.functional.gelu(torch.nn.functional.linear(a, w)).sum()
+
+    def median_time() -> float:
+        work()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            work()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    alone = 0.0
+    for r in range(n):
+        dist.barrier()
+        if rank == r:
+            alone = median_time()
+    dist.barrier()
+    together = median_time()
+    ratios = [None] * n
+    dist.all_gather_object(ratios, together / alone)
+    return statistics.median(ratios)
 
 
 def _worker(args) -> None:
@@ -208,6 +247,7 @@ def _worker(args) -> None:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)  # the slowest rank decides
         return float(value)
 
+    slowdown = compute_slowdown(dist, torch, rank, n, max(args.repeats, 5)) if backend == "gloo" else 1.0
     sizes = [args.min_bytes * 2**k for k in range(64) if args.min_bytes * 2**k <= args.max_bytes]
     kinds = ["all_reduce", "all_gather", "reduce_scatter"] + (["p2p"] if per_node > 1 else []) \
         + (["p2p_inter_node"] if per_node < n else [])
@@ -246,7 +286,7 @@ def _worker(args) -> None:
         from planner.cluster import save_cluster
 
         raw = {"world_size": n, "num_nodes": n // per_node, "backend": backend, "gpu": gpu, "measurements": results,
-               "methods": methods}
+               "methods": methods, "compute_slowdown": slowdown}
         save_cluster(fit_cluster(raw), args.output)
     dist.destroy_process_group()
 

@@ -182,6 +182,9 @@ class Profile(_Model):
     """len(units) - 1 cuts, in order."""
     whole_model: dict[int, WholeModel] = {}
     """Whole-model check per micro-batch size (measured mode)."""
+    optimizer_step_s: float | None = None
+    """One AdamW step over every parameter in fp32 (the runtime's master weights), measured on
+    the device (measured mode); the cost model prices a rank's step as its share of it."""
     notes: list[str] = []
     """Anything the profiler noticed (glue code, unused modules)."""
 

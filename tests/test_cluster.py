@@ -54,7 +54,8 @@ def test_round_trip_keeps_overrides_and_fits(tmp_path):
     c = make_cluster(8, 8, "a100-80gb")
     c = replace(c, gpu=replace(c.gpu, memory_bytes=12345, peak_flops={**c.gpu.peak_flops, "bfloat16": 1e14}),
                 inter_node=Link(1e9, 1e-5),
-                fitted={"all_reduce": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 2e9, "num_ranks": 8, "points": [[1, 2.0]]}})
+                fitted={"all_reduce": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 2e9, "num_ranks": 8, "points": [[1, 2.0]]}},
+                compute_slowdown=1.25)
     path = save_cluster(c, tmp_path / "c.yaml")
     assert "memory_bytes: 12345" in path.read_text() and "memory_bandwidth" not in path.read_text()  # only what changed
     back = load_cluster(path)
@@ -105,6 +106,8 @@ def test_links_in_the_file_win(tmp_path):
     ("nodes: [{gpu: a100-80gb, count: 1}, {gpu: h100-80gb, count: 1}]\n", "heterogeneous clusters are not supported yet"),
     ("nodes: [{gpu: a100-80gb, gpus_per_node: 8}, {gpu: a100-80gb, gpus_per_node: 4}]\n", "heterogeneous clusters"),
     ("nodes: []\n", "`nodes` must be a non-empty list"),
+    ("gpu: cpu\ncompute_slowdown: 0.5\n", "compute_slowdown must be at least 1"),
+    ("gpu: cpu\ncompute_slowdown: fast\n", "compute_slowdown must be a number"),
 ])
 def test_bad_cluster_files_are_explained(tmp_path, text, needle):
     path = tmp_path / "c.yaml"

@@ -54,6 +54,14 @@ def test_fit_cluster_across_nodes_sets_the_inter_node_link():
     assert "fitted" not in CollectiveModel(c).algorithm_times("all_reduce", 1e6, Group(2, 1))
 
 
+@pytest.mark.parametrize("measured,kept", [(1.3, 1.3), (0.97, 1.0)])  # timing noise below 1 is not a speed-up
+def test_fit_cluster_keeps_the_measured_compute_slowdown(measured, kept):
+    line = lambda a, b: [[s, a + s / b] for s in SIZES]  # noqa: E731
+    raw = {"world_size": 2, "num_nodes": 1, "backend": "gloo", "gpu": "cpu", "methods": {}, "compute_slowdown": measured,
+           "measurements": {"all_reduce": line(1e-4, 1e9), "p2p": line(1e-5, 4e9)}}
+    assert fit_cluster(raw).compute_slowdown == kept
+
+
 class _NoReduceScatter:
     """A 2-rank stand-in for torch.distributed without reduce_scatter_tensor; every rank holds the same x."""
 

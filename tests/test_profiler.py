@@ -101,6 +101,7 @@ def test_measured_profile_records_times_and_whole_model(write_model):
     whole = prof.whole_model[4]
     assert whole.forward_backward_time_s > 0 and whole.sum_of_units_time_s > 0
     assert whole.ratio == pytest.approx(whole.forward_backward_time_s / whole.sum_of_units_time_s)
+    assert prof.optimizer_step_s > 0
 
 
 def test_analytic_times_follow_the_roofline(write_model):

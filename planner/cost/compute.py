@@ -18,6 +18,19 @@ Two sources, chosen per profile and target (`ComputeModel.source`):
   (planner/hardware.py); `calibrate` replaces the matmul efficiency by the one a measured
   profile from that GPU achieved.
 
+Contention (`slowdown`, the cluster's `compute_slowdown`): a profile is measured by one
+process alone, but in a run every device of a node computes at once. GPUs are separate
+chips (slowdown 1); gloo processes on one CPU share its cores, caches and memory bandwidth,
+and `planner profile-cluster` measures by how much a fixed mix of matrix products and
+elementwise work slows down when all of them run it together. Unit times are multiplied
+by that ratio.
+
+Optimizer step (`optimizer_s_per_param`): a measured profile records one AdamW step over the
+whole model on its device; on that device a rank's step costs its share of it. Otherwise
+the step is memory-bound: AdamW streams weights, gradients, fp32 master weights and both
+moments in and the updated ones out, about 2 x 16 bytes per parameter, at the achievable
+memory bandwidth.
+
 Tensor parallelism (`tp_time_s`) divides the work of the ops the intra-op solver shards by
 the TP degree; the rest of the unit (norms, residual adds, elementwise glue) stays
 replicated unless sequence parallelism shards it along the sequence too (Korthikanti et
@@ -32,6 +45,10 @@ from dataclasses import dataclass, replace
 
 from planner.hardware import GPUSpec
 from planner.profile_schema import Profile, Unit
+
+
+OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
+"""AdamW's memory traffic per parameter: weights, gradients, master weights, two moments in; updated ones out."""
 
 
 def interpolate(points: dict[int, float], x: float) -> float:
@@ -89,8 +106,11 @@ class UnitTime:
 class ComputeModel:
     """Unit times for one profile on one target GPU and dtype."""
 
-    def __init__(self, profile: Profile, gpu: GPUSpec, dtype: str | None = None, use_whole_model_ratio: bool = True):
+    def __init__(self, profile: Profile, gpu: GPUSpec, dtype: str | None = None, use_whole_model_ratio: bool = True,
+                 slowdown: float = 1.0):
         self.profile, self.gpu = profile, gpu
+        self.slowdown = slowdown
+        """Multiplies every time: the node's compute contention (module docstring)."""
         self.dtype = dtype or profile.dtype
         self.source = "profiled" if _profile_matches(profile, gpu, self.dtype) else "roofline"
         ratios = {b: w.ratio for b, w in profile.whole_model.items() if w.ratio > 0}
@@ -107,7 +127,8 @@ class ComputeModel:
     def unit_time(self, unit: Unit, micro_batch_size: float) -> UnitTime:
         key = (unit.index, micro_batch_size)
         if key not in self._cache:
-            self._cache[key] = self._unit_time(unit, micro_batch_size)
+            t = self._unit_time(unit, micro_batch_size)
+            self._cache[key] = UnitTime(t.forward_s * self.slowdown, t.backward_s * self.slowdown)
         return self._cache[key]
 
     def _unit_time(self, unit: Unit, b: float) -> UnitTime:
@@ -124,6 +145,13 @@ class ComputeModel:
         bwd = max(interpolate({k: c.backward_flops for k, c in costs.items()}, b) / flops_rate,
                   interpolate({k: c.backward_memory_traffic_bytes for k, c in costs.items()}, b) / bandwidth)
         return UnitTime(fwd, bwd)
+
+    def optimizer_s_per_param(self) -> float:
+        """Seconds of one AdamW step per parameter (module docstring), contention included."""
+        measured = self.profile.optimizer_step_s
+        if self.source == "profiled" and measured and self.profile.model.num_parameters:
+            return measured / self.profile.model.num_parameters * self.slowdown
+        return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / self.gpu.achievable_bandwidth * self.slowdown
 
     def forward_flops(self, unit: Unit, micro_batch_size: float) -> float:
         return interpolate({k: c.forward_flops for k, c in unit.costs.items()}, micro_batch_size)

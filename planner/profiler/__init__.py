@@ -26,7 +26,7 @@ from planner.hardware import get_gpu
 from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import Cut, CrossingTensor, ModelInfo, Profile, Unit, UnitCosts, WholeModel
 from planner.profiler.counters import MetaAttentionMode
-from planner.profiler.measure import unit_costs, whole_model_time
+from planner.profiler.measure import optimizer_step_time, unit_costs, whole_model_time
 from planner.profiler.opgraph import record_op_graph
 from planner.units import (
     UnitTrace,
@@ -172,6 +172,7 @@ def profile_model(
                 progress(f"{name} @ micro-batch {b}", done, steps)
 
     whole: dict[int, WholeModel] = {}
+    optimizer_s = optimizer_step_time(model) if device != "meta" else None
     if device != "meta":
         for b in sizes:
             inputs = _to(_as_tuple(batches[b][0]), device, torch_dtype)
@@ -254,6 +255,7 @@ def profile_model(
         units=unit_records,
         cuts=cuts,
         whole_model=whole,
+        optimizer_step_s=optimizer_s,
         notes=notes,
     )
 

@@ -154,3 +154,26 @@ def whole_model_time(model: nn.Module, inputs: tuple, targets, loss, warmup: int
             times.append(seconds)
     model.zero_grad(set_to_none=True)
     return statistics.median(times)
+
+
+def optimizer_step_time(model: nn.Module, warmup: int = 2, repeats: int = 5) -> float:
+    """Median time of one AdamW step over all of `model`'s parameters, as the runtime takes it.
+
+    The runtime keeps fp32 master weights whatever the compute dtype (autocast), so the step
+    runs on fp32 copies of the parameters with random gradients, on their device, with
+    torch's default implementation for that device (foreach on CUDA, a per-tensor loop on
+    CPU: per-tensor overhead included, which is what makes a CPU step slower than its bytes).
+    """
+    params = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params)
+    timer = _Timer(params[0].device)
+    times = []
+    for i in range(warmup + repeats):
+        _, seconds = timer.time(optimizer.step)
+        if i >= warmup:
+            times.append(seconds)
+    return statistics.median(times)

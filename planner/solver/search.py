@@ -32,10 +32,6 @@ from planner.errors import PlannerError
 from planner.solver.costs import RECOMPUTE_MODES, UnitCostTable
 from planner.solver.inter_op import solve_cuts
 
-# Adam's step streams weights, gradients, master weights and both moments in and the
-# updated ones out: about 2 x 16 bytes per parameter of memory traffic (memory-bound).
-OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
-
 
 @dataclass(frozen=True)
 class Config:
@@ -87,7 +83,8 @@ class Environment:
     dp_all_gather_s: object
     p2p_s: object  # (nbytes, same_node) -> s
     gpus_per_node: int
-    achievable_bandwidth: float
+    optimizer_s_per_param: float
+    """Seconds of the optimizer step per parameter a rank updates (planner/cost/compute.py)."""
 
 
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
@@ -206,7 +203,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
             # the updated parameters once per step (FSDP2 with reshard_after_forward=False).
             dp_s.append(env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp) if cfg.zero_stage < 3 else 0.0)
         sharded = params / (cfg.dp if cfg.zero_stage >= 1 else 1)
-        opt_s.append(sharded * OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / env.achievable_bandwidth)
+        opt_s.append(sharded * env.optimizer_s_per_param)
     tail = max(d + o for d, o in zip(dp_s, opt_s))
     slowest = int(np.argmax([d + o for d, o in zip(dp_s, opt_s)]))
     busiest = int(np.argmax(rank_work))

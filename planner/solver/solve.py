@@ -128,7 +128,7 @@ def _schedules(pins: Pins, pp: int, m: int, num_units: int):
             yield name, 1
 
 
-def _environment(cluster: Cluster, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
+def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
     coll = CollectiveModel(cluster)
     place = lru_cache(maxsize=None)(lambda dp, tp: group_placement(cluster, dp, tp))  # DP ranks are tp apart
     # Identical units ask the same questions thousands of times in one search: memoise.
@@ -143,7 +143,7 @@ def _environment(cluster: Cluster, dtype: str, pins: Pins, memory_fraction: floa
         dp_all_gather_s=cached(lambda nbytes, dp, tp: coll.all_gather_s(nbytes, place(dp, tp))),
         p2p_s=cached(lambda nbytes, same_node: coll.p2p_s(nbytes, same_node)),
         gpus_per_node=cluster.gpus_per_node,
-        achievable_bandwidth=cluster.gpu.achievable_bandwidth,
+        optimizer_s_per_param=compute.optimizer_s_per_param(),
     )
 
 
@@ -168,10 +168,10 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     started = time.perf_counter()
     dtype = dtype or profile.dtype
     check_pins(pins, cluster, global_batch_size, len(profile.units))
-    compute = ComputeModel(profile, cluster.gpu, dtype)
+    compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype)
-    env = _environment(cluster, dtype, pins, memory_fraction)
+    env = _environment(cluster, compute, dtype, pins, memory_fraction)
     # Branch and bound: price the groups in order of a lower bound on their iteration time
     # (perfectly balanced stages, no bubble, no communication) and stop once that bound
     # exceeds the k-th best time found; feasibility is not monotone, so nothing else is cut.

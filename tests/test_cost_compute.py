@@ -1,0 +1,68 @@
+"""planner/cost/compute.py: where unit and optimizer times come from, and what scales them."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from planner.cost.compute import OPTIMIZER_TRAFFIC_BYTES_PER_PARAM, ComputeModel, interpolate, tp_time_s
+from planner.hardware import get_gpu
+from planner.profiler import profile_model
+
+ARGS = dict(n_layers=2, d_model=32, n_heads=4, d_ff=64, vocab_size=64, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def cpu_profile():
+    return profile_model("examples/gpt.py", ARGS, [1, 2], device="cpu", repeats=2, warmup=1)
+
+
+def test_interpolation_is_linear_between_sizes_and_proportional_below():
+    points = {2: 2.0, 4: 3.0}
+    assert interpolate(points, 3) == pytest.approx(2.5)
+    assert interpolate(points, 8) == pytest.approx(5.0)  # extrapolated along the last segment
+    assert interpolate(points, 1) == pytest.approx(1.5)  # extrapolated along the first segment...
+    assert interpolate({2: 1.0, 4: 3.0}, 1) == pytest.approx(0.5)  # ...but never below proportional-to-zero
+    assert interpolate({4: 8.0}, 2) == pytest.approx(4.0)
+
+
+def test_measured_profile_on_its_own_device_is_used_as_measured(cpu_profile):
+    model = ComputeModel(cpu_profile, get_gpu("cpu"), use_whole_model_ratio=False)
+    assert model.source == "profiled"
+    unit = cpu_profile.units[1]
+    t = model.unit_time(unit, 2)
+    assert t.forward_s == unit.costs[2].forward_time_s and t.backward_s == unit.costs[2].backward_time_s
+
+
+def test_another_target_is_priced_by_its_roofline(cpu_profile):
+    model = ComputeModel(cpu_profile, get_gpu("a100-80gb"), dtype="float32")
+    assert model.source == "roofline"
+    unit, gpu = cpu_profile.units[1], get_gpu("a100-80gb")
+    c = unit.costs[2]
+    expected = max(c.forward_flops / gpu.achievable_flops("float32"), c.forward_memory_traffic_bytes / gpu.achievable_bandwidth)
+    assert model.unit_time(unit, 2).forward_s == pytest.approx(expected)
+
+
+def test_node_contention_slows_every_unit_and_the_optimizer(cpu_profile):
+    alone = ComputeModel(cpu_profile, get_gpu("cpu"))
+    shared = ComputeModel(cpu_profile, get_gpu("cpu"), slowdown=1.5)
+    for unit in cpu_profile.units:
+        assert shared.unit_time(unit, 2).total_s == pytest.approx(1.5 * alone.unit_time(unit, 2).total_s)
+    assert shared.optimizer_s_per_param() == pytest.approx(1.5 * alone.optimizer_s_per_param())
+
+
+def test_optimizer_step_is_the_measured_one_on_the_profiled_device(cpu_profile):
+    measured = ComputeModel(cpu_profile, get_gpu("cpu")).optimizer_s_per_param()
+    assert measured == pytest.approx(cpu_profile.optimizer_step_s / cpu_profile.model.num_parameters)
+    # Elsewhere (or with nothing measured) AdamW is memory-bound: 32 bytes per parameter at the achievable bandwidth.
+    a100 = get_gpu("a100-80gb")
+    assert ComputeModel(cpu_profile, a100, dtype="float32").optimizer_s_per_param() == \
+        pytest.approx(OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / a100.achievable_bandwidth)
+    unmeasured = cpu_profile.model_copy(update={"optimizer_step_s": None})
+    cpu = get_gpu("cpu")
+    assert ComputeModel(unmeasured, cpu).optimizer_s_per_param() == pytest.approx(OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / cpu.achievable_bandwidth)
+
+
+def test_tensor_parallel_time_divides_the_sharded_share_only():
+    assert tp_time_s(1.0, 0.8, 4, sequence_parallel=False) == pytest.approx(0.8 / 4 + 0.2)
+    assert tp_time_s(1.0, 0.8, 4, sequence_parallel=True) == pytest.approx(1.0 / 4)
