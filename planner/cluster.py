@@ -14,6 +14,14 @@ published values, per message (one hop of a ring):
 - CPU preset (gloo over loopback TCP on one machine): ~2 GB/s and ~50 us per message are
   rough defaults, not measurements; `planner profile-cluster` replaces them.
 
+Achievable bandwidth. A preset link carries what collectives reach, not the wire rate:
+public nccl-tests results (all_reduce_perf bus bandwidth, the ring's per-rank rate) on 8
+A100-SXM GPUs over NVLink 3 / NVSwitch (300 GB/s per direction) report about 200-235 GB/s
+(NVIDIA/nccl-tests issues #149 and #178), so NVLink links get `NVLINK_EFFICIENCY` 0.75 of
+the data-sheet rate; across nodes, HDR InfiniBand reached 85-96 of 100 GB/s per node
+(nccl-tests issue #119), so network links get `NETWORK_EFFICIENCY` 0.9. A measured cluster
+(`planner profile-cluster`) replaces both with its fits.
+
 File format (YAML or JSON; profiles/clusters/ holds one file per preset):
 
     name: my-cluster            # optional, else the file stem
@@ -43,6 +51,9 @@ from planner.hardware import GPUS, GPUSpec, get_gpu
 NVLINK_LATENCY_S = 3e-6
 NETWORK_LATENCY_S = 5e-6
 GLOO_LATENCY_S = 50e-6
+# Share of the data-sheet link bandwidth collectives reach (module docstring).
+NVLINK_EFFICIENCY = 0.75
+NETWORK_EFFICIENCY = 0.9
 
 TOP_LEVEL_KEYS = {"name", "gpu", "num_nodes", "gpus_per_node", "intra_node", "inter_node", "fitted", "nodes", "compute_slowdown"}
 _HINT = "Fix the cluster file (format: planner/cluster.py, examples: profiles/clusters/)."
@@ -95,9 +106,10 @@ class Cluster:
 
 def default_links(gpu: GPUSpec) -> tuple[Link, Link]:
     """(intra-node, inter-node) links of a preset GPU (latencies: module docstring)."""
-    cpu = gpu.name == "cpu"
-    return (Link(gpu.intra_node_bandwidth_bytes_per_s, GLOO_LATENCY_S if cpu else NVLINK_LATENCY_S),
-            Link(gpu.inter_node_bandwidth_bytes_per_s, GLOO_LATENCY_S if cpu else NETWORK_LATENCY_S))
+    if gpu.name == "cpu":
+        return (Link(gpu.intra_node_bandwidth_bytes_per_s, GLOO_LATENCY_S), Link(gpu.inter_node_bandwidth_bytes_per_s, GLOO_LATENCY_S))
+    return (Link(gpu.intra_node_bandwidth_bytes_per_s * NVLINK_EFFICIENCY, NVLINK_LATENCY_S),
+            Link(gpu.inter_node_bandwidth_bytes_per_s * NETWORK_EFFICIENCY, NETWORK_LATENCY_S))
 
 
 def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str = "a100-80gb") -> Cluster:

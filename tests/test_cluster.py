@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cluster import Link, load_cluster, make_cluster, save_cluster
+from planner.cluster import NETWORK_EFFICIENCY, NVLINK_EFFICIENCY, Link, load_cluster, make_cluster, save_cluster
 from planner.errors import PlannerError
 from planner.hardware import GPUS, get_gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,10 +22,11 @@ def test_make_cluster_defaults_to_nodes_of_eight():
 
 
 def test_preset_links_come_from_the_gpu_spec():
+    # What NCCL reaches: a fixed share of the data sheet's link rates (planner/cluster.py docstring).
     c = make_cluster(8, 8, "h100-80gb")
     gpu = get_gpu("h100-80gb")
-    assert c.intra_node.bandwidth_bytes_per_s == gpu.intra_node_bandwidth_bytes_per_s
-    assert c.inter_node.bandwidth_bytes_per_s == gpu.inter_node_bandwidth_bytes_per_s
+    assert c.intra_node.bandwidth_bytes_per_s == gpu.intra_node_bandwidth_bytes_per_s * NVLINK_EFFICIENCY
+    assert c.inter_node.bandwidth_bytes_per_s == gpu.inter_node_bandwidth_bytes_per_s * NETWORK_EFFICIENCY
     assert c.intra_node.latency_s < c.inter_node.latency_s  # NVLink hop cheaper than an InfiniBand one
 
 
@@ -74,7 +75,7 @@ def test_json_file_overrides_a_preset(tmp_path):
                                 "num_nodes": 2, "gpus_per_node": 4}))
     c = load_cluster(path)
     assert c.gpu.memory_bytes == 12345 and c.world_size == 8 and c.name == "c"
-    assert c.intra_node.bandwidth_bytes_per_s == 1e11  # the GPU override carries into the default link
+    assert c.intra_node.bandwidth_bytes_per_s == 1e11 * NVLINK_EFFICIENCY  # the GPU override carries into the default link
     assert c.gpu.peak_flops == get_gpu("a100-80gb").peak_flops
 
 
@@ -141,6 +142,8 @@ def test_bundled_cluster_files_load(path: Path):
     c = load_cluster(path)
     if c.gpu.name == path.stem:  # one file per preset: exactly the preset's numbers
         assert c.gpu == get_gpu(path.stem) and c.name == path.stem
+        preset = make_cluster(c.world_size, c.gpus_per_node, path.stem)
+        assert (c.intra_node, c.inter_node) == (preset.intra_node, preset.inter_node)
 
 
 def test_one_bundled_file_per_preset():

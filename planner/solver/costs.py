@@ -33,7 +33,10 @@ class UnitCostTable:
     tp_comm_s: np.ndarray
     """TP collectives per micro-batch (forward + backward)."""
     recompute_s: dict[str, np.ndarray]
-    """Extra forward work per micro-batch for each recomputation mode."""
+    """Extra forward work per micro-batch for each recomputation mode (full recomputation
+    replays the forward's TP collectives too, as activation checkpointing of a TP module does)."""
+    recompute_tp_comm_s: np.ndarray
+    """The TP collectives inside `recompute_s["full"]` (for the breakdown)."""
     parameters: np.ndarray
     """Parameters held per GPU (after TP sharding, before ZeRO)."""
     activations: dict[str, np.ndarray]
@@ -112,7 +115,7 @@ class UnitCosts:
     def _build(self, t: int, sp: bool, b: int) -> UnitCostTable:
         units = self.profile.units
         n = len(units)
-        fwd, bwd, comm, params, flops = (np.zeros(n) for _ in range(5))
+        fwd, bwd, comm, rec_comm, params, flops = (np.zeros(n) for _ in range(6))
         rec = {m: np.zeros(n) for m in RECOMPUTE_MODES}
         rec_flops = {m: np.zeros(n) for m in RECOMPUTE_MODES}
         act = {m: np.zeros(n) for m in RECOMPUTE_MODES}
@@ -136,7 +139,8 @@ class UnitCosts:
             f_fwd, f_bwd = self.compute.forward_flops(u, b), self.compute.backward_flops(u, b)
             flops[i] = f_fwd + f_bwd
             core = _attention_flop_share(u)
-            rec["full"][i], rec_flops["full"][i] = fwd[i], f_fwd
+            rec_comm[i] = sol.forward_comm_time_s if sol else 0.0
+            rec["full"][i], rec_flops["full"][i] = fwd[i] + rec_comm[i], f_fwd
             rec["selective"][i], rec_flops["selective"][i] = fwd[i] * core, f_fwd * core
             c = u.costs
             saved = interpolate({k: v.saved_bytes for k, v in c.items()}, b)
@@ -149,4 +153,4 @@ class UnitCosts:
         cut = np.zeros(n)
         for c in self.profile.cuts:
             cut[c.after_index] = interpolate({k: float(v) for k, v in c.bytes.items()}, b) / (t if sp else 1)
-        return UnitCostTable(fwd, bwd, comm, rec, params, act, transient, cut, flops, rec_flops, plans)
+        return UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans)

@@ -115,6 +115,8 @@ class IntraOpSolution:
     """Parameter bytes per GPU of the matmul-like ops."""
     collectives: list[str] = field(default_factory=list)
     """Human-readable list of the collectives paid, e.g. `fwd all-reduce attn.wo->merge`."""
+    forward_comm_time_s: float = 0.0
+    """The forward pass's share of `comm_time_s` (what full recomputation runs again)."""
 
 
 @dataclass(frozen=True)
@@ -245,18 +247,20 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str]) -> IntraOpSolu
         fwd.add((src, out, need))
         if grad is not None:
             bwd.add((src, out, grad))
+    forward_comm = 0.0
     for src, out, need in sorted(fwd):
         t = conversion_s(out, need, graph.nbytes[src], coll)
         if t > 0:
-            comm += t
+            forward_comm += t
             paid.append(f"fwd {out}->{need} {src}")
+    comm += forward_comm
     for src, out, grad in sorted(bwd):
         t = conversion_s(grad, _grad_target(out), graph.nbytes[src], coll)
         if t > 0:
             comm += t
             paid.append(f"bwd {grad}->{_grad_target(out)} {src}")
     plan = {by_name[n].module: STYLE[s] for n, s in strategies.items() if n in by_name and by_name[n].module is not None and s in STYLE}
-    return IntraOpSolution(dict(strategies), plan, compute, comm, params, paid)
+    return IntraOpSolution(dict(strategies), plan, compute, comm, params, paid, forward_comm)
 
 
 def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:

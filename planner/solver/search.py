@@ -209,7 +209,11 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
     busiest = int(np.argmax(rank_work))
     compute = m * sum(float((table.forward_s + table.backward_s)[i:j].sum() + table.recompute_s[r][i:j].sum())
                       for k, ((i, j), r) in enumerate(zip(bounds, recompute)) if k % cfg.pp == busiest)
-    tp_comm = m * sum(float(table.tp_comm_s[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
+    # Full recomputation replays the forward's TP collectives: communication, not compute.
+    replayed = m * sum(float(table.recompute_tp_comm_s[i:j].sum()) for k, ((i, j), r) in enumerate(zip(bounds, recompute))
+                       if k % cfg.pp == busiest and r == "full")
+    compute -= replayed
+    tp_comm = replayed + m * sum(float(table.tp_comm_s[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
     p2p_total = m * sum(float(p2p[j - 1]) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
     gather_total = m * sum(float(gathers[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
     bubble = max(pipeline_s - m * rank_work[busiest], 0.0)
