@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from planner.cluster import make_cluster
+from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.solve import solve
 
@@ -32,7 +33,11 @@ def run(n_layers: int, gpus: int, profiles: dict) -> dict:
                                             gpu="a100-80gb", dtype="bfloat16"), time.perf_counter() - started)
     prof, profile_s = profiles[n_layers]
     started = time.perf_counter()
-    plan = solve(prof, make_cluster(gpus, 8, "a100-80gb"), GLOBAL_BATCH, top_k=3)
+    try:
+        plan = solve(prof, make_cluster(gpus, 8, "a100-80gb"), GLOBAL_BATCH, top_k=3)
+    except PlannerError as exc:  # a cluster too small for the model is an answer too, and timed
+        return {"n_layers": n_layers, "gpus": gpus, "solve_s": time.perf_counter() - started, "profile_s": profile_s,
+                "layout": f"no plan: {exc.message}"}
     solve_s = time.perf_counter() - started
     lay = plan.layout
     return {
@@ -50,10 +55,7 @@ def main() -> None:
     cases = [(96, g) for g in (8, 64, 512, 1024)] + [(24, 512), (192, 512)]
     rows = []
     for n_layers, gpus in cases:
-        try:
-            rows.append(run(n_layers, gpus, profiles))
-        except Exception as exc:  # a cluster too small for the model is a result too
-            rows.append({"n_layers": n_layers, "gpus": gpus, "layout": f"no plan: {exc}"})
+        rows.append(run(n_layers, gpus, profiles))
         print(rows[-1], flush=True)
     frame = pd.DataFrame(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)

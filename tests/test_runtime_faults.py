@@ -150,11 +150,14 @@ def test_pipelining_tied_weights_across_stages_is_refused_clearly(tmp_path, writ
 
 
 @pytest.mark.slow
-def test_solver_plan_for_four_cpu_processes_runs_end_to_end(tmp_path):
+@pytest.mark.parametrize("pins", [[], ["--tp", "2", "--sequence-parallel"], ["--pp", "2", "--tp", "2", "--sequence-parallel"]],
+                         ids=["free", "tp2-sp", "pp2-tp2-sp"])
+def test_solver_plan_for_four_cpu_processes_runs_end_to_end(tmp_path, pins):
+    # Whatever the solver writes (its own TP plans, sequence parallelism, cuts) the runtime runs.
     profile, plan = tmp_path / "p.json", tmp_path / "plan.json"
     args = ["-a", "n_layers=4", "-a", "d_model=32", "-a", "n_heads=4", "-a", "d_ff=64", "-a", "vocab_size=64", "-a", "seq_len=16"]
     assert cli("profile", "examples/gpt.py", *args, "--micro-batch-sizes", "1,2", "--repeats", "2", "-o", str(profile)).returncode == 0
-    solved = cli("solve", "--profile", str(profile), "--gpus", "4", "--gpu", "cpu", "--global-batch", "8", "-o", str(plan))
+    solved = cli("solve", "--profile", str(profile), "--gpus", "4", "--gpu", "cpu", "--global-batch", "8", *pins, "-o", str(plan))
     assert solved.returncode == 0, solved.stderr
     ran = cli("run", str(plan), "--steps", "2", "--output", str(tmp_path / "m.json"), timeout=240)
     assert ran.returncode == 0, ran.stderr[-2000:]

@@ -11,14 +11,16 @@ stage k keeps p - k micro-batches in flight). With m micro-batches the pipeline 
 (the first micro-batch crosses every stage, the other m-1 are paced by the slowest).
 
 Method (Alpa's stage-construction DP, section 5.2). For each candidate bottleneck t_max
-(the distinct finite values of `cost`, ascending, from the smallest feasible one found by
-bisection) solve
+(the distinct finite values of `cost`, ascending, from the smallest feasible one, found by
+a min-max DP) solve
 
     best[k][j] = min_i  best[k-1][i] + cost[k-1, i, j]  over ranges with cost <= t_max
 
 where the table axes are `best[number of stages placed][units placed]` (seconds), and keep
-best[S][U] + (m - 1) * t_max. Since T >= m * t_max for the optimum's own bottleneck, the
-scan stops once m * t_max exceeds the best T seen. The minimum over candidates is the
+best[S][U] + (m - 1) * t_max. Cuts with bottleneck t take at least max(m t, least_sum +
+(m - 1) t) (least_sum: the smallest summed cost of any feasible cuts), so the scan stops
+once that bound passes the best T seen. The min-sum cuts over all ranges are the first
+incumbent; candidates are solved in growing batches (1, 2, 4, up to `BATCH`). The minimum over candidates is the
 optimum of T: the optimal cuts appear when t_max equals their own bottleneck. Each
 candidate costs O(S U^2) (vectorised over i and j with numpy).
 """
@@ -30,6 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.errors import PlannerError
+
+BATCH = 8
+"""Bottleneck candidates solved together (numpy over a batch axis instead of Python calls)."""
 
 
 @dataclass(frozen=True)
@@ -46,15 +51,15 @@ def pipeline_time(stage_times: list[float] | tuple[float, ...], num_microbatches
     return float(sum(stage_times) + (num_microbatches - 1) * max(stage_times))
 
 
-def _feasible(cost: np.ndarray, t_max: float) -> bool:
-    """Can all units be covered by S stages each costing <= t_max? (reachability DP)"""
+def _least_bottleneck(cost: np.ndarray) -> float:
+    """The smallest t_max any cuts achieve (inf if none fit): a min-max DP,
+    `worst[j] = min_i max(worst_before[i], cost[k, i, j])` over stages k."""
     num_stages, size, _ = cost.shape
-    reach = np.zeros(size, dtype=bool)
-    reach[0] = True
+    worst = np.full(size, np.inf)
+    worst[0] = 0.0
     for k in range(num_stages):
-        ok = cost[k] <= t_max
-        reach = (reach[:, None] & ok).any(axis=0)
-    return bool(reach[size - 1])
+        worst = np.maximum(worst[:, None], cost[k]).min(axis=0)
+    return float(worst[size - 1])
 
 
 def solve_cuts(cost: np.ndarray, num_microbatches: int) -> StageCuts:
@@ -64,47 +69,64 @@ def solve_cuts(cost: np.ndarray, num_microbatches: int) -> StageCuts:
     if num_stages > num_units:
         raise PlannerError(f"{num_stages} pipeline stages need at least as many units; the model has {num_units}.", "Use fewer stages.")
     candidates = np.unique(cost[np.isfinite(cost)])
-    if candidates.size == 0 or not _feasible(cost, candidates[-1]):
+    least = _least_bottleneck(cost)
+    if not np.isfinite(least):
         raise PlannerError("No way to cut the model into stages that each fit in memory.", "Add GPUs, recomputation or ZeRO.")
-    lo, hi = 0, candidates.size - 1  # bisection for the smallest feasible bottleneck
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _feasible(cost, candidates[mid]) else (mid + 1, hi)
-    best_total, best_cuts = np.inf, None
-    for t_max in candidates[lo:]:
-        if num_microbatches * t_max >= best_total:
+    lo = int(np.searchsorted(candidates, least))  # the smallest feasible bottleneck is a candidate
+    # Any cuts whose bottleneck is t take at least least_sum + (m - 1) t, where least_sum is the
+    # smallest summed cost of any feasible cuts: once that bound (or m t) passes the best T
+    # found, no later (larger) candidate can win. Exact, and much tighter than m t alone
+    # when there are many stages.
+    # The min-sum cuts over every feasible range are also a solution: they start the incumbent.
+    best_cuts = _min_sum_cuts(cost[None], candidates[-1:])[0]
+    stage_costs = [float(cost[k, i, j]) for k, (i, j) in enumerate(best_cuts)]
+    least_sum, best_total = sum(stage_costs), pipeline_time(stage_costs, num_microbatches)
+    pending, first, batch_size = candidates[lo:], 0, 1
+    while first < pending.size:
+        batch = pending[first:first + batch_size]
+        first, batch_size = first + batch_size, min(2 * batch_size, BATCH)  # 1, 2, 4, ...: most scans stop early
+        batch = batch[(least_sum + (num_microbatches - 1) * batch < best_total) & (num_microbatches * batch < best_total)]
+        if batch.size == 0:
             break
-        cuts = _min_sum_cuts(np.where(cost <= t_max, cost, np.inf))
-        if cuts is None:
-            continue
-        total = pipeline_time([cost[k, i, j] for k, (i, j) in enumerate(cuts)], num_microbatches)
-        if total < best_total - 1e-15:
-            best_total, best_cuts = total, cuts
-    assert best_cuts is not None  # the bisection found a feasible t_max
+        for cuts in _min_sum_cuts(cost[None], batch):
+            if cuts is None:
+                continue
+            total = pipeline_time([cost[k, i, j] for k, (i, j) in enumerate(cuts)], num_microbatches)
+            if total < best_total - 1e-15:
+                best_total, best_cuts = total, cuts
     times = tuple(float(cost[k, i, j]) for k, (i, j) in enumerate(best_cuts))
     return StageCuts(tuple(best_cuts), times, float(best_total))
 
 
-def _min_sum_cuts(masked: np.ndarray) -> list[tuple[int, int]] | None:
-    """Cuts minimising the sum of stage costs (inf entries forbidden)."""
-    num_stages, size, _ = masked.shape
-    # best[k][j]: least summed cost of placing units [0, j) in the first k stages.
-    best = np.full((num_stages + 1, size), np.inf)
-    best[0, 0] = 0.0
-    # start[k][j]: the first unit of stage k-1 in that optimum.
-    start = np.zeros((num_stages + 1, size), dtype=int)
+def _min_sum_cuts(cost: np.ndarray, t_max: np.ndarray) -> list[list[tuple[int, int]] | None]:
+    """Per bottleneck t in `t_max`: cuts minimising the sum of stage costs over ranges costing
+    at most t (None where none fit). Vectorised over the bottlenecks (axis c below)."""
+    _, num_stages, size, _ = cost.shape
+    count = t_max.size
+    masked = cost if count == 1 and t_max[0] >= cost[np.isfinite(cost)].max(initial=0.0) else \
+        np.where(cost <= t_max[:, None, None, None], cost, np.inf)  # [c, stage, start, end]
+    rows, ends = np.arange(count)[:, None], np.arange(size)[None, :]
+    # best[c, k, j]: least summed cost of placing units [0, j) in the first k stages.
+    best = np.full((count, num_stages + 1, size), np.inf)
+    best[:, 0, 0] = 0.0
+    # start[c, k, j]: the first unit of stage k-1 in that optimum.
+    start = np.zeros((count, num_stages + 1, size), dtype=int)
     for k in range(1, num_stages + 1):
-        totals = best[k - 1][:, None] + masked[k - 1]  # [start i, end j]
-        start[k] = np.argmin(totals, axis=0)
-        best[k] = totals[start[k], np.arange(size)]
-    if not np.isfinite(best[num_stages, size - 1]):
-        return None
-    cuts, end = [], size - 1
-    for k in range(num_stages, 0, -1):
-        begin = int(start[k, end])
-        cuts.append((begin, end))
-        end = begin
-    return cuts[::-1]
+        totals = best[:, k - 1, :, None] + masked[:, k - 1]  # [c, start i, end j]
+        start[:, k] = np.argmin(totals, axis=1)
+        best[:, k] = totals[rows, start[:, k], ends]
+    out: list[list[tuple[int, int]] | None] = []
+    for c in range(count):
+        if not np.isfinite(best[c, num_stages, size - 1]):
+            out.append(None)
+            continue
+        cuts, end = [], size - 1
+        for k in range(num_stages, 0, -1):
+            begin = int(start[c, k, end])
+            cuts.append((begin, end))
+            end = begin
+        out.append(cuts[::-1])
+    return out
 
 
 def brute_force_cuts(cost: np.ndarray, num_microbatches: int) -> StageCuts:

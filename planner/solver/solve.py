@@ -97,9 +97,7 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
                 if local % b:
                     continue
                 m = local // b
-                # Sequence parallelism is priced when pinned; the free search leaves it off because
-                # the runtime cannot execute it yet (a plan must be runnable).
-                for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else [False]:
+                for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else ([False, True] if tp > 1 else [False]):
                     if sp and tp == 1:
                         continue
                     for schedule, v in _schedules(pins, pp, m, num_units):
@@ -212,14 +210,15 @@ def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
 
 
 def time_lower_bound(table, cfg: Config, env: Environment) -> float:
-    """A bound no configuration of the group can beat, from W = the cheapest work per micro-batch.
+    """A bound no configuration of the group can beat, from W = the cheapest work per micro-batch
+    (compute, TP collectives, the cheapest recomputation allowed).
 
     Stage times add up to at least W and the slowest is at least W / pp, so GPipe and 1F1B
     take at least W + (m - 1) W / pp; interleaving at least (m + (pp - 1) / v) W / pp; zero
     bubble at least m W / pp.
     """
     extra = min(float(table.recompute_s[r].sum()) for r in env.allowed_recompute)
-    work = float((table.forward_s + table.backward_s).sum()) + extra
+    work = float((table.forward_s + table.backward_s + table.tp_comm_s).sum()) + extra
     m, p, v = cfg.num_microbatches, cfg.pp, cfg.virtual_stages
     if cfg.schedule == "interleaved-1f1b":
         return (m + (p - 1) / v) * work / p
