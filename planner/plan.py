@@ -94,6 +94,11 @@ class Layout(_Model):
     """Pipeline schedule."""
     virtual_stages: int = Field(1, gt=0)
     """Model chunks per pipeline rank (interleaved 1F1B)."""
+    p2p_scatter_gather: bool = False
+    """Send pipeline activations as 1/tp slices and all-gather them inside the receiving TP group
+    (Narayanan et al. 2021, section 4.1): cross-node p2p bytes divided by tp. Needs tp > 1 and no
+    sequence parallelism (whose activations are already sharded), and every tensor crossing a cut
+    replicated across the TP group, as the solver's TP plans leave them."""
 
     @property
     def world_size(self) -> int:
@@ -188,6 +193,8 @@ def check_plan_consistency(plan: Plan) -> None:
             f"pp x dp x tp = {lay.pp_degree} x {lay.dp_degree} x {lay.tp_degree} = {lay.world_size} "
             f"!= cluster devices {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node}"
         )
+    if lay.p2p_scatter_gather and (lay.tp_degree == 1 or lay.sequence_parallel or lay.pp_degree == 1):
+        problems.append("p2p_scatter_gather needs pp_degree > 1, tp_degree > 1 and no sequence parallelism")
     if lay.virtual_stages > 1 and lay.schedule not in ("interleaved-1f1b", "zero-bubble"):
         problems.append(f"virtual_stages = {lay.virtual_stages} needs schedule interleaved-1f1b or zero-bubble")
     num_stages = lay.pp_degree * lay.virtual_stages

@@ -56,18 +56,21 @@ def stage_indices(plan: Plan, pp_rank: int) -> list[int]:
 
 
 def build_stage_modules(model: nn.Module, plan: Plan, pp_rank: int, example_inputs: tuple,
-                        forward_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> list[tuple[int, nn.Module]]:
+                        forward_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+                        scatter_group=None) -> list[tuple[int, nn.Module]]:
     """This rank's stage chunks, each a copy of `model` holding only its units (same FQNs).
 
     `model` is best on the meta device (copies are free); `example_inputs` may have any batch
     size (only used to trace which tensors cross each cut). Materialise, TP, recompute and
     FSDP the returned modules afterwards, by the model's own parameter names.
     `forward_context` (e.g. `lambda: torch.autocast(...)`) is entered around each stage's
-    forward, since torch's schedule calls the stage module directly.
+    forward, since torch's schedule calls the stage module directly. `scatter_group`: the
+    tensor-parallel group when the plan sends activations as slices (runtime/pp_scatter.py).
     """
     check_splittable(model, plan)
     layout = trace_layout(model, plan, example_inputs)
-    return [(s, make_stage(model, layout, s, tuple(example_inputs), forward_context)) for s in stage_indices(plan, pp_rank)]
+    return [(s, make_stage(model, layout, s, tuple(example_inputs), forward_context, scatter_group))
+            for s in stage_indices(plan, pp_rank)]
 
 
 ACTION_KIND = {"forward_one_chunk": "F", "backward_one_chunk": "BW", "backward_weight_one_chunk": "W"}

@@ -44,6 +44,8 @@ class CutLayout:
     num_stages: int
     crossings: list[list[Key]] = field(default_factory=list)
     """crossings[k]: keys of the tensors sent from stage k to k + 1, sorted."""
+    traced: dict[Key, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    """dtype and shape (at the trace's batch size) of every crossing tensor."""
 
     def stage_of(self, position: float) -> int:
         """The stage that runs code at `position`; glue after unit i runs with unit i + 1."""
@@ -224,4 +226,5 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
             key for key, users in flow.consumers.items()
             if layout.stage_of(key[0]) <= k < max(layout.stage_of(u) for u in users)
         ))
+    layout.traced = {key: (flow.values[key].dtype, tuple(flow.values[key].shape)) for keys in layout.crossings for key in keys}
     return layout

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
@@ -56,6 +57,7 @@ from planner.errors import PlannerError
 from planner.plan import Plan
 from planner.units import owned_parameters, tied_units
 from runtime.pp_flow import INPUT, CutLayout, Flow, Key, StopStage, UnitHooks, to_meta
+from runtime.pp_scatter import GatherFromGroup, ScatterToGroup, splits
 
 class _Stub(nn.Module):
     """Stands in for a unit another stage holds: outputs of the right structure, on meta.
@@ -121,6 +123,16 @@ class StageSpec:
     non-tensor leaves, to rebuild it for the loss (torch's stages pass tensors only)."""
     hooks: UnitHooks | None = None
     """Installed on the first forward (runtime/pp_flow.py)."""
+    scatter_group: object = None
+    """Tensor-parallel process group whose ranks send crossing tensors as slices
+    (runtime/pp_scatter.py), or None: every rank sends them whole."""
+
+    def sliced(self, key: Key) -> bool:
+        """Whether crossing tensor `key` travels as this group's slices."""
+        if self.scatter_group is None:
+            return False
+        dtype, shape = self.layout.traced[key]
+        return splits(dtype, shape, dist.get_world_size(self.scatter_group))
 
     @property
     def in_keys(self) -> list[Key]:
@@ -160,7 +172,9 @@ def _stage_forward(self: nn.Module, *args):
     else:
         if len(args) != len(spec.in_keys):
             raise RuntimeError(f"stage {spec.stage} got {len(args)} tensors, expected {len(spec.in_keys)}")
-        received, inputs = {k: _received(t) for k, t in zip(spec.in_keys, args)}, spec.placeholders
+        received = {k: _received(GatherFromGroup.apply(t, spec.scatter_group) if spec.sliced(k) else t)
+                    for k, t in zip(spec.in_keys, args)}
+        inputs = spec.placeholders
     if spec.hooks is None:  # first call: after TP, FSDP and recompute wrapped the units
         spec.hooks = UnitHooks(self, layout.units)
     flow = Flow(layout, spec.stage, received)
@@ -179,7 +193,8 @@ def _stage_forward(self: nn.Module, *args):
     # A tensor only passed on is already a fresh autograd node (`_received`), so the schedule's
     # backward (autograd.grad w.r.t. the stage inputs) routes its gradient straight back.
     # Contiguous: p2p sends need it (a no-op for almost every activation).
-    return tuple(flow.values[k].contiguous() for k in spec.out_keys)
+    return tuple(ScatterToGroup.apply(flow.values[k], spec.scatter_group) if spec.sliced(k) else flow.values[k].contiguous()
+                 for k in spec.out_keys)
 
 
 _TENSOR = object()  # marks a tensor leaf in StageSpec.output_tree
@@ -203,7 +218,8 @@ def restore_output(module: nn.Module, output):
     return tree_unflatten([next(tensors) if x is _TENSOR else x for x in template], tree)
 
 
-def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tuple, forward_context=None) -> nn.Module:
+def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tuple, forward_context=None,
+               scatter_group=None) -> nn.Module:
     """A copy of `model` holding only `stage`'s units (same FQNs), running only its part."""
     chunk = copy.deepcopy(model)
     for name, stage_index in zip(layout.units, layout.unit_stage):
@@ -217,7 +233,7 @@ def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tu
         else:
             setattr(parent, child, stub)
     # The original class's forward, fetched before anything (FSDP2) swaps the class.
-    chunk._pp_stage = StageSpec(layout, stage, type(model).forward, placeholders, forward_context)
+    chunk._pp_stage = StageSpec(layout, stage, type(model).forward, placeholders, forward_context, scatter_group=scatter_group)
     chunk.forward = types.MethodType(_stage_forward, chunk)
     return chunk
 

@@ -172,7 +172,9 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     mode = init_mode(meta)
     if lay.pp_degree > 1:
         # torch's schedule calls the stage modules itself: autocast goes inside their forward.
-        chunks = build_stage_modules(meta, plan, pp_rank, _meta_inputs(mf), forward_context=lambda: _autocast(plan, device))
+        scatter = mesh["tp"].get_group() if (lay.p2p_scatter_gather and lay.tp_degree > 1) else None
+        chunks = build_stage_modules(meta, plan, pp_rank, _meta_inputs(mf), forward_context=lambda: _autocast(plan, device),
+                                     scatter_group=scatter)
     else:
         chunks = [(0, meta)]
     for s, model in chunks:

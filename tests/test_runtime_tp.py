@@ -1,5 +1,6 @@
-"""Parity for tensor parallelism beyond test_runtime_parity.py: sequence parallelism, and a
-Hugging Face model (examples/hf_llama.py) sharded unchanged.
+"""Parity for tensor parallelism beyond test_runtime_parity.py: sequence parallelism, pipeline
+activations sent as tensor-parallel slices, and a Hugging Face model (examples/hf_llama.py)
+sharded unchanged.
 
 Same harness and tolerances as test_runtime_parity.py (float32; TP and SP only reorder sums:
 the row-parallel all-reduce or reduce-scatter adds two partial products, and the norms'
@@ -30,12 +31,17 @@ CASES = {
     "dp2xtp2-sp-zero3": dict(dp=2, tp=2, zero=3, tp_plan=GPT_TP, sp=True),
     "pp2xtp2-sp": dict(pp=2, tp=2, m=2, tp_plan=GPT_TP, sp=True),
     "tp2-sp-recompute-full": dict(tp=2, tp_plan=GPT_TP, sp=True, recompute="full"),
+    # Activations cross the cut as 1/tp slices and are all-gathered (runtime/pp_scatter.py); the
+    # Hugging Face cut also carries the rotary cos/sin, sliced the same way.
+    "pp2xtp2-scatter-gather": dict(pp=2, tp=2, m=2, tp_plan=GPT_TP, sg=True),
+    "pp2xtp2-scatter-gather-hf_llama": dict(**HF, pp=2, tp=2, m=2, cuts=[0, 3, 6], tp_plan=HF_TP, sg=True),
 }
 
 
-def _plan(sp: bool = False, **kwargs):
+def _plan(sp: bool = False, sg: bool = False, **kwargs):
     plan = make_plan(**kwargs)
     plan.layout.sequence_parallel = sp
+    plan.layout.p2p_scatter_gather = sg
     return plan
 
 

@@ -53,6 +53,7 @@ def test_rank_grid_puts_tp_innermost():
         (lambda p: p["stages"][0].update(ranks=[5]), "ranks"),
         (lambda p: p["layout"].update(schedule="pipedream"), "schedule"),
         (lambda p: p["stages"][1].update(units=["blocks.0"]), "more than one stage"),
+        (lambda p: p["layout"].update(p2p_scatter_gather=True), "p2p_scatter_gather needs"),
     ],
 )
 def test_inconsistent_plans_are_refused_with_the_reason(change, message):

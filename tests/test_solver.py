@@ -57,6 +57,18 @@ def test_all_pins_evaluate_exactly_that_configuration(gpt_profile):
     _covers_all_units(plan, gpt_profile)
 
 
+def test_activations_cross_nodes_as_tensor_parallel_slices(gpt_profile):
+    # pp2 x tp8 on two nodes: each cut is between nodes, so each TP rank sends 1/8 of the
+    # activation over its own NIC and the next stage all-gathers it over NVLink (Megatron's
+    # scatter/gather); inside one node, or with SP, activations go whole.
+    pins = Pins(pp=2, tp=8, dp=1, micro_batch_size=1, sequence_parallel=False, schedule="1f1b")
+    across = solve(gpt_profile, make_cluster(16, 8, "a100-80gb"), 16, pins)
+    assert across.layout.p2p_scatter_gather
+    inside = solve(gpt_profile, make_cluster(16, 16, "a100-80gb"), 16, pins)
+    with_sp = solve(gpt_profile, make_cluster(16, 8, "a100-80gb"), 16, replace(pins, sequence_parallel=True))
+    assert not inside.layout.p2p_scatter_gather and not with_sp.layout.p2p_scatter_gather
+
+
 def test_tp_plan_is_megatron_style(gpt_profile):
     plan = solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 16, Pins(tp=8, pp=1, dp=1))
     tp_plan = plan.stages[0].tp_plan

@@ -13,6 +13,7 @@ def _layout(e: Evaluation) -> Layout:
     return Layout(
         pp_degree=c.pp, dp_degree=c.dp, tp_degree=c.tp, zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel, schedule=c.schedule, virtual_stages=c.virtual_stages,
+        p2p_scatter_gather=e.p2p_scatter_gather,
     )
 
 

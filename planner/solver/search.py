@@ -5,7 +5,8 @@ that the pins allow, `evaluate_config` builds the stage cost table
 
     cost[k, i, j] = min over recompute r (allowed, fitting in stage k's memory) of
                     sum_{u in [i, j)} (fwd_u + bwd_u + recompute_r,u + tp_comm_u + zero3_gather_u)
-                    + 2 * p2p(bytes crossing cut j)
+                    + 2 * p2p(bytes crossing cut j)      (as 1/tp slices + a TP all-gather
+                                                          across nodes without SP: `scatter_gather`)
 
 (stage memory = model states under ZeRO + in-flight micro-batches x stored activations +
 the largest recomputation transient + send/receive buffers), lets the DP
@@ -68,6 +69,8 @@ class Evaluation:
     hardware_flops: float = 0.0
     min_memory_bytes: float = math.inf
     """Least per-GPU memory any stage arrangement needs (for infeasibility messages)."""
+    p2p_scatter_gather: bool = False
+    """Activations cross the cuts as TP slices (`scatter_gather`)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class Environment:
     dp_reduce_scatter_s: object
     dp_all_gather_s: object
     p2p_s: object  # (nbytes, same_node) -> s
+    tp_all_gather_s: object  # (nbytes, tp) -> s, in a tensor-parallel group
     gpus_per_node: int
     optimizer_s_per_param: float
     """Seconds of the optimizer step per parameter a rank updates (planner/cost/compute.py)."""
@@ -129,38 +133,76 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     p_states = prefix(states)
     # Stage p2p: send activations across the cut at its end and receive their gradients.
     same_node = cfg.dp * cfg.tp < env.gpus_per_node
-    p2p = np.array([2 * env.p2p_s(b, same_node) if b > 0 else 0.0 for b in table.cut_bytes])
+    sliced = scatter_gather(cfg, env)
+    p2p = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
     p2p[-1] = 0.0
-    limit = env.usable_memory_bytes / cfg.virtual_stages  # interleaving: a rank's chunks share its memory
-    cost = np.full((num_chunks, size, size), np.inf)
-    choice = np.full((num_chunks, size, size), -1, dtype=int)
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
     in_flight = np.array([in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
                           for k in range(num_chunks)])[:, None]
     buffers = 2 * table.cut_bytes[end - 1]
-    min_needed = math.inf
-    for ri, r in enumerate(env.allowed_recompute):
+    per_mode = []  # (time per range, memory per [stage position, range]) per recompute mode
+    for r in env.allowed_recompute:
         p_time, p_act = prefix(times[r]), prefix(table.activations[r])
         fixed = p_states[end] - p_states[start] + buffers + (_range_max(table.transient[r])[start, end] if r == "full" else 0.0)
-        memory = fixed[None, :] + in_flight * (p_act[end] - p_act[start])[None, :]  # [stage position, range]
-        min_needed = min(min_needed, float(memory.min()))
-        t = np.broadcast_to(p_time[end] - p_time[start] + p2p[end - 1], memory.shape)
-        current = cost[:, start, end]
-        better = (memory <= limit) & (t < current)
-        cost[:, start, end] = np.where(better, t, current)
-        choice[:, start, end] = np.where(better, ri, choice[:, start, end])
-    if fixed_bounds is not None:
-        if len(fixed_bounds) != num_chunks or not all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(fixed_bounds)):
-            return Evaluation(cfg, False, "the given cuts do not fit in memory", min_memory_bytes=min_needed)
-        bounds = tuple(fixed_bounds)
-    else:
-        try:
-            bounds = solve_cuts(cost, cfg.num_microbatches).bounds
-        except PlannerError:
-            dominated = math.isfinite(time_cap_s)
-            return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
-                              min_memory_bytes=math.inf if dominated else min_needed)
-    return _price(table, cfg, env, bounds, [int(choice[k, i, j]) for k, (i, j) in enumerate(bounds)], times, states, gathers, p2p)
+        per_mode.append((p_time[end] - p_time[start] + p2p[end - 1], fixed[None, :] + in_flight * (p_act[end] - p_act[start])[None, :]))
+    min_needed = min(float(memory.min()) for _, memory in per_mode)
+
+    def stage_costs(limit: float):
+        """cost[k, i, j] (inf where the range does not fit `limit`) and the recompute mode chosen."""
+        cost = np.full((num_chunks, size, size), np.inf)
+        choice = np.full((num_chunks, size, size), -1, dtype=int)
+        for ri, (t, memory) in enumerate(per_mode):
+            current = cost[:, start, end]
+            better = (memory <= limit) & (np.broadcast_to(t, memory.shape) < current)
+            cost[:, start, end] = np.where(better, t, current)
+            choice[:, start, end] = np.where(better, ri, choice[:, start, end])
+        return cost, choice
+
+    # A rank's v chunks share its memory, a constraint that couples stages the DP places
+    # independently. First each chunk may use what the other v - 1 leave at the least (a
+    # relaxation: it loses no feasible plan); if the chosen chunks then overflow a rank
+    # together, the DP runs again with each chunk held to 1/v of the memory (always safe).
+    limits = [env.usable_memory_bytes] if cfg.virtual_stages == 1 else \
+        [env.usable_memory_bytes - (cfg.virtual_stages - 1) * min_needed, env.usable_memory_bytes / cfg.virtual_stages]
+    for attempt, limit in enumerate(limits):
+        cost, choice = stage_costs(limit)
+        if fixed_bounds is not None:
+            if len(fixed_bounds) != num_chunks or not all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(fixed_bounds)):
+                if attempt + 1 < len(limits):
+                    continue
+                return Evaluation(cfg, False, "the given cuts do not fit in memory", min_memory_bytes=min_needed)
+            bounds = tuple(fixed_bounds)
+        else:
+            try:
+                bounds = solve_cuts(cost, cfg.num_microbatches).bounds
+            except PlannerError:
+                dominated = math.isfinite(time_cap_s)
+                return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
+                                  min_memory_bytes=math.inf if dominated else min_needed)
+        evaluation = _price(table, cfg, env, bounds, [int(choice[k, i, j]) for k, (i, j) in enumerate(bounds)],
+                            times, states, gathers, p2p)
+        if evaluation.feasible or attempt + 1 == len(limits):
+            break
+    evaluation.p2p_scatter_gather = sliced
+    return evaluation
+
+
+def scatter_gather(cfg: Config, env: Environment) -> bool:
+    """Whether pipeline activations travel as 1/tp slices (runtime/pp_scatter.py).
+
+    Only where it pays: between nodes, without sequence parallelism (whose activations are
+    already 1/tp), each TP rank then sends b/tp over its own NIC and the receiving group
+    all-gathers over NVLink (Narayanan et al. 2021, section 4.1). Inside a node the
+    all-gather moves as many bytes as the p2p it saves.
+    """
+    return cfg.pp > 1 and cfg.tp > 1 and not cfg.sequence_parallel and cfg.dp * cfg.tp >= env.gpus_per_node
+
+
+def _p2p_s(nbytes: float, tp: int, same_node: bool, sliced: bool, env: Environment) -> float:
+    """One direction of one cut: the whole tensor, or a 1/tp slice then an all-gather in the TP group."""
+    if not sliced:
+        return env.p2p_s(nbytes, same_node)
+    return env.p2p_s(nbytes / tp, same_node) + env.tp_all_gather_s(nbytes, tp)
 
 
 def _range_max(values: np.ndarray) -> np.ndarray:

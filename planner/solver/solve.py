@@ -140,6 +140,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         dp_reduce_scatter_s=cached(lambda nbytes, dp, tp: coll.reduce_scatter_s(nbytes, place(dp, tp))),
         dp_all_gather_s=cached(lambda nbytes, dp, tp: coll.all_gather_s(nbytes, place(dp, tp))),
         p2p_s=cached(lambda nbytes, same_node: coll.p2p_s(nbytes, same_node)),
+        tp_all_gather_s=cached(lambda nbytes, tp: coll.all_gather_s(nbytes, group_placement(cluster, tp, 1))),
         gpus_per_node=cluster.gpus_per_node,
         optimizer_s_per_param=compute.optimizer_s_per_param(),
     )
