@@ -2,7 +2,9 @@
 
 For every row of shared/reference/megatron_sc21_table1.csv (Narayanan et al. 2021): an
 analytic profile of examples/gpt.py at the row's shape (float16, A100-80GB roofline, the
-row's micro-batch size, materialised attention and dropout 0.1 as Megatron ran them), a
+row's micro-batch size, materialised attention and dropout 0.1 as Megatron ran them, and
+its fused elementwise kernels: scale-mask-softmax, bias-GeLU, bias-dropout-add, so
+`fusion="elementwise"`), a
 cluster of the row's GPUs in DGX A100 nodes of 8, and `planner.solver.solve` with every
 dimension pinned to the row (tp, pp, dp, micro-batch, interleaving, full recomputation,
 no ZeRO, no sequence parallelism): the solver still chooses the stage cuts. No per-row
@@ -38,7 +40,8 @@ def predict(row) -> dict:
                 d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
                 attention="math", dropout=0.1)
     started = time.perf_counter()
-    prof = profile_model("examples/gpt.py", args, [int(row.micro_batch_size)], device="meta", gpu="a100-80gb", dtype="float16")
+    prof = profile_model("examples/gpt.py", args, [int(row.micro_batch_size)], device="meta", gpu="a100-80gb", dtype="float16",
+                         fusion="elementwise")
     profiled = time.perf_counter() - started
     v = _virtual_stages(row.virtual_pipeline)
     pins = Pins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), micro_batch_size=int(row.micro_batch_size),

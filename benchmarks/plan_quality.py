@@ -2,7 +2,8 @@
 
 For every row of shared/reference/megatron_sc21_table1.csv (Narayanan et al. 2021): an
 analytic profile of examples/gpt.py at the row's shape (float16, A100-80GB, materialised
-attention and dropout 0.1), then, all predicted by the same cost model:
+attention and dropout 0.1, Megatron's fused elementwise kernels as in
+cost_model_vs_reference.py), then, all predicted by the same cost model:
 
 - `published`: the row's own configuration, pinned (the solver still picks the cuts);
 - `free`: the solver's free choice (same GPUs and global batch);
@@ -72,7 +73,8 @@ def main() -> None:
         args = dict(n_layers=int(row.num_layers), d_model=int(row.hidden_size), n_heads=int(row.num_heads),
                     d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
                     attention="math", dropout=0.1)
-        prof = profile_model("examples/gpt.py", args, [1, 2, 4, 8], device="meta", gpu="a100-80gb", dtype="float16")
+        prof = profile_model("examples/gpt.py", args, [1, 2, 4, 8], device="meta", gpu="a100-80gb", dtype="float16",
+                             fusion="elementwise")
         cluster = make_cluster(int(row.num_gpus), int(row.gpus_per_node), "a100-80gb")
         batch = int(row.global_batch_size_seqs)
         found = re.match(r"(\d+) chunks", str(row.virtual_pipeline))

@@ -57,6 +57,8 @@ def profile(
     gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     repeats: int = typer.Option(5, help="Timed repeats per unit (median is kept)."),
+    fusion: str = typer.Option("none", help="Memory traffic as eager PyTorch runs it (none), or with pointwise and "
+                               "softmax/dropout chains fused as torch.compile or Megatron-LM's kernels do (elementwise)."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the profile JSON."),
 ) -> None:
     """Measure (or estimate) every unit of a model: time, FLOPs, bytes, cut crossings."""
@@ -79,7 +81,8 @@ def profile(
         def step(what: str, done: int, total: int) -> None:
             bar.update(task, description=f"profiling {what}", completed=done, total=total)
 
-        result = profile_model(model_file, args, sizes, device=device, gpu=gpu, dtype=dtype, repeats=repeats, progress=step)
+        result = profile_model(model_file, args, sizes, device=device, gpu=gpu, dtype=dtype, repeats=repeats, progress=step,
+                               fusion=fusion)
     path = result.save(output or default_profile_path(model_file, device, result.target_gpu, dtype))
     print_profile(result, console=console)
     console.print(f"wrote {path}")

@@ -182,6 +182,9 @@ class Profile(_Model):
     """len(units) - 1 cuts, in order."""
     whole_model: dict[int, WholeModel] = {}
     """Whole-model check per micro-batch size (measured mode)."""
+    fusion: Literal["none", "elementwise"] = "none"
+    """How memory traffic counts kernels: `none`, each op its own (eager PyTorch); `elementwise`,
+    pointwise and row-wise chains fused (torch.compile, Megatron-LM's fused kernels)."""
     optimizer_step_s: float | None = None
     """One AdamW step over every parameter in fp32 (the runtime's master weights), measured on
     the device (measured mode); the cost model prices a rank's step as its share of it."""

@@ -26,6 +26,7 @@ from planner.hardware import get_gpu
 from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import Cut, CrossingTensor, ModelInfo, Profile, Unit, UnitCosts, WholeModel
 from planner.profiler.counters import MetaAttentionMode
+from planner.profiler.counters import FUSIONS
 from planner.profiler.measure import optimizer_step_time, unit_costs, whole_model_time
 from planner.profiler.opgraph import record_op_graph
 from planner.units import (
@@ -97,12 +98,16 @@ def profile_model(
     repeats: int = 5,
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
+    fusion: str = "none",
 ) -> Profile:
-    """Profile a model file; see the module docstring."""
+    """Profile a model file; see the module docstring. `fusion` (planner/profiler/counters.py):
+    how the memory traffic, hence analytic times, assume kernels are fused."""
     if device not in DEVICES:
         raise PlannerError(f"Unknown device {device!r}.", f"Use one of {', '.join(DEVICES)}.")
     if dtype not in DTYPES:
         raise PlannerError(f"Unknown dtype {dtype!r}.", f"Use one of {', '.join(DTYPES)}.")
+    if fusion not in FUSIONS:
+        raise PlannerError(f"Unknown fusion {fusion!r}.", f"Use one of {', '.join(FUSIONS)}.")
     if device == "cuda" and not torch.cuda.is_available():
         raise PlannerError("--device cuda was asked for but this machine has no CUDA GPU.", "Use --device cpu, or --device meta for an analytic profile.")
     sizes = sorted(set(int(b) for b in micro_batch_sizes))
@@ -159,7 +164,8 @@ def profile_model(
             else:
                 try:
                     costs[name][b] = cache[key] = unit_costs(
-                        modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype, warmup=warmup, repeats=repeats
+                        modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype, warmup=warmup, repeats=repeats,
+                        fusion=fusion,
                     )
                 except torch.OutOfMemoryError as exc:
                     raise PlannerError(f"Out of memory profiling unit {name} at micro-batch {b} on {device}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
@@ -256,6 +262,7 @@ def profile_model(
         cuts=cuts,
         whole_model=whole,
         optimizer_step_s=optimizer_s,
+        fusion=fusion,
         notes=notes,
     )
 

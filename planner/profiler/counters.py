@@ -5,8 +5,9 @@
   (`sdpa_flop_count`, `sdpa_backward_flop_count`): the CPU flash-attention kernels, which
   the registry does not list, so that CPU, CUDA and meta profiles count the same FLOPs.
 - Memory traffic is the bytes each aten op reads and writes (inputs + outputs), counted per
-  op as if nothing were fused; views and allocations are free. It is the memory term of
-  the roofline, so it is an upper bound: fused kernels move less.
+  op as if nothing were fused (eager PyTorch); views and allocations are free. With
+  `fusion="elementwise"` chains of pointwise and row-wise ops count as fused kernels, as
+  torch.compile or Megatron-LM's fused kernels run them (`OpCostMode`).
 - Analytic time of an op is the roofline max(FLOPs / achievable FLOP/s, bytes / achievable
   bandwidth) plus a fixed per-kernel overhead (constants in planner/hardware.py).
 - Saved bytes are the distinct storages autograd keeps for backward (saved-tensor hooks),
@@ -89,14 +90,50 @@ class OpTotals:
     num_kernels: int = 0
 
 
-class OpCostMode(TorchDispatchMode):
-    """Sums per-op FLOPs, memory traffic and (given a GPU spec) roofline time."""
+FUSIONS = ("none", "elementwise")
+"""How the analytic model assumes kernels are fused (`OpCostMode`)."""
+FUSIBLE_NON_POINTWISE = {aten._softmax, aten._log_softmax, aten.native_dropout, aten._softmax_backward_data,
+                         aten._log_softmax_backward_data}
+"""Row-wise ops that fused kernels absorb besides pointwise ones (Megatron's scale-mask-softmax,
+dropout; what torch.compile fuses into its reductions)."""
 
-    def __init__(self, gpu: GPUSpec | None = None, dtype: str = "float32"):
+
+@dataclass
+class _Op:
+    flops: int
+    reads: list[tuple[tuple[int, int], int]]
+    """((storage, version), bytes) per tensor read."""
+    writes: list[tuple[tuple[int, int], int]]
+    """((storage, version), bytes) per tensor written."""
+    fusible: bool
+    traffic_bytes: int
+
+
+class OpCostMode(TorchDispatchMode):
+    """Sums per-op FLOPs, memory traffic and (given a GPU spec) roofline time.
+
+    `fusion="none"`: every op is its own kernel and moves all its inputs and outputs (eager
+    PyTorch). `fusion="elementwise"`: chains of pointwise and row-wise ops fuse the way
+    torch.compile or Megatron-LM's fused kernels (scale-mask-softmax, bias-GeLU,
+    bias-dropout-add) fuse them: a tensor written by a fusible op and read exactly once, by
+    another fusible op, and not kept for backward (`note_saved`, called by `SavedBytes`)
+    never reaches memory, so its write and its read leave the traffic, and the chain is one
+    kernel (one launch overhead, one roofline over its FLOPs and remaining bytes). Matrix
+    products, attention kernels and norms stay kernels of their own. The decision needs the
+    whole pass, so totals are final when the mode exits.
+    """
+
+    def __init__(self, gpu: GPUSpec | None = None, dtype: str = "float32", fusion: str = "none"):
         super().__init__()
+        if fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
         self.totals = OpTotals()
         self.gpu = gpu
         self.dtype = dtype
+        self.fusion = fusion
+        self._saved: set[tuple[int, int]] = set()
+        self._ops: list[_Op] = []
+        self._version: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,6 +143,29 @@ class OpCostMode(TorchDispatchMode):
             return out
         flops = FLOP_FORMULAS[packet](*args, **kwargs, out_val=out) if packet in FLOP_FORMULAS else 0
         traffic = self._traffic(packet, args, kwargs, out)
+        if self.fusion == "none":
+            self._add_kernel(flops, traffic)
+        else:
+            reads = [(self._key(t), _tensor_bytes(t)) for t in _tensors((args, kwargs))]
+            writes = []
+            for t in _tensors(out):
+                storage = t.untyped_storage()._cdata
+                self._version[storage] = self._version.get(storage, -1) + 1  # a write makes a new version
+                writes.append((self._key(t), _tensor_bytes(t)))
+            fusible = packet is not aten.embedding and (torch.Tag.pointwise in func.tags or packet in FUSIBLE_NON_POINTWISE)
+            self._ops.append(_Op(flops, reads, writes, fusible, traffic))
+        return out
+
+    def note_saved(self, t: torch.Tensor) -> None:
+        """Autograd kept `t` for backward: its current version must reach memory."""
+        if self.fusion != "none":
+            self._saved.add(self._key(t))
+
+    def _key(self, t: torch.Tensor) -> tuple[int, int]:
+        storage = t.untyped_storage()._cdata
+        return storage, self._version.setdefault(storage, 0)
+
+    def _add_kernel(self, flops: int, traffic: int) -> None:
         totals = self.totals
         totals.flops += flops
         totals.traffic_bytes += traffic
@@ -114,7 +174,42 @@ class OpCostMode(TorchDispatchMode):
             totals.roofline_time_s += self.gpu.kernel_overhead_s + max(
                 flops / self.gpu.achievable_flops(self.dtype), traffic / self.gpu.achievable_bandwidth
             )
-        return out
+
+    def __exit__(self, *exc):
+        result = super().__exit__(*exc)
+        if self.fusion != "none":
+            self._fuse()
+        return result
+
+    def _fuse(self) -> None:
+        readers: dict[tuple[int, int], list[int]] = {}
+        for i, op in enumerate(self._ops):
+            for key, _ in op.reads:
+                readers.setdefault(key, []).append(i)
+        group = list(range(len(self._ops)))  # union-find over fused producer -> consumer edges
+
+        def root(i: int) -> int:
+            while group[i] != i:
+                group[i] = group[group[i]]
+                i = group[i]
+            return i
+
+        traffic = [op.traffic_bytes for op in self._ops]
+        for p, op in enumerate(self._ops):
+            if not op.fusible:
+                continue
+            for key, nbytes in op.writes:
+                users = readers.get(key, [])
+                if len(users) == 1 and self._ops[users[0]].fusible and key not in self._saved and users[0] != p:
+                    c = users[0]
+                    traffic[p] -= nbytes
+                    traffic[c] -= sum(b for k, b in self._ops[c].reads if k == key)
+                    group[root(c)] = root(p)
+        kernels: dict[int, list[int]] = {}
+        for i in range(len(self._ops)):
+            kernels.setdefault(root(i), []).append(i)
+        for members in kernels.values():
+            self._add_kernel(sum(self._ops[i].flops for i in members), max(0, sum(traffic[i] for i in members)))
 
     @staticmethod
     def _traffic(packet, args, kwargs, out) -> int:
@@ -123,15 +218,23 @@ class OpCostMode(TorchDispatchMode):
         return _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
 
 
+def _tensors(obj) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
 class SavedBytes:
     """Counts distinct storages saved for backward, parameters excluded."""
 
-    def __init__(self, exclude: list[torch.Tensor] = ()):
+    def __init__(self, exclude: list[torch.Tensor] = (), on_save=None):
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
         self.seen: set[int] = set()
         self.bytes = 0
+        self.on_save = on_save
+        """Called with every tensor autograd saves (OpCostMode.note_saved), or None."""
 
     def pack(self, t: torch.Tensor):
+        if self.on_save is not None:
+            self.on_save(t)
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in self.excluded and key not in self.seen:

@@ -77,6 +77,7 @@ def unit_costs(
     dtype: str,
     warmup: int = 2,
     repeats: int = 5,
+    fusion: str = "none",
 ) -> UnitCosts:
     """Count and (unless analytic) time one unit's forward and backward."""
     params = list(module.parameters())
@@ -84,12 +85,12 @@ def unit_costs(
     attention_mode = MetaAttentionMode() if meta else nullcontext()
 
     a, kw = _fresh_inputs(args, kwargs)
-    saved = SavedBytes(exclude=params)
-    fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype), flop_counter()
+    fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
+    saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved)
     with attention_mode, saved.hooks(), fwd_flops, fwd_ops:
         out = module(*a, **kw)
     outs, grads = _grad_targets(out)
-    bwd_ops, bwd_flops = OpCostMode(analytic_gpu, dtype), flop_counter()
+    bwd_ops, bwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
     if outs:
         with bwd_flops, bwd_ops:
             torch.autograd.backward(outs, grads)
