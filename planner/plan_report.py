@@ -40,10 +40,11 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     lay, batch = plan.layout, plan.batch
     head = Table(title=f"Plan for {plan.model.file} on {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node} {plan.cluster.gpu}")
-    for col in ("pp", "dp", "tp", "SP", "ZeRO", "schedule", "v", "micro-batch", "micro-batches", "global batch", "dtype"):
+    for col in ("pp", "dp", "tp", "SP", "ZeRO", "schedule", "v", "p2p", "micro-batch", "micro-batches", "global batch", "dtype"):
         head.add_column(col)
+    p2p = "-" if lay.pp_degree == 1 else ("tp slices" if lay.p2p_scatter_gather else "whole")
     head.add_row(str(lay.pp_degree), str(lay.dp_degree), str(lay.tp_degree), "yes" if lay.sequence_parallel else "no",
-                 str(lay.zero_stage), lay.schedule, str(lay.virtual_stages), str(batch.micro_batch_size),
+                 str(lay.zero_stage), lay.schedule, str(lay.virtual_stages), p2p, str(batch.micro_batch_size),
                  str(batch.num_microbatches), str(batch.global_batch_size), plan.training.dtype)
     console.print(head)
     pred = plan.prediction
