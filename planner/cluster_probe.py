@@ -181,37 +181,37 @@ def fit_cluster(raw: dict):
                    fitted=fitted, compute_slowdown=max(1.0, float(raw.get("compute_slowdown", 1.0))))
 
 
-def compute_slowdown(dist, torch, rank: int, n: int, repeats: int) -> float:
-    """Median over ranks of (time of a fixed workload with all ranks running it) / (alone).
+def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.25) -> float:
+    """Median over ranks of (rate of a fixed workload alone) / (rate with all ranks running it).
 
     The workload mixes a matrix product (compute-bound) with elementwise work over its output
-    (memory-bound), as a layer does; each rank runs it alone while the others wait at a
-    barrier, then all at once.
+    (memory-bound), as a layer does. Each rank counts how many times it completes it in a
+    fixed window: alone while the others wait at a barrier, then all at once, every rank for
+    the whole window, so that the contention lasts as long as the measurement (timing a fixed
+    number of repeats instead lets the first rank to finish leave the others less contended).
     """
     a, w = torch.randn(256, 512), torch.randn(512, 512)
 
     def work() -> None:
-        for _ in range(4):
-            torch.nn.functional.gelu(torch.nn.functional.linear(a, w)).sum()
+        torch.nn.functional.gelu(torch.nn.functional.linear(a, w)).sum()
 
-    def median_time() -> float:
+    def rate() -> float:
         work()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < window_s:
             work()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+            done += 1
+        return done / (time.perf_counter() - start)
 
     alone = 0.0
     for r in range(n):
         dist.barrier()
         if rank == r:
-            alone = median_time()
+            alone = rate()
     dist.barrier()
-    together = median_time()
+    together = rate()
     ratios = [None] * n
-    dist.all_gather_object(ratios, together / alone)
+    dist.all_gather_object(ratios, alone / together)
     return statistics.median(ratios)
 
 
@@ -247,7 +247,7 @@ def _worker(args) -> None:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)  # the slowest rank decides
         return float(value)
 
-    slowdown = compute_slowdown(dist, torch, rank, n, max(args.repeats, 5)) if backend == "gloo" else 1.0
+    slowdown = compute_slowdown(dist, torch, rank, n) if backend == "gloo" else 1.0
     sizes = [args.min_bytes * 2**k for k in range(64) if args.min_bytes * 2**k <= args.max_bytes]
     kinds = ["all_reduce", "all_gather", "reduce_scatter"] + (["p2p"] if per_node > 1 else []) \
         + (["p2p_inter_node"] if per_node < n else [])
