@@ -17,7 +17,10 @@ each other's adjoints on replicated values:
 
 A tensor is split only if it is floating point with a last dimension divisible by t (in
 the layout's meta trace); anything else (position ids, odd shapes) is sent whole. Both
-sides decide from the same trace, so they always agree.
+sides decide from the same trace, so they always agree. The tensors crossing a cut are
+replicated across the group because runtime/apply_tp.py styles each stage on its own: a
+column-parallel module without its row-parallel partner in the same stage gathers its
+output back, so a stage hands on only replicated activations.
 """
 
 from __future__ import annotations
