@@ -49,3 +49,19 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     other = make_plan(model="llama", dp=2).save(tmp_path / "b.json")
     done = cli("run", str(other), "--steps", "1", "--checkpoint-dir", str(ck), "--resume")
     assert done.returncode == 1 and "from another model" in " ".join(done.stderr.split())
+
+
+@pytest.mark.parametrize("meta,message", [
+    ({"step": 3, "fingerprint": "abc"}, "has format 1"),  # written before optimizer state was flattened
+    ({"step": 3, "fingerprint": "other", "format": 2}, "from another model"),
+    ("{not json", "not valid JSON"),
+])
+def test_checkpoint_metadata_is_checked_before_loading(tmp_path, meta, message):
+    from planner.errors import PlannerError
+    from runtime.checkpoint import META, read_meta
+
+    (tmp_path / META).write_text(meta if isinstance(meta, str) else json.dumps(meta))
+    with pytest.raises(PlannerError, match=message):
+        read_meta(tmp_path, "abc")
+    with pytest.raises(PlannerError, match="holds no planner checkpoint"):
+        read_meta(tmp_path / "empty", "abc")
