@@ -362,6 +362,11 @@ def _main() -> None:
         print(f"profile-cluster error (rank {os.environ.get('RANK', '?')}): {type(exc).__name__}: {exc}".splitlines()[0],
               file=sys.stderr, flush=True)
         raise
+    # The file is written and the process group destroyed: skip the interpreter's teardown,
+    # where gloo ranks occasionally abort (see runtime/__main__.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,6 @@ def run(plan_path, out_dir, world_size: int, reference: bool = False, extra=()):
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size), "-m", "runtime", *args]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    if done.returncode != 0 and "Fatal Python error" in done.stderr:
-        # Known, not yet fixed: a gloo rank occasionally segfaults while the interpreter exits
-        # (seen once in ~40 runs, tp2-llama). It is retried once so CI stays green; a second
-        # crash, or any other failure, fails the test.
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((out_dir / f"{tag}.json").read_text())
     if reference:
