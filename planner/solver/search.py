@@ -133,7 +133,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     p_states = prefix(states)
     # Stage p2p: send activations across the cut at its end and receive their gradients.
     same_node = cfg.dp * cfg.tp < env.gpus_per_node
-    sliced = scatter_gather(cfg, env)
+    sliced = scatter_gather(cfg, same_node)
     p2p = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
     p2p[-1] = 0.0
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
@@ -187,7 +187,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     return evaluation
 
 
-def scatter_gather(cfg: Config, env: Environment) -> bool:
+def scatter_gather(cfg: Config, same_node: bool) -> bool:
     """Whether pipeline activations travel as 1/tp slices (runtime/pp_scatter.py).
 
     Only where it pays: between nodes, without sequence parallelism (whose activations are
@@ -195,7 +195,7 @@ def scatter_gather(cfg: Config, env: Environment) -> bool:
     all-gathers over NVLink (Narayanan et al. 2021, section 4.1). Inside a node the
     all-gather moves as many bytes as the p2p it saves.
     """
-    return cfg.pp > 1 and cfg.tp > 1 and not cfg.sequence_parallel and cfg.dp * cfg.tp >= env.gpus_per_node
+    return cfg.pp > 1 and cfg.tp > 1 and not cfg.sequence_parallel and not same_node
 
 
 def _p2p_s(nbytes: float, tp: int, same_node: bool, sliced: bool, env: Environment) -> float:
