@@ -54,7 +54,7 @@ def main() -> None:
     tag = f"{args.device}-{args.gpu}-{args.dtype}-{args.gpus}" + "".join(args.pin.replace("--", "-").split())
     profile, plan, metrics = out / f"pvm-{tag}-profile.json", out / f"pvm-{tag}-plan.json", out / f"pvm-{tag}-metrics.json"
     planner("profile", "examples/gpt.py", *MODELS[args.device], "--device", args.device, "--dtype", args.dtype,
-            "--micro-batch-sizes", "1,2,4,8", "-o", str(profile))
+            "--micro-batch-sizes", "1,2,4,8", "--repeats", "15", "-o", str(profile))
     if args.device == "cpu" and not args.preset_cluster:
         cluster = out / f"pvm-{tag}-cluster.yaml"
         planner("profile-cluster", "--nproc", str(args.gpus), "--max-bytes", str(8 * 2**20), "--time-budget", "20", "-o", str(cluster))

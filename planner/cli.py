@@ -59,6 +59,8 @@ def profile(
     repeats: int = typer.Option(5, help="Timed repeats per unit (median is kept)."),
     fusion: str = typer.Option("none", help="Memory traffic as eager PyTorch runs it (none), or with pointwise and "
                                "softmax/dropout chains fused as torch.compile or Megatron-LM's kernels do (elementwise)."),
+    threads: int = typer.Option(1, "--threads", help="CPU: torch threads while measuring. A plan solved from the profile "
+                                "runs each process with as many; the default 1 suits one process per core."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Where to write the profile JSON."),
 ) -> None:
     """Measure (or estimate) every unit of a model: time, FLOPs, bytes, cut crossings."""
@@ -82,7 +84,7 @@ def profile(
             bar.update(task, description=f"profiling {what}", completed=done, total=total)
 
         result = profile_model(model_file, args, sizes, device=device, gpu=gpu, dtype=dtype, repeats=repeats, progress=step,
-                               fusion=fusion)
+                               fusion=fusion, threads=threads)
     path = result.save(output or default_profile_path(model_file, device, result.target_gpu, dtype))
     print_profile(result, console=console)
     console.print(f"wrote {path}")

@@ -181,7 +181,7 @@ def fit_cluster(raw: dict):
                    fitted=fitted, compute_slowdown=max(1.0, float(raw.get("compute_slowdown", 1.0))))
 
 
-def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.25) -> float:
+def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.2, rounds: int = 5) -> float:
     """Median over ranks of (rate of a fixed workload alone) / (rate with all ranks running it).
 
     The workload mixes a matrix product (compute-bound) with elementwise work over its output
@@ -189,6 +189,9 @@ def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.25) -> 
     fixed window: alone while the others wait at a barrier, then all at once, every rank for
     the whole window, so that the contention lasts as long as the measurement (timing a fixed
     number of repeats instead lets the first rank to finish leave the others less contended).
+    The alone and together windows alternate for `rounds` rounds and each rank keeps the
+    median round's ratio: on a shared machine, load from elsewhere comes in bursts of a second
+    or so, and one burst landing on a single window would otherwise decide the figure.
     """
     a, w = torch.randn(256, 512), torch.randn(512, 512)
 
@@ -203,16 +206,18 @@ def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.25) -> 
             done += 1
         return done / (time.perf_counter() - start)
 
-    alone = 0.0
-    for r in range(n):
+    ratios = []
+    for _ in range(rounds):
+        alone = 0.0
+        for r in range(n):
+            dist.barrier()
+            if rank == r:
+                alone = rate()
         dist.barrier()
-        if rank == r:
-            alone = rate()
-    dist.barrier()
-    together = rate()
-    ratios = [None] * n
-    dist.all_gather_object(ratios, alone / together)
-    return statistics.median(ratios)
+        ratios.append(alone / rate())
+    everyone = [None] * n
+    dist.all_gather_object(everyone, statistics.median(ratios))
+    return statistics.median(everyone)
 
 
 def _worker(args) -> None:

@@ -68,6 +68,9 @@ class Training(_Model):
     """AdamW weight decay."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value, or None."""
+    cpu_threads: int | None = Field(None, gt=0)
+    """On CPU, torch threads per process; solved plans take it from the profile, whose times were
+    measured with as many. None: $OMP_NUM_THREADS, else 1."""
 
 
 class Batch(_Model):

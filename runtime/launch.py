@@ -57,7 +57,8 @@ def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed
     extra += ["--save-params", save_params] if save_params else []
     extra += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
     extra += ["--resume"] if resume else []
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    threads = plan.training.cpu_threads or os.environ.get("OMP_NUM_THREADS", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if reference:
         command = [sys.executable, "-m", "runtime", plan_path, *extra, "--reference"]
     elif plan.cluster.num_nodes > 1:

@@ -112,6 +112,7 @@ def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: i
         "stage_times_s": stage_times,
         "timeline": timeline,
         "world_size": world_size,
+        "cpu_threads": None if torch.cuda.is_available() else torch.get_num_threads(),
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
         "_params": params,
     }

@@ -114,6 +114,8 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
     units = traced.units
     lay = plan.layout
     lr = lr if lr is not None else plan.training.lr
+    if plan.training.cpu_threads and not torch.cuda.is_available():
+        torch.set_num_threads(plan.training.cpu_threads)  # as many as the profile measured with
     if reference:
         if checkpoint_dir:
             raise PlannerError("--reference does not save checkpoints.", "Drop --checkpoint-dir for the reference run.")

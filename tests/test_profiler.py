@@ -104,6 +104,39 @@ def test_measured_profile_records_times_and_whole_model(write_model):
     assert prof.optimizer_step_s > 0
 
 
+THREADS = """
+import torch
+from torch import nn
+
+class Checked(nn.Linear):
+    def forward(self, x):
+        assert torch.get_num_threads() == self.expected, f"measured with {torch.get_num_threads()} threads"
+        return super().forward(x)
+
+def build_model(threads=1, **_):
+    layers = nn.Sequential(Checked(8, 8), Checked(8, 4))
+    for layer in layers:
+        layer.expected = threads
+    return layers
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 8), torch.randint(4, (batch_size,))
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_profile_measures_with_the_threads_asked_for_and_records_them(write_model, threads):
+    import torch
+
+    before = torch.get_num_threads()
+    prof = profile_model(str(write_model(THREADS)), {"threads": threads}, [2], device="cpu", repeats=1, warmup=0, threads=threads)
+    assert prof.cpu_threads == threads
+    assert torch.get_num_threads() == before  # put back for whatever runs next in this process
+    assert profile_model(str(write_model(THREADS)), {}, [2], device="meta").cpu_threads is None
+    with pytest.raises(PlannerError, match="--threads must be at least 1"):
+        profile_model(str(write_model(THREADS)), {}, [2], device="cpu", threads=0)
+
+
 def test_analytic_times_follow_the_roofline(write_model):
     """On a big Linear the analytic time is FLOPs over achievable FLOP/s (compute-bound)."""
     from planner.hardware import get_gpu

@@ -142,3 +142,11 @@ def test_cli_solve_show_and_gantt(gpt_profile, tmp_path):
     bad = subprocess.run([*cli, "solve", "--profile", str(path), "--gpus", "8", "--global-batch", "32", "--tp", "3"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "Traceback" not in bad.stderr and "Invalid pins" in bad.stderr
+
+
+def test_plan_carries_the_profiles_cpu_threads(gpt_profile):
+    # A CPU profile's times hold for the thread count they were measured with, so the plan
+    # tells the run to use it (runtime/train.py); GPU and analytic profiles carry none.
+    assert solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 64).training.cpu_threads is None
+    measured = gpt_profile.model_copy(update={"cpu_threads": 3})
+    assert solve(measured, make_cluster(8, 8, "a100-80gb"), 64).training.cpu_threads == 3

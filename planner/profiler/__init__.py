@@ -10,11 +10,16 @@ on `meta` analytically from a GPU spec's roofline. Identical units (same fingerp
 input shapes) are counted once in analytic mode, which is what lets a 96-layer 175B model
 profile in seconds; measured mode times every unit, since real units differ by noise and
 placement.
+
+On CPU the profile runs with `threads` torch threads (default 1) and records the number; the
+plan carries it to the run, whose every process computes with as many (runtime/train.py), so
+the times the solver used and the times the run sees come from the same kernels.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -27,7 +32,7 @@ from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import Cut, CrossingTensor, ModelInfo, Profile, Unit, UnitCosts, WholeModel
 from planner.profiler.counters import MetaAttentionMode
 from planner.profiler.counters import FUSIONS
-from planner.profiler.measure import optimizer_step_time, unit_costs, whole_model_time
+from planner.profiler.measure import UnitJob, WholeModelJob, optimizer_step_time, time_round_robin, unit_costs
 from planner.profiler.opgraph import record_op_graph
 from planner.units import (
     UnitTrace,
@@ -70,6 +75,20 @@ def _trace(mf: ModelFile, model, inputs, where: str) -> UnitTrace:
         raise user_code_error(mf.path, f"running the model's forward {where}", exc) from exc
 
 
+@contextmanager
+def cpu_threads(threads: int | None):
+    """torch's intra-op thread count set to `threads` for the block (None: left as it is)."""
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _check_fits(device: str, parameter_bytes: int) -> None:
     """Refuse before materialising a model that cannot fit (params, grads, activations)."""
     if device == "cuda":
@@ -99,9 +118,21 @@ def profile_model(
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
     fusion: str = "none",
+    threads: int = 1,
 ) -> Profile:
     """Profile a model file; see the module docstring. `fusion` (planner/profiler/counters.py):
-    how the memory traffic, hence analytic times, assume kernels are fused."""
+    how the memory traffic, hence analytic times, assume kernels are fused. `threads`: torch
+    threads while measuring on CPU."""
+    if device == "cpu" and threads < 1:
+        raise PlannerError(f"--threads must be at least 1 (got {threads}).", "Use 1, as each process of a CPU run computes with one thread by default.")
+    with cpu_threads(threads if device == "cpu" else None):
+        profile = _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion)
+    if device == "cpu":
+        profile.cpu_threads = threads
+    return profile
+
+
+def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion) -> Profile:
     if device not in DEVICES:
         raise PlannerError(f"Unknown device {device!r}.", f"Use one of {', '.join(DEVICES)}.")
     if dtype not in DTYPES:
@@ -155,6 +186,7 @@ def profile_model(
     costs: dict[str, dict[int, UnitCosts]] = {u: {} for u in units}
     cache: dict[tuple, UnitCosts] = {}
     steps, done = len(units) * len(sizes), 0
+    jobs: dict[tuple[str, int], UnitJob] = {}
     for b in sizes:
         for name in units:
             args, kwargs = unit_inputs[b][name]
@@ -163,29 +195,41 @@ def profile_model(
                 costs[name][b] = cache[key]
             else:
                 try:
-                    costs[name][b] = cache[key] = unit_costs(
-                        modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype, warmup=warmup, repeats=repeats,
-                        fusion=fusion,
-                    )
+                    costs[name][b] = cache[key] = unit_costs(modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype,
+                                                             fusion=fusion)
                 except torch.OutOfMemoryError as exc:
                     raise PlannerError(f"Out of memory profiling unit {name} at micro-batch {b} on {device}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
                 except PlannerError:
                     raise
                 except Exception as exc:
                     raise user_code_error(mf.path, f"running unit {name} alone", exc) from exc
+                if device != "meta":
+                    jobs[name, b] = UnitJob(modules[name], args, kwargs)
             done += 1
             if progress:
-                progress(f"{name} @ micro-batch {b}", done, steps)
+                progress(f"counting {name} @ micro-batch {b}", done, steps)
 
     whole: dict[int, WholeModel] = {}
-    optimizer_s = optimizer_step_time(model) if device != "meta" else None
+    optimizer_s = None
     if device != "meta":
-        for b in sizes:
-            inputs = _to(_as_tuple(batches[b][0]), device, torch_dtype)
-            targets = _to(batches[b][1], device, torch_dtype)
-            seconds = whole_model_time(model, inputs, targets, mf.loss)
+        wholes = {b: WholeModelJob(model, _to(_as_tuple(batches[b][0]), device, torch_dtype), _to(batches[b][1], device, torch_dtype), mf.loss)
+                  for b in sizes}
+        try:
+            time_round_robin([*jobs.values(), *wholes.values()], warmup, repeats,
+                             progress=(lambda i, n: progress(f"timing pass {i}/{n}", i, n)) if progress else None)
+        except torch.OutOfMemoryError as exc:
+            raise PlannerError(f"Out of memory timing the units on {device}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
+        except Exception as exc:
+            raise user_code_error(mf.path, "timing the units and the whole model", exc) from exc
+        for (name, b), job in jobs.items():
+            forward_s, backward_s = job.medians()
+            costs[name][b] = costs[name][b].model_copy(update={"forward_time_s": forward_s, "backward_time_s": backward_s,
+                                                               "peak_memory_bytes": job.peak_memory_bytes})
+        for b, job in wholes.items():
             units_s = sum(costs[u][b].forward_time_s + costs[u][b].backward_time_s for u in units)
-            whole[b] = WholeModel(forward_backward_time_s=seconds, sum_of_units_time_s=units_s, ratio=seconds / units_s if units_s else 0.0)
+            whole[b] = WholeModel(forward_backward_time_s=job.median(), sum_of_units_time_s=units_s,
+                                  ratio=job.median() / units_s if units_s else 0.0)
+        optimizer_s = optimizer_step_time(model)
 
     cuts = []
     for c in range(len(units) - 1):

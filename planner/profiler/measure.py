@@ -5,9 +5,15 @@ Each unit is run alone on the inputs it received in a full forward pass (capture
 grad, so backward computes input gradients too (every stage but the first must send them).
 
 A *counting* pass runs once under the counters (FLOPs, memory traffic, saved bytes, and in
-analytic mode the roofline time); a separate *timing* pass runs without them, so the
-counters' Python overhead never enters a measured time. Timing is warm-up then the median
-of repeats; on CUDA each phase is bracketed by CUDA events and synchronised.
+analytic mode the roofline time); timing runs without them, so the counters' Python overhead
+never enters a measured time. On CUDA each phase is bracketed by CUDA events and synchronised.
+
+Timing goes round-robin (`time_round_robin`): every pass runs every unit at every size, and
+the whole model, once; each keeps the median over the passes after warm-up. Timing one unit's
+repeats back to back would let a burst of load from elsewhere (a second or so on a shared
+machine) inflate a few units' every sample and leave the rest alone; spread over passes, a
+burst costs each unit at most a sample or two. A unit also runs after the others, as in a
+forward pass, not with its own weights still in cache from its previous repeat.
 """
 
 from __future__ import annotations
@@ -75,11 +81,10 @@ def unit_costs(
     *,
     analytic_gpu: GPUSpec | None,
     dtype: str,
-    warmup: int = 2,
-    repeats: int = 5,
     fusion: str = "none",
 ) -> UnitCosts:
-    """Count and (unless analytic) time one unit's forward and backward."""
+    """Count one unit's forward and backward; analytic mode also prices them on `analytic_gpu`.
+    Measured times start at zero and come from `time_round_robin` over a `UnitJob`."""
     params = list(module.parameters())
     meta = analytic_gpu is not None
     attention_mode = MetaAttentionMode() if meta else nullcontext()
@@ -94,7 +99,11 @@ def unit_costs(
     if outs:
         with bwd_flops, bwd_ops:
             torch.autograd.backward(outs, grads)
-    counts = dict(
+    for p in params:
+        p.grad = None
+    return UnitCosts(
+        forward_time_s=fwd_ops.totals.roofline_time_s if meta else 0.0,
+        backward_time_s=bwd_ops.totals.roofline_time_s if meta else 0.0,
         forward_flops=fwd_flops.get_total_flops(),
         backward_flops=bwd_flops.get_total_flops(),
         forward_memory_traffic_bytes=fwd_ops.totals.traffic_bytes,
@@ -103,58 +112,71 @@ def unit_costs(
         output_bytes=_nbytes(out),
         saved_bytes=saved.bytes,
     )
-    del out, outs, grads
-    if meta:
-        return UnitCosts(
-            forward_time_s=fwd_ops.totals.roofline_time_s,
-            backward_time_s=bwd_ops.totals.roofline_time_s,
-            **counts,
-        )
-    forward_s, backward_s, peak = _time_unit(module, args, kwargs, params, warmup, repeats)
-    return UnitCosts(forward_time_s=forward_s, backward_time_s=backward_s, peak_memory_bytes=peak, **counts)
 
 
-def _time_unit(module, args, kwargs, params, warmup: int, repeats: int):
-    device = next((p.device for p in params), None) or next(
-        (t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), torch.device("cpu")
-    )
-    timer = _Timer(device)
-    cuda = device.type == "cuda"
-    forward_times, backward_times, peak = [], [], None
-    for i in range(warmup + repeats):
-        for p in params:
+class UnitJob:
+    """One unit at one micro-batch size: forward then backward on fresh copies of its inputs.
+    Keeps every forward and backward time, and CUDA's peak memory of its first timed run."""
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self.params = list(module.parameters())
+        device = next((p.device for p in self.params), None) or next(
+            (t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        self.timer, self.cuda = _Timer(device), device.type == "cuda"
+        self.forward_s, self.backward_s, self.peak_memory_bytes = [], [], None
+
+    def run(self, keep: bool) -> None:
+        for p in self.params:
             p.grad = None
-        a, kw = _fresh_inputs(args, kwargs)
-        if cuda and i == warmup:
+        a, kw = _fresh_inputs(self.args, self.kwargs)
+        first = keep and not self.forward_s
+        if self.cuda and first:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             baseline = torch.cuda.memory_allocated()
-        out, fwd_s = timer.time(lambda: module(*a, **kw))
+        out, fwd_s = self.timer.time(lambda: self.module(*a, **kw))
         outs, grads = _grad_targets(out)
-        _, bwd_s = timer.time(lambda: torch.autograd.backward(outs, grads) if outs else None)
-        if cuda and i == warmup:
-            peak = torch.cuda.max_memory_allocated() - baseline
+        _, bwd_s = self.timer.time(lambda: torch.autograd.backward(outs, grads) if outs else None)
+        if self.cuda and first:
+            self.peak_memory_bytes = torch.cuda.max_memory_allocated() - baseline
         del out, outs, grads
-        if i >= warmup:
-            forward_times.append(fwd_s)
-            backward_times.append(bwd_s)
-    for p in params:
-        p.grad = None
-    return statistics.median(forward_times), statistics.median(backward_times), peak
+        for p in self.params:
+            p.grad = None
+        if keep:
+            self.forward_s.append(fwd_s)
+            self.backward_s.append(bwd_s)
+
+    def medians(self) -> tuple[float, float]:
+        return statistics.median(self.forward_s), statistics.median(self.backward_s)
 
 
-def whole_model_time(model: nn.Module, inputs: tuple, targets, loss, warmup: int = 1, repeats: int = 3) -> float:
-    """Median time of forward + loss + backward of the whole model."""
-    device = next(model.parameters()).device
-    timer = _Timer(device)
-    times = []
+class WholeModelJob:
+    """Forward + loss + backward of the whole model on one batch."""
+
+    def __init__(self, model: nn.Module, inputs: tuple, targets, loss):
+        self.model, self.inputs, self.targets, self.loss = model, inputs, targets, loss
+        self.timer = _Timer(next(model.parameters()).device)
+        self.seconds = []
+
+    def run(self, keep: bool) -> None:
+        self.model.zero_grad(set_to_none=True)
+        _, seconds = self.timer.time(lambda: self.loss(self.model(*self.inputs), self.targets).backward())
+        self.model.zero_grad(set_to_none=True)
+        if keep:
+            self.seconds.append(seconds)
+
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def time_round_robin(jobs: list, warmup: int, repeats: int, progress=None) -> None:
+    """`warmup` then `repeats` passes, each running every job once (see the module docstring)."""
     for i in range(warmup + repeats):
-        model.zero_grad(set_to_none=True)
-        _, seconds = timer.time(lambda: loss(model(*inputs), targets).backward())
-        if i >= warmup:
-            times.append(seconds)
-    model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        for job in jobs:
+            job.run(keep=i >= warmup)
+        if progress:
+            progress(i + 1, warmup + repeats)
 
 
 def optimizer_step_time(model: nn.Module, warmup: int = 2, repeats: int = 5) -> float:

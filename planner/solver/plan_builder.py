@@ -75,7 +75,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         model=ModelRef(file=profile.model.file, args=profile.model.args, fingerprint=profile.model.fingerprint),
         profile=profile_path,
         cluster=ClusterRef(**cluster.to_ref()),
-        training=Training(dtype=dtype),
+        training=Training(dtype=dtype, cpu_threads=profile.cpu_threads),
         batch=Batch(global_batch_size=global_batch_size, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches),
         layout=layout,
         stages=stages,
