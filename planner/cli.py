@@ -56,7 +56,7 @@ def profile(
     device: str = typer.Option("cpu", help="cpu or cuda (measured), or meta (analytic)."),
     gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
-    repeats: int = typer.Option(5, help="Timed repeats per unit (median is kept)."),
+    repeats: int = typer.Option(10, help="Timed passes over the units (round-robin; a trimmed mean is kept)."),
     fusion: str = typer.Option("none", help="Memory traffic as eager PyTorch runs it (none), or with pointwise and "
                                "softmax/dropout chains fused as torch.compile or Megatron-LM's kernels do (elementwise)."),
     threads: int = typer.Option(1, "--threads", help="CPU: torch threads while measuring. A plan solved from the profile "

@@ -28,7 +28,7 @@ class UnitCosts(_Model):
     """One unit at one micro-batch size."""
 
     forward_time_s: float
-    """Forward time: median of timed repeats (measured) or the roofline sum over ops (analytic)."""
+    """Forward time: trimmed mean of timed repeats (measured; planner/profiler/measure.py) or the roofline sum over ops (analytic)."""
     backward_time_s: float
     """Backward time, same method, for gradients of inputs and parameters."""
     forward_flops: int

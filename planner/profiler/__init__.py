@@ -222,13 +222,13 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         except Exception as exc:
             raise user_code_error(mf.path, "timing the units and the whole model", exc) from exc
         for (name, b), job in jobs.items():
-            forward_s, backward_s = job.medians()
+            forward_s, backward_s = job.typical()
             costs[name][b] = costs[name][b].model_copy(update={"forward_time_s": forward_s, "backward_time_s": backward_s,
                                                                "peak_memory_bytes": job.peak_memory_bytes})
         for b, job in wholes.items():
             units_s = sum(costs[u][b].forward_time_s + costs[u][b].backward_time_s for u in units)
-            whole[b] = WholeModel(forward_backward_time_s=job.median(), sum_of_units_time_s=units_s,
-                                  ratio=job.median() / units_s if units_s else 0.0)
+            whole[b] = WholeModel(forward_backward_time_s=job.typical(), sum_of_units_time_s=units_s,
+                                  ratio=job.typical() / units_s if units_s else 0.0)
         optimizer_s = optimizer_step_time(model)
 
     cuts = []
