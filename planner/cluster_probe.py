@@ -21,8 +21,10 @@ detected CUDA GPU otherwise), the intra-node link from the p2p fit and a `fitted
 (each fit with its raw [bytes, seconds] points) that the collective model uses for groups
 inside a node. On gloo it also measures the node's compute contention
 (`compute_slowdown`, planner/cluster.py): each rank's time for a fixed mix of matrix
-products and elementwise work run alone, then by all ranks at once. The parent process
-reads the file back with `load_cluster`.
+products and elementwise work run alone, then by all ranks at once. With two ranks or more
+in the node it measures what a pipelined micro-batch costs beyond compute and bytes
+(`pipeline_overhead_s`, `pipeline_overhead`). The parent process reads the file back with
+`load_cluster`.
 
 It measures the node it runs on. Across nodes, start the worker under torchrun yourself
 (`torchrun --nnodes K --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT
@@ -96,6 +98,8 @@ def profile_cluster_command(
         print(f"{kind:>15}: latency {fit['latency_s'] * 1e6:9.1f} us, bandwidth {fit['bandwidth_bytes_per_s'] / 1e9:8.3f} GB/s")
     if cluster.compute_slowdown != 1.0:
         print(f"compute slowdown with all {nproc} processes busy: x{cluster.compute_slowdown:.2f}")
+    if cluster.pipeline_overhead_s:
+        print(f"pipeline overhead per micro-batch and stage: {cluster.pipeline_overhead_s * 1e6:.0f} us")
     print(f"wrote {output}")
 
 
@@ -178,7 +182,8 @@ def fit_cluster(raw: dict):
     inter = fitted.get("p2p_inter_node")
     return replace(base, name=f"measured-{raw['backend']}-{n}", intra_node=intra,
                    inter_node=Link(inter["bandwidth_bytes_per_s"], inter["latency_s"]) if inter else base.inter_node,
-                   fitted=fitted, compute_slowdown=max(1.0, float(raw.get("compute_slowdown", 1.0))))
+                   fitted=fitted, compute_slowdown=max(1.0, float(raw.get("compute_slowdown", 1.0))),
+                   pipeline_overhead_s=max(0.0, float(raw.get("pipeline_overhead_s", 0.0))))
 
 
 def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.2, rounds: int = 5) -> float:
@@ -220,6 +225,40 @@ def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.2, roun
     return statistics.median(everyone)
 
 
+def pipeline_overhead(dist, torch, rank: int, device, sync, microbatches: int = 8, steps: int = 30) -> float:
+    """Seconds one micro-batch costs a pipeline stage beyond its compute and its bytes.
+
+    Ranks 0 and 1 run torch's Schedule1F1B (what the runtime runs) over two stages that
+    compute next to nothing (a 16x16 Linear on a 16-wide micro-batch): a step then takes
+    (m + p - 1) periods of bookkeeping, p2p posting and waiting, and waking up, the same
+    count of stage periods as the cost model's 1F1B step (planner/cost/schedules.py), so
+    step / (m + 1) is the cost per stage and micro-batch. The other ranks wait. Median of
+    `steps` steps after warm-up; every rank returns rank 0's figure.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    group = dist.new_group([0, 1])
+    value = torch.zeros(1, dtype=torch.float64, device=device)
+    if rank < 2:
+        stage = PipelineStage(torch.nn.Linear(16, 16).to(device), rank, 2, device, group=group)
+        schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, target: (out - target).pow(2).mean())
+        batch = torch.randn(microbatches, 16, device=device)
+        times = []
+        for _ in range(steps + 3):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            if rank == 0:
+                schedule.step(batch)
+            else:
+                schedule.step(target=batch, losses=[])
+            sync()
+            times.append(time.perf_counter() - start)
+        value += statistics.median(times[3:]) / (microbatches + 1)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)  # rank 0's (and 1's) figure to all
+    dist.destroy_process_group(group)
+    return float(value)
+
+
 def _worker(args) -> None:
     from datetime import timedelta
 
@@ -253,6 +292,7 @@ def _worker(args) -> None:
         return float(value)
 
     slowdown = compute_slowdown(dist, torch, rank, n) if backend == "gloo" else 1.0
+    overhead = pipeline_overhead(dist, torch, rank, device, sync) if per_node > 1 else 0.0
     sizes = [args.min_bytes * 2**k for k in range(64) if args.min_bytes * 2**k <= args.max_bytes]
     kinds = ["all_reduce", "all_gather", "reduce_scatter"] + (["p2p"] if per_node > 1 else []) \
         + (["p2p_inter_node"] if per_node < n else [])
@@ -291,7 +331,8 @@ def _worker(args) -> None:
         from planner.cluster import save_cluster
 
         raw = {"world_size": n, "num_nodes": n // per_node, "backend": backend, "gpu": gpu, "measurements": results,
-               "methods": methods, "compute_slowdown": slowdown}
+               "methods": methods, "compute_slowdown": slowdown,
+               "pipeline_overhead_s": overhead}
         save_cluster(fit_cluster(raw), args.output)
     dist.destroy_process_group()
 

@@ -62,6 +62,9 @@ def print_comparison(rows, console: Console | None = None) -> None:
         table.add_row(term, fmt[kind](predicted) if predicted is not None else "-",
                       fmt[kind](measured) if measured is not None else "-", error)
     console.print(table)
+    if any(term.startswith("stage 1 ") for term, *_ in rows):
+        console.print("A predicted stage time includes the stage's p2p and the pipeline's per-micro-batch overhead "
+                      "(the cluster's pipeline_overhead_s); a run shows those as gaps between its actions, in the bubble.")
     console.print("Peak memory on CPU is the process's resident set (interpreter and torch included), "
                   "so it is not comparable with the prediction's tensors-only figure.")
 

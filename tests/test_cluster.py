@@ -56,7 +56,7 @@ def test_round_trip_keeps_overrides_and_fits(tmp_path):
     c = replace(c, gpu=replace(c.gpu, memory_bytes=12345, peak_flops={**c.gpu.peak_flops, "bfloat16": 1e14}),
                 inter_node=Link(1e9, 1e-5),
                 fitted={"all_reduce": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 2e9, "num_ranks": 8, "points": [[1, 2.0]]}},
-                compute_slowdown=1.25)
+                compute_slowdown=1.25, pipeline_overhead_s=4e-4)
     path = save_cluster(c, tmp_path / "c.yaml")
     assert "memory_bytes: 12345" in path.read_text() and "memory_bandwidth" not in path.read_text()  # only what changed
     back = load_cluster(path)
@@ -109,6 +109,8 @@ def test_links_in_the_file_win(tmp_path):
     ("nodes: []\n", "`nodes` must be a non-empty list"),
     ("gpu: cpu\ncompute_slowdown: 0.5\n", "compute_slowdown must be at least 1"),
     ("gpu: cpu\ncompute_slowdown: fast\n", "compute_slowdown must be a number"),
+    ("gpu: cpu\npipeline_overhead_s: -1.0e-4\n", "pipeline_overhead_s must be positive"),
+    ("gpu: cpu\npipeline_overhead_s: false\n", "pipeline_overhead_s must be a number"),
 ])
 def test_bad_cluster_files_are_explained(tmp_path, text, needle):
     path = tmp_path / "c.yaml"

@@ -150,3 +150,18 @@ def test_plan_carries_the_profiles_cpu_threads(gpt_profile):
     assert solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 64).training.cpu_threads is None
     measured = gpt_profile.model_copy(update={"cpu_threads": 3})
     assert solve(measured, make_cluster(8, 8, "a100-80gb"), 64).training.cpu_threads == 3
+
+
+def test_pipeline_overhead_is_paid_per_micro_batch_and_stage(gpt_profile):
+    # 1F1B runs m + p - 1 stage periods, each a micro-batch of one stage; the cluster's
+    # pipeline_overhead_s lengthens every period alike, so the step grows by exactly
+    # (m + p - 1) x overhead (the cuts may move between equally fast ones: the blocks are
+    # identical). Unpipelined plans do not pay it.
+    cluster = make_cluster(8, 8, "a100-80gb")
+    slow = replace(cluster, pipeline_overhead_s=1e-3)
+    pins = Pins(pp=4, tp=2, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero_stage=0, sequence_parallel=False)
+    base, paid = solve(gpt_profile, cluster, 8, pins), solve(gpt_profile, slow, 8, pins)
+    m, p = 8, 4
+    assert paid.prediction.iteration_time_s - base.prediction.iteration_time_s == pytest.approx((m + p - 1) * 1e-3, rel=1e-6)
+    flat = Pins(pp=1, tp=8, dp=1, micro_batch_size=1, recompute="none", zero_stage=0, sequence_parallel=False)
+    assert solve(gpt_profile, slow, 8, flat).prediction.iteration_time_s == solve(gpt_profile, cluster, 8, flat).prediction.iteration_time_s

@@ -7,6 +7,7 @@ that the pins allow, `evaluate_config` builds the stage cost table
                     sum_{u in [i, j)} (fwd_u + bwd_u + recompute_r,u + tp_comm_u + zero3_gather_u)
                     + 2 * p2p(bytes crossing cut j)      (as 1/tp slices + a TP all-gather
                                                           across nodes without SP: `scatter_gather`)
+                    + the cluster's pipeline_overhead_s  (pp > 1: the schedule's bookkeeping)
 
 (stage memory = model states under ZeRO + in-flight micro-batches x stored activations +
 the largest recomputation transient + send/receive buffers), lets the DP
@@ -89,6 +90,8 @@ class Environment:
     gpus_per_node: int
     optimizer_s_per_param: float
     """Seconds of the optimizer step per parameter a rank updates (planner/cost/compute.py)."""
+    pipeline_overhead_s: float = 0.0
+    """Per micro-batch and pipeline chunk, beyond compute and bytes (planner/cluster.py)."""
 
 
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
@@ -136,6 +139,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     sliced = scatter_gather(cfg, same_node)
     p2p = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
     p2p[-1] = 0.0
+    if cfg.pp > 1:  # every chunk, the last included, pays the schedule's per-micro-batch bookkeeping
+        p2p += env.pipeline_overhead_s
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
     in_flight = np.array([in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
                           for k in range(num_chunks)])[:, None]

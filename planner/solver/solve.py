@@ -143,6 +143,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         tp_all_gather_s=cached(lambda nbytes, tp: coll.all_gather_s(nbytes, group_placement(cluster, tp, 1))),
         gpus_per_node=cluster.gpus_per_node,
         optimizer_s_per_param=compute.optimizer_s_per_param(),
+        pipeline_overhead_s=cluster.pipeline_overhead_s,
     )
 
 
