@@ -272,7 +272,10 @@ def _non_negative(value, name: str, source: str) -> float:
     """0, or a finite number > 0."""
     if not isinstance(value, bool) and value == 0:
         return 0.0
-    return _positive(value, name, source)
+    try:
+        return _positive(value, name, source)
+    except PlannerError as exc:
+        raise PlannerError(exc.message.replace("must be positive and finite", "must be 0 or positive and finite"), _HINT) from None
 
 
 def _slowdown(value, source: str) -> float:

@@ -21,10 +21,11 @@ detected CUDA GPU otherwise), the intra-node link from the p2p fit and a `fitted
 (each fit with its raw [bytes, seconds] points) that the collective model uses for groups
 inside a node. On gloo it also measures the node's compute contention
 (`compute_slowdown`, planner/cluster.py): each rank's time for a fixed mix of matrix
-products and elementwise work run alone, then by all ranks at once. With two ranks or more
-in the node it measures what a pipelined micro-batch costs beyond compute and bytes
-(`pipeline_overhead_s`, `pipeline_overhead`). The parent process reads the file back with
-`load_cluster`.
+products and elementwise work run alone, then by all ranks at once. With two ranks or more it
+also measures what a pipelined micro-batch costs beyond compute and bytes
+(`pipeline_overhead_s`, `pipeline_overhead`). `--threads` sets the torch threads of every
+process (as `planner profile --threads`; use the same number). The parent process reads the
+file back with `load_cluster`.
 
 It measures the node it runs on. Across nodes, start the worker under torchrun yourself
 (`torchrun --nnodes K --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint HOST:PORT
@@ -65,7 +66,9 @@ def profile_cluster_command(
     min_bytes: int = typer.Option(4096, "--min-bytes", help="Smallest message, bytes."),
     max_bytes: int = typer.Option(16 * 2**20, "--max-bytes", help="Largest message, bytes."),
     repeats: int = typer.Option(5, "--repeats", help="Timed calls per size (median kept)."),
-    time_budget_s: float = typer.Option(60.0, "--time-budget", help="Seconds of measuring in all; each collective gets a share."),
+    time_budget_s: float = typer.Option(60.0, "--time-budget", help="Seconds for the collective sweeps, shared among them "
+                                        "(the contention and pipeline probes take a few seconds more)."),
+    threads: int = typer.Option(1, "--threads", help="Torch threads per process; use the profile's --threads."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl if CUDA is available, else gloo), nccl or gloo."),
     timeout_s: float = typer.Option(600.0, "--timeout", help="Wall-clock limit of the whole job, seconds."),
 ) -> None:
@@ -74,8 +77,8 @@ def profile_cluster_command(
         raise PlannerError("--nproc must be at least 2 (collectives need a group).", "Pass --nproc 2 or more.")
     if not 0 < min_bytes <= max_bytes:
         raise PlannerError("Need 0 < --min-bytes <= --max-bytes.", "Example: --min-bytes 4096 --max-bytes 16777216")
-    if repeats < 1 or not time_budget_s > 0 or not timeout_s > 0:
-        raise PlannerError("--repeats, --time-budget and --timeout must be positive.", "Example: --repeats 5 --time-budget 60")
+    if repeats < 1 or threads < 1 or not time_budget_s > 0 or not timeout_s > 0:
+        raise PlannerError("--repeats, --threads, --time-budget and --timeout must be positive.", "Example: --repeats 5 --time-budget 60")
     if backend not in ("auto", "nccl", "gloo"):
         raise PlannerError(f"Unknown --backend {backend!r}.", "Use auto, nccl or gloo.")
     if backend != "gloo":
@@ -90,7 +93,7 @@ def profile_cluster_command(
                    "-m", "planner.cluster_probe", "--output", str(output), "--min-bytes", str(min_bytes),
                    "--max-bytes", str(max_bytes), "--repeats", str(repeats), "--time-budget", str(time_budget_s),
                    "--backend", backend, "--op-timeout", str(max(30.0, timeout_s / 2)), "--status-dir", status_dir]
-        _launch(command, timeout_s, Path(status_dir))
+        _launch(command, timeout_s, Path(status_dir), threads)
     from planner.cluster import load_cluster
 
     cluster = load_cluster(output)  # what the solver will read: fails here, not later, if the file is unusable
@@ -103,9 +106,9 @@ def profile_cluster_command(
     print(f"wrote {output}")
 
 
-def _launch(command: list[str], timeout_s: float, status_dir: Path) -> None:
+def _launch(command: list[str], timeout_s: float, status_dir: Path, threads: int = 1) -> None:
     """Run torchrun in its own process group; a hang or a dead rank becomes a PlannerError."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, stderr = proc.communicate(timeout=timeout_s)
@@ -183,7 +186,16 @@ def fit_cluster(raw: dict):
     return replace(base, name=f"measured-{raw['backend']}-{n}", intra_node=intra,
                    inter_node=Link(inter["bandwidth_bytes_per_s"], inter["latency_s"]) if inter else base.inter_node,
                    fitted=fitted, compute_slowdown=max(1.0, float(raw.get("compute_slowdown", 1.0))),
-                   pipeline_overhead_s=max(0.0, float(raw.get("pipeline_overhead_s", 0.0))))
+                   pipeline_overhead_s=_pipeline_overhead_s(raw.get("pipeline_step_s", 0.0), fitted.get("p2p") or inter))
+
+
+def _pipeline_overhead_s(step_s: float, link: dict | None) -> float:
+    """`pipeline_overhead_s` from the probe's 1F1B step (`pipeline_overhead`), less its p2p."""
+    if not step_s:
+        return 0.0
+    m = PIPELINE_PROBE_MICROBATCHES
+    hop = link["latency_s"] + PIPELINE_PROBE_MESSAGE_BYTES / link["bandwidth_bytes_per_s"] if link else 0.0
+    return max(0.0, (step_s - 2 * m * hop) / (m + 1))
 
 
 def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.2, rounds: int = 5) -> float:
@@ -225,16 +237,21 @@ def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.2, roun
     return statistics.median(everyone)
 
 
-def pipeline_overhead(dist, torch, rank: int, device, sync, microbatches: int = 8, steps: int = 30) -> float:
-    """Seconds one micro-batch costs a pipeline stage beyond its compute and its bytes.
+PIPELINE_PROBE_MICROBATCHES = 8
+PIPELINE_PROBE_MESSAGE_BYTES = 64
+"""The probe's activation (and gradient) per micro-batch: one sample of 16 float32."""
 
-    Ranks 0 and 1 run torch's Schedule1F1B (what the runtime runs) over two stages that
-    compute next to nothing (a 16x16 Linear on a 16-wide micro-batch): a step then takes
-    (m + p - 1) periods of bookkeeping, p2p posting and waiting, and waking up, the same
-    count of stage periods as the cost model's 1F1B step (planner/cost/schedules.py), so
-    step / (m + 1) is the cost per stage and micro-batch. The other ranks wait. Median of
-    `steps` steps after warm-up; every rank returns rank 0's figure.
+
+def pipeline_overhead(dist, torch, rank: int, device, sync, steps: int = 30) -> float:
+    """Median step time of torch's Schedule1F1B over two stages that compute next to nothing.
+
+    Ranks 0 and 1 run it (what the runtime runs; a 16x16 Linear on one 16-wide sample per
+    micro-batch), the other ranks wait; every rank returns the larger of the two medians.
+    `fit_cluster` turns the step into `pipeline_overhead_s`: the cost model prices this
+    step as m x (stage 0's 2 p2p + o) + (m + 1) x o with compute ~0 (1F1B's m + p - 1 stage
+    periods, the last stage sending nothing), so o = (step - 2 m p2p) / (m + 1).
     """
+    microbatches = PIPELINE_PROBE_MICROBATCHES
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     group = dist.new_group([0, 1])
@@ -253,8 +270,8 @@ def pipeline_overhead(dist, torch, rank: int, device, sync, microbatches: int = 
                 schedule.step(target=batch, losses=[])
             sync()
             times.append(time.perf_counter() - start)
-        value += statistics.median(times[3:]) / (microbatches + 1)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)  # rank 0's (and 1's) figure to all
+        value += statistics.median(times[3:])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)  # the slower of ranks 0 and 1, to every rank
     dist.destroy_process_group(group)
     return float(value)
 
@@ -291,8 +308,12 @@ def _worker(args) -> None:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)  # the slowest rank decides
         return float(value)
 
+    if status:
+        status.write_text("compute contention")
     slowdown = compute_slowdown(dist, torch, rank, n) if backend == "gloo" else 1.0
-    overhead = pipeline_overhead(dist, torch, rank, device, sync) if per_node > 1 else 0.0
+    if status:
+        status.write_text("pipeline overhead")
+    pipeline_step = pipeline_overhead(dist, torch, rank, device, sync) if n > 1 else 0.0
     sizes = [args.min_bytes * 2**k for k in range(64) if args.min_bytes * 2**k <= args.max_bytes]
     kinds = ["all_reduce", "all_gather", "reduce_scatter"] + (["p2p"] if per_node > 1 else []) \
         + (["p2p_inter_node"] if per_node < n else [])
@@ -332,7 +353,7 @@ def _worker(args) -> None:
 
         raw = {"world_size": n, "num_nodes": n // per_node, "backend": backend, "gpu": gpu, "measurements": results,
                "methods": methods, "compute_slowdown": slowdown,
-               "pipeline_overhead_s": overhead}
+               "pipeline_step_s": pipeline_step}
         save_cluster(fit_cluster(raw), args.output)
     dist.destroy_process_group()
 

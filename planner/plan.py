@@ -70,7 +70,7 @@ class Training(_Model):
     """Clip the global gradient norm to this value, or None."""
     cpu_threads: int | None = Field(None, gt=0)
     """On CPU, torch threads per process; solved plans take it from the profile, whose times were
-    measured with as many. None: $OMP_NUM_THREADS, else 1."""
+    measured with as many. None: $OMP_NUM_THREADS (`planner run` sets 1 when it is unset)."""
 
 
 class Batch(_Model):
@@ -135,7 +135,8 @@ class Prediction(_Model):
     stage_time_s: list[float] = []
     """Forward+backward time of one micro-batch per stage."""
     breakdown_s: dict[str, float]
-    """compute, p2p, tp_comm, dp_comm, optimizer, bubble."""
+    """compute, p2p (with the cluster's pipeline_overhead_s per micro-batch and stage), tp_comm,
+    dp_comm, optimizer, bubble."""
 
 
 class Plan(_Model):

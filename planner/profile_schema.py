@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from planner.errors import PlannerError
 
@@ -188,7 +188,7 @@ class Profile(_Model):
     optimizer_step_s: float | None = None
     """One AdamW step over every parameter in fp32 (the runtime's master weights), measured on
     the device (measured mode); the cost model prices a rank's step as its share of it."""
-    cpu_threads: int | None = None
+    cpu_threads: int | None = Field(None, gt=0)
     """Measured on CPU: torch threads the times were measured with; a plan solved from this
     profile runs every process with as many."""
     notes: list[str] = []

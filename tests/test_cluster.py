@@ -109,7 +109,7 @@ def test_links_in_the_file_win(tmp_path):
     ("nodes: []\n", "`nodes` must be a non-empty list"),
     ("gpu: cpu\ncompute_slowdown: 0.5\n", "compute_slowdown must be at least 1"),
     ("gpu: cpu\ncompute_slowdown: fast\n", "compute_slowdown must be a number"),
-    ("gpu: cpu\npipeline_overhead_s: -1.0e-4\n", "pipeline_overhead_s must be positive"),
+    ("gpu: cpu\npipeline_overhead_s: -1.0e-4\n", "pipeline_overhead_s must be 0 or positive"),
     ("gpu: cpu\npipeline_overhead_s: false\n", "pipeline_overhead_s must be a number"),
 ])
 def test_bad_cluster_files_are_explained(tmp_path, text, needle):

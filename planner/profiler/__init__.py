@@ -118,13 +118,16 @@ def profile_model(
     seed: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
     fusion: str = "none",
-    threads: int = 1,
+    threads: int | None = 1,
 ) -> Profile:
     """Profile a model file; see the module docstring. `fusion` (planner/profiler/counters.py):
     how the memory traffic, hence analytic times, assume kernels are fused. `threads`: torch
-    threads while measuring on CPU."""
+    threads while measuring on CPU (None: as many as torch uses now)."""
+    threads = torch.get_num_threads() if threads is None else threads
     if device == "cpu" and threads < 1:
         raise PlannerError(f"--threads must be at least 1 (got {threads}).", "Use 1, as each process of a CPU run computes with one thread by default.")
+    if repeats < 1 or warmup < 0:
+        raise PlannerError(f"--repeats must be at least 1 (got {repeats}) and warm-up at least 0 (got {warmup}).", "Use e.g. --repeats 10.")
     with cpu_threads(threads if device == "cpu" else None):
         profile = _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion)
     if device == "cpu":
