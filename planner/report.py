@@ -71,6 +71,8 @@ def print_profile(profile: Profile, micro_batch_size: int | None = None, console
     b = micro_batch_size or profile.micro_batch_sizes[0]
     frame = profile_frame(profile, b)
     where = profile.device_name if profile.mode == "measured" else f"roofline of {profile.target_gpu}"
+    if profile.cpu_threads:
+        where += f" ({profile.cpu_threads} thread{'s' if profile.cpu_threads > 1 else ''})"
     table = Table(
         title=f"{Path(profile.model.file).name} {profile.model.args or ''}: {profile.mode} on {where}, "
         f"{profile.dtype}, micro-batch {b}",
