@@ -135,16 +135,17 @@ def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str = "a100-8
     return Cluster(f"{spec.name}x{gpus}", spec, gpus // per_node, per_node, intra, inter)
 
 
-def _positive(value, what: str, source: str) -> float:
-    """A finite number > 0, or a PlannerError naming the field."""
+def _positive(value, what: str, source: str, allow_zero: bool = False) -> float:
+    """A finite number > 0 (or >= 0 with `allow_zero`), or a PlannerError naming the field."""
     if isinstance(value, bool):
         value = "a boolean"
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise PlannerError(f"{source}: {what} must be a number (got {value!r}).", _HINT) from None
-    if not (number > 0 and math.isfinite(number)):
-        raise PlannerError(f"{source}: {what} must be positive and finite (got {value!r}).", _HINT)
+    if not ((number >= 0 if allow_zero else number > 0) and math.isfinite(number)):
+        least = "0 or positive" if allow_zero else "positive"
+        raise PlannerError(f"{source}: {what} must be {least} and finite (got {value!r}).", _HINT)
     return number
 
 
@@ -264,18 +265,8 @@ def parse_cluster(data, source: str = "cluster") -> Cluster:
         inter_node=_link(data.get("inter_node"), inter, "inter_node", source),
         fitted=_fitted(data.get("fitted"), source),
         compute_slowdown=_slowdown(data.get("compute_slowdown", 1.0), source),
-        pipeline_overhead_s=_non_negative(data.get("pipeline_overhead_s", 0.0), "pipeline_overhead_s", source),
+        pipeline_overhead_s=_positive(data.get("pipeline_overhead_s", 0.0), "pipeline_overhead_s", source, allow_zero=True),
     )
-
-
-def _non_negative(value, name: str, source: str) -> float:
-    """0, or a finite number > 0."""
-    if not isinstance(value, bool) and value == 0:
-        return 0.0
-    try:
-        return _positive(value, name, source)
-    except PlannerError as exc:
-        raise PlannerError(exc.message.replace("must be positive and finite", "must be 0 or positive and finite"), _HINT) from None
 
 
 def _slowdown(value, source: str) -> float:
