@@ -32,7 +32,7 @@ from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import Cut, CrossingTensor, ModelInfo, Profile, Unit, UnitCosts, WholeModel
 from planner.profiler.counters import MetaAttentionMode
 from planner.profiler.counters import FUSIONS
-from planner.profiler.measure import UnitJob, WholeModelJob, optimizer_step_time, time_round_robin, unit_costs
+from planner.profiler.measure import UnitJob, optimizer_step_time, time_round_robin, unit_costs, whole_model_job
 from planner.profiler.opgraph import record_op_graph
 from planner.units import (
     UnitTrace,
@@ -215,7 +215,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
     if device != "meta":
-        wholes = {b: WholeModelJob(model, _to(_as_tuple(batches[b][0]), device, torch_dtype), _to(batches[b][1], device, torch_dtype), mf.loss)
+        wholes = {b: whole_model_job(model, _to(_as_tuple(batches[b][0]), device, torch_dtype), _to(batches[b][1], device, torch_dtype), mf.loss)
                   for b in sizes}
         try:
             time_round_robin([*jobs.values(), *wholes.values()], warmup, repeats,

@@ -163,23 +163,29 @@ class UnitJob:
         return typical_s(self.forward_s), typical_s(self.backward_s)
 
 
-class WholeModelJob:
-    """Forward + loss + backward of the whole model on one batch."""
+class TimedCall:
+    """A call timed as a whole (the whole model's forward + loss + backward, an optimizer step),
+    with `reset` before and after each run (e.g. dropping the gradients it made)."""
 
-    def __init__(self, model: nn.Module, inputs: tuple, targets, loss):
-        self.model, self.inputs, self.targets, self.loss = model, inputs, targets, loss
-        self.timer = _Timer(next(model.parameters()).device)
+    def __init__(self, fn, device: torch.device, reset=lambda: None):
+        self.fn, self.reset, self.timer = fn, reset, _Timer(device)
         self.seconds = []
 
     def run(self, keep: bool) -> None:
-        self.model.zero_grad(set_to_none=True)
-        _, seconds = self.timer.time(lambda: self.loss(self.model(*self.inputs), self.targets).backward())
-        self.model.zero_grad(set_to_none=True)
+        self.reset()
+        _, seconds = self.timer.time(self.fn)
+        self.reset()
         if keep:
             self.seconds.append(seconds)
 
     def typical(self) -> float:
         return typical_s(self.seconds)
+
+
+def whole_model_job(model: nn.Module, inputs: tuple, targets, loss) -> TimedCall:
+    """Forward + loss + backward of the whole model on one batch."""
+    return TimedCall(lambda: loss(model(*inputs), targets).backward(), next(model.parameters()).device,
+                     reset=lambda: model.zero_grad(set_to_none=True))
 
 
 def time_round_robin(jobs: list, warmup: int, repeats: int, progress=None) -> None:
@@ -204,11 +210,6 @@ def optimizer_step_time(model: nn.Module, warmup: int = 2, repeats: int = 5) -> 
         return 0.0
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params)
-    timer = _Timer(params[0].device)
-    times = []
-    for i in range(warmup + repeats):
-        _, seconds = timer.time(optimizer.step)
-        if i >= warmup:
-            times.append(seconds)
-    return typical_s(times)
+    step = TimedCall(torch.optim.AdamW(params).step, params[0].device)
+    time_round_robin([step], warmup, repeats)
+    return step.typical()
