@@ -186,16 +186,17 @@ def fit_cluster(raw: dict):
     return replace(base, name=f"measured-{raw['backend']}-{n}", intra_node=intra,
                    inter_node=Link(inter["bandwidth_bytes_per_s"], inter["latency_s"]) if inter else base.inter_node,
                    fitted=fitted, compute_slowdown=max(1.0, float(raw.get("compute_slowdown", 1.0))),
-                   pipeline_overhead_s=_pipeline_overhead_s(raw.get("pipeline_step_s", 0.0), fitted.get("p2p") or inter))
+                   pipeline_overhead_s=max(0.0, float(raw.get("pipeline_overhead_s", 0.0))))
 
 
-def _pipeline_overhead_s(step_s: float, link: dict | None) -> float:
-    """`pipeline_overhead_s` from the probe's 1F1B step (`pipeline_overhead`), less its p2p."""
-    if not step_s:
-        return 0.0
-    m = PIPELINE_PROBE_MICROBATCHES
-    hop = link["latency_s"] + PIPELINE_PROBE_MESSAGE_BYTES / link["bandwidth_bytes_per_s"] if link else 0.0
-    return max(0.0, (step_s - 2 * m * hop) / (m + 1))
+def overhead_from_step(step_s: float, hop_s: float, microbatches: int) -> float:
+    """The pipeline overhead that makes the cost model's price of the probe's step equal to it.
+
+    The model prices a 1F1B step over two stages computing ~nothing as m x (stage 0's two p2p
+    hops + o) + (m + 1) x o (m + p - 1 stage periods; the last stage sends nothing), so
+    o = (step - 2 m hop) / (m + 1), never below 0.
+    """
+    return max(0.0, (step_s - 2 * microbatches * hop_s) / (microbatches + 1))
 
 
 def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.2, rounds: int = 5) -> float:
@@ -237,21 +238,15 @@ def compute_slowdown(dist, torch, rank: int, n: int, window_s: float = 0.2, roun
     return statistics.median(everyone)
 
 
-PIPELINE_PROBE_MICROBATCHES = 8
-PIPELINE_PROBE_MESSAGE_BYTES = 64
-"""The probe's activation (and gradient) per micro-batch: one sample of 16 float32."""
-
-
-def pipeline_overhead(dist, torch, rank: int, device, sync, steps: int = 30) -> float:
-    """Median step time of torch's Schedule1F1B over two stages that compute next to nothing.
+def pipeline_overhead(dist, torch, rank: int, device, sync, microbatches: int = 8, steps: int = 30) -> float:
+    """`pipeline_overhead_s`: torch's Schedule1F1B over two stages that compute next to nothing.
 
     Ranks 0 and 1 run it (what the runtime runs; a 16x16 Linear on one 16-wide sample per
-    micro-batch), the other ranks wait; every rank returns the larger of the two medians.
-    `fit_cluster` turns the step into `pipeline_overhead_s`: the cost model prices this
-    step as m x (stage 0's 2 p2p + o) + (m + 1) x o with compute ~0 (1F1B's m + p - 1 stage
-    periods, the last stage sending nothing), so o = (step - 2 m p2p) / (m + 1).
+    micro-batch) and then ping-pong that micro-batch's activation to time one p2p hop of it;
+    `overhead_from_step` takes the hops the cost model prices on their own out of the step.
+    Medians after warm-up; the other ranks wait; every rank returns the larger of ranks 0
+    and 1's figures.
     """
-    microbatches = PIPELINE_PROBE_MICROBATCHES
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     group = dist.new_group([0, 1])
@@ -270,8 +265,14 @@ def pipeline_overhead(dist, torch, rank: int, device, sync, steps: int = 30) -> 
                 schedule.step(target=batch, losses=[])
             sync()
             times.append(time.perf_counter() - start)
-        value += statistics.median(times[3:])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)  # the slower of ranks 0 and 1, to every rank
+        message, hops = batch[:1].clone(), []
+        for _ in range(steps + 3):
+            start = time.perf_counter()
+            _ping_pong(dist, message, rank, 1)
+            sync()
+            hops.append((time.perf_counter() - start) / 2)
+        value += overhead_from_step(statistics.median(times[3:]), statistics.median(hops[3:]), microbatches)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)  # the larger of ranks 0 and 1's, to every rank
     dist.destroy_process_group(group)
     return float(value)
 
@@ -313,7 +314,7 @@ def _worker(args) -> None:
     slowdown = compute_slowdown(dist, torch, rank, n) if backend == "gloo" else 1.0
     if status:
         status.write_text("pipeline overhead")
-    pipeline_step = pipeline_overhead(dist, torch, rank, device, sync) if n > 1 else 0.0
+    overhead = pipeline_overhead(dist, torch, rank, device, sync) if n > 1 else 0.0
     sizes = [args.min_bytes * 2**k for k in range(64) if args.min_bytes * 2**k <= args.max_bytes]
     kinds = ["all_reduce", "all_gather", "reduce_scatter"] + (["p2p"] if per_node > 1 else []) \
         + (["p2p_inter_node"] if per_node < n else [])
@@ -353,7 +354,7 @@ def _worker(args) -> None:
 
         raw = {"world_size": n, "num_nodes": n // per_node, "backend": backend, "gpu": gpu, "measurements": results,
                "methods": methods, "compute_slowdown": slowdown,
-               "pipeline_step_s": pipeline_step}
+               "pipeline_overhead_s": overhead}
         save_cluster(fit_cluster(raw), args.output)
     dist.destroy_process_group()
 
