@@ -246,16 +246,17 @@ def main() -> None:
     """Console-script entry: run the app, turning PlannerErrors into clean messages."""
     debug = "--debug" in sys.argv[1:]
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except PlannerError as exc:
-        if debug:
+        exit_code = getattr(exc, "exit_code", 1)  # a job stopped by a signal (128 + it) or by --timeout (launcher.py)
+        if debug and exit_code == 1:
             raise
         from rich.markup import escape
 
-        err_console.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False)
+        err_console.print(f"[bold red]{'error' if exit_code == 1 else 'stopped'}:[/] {escape(exc.message)}", highlight=False)
         if exc.hint:
             err_console.print(escape(exc.hint), highlight=False)
-        sys.exit(1)
+        sys.exit(exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
@@ -273,6 +274,10 @@ def main() -> None:
 
         err_console.print(f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))}\nRe-run with --debug for the traceback and report it.")
         sys.exit(2)
+    if isinstance(code, int) and code != 0:  # typer turns Ctrl-C into a returned 130 when not standalone
+        if code == 130:
+            err_console.print("interrupted (Ctrl-C)")
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +47,7 @@ from pathlib import Path
 import typer
 
 from planner.errors import PlannerError
+from planner.launcher import failure_summary as launcher_failure_summary, launch, torchrun_command
 
 TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "p2p": lambda n: 1.0, "p2p_inter_node": lambda n: 1.0}
@@ -88,12 +86,12 @@ def profile_cluster_command(
         if backend == "nccl" and gpus < nproc:
             raise PlannerError(f"--backend nccl needs {nproc} visible GPUs, found {gpus}.", "Lower --nproc or use --backend gloo.")
         backend = "nccl" if gpus >= nproc else "gloo"
-    with tempfile.TemporaryDirectory(prefix="profile-cluster-") as status_dir:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                   "-m", "planner.cluster_probe", "--output", str(output), "--min-bytes", str(min_bytes),
+    with tempfile.TemporaryDirectory(prefix="profile-cluster-") as status_dir, \
+            tempfile.TemporaryDirectory(prefix="profile-cluster-logs-") as log_dir:
+        program = ["-m", "planner.cluster_probe", "--output", str(output), "--min-bytes", str(min_bytes),
                    "--max-bytes", str(max_bytes), "--repeats", str(repeats), "--time-budget", str(time_budget_s),
                    "--backend", backend, "--op-timeout", str(max(30.0, timeout_s / 2)), "--status-dir", status_dir]
-        _launch(command, timeout_s, Path(status_dir), threads)
+        _launch(torchrun_command(nproc, program, log_dir), timeout_s, Path(status_dir), threads, Path(log_dir))
     from planner.cluster import load_cluster
 
     cluster = load_cluster(output)  # what the solver will read: fails here, not later, if the file is unusable
@@ -106,33 +104,21 @@ def profile_cluster_command(
     print(f"wrote {output}")
 
 
-def _launch(command: list[str], timeout_s: float, status_dir: Path, threads: int = 1) -> None:
-    """Run torchrun in its own process group; a hang or a dead rank becomes a PlannerError."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank: nothing is left running
-        proc.communicate()
+def _launch(command: list[str], timeout_s: float, status_dir: Path, threads: int = 1, log_dir: Path | None = None) -> None:
+    """Run the measurement (planner/launcher.py): a hang, a dead rank or a signal becomes a PlannerError."""
+    def last_seen() -> str:
         where = "; ".join(f"{p.stem}: {p.read_text().strip()}" for p in sorted(status_dir.glob("rank*"))) or "no rank started"
-        raise PlannerError(f"Measuring did not finish within {timeout_s:.0f} s (last seen: {where}).",
-                           "A rank is hung or the backend cannot connect; lower --max-bytes or raise --timeout.") from None
-    if proc.returncode != 0:
-        raise PlannerError(failure_summary(stderr, proc.returncode), "Check that the backend works on this node (tail of the log:\n"
-                           + "\n".join(stderr.strip().splitlines()[-5:]) + ")")
+        return f" (last seen: {where})"
+
+    launch(command, {**os.environ, "OMP_NUM_THREADS": str(threads)}, timeout_s, what="Measuring", log_dir=log_dir,
+           stopped="the measurement was stopped", progress=last_seen,
+           timeout_hint="A rank is hung or the backend cannot connect; lower --max-bytes or raise --timeout.",
+           kept=lambda: "Nothing was written: the cluster file is written when the measurement finishes.")
 
 
 def failure_summary(stderr: str, code: int) -> str:
-    """Which rank failed first, and why: the worker's own line, else torchrun's root-cause block."""
-    own = re.findall(r"profile-cluster error \(rank (\d+)\): (.+)", stderr)
-    if own:
-        return f"Rank {own[0][0]} failed: {own[0][1]}"
-    root = stderr[stderr.rfind("Root Cause"):] if "Root Cause" in stderr else stderr
-    rank = re.search(r"rank\s*:\s*(\d+)", root)
-    sig = re.search(r"Signal (\d+) \((\w+)\)", root)
-    what = f"killed by {sig.group(2)}" if sig else f"exit code {code}"
-    return f"{'Rank ' + rank.group(1) if rank else 'A rank'} failed ({what}); the measurement was stopped."
+    """Which rank failed first, and why (planner/launcher.py's summary, worded for a measurement)."""
+    return launcher_failure_summary(stderr, code, "the measurement was stopped")
 
 
 def fit(sizes: list[int], times: list[float], traffic_factor: float) -> dict:

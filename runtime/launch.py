@@ -2,21 +2,24 @@
 
 Everything that can be refused is refused here, before any process group exists: an
 unreadable or inconsistent plan, a model file that does not match it. On one node the
-ranks are started by `python -m torch.distributed.run --standalone`; torchrun stops every
-rank when one fails, and we turn its report into one line naming the rank and the cause.
-The whole job has a wall-clock limit so that nothing can hang. For several nodes the
+ranks are started by `python -m torch.distributed.run --standalone` through
+planner/launcher.py: torchrun stops every rank when one fails, and the launcher names the
+rank and prints its own error; Ctrl-C, SIGTERM and the wall-clock limit (`--timeout`) end
+every rank, and the caller is told what the stopped run kept. For several nodes the
 torchrun command of each node is printed instead.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
-import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from planner.errors import PlannerError
+from planner.launcher import launch, torchrun_command
 from planner.plan import Plan, load_plan
 
 
@@ -59,43 +62,43 @@ def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed
     extra += ["--resume"] if resume else []
     threads = plan.training.cpu_threads or os.environ.get("OMP_NUM_THREADS", "1")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    if reference:
-        command = [sys.executable, "-m", "runtime", plan_path, *extra, "--reference"]
-    elif plan.cluster.num_nodes > 1:
+    if plan.cluster.num_nodes > 1 and not reference:
         for node in range(plan.cluster.num_nodes):
             print(f"node {node}: torchrun --nnodes {plan.cluster.num_nodes} --node-rank {node} "
                   f"--nproc-per-node {plan.cluster.gpus_per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
                   f"-m runtime {plan_path} {' '.join(extra)}")
         return 0
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.world_size),
-                   "-m", "runtime", plan_path, *extra]
-    try:
-        done = subprocess.run(command, env=env, timeout=timeout_s, capture_output=True, text=True)
-    except subprocess.TimeoutExpired:
-        raise PlannerError(f"The run did not finish within {timeout_s:.0f} s and was stopped.", "Run fewer steps or raise the timeout.") from None
-    sys.stdout.write(done.stdout)
-    if done.returncode != 0:
-        raise PlannerError(failure_summary(done.stderr, done.returncode), "See the ranks' output above (re-run with --debug for it all).")
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="planner-run-") as log_dir:
+        if reference:
+            command, logs = [sys.executable, "-m", "runtime", plan_path, *extra, "--reference"], None
+        else:
+            command, logs = torchrun_command(plan.world_size, ["-m", "runtime", plan_path, *extra], log_dir), Path(log_dir)
+        launch(command, env, timeout_s, what="The run", log_dir=logs, timeout_hint="Run fewer steps or raise --timeout.",
+               kept=lambda: kept_after_stop(checkpoint_dir, output, started))
     return 0
 
 
-def failure_summary(stderr: str, code: int) -> str:
-    """One paragraph from torchrun's report: which rank failed first, and why."""
-    own = re.findall(r"error \(rank (\d+)\): (.+)", stderr)
-    if own:
-        return f"Rank {own[0][0]} failed: {own[0][1]}"
-    # torchrun's "Root Cause (first observed failure)" block names the rank that failed first.
-    root = stderr[stderr.rfind("Root Cause"):] if "Root Cause" in stderr else stderr
-    rank = re.search(r"rank\s*:\s*(\d+)", root)
-    exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", root)
-    signal = re.search(r"Signal (\d+) \((\w+)\)", root)
-    cause = [line.strip() for line in root.splitlines() if re.match(r"\s*[\w.]*(Error|Exception)\b.*:", line)]
-    if signal:
-        what = f"killed by {signal.group(2)}"
-    elif cause:
-        what = cause[-1]
-    else:
-        what = f"exit code {exitcode.group(1) if exitcode else code}"
-    who = f"Rank {rank.group(1)}" if rank else "A rank"
-    return f"{who} failed ({what}); the whole job was stopped."
+def kept_after_stop(checkpoint_dir: str | None, output: str | None, started: float) -> str:
+    """What a stopped run leaves: the metrics and checkpoint are written only when a run finishes."""
+    from runtime.checkpoint import META
+
+    kept = []
+    meta = Path(checkpoint_dir) / META if checkpoint_dir else None
+    if meta is not None and meta.is_file():
+        try:
+            step = json.loads(meta.read_text()).get("step", "?")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            step = "?"
+        if meta.stat().st_mtime >= started:
+            kept.append(f"the checkpoint in {checkpoint_dir} (step {step}, saved by this run)")
+        elif any(f.stat().st_mtime >= started for f in Path(checkpoint_dir).rglob("*") if f.is_file()):
+            kept.append(f"the checkpoint in {checkpoint_dir} (step {step}, from before this run), but this run was "
+                        "stopped while overwriting it: it may be damaged")
+        else:
+            kept.append(f"the checkpoint in {checkpoint_dir} (step {step}, from before this run)")
+    if output and Path(output).is_file() and Path(output).stat().st_mtime >= started:
+        kept.append(f"the metrics in {output}")
+    if kept:
+        return "Kept: " + "; ".join(kept) + "."
+    return "Nothing was kept: a run writes its metrics and checkpoint only when it finishes."
