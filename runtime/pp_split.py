@@ -149,11 +149,15 @@ class _ContiguousGrad(torch.autograd.Function):
     The gradient of a received tensor is sent back with gloo/NCCL, which need contiguous
     buffers, and torch sizes the receive buffer from the gradient's strides: a U-Net skip's
     gradient is a slice of `torch.cat`'s gradient (strided), and gloo refuses it.
+
+    The forward copies: a stage may begin with an in-place op (ResNet's `ReLU(inplace=True)`
+    after a cut at `bn1`), and autograd forbids writing in place into a view a custom
+    Function returned. One copy of each received activation is cheap beside the stage.
     """
 
     @staticmethod
     def forward(ctx, x):
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):

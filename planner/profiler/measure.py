@@ -36,13 +36,19 @@ from planner.profiler.counters import MetaAttentionMode, OpCostMode, SavedBytes,
 
 
 def _fresh_inputs(args, kwargs):
-    """Detached copies of the captured inputs; floating ones require grad."""
+    """Detached copies of the captured inputs; floating ones require grad.
+
+    A floating input is a clone of a leaf that requires grad, not the leaf itself: inside the
+    model every activation is the output of an op, and a unit may modify its input in place
+    (torchvision's ResNet cuts a unit `relu = nn.ReLU(inplace=True)` out of its stem), which
+    autograd refuses on a leaf. The clone also keeps the captured inputs unchanged from one
+    run to the next. It is made here, outside the counters and the timers."""
 
     def fresh(x):
         if isinstance(x, torch.Tensor):
             x = x.detach()
             if x.is_floating_point():
-                x.requires_grad_(True)
+                x = x.requires_grad_(True).clone()
         return x
 
     return tree_map(fresh, (args, kwargs))
