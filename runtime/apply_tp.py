@@ -63,7 +63,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], se
     if missing:  # check_tp_plan refuses these before launch; a caller that skipped it hears it here
         raise PlannerError(f"tp_plan names modules this stage does not have: {missing[:5]}.",
                            "Name modules by their FQN from the model root (see check_tp_plan).")
-    pairs = _paired_owners(tp_plan)
+    pairs = _paired_owners(tp_plan, units)
     if sequence_parallel:
         if units is None:
             raise PlannerError("Sequence parallelism needs the stage's units.", "Pass units= to apply_tp.")
@@ -120,12 +120,18 @@ def check_tp_plan(plan: Plan, model: nn.Module) -> None:
                            "the plan for this model.")
 
 
-def _paired_owners(plan: dict[str, str]) -> set[str]:
-    """Modules whose children include both a colwise and a rowwise module (a Megatron sandwich)."""
+def _paired_owners(plan: dict[str, str], units: list[str] | None = None) -> set[str]:
+    """Modules whose children include both a colwise and a rowwise module (a Megatron sandwich).
+
+    The owner must lie inside a unit: units that are themselves Linears or Embeddings (GPT's
+    `head`, Llama's `embed` and `output`) are siblings under the root (or under a container such
+    as Hugging Face's `transformer`), and a vocabulary-parallel embedding beside a sharded output
+    head is not a sandwich: each gathers its own output."""
     styles_under: dict[str, set[str]] = {}
     for name, style in plan.items():
         styles_under.setdefault(_parent(name), set()).add(style)
-    return {owner for owner, styles in styles_under.items() if {"colwise", "rowwise"} <= styles}
+    inside = (lambda owner: owner != "") if units is None else (lambda owner: any(_in_unit(owner, u) for u in units))
+    return {owner for owner, styles in styles_under.items() if {"colwise", "rowwise"} <= styles and inside(owner)}
 
 
 def _explicit_sp(plan: dict[str, str]) -> set[str]:

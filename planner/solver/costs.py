@@ -16,6 +16,7 @@ import numpy as np
 from planner.cost.compute import ComputeModel, interpolate, sharded_flop_fraction, tp_time_s
 from planner.cost.memory import unit_activation_bytes
 from planner.profile_schema import Profile, Unit
+from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import SHARDED, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -50,7 +51,10 @@ class UnitCostTable:
     recompute_flops: dict[str, np.ndarray]
     """Extra forward FLOPs per recomputation mode."""
     tp_plans: list[dict[str, str]]
-    """Per unit: module path relative to the unit -> DTensor style."""
+    """Per unit: module path relative to the unit -> DTensor style ("" is the unit itself)."""
+    cut_allowed: np.ndarray | None = None
+    """Per unit but the last: whether a stage may end after it (False inside a group of units
+    sharing a parameter; planner/solver/inter_op.py `allowed_cuts`). None: anywhere."""
 
 
 def _score_bytes(unit: Unit, scale: float, dtype_bytes: int) -> float:
@@ -76,8 +80,9 @@ def _attention_flop_share(unit: Unit) -> float:
 class UnitCosts:
     """Builds `UnitCostTable`s, caching ILP solutions per (fingerprint, t, sp)."""
 
-    def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str):
+    def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str, require_sharding: bool = False):
         self.profile, self.compute, self.dtype = profile, compute, dtype
+        self.require_sharding = require_sharding  # TP pinned: each unit shards a weight where it can
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
         self._ilp: dict[tuple, IntraOpSolution] = {}
@@ -93,6 +98,7 @@ class UnitCosts:
             collectives=self.tp_collectives(t),
             activation_scale=b / self.base_mbs,
             sequence_parallel=sp,
+            require_sharding=self.require_sharding,
         )
 
     def tp_solution(self, unit: Unit, t: int, sp: bool, b: float) -> IntraOpSolution:
@@ -122,9 +128,12 @@ class UnitCosts:
         transient = {m: np.zeros(n) for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = []
         scale = b / self.base_mbs
+        tied = tied_unit_indices(self.profile)
         for u in units:
             i = u.index
-            sol = self.tp_solution(u, t, sp, b) if (t > 1 and u.ops) else None
+            # Units sharing a weight stay replicated: DTensor would shard each module's copy of it
+            # on its own and untie them (an embedding and an output head also shard it on different dims).
+            sol = self.tp_solution(u, t, sp, b) if (t > 1 and u.ops and i not in tied) else None
             sharded_ops = {name for name, s in sol.strategies.items() if s in SHARDED} if sol else set()
             is_sharded = bool(sharded_ops)
             fraction = sharded_flop_fraction(u, sharded_ops) if is_sharded else 0.0
@@ -153,4 +162,19 @@ class UnitCosts:
         cut = np.zeros(n)
         for c in self.profile.cuts:
             cut[c.after_index] = interpolate({k: float(v) for k, v in c.bytes.items()}, b) / (t if sp else 1)
-        return UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans)
+        return UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans,
+                             tied_cut_allowed(self.profile))
+
+
+def tied_groups(profile: Profile) -> list[list[int]]:
+    """Unit indices of each group of units sharing a parameter (`model.tied_parameters`)."""
+    index = {u.name: u.index for u in profile.units}
+    return [sorted(index[name] for name in group if name in index) for group in profile.model.tied_parameters]
+
+
+def tied_unit_indices(profile: Profile) -> set[int]:
+    return {i for g in tied_groups(profile) if len(g) > 1 for i in g}
+
+
+def tied_cut_allowed(profile: Profile) -> np.ndarray:
+    return allowed_cuts(len(profile.units), [g for g in tied_groups(profile) if len(g) > 1])

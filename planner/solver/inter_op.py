@@ -23,6 +23,12 @@ once that bound passes the best T seen. The min-sum cuts over all ranges are the
 incumbent; candidates are solved in growing batches (1, 2, 4, up to `BATCH`). The minimum over candidates is the
 optimum of T: the optimal cuts appear when t_max equals their own bottleneck. Each
 candidate costs O(S U^2) (vectorised over i and j with numpy).
+
+Tied parameters. Units that share a parameter (tied input/output embeddings) stay in one
+stage: the runtime cannot tie a weight across stages (runtime/pp_split.py), so no cut may
+fall between the first and the last unit of a tied group (`allowed_cuts`). Ranges starting
+or ending at a forbidden cut cost +inf (`forbid_cuts`); the shared weight is owned by its
+first unit in the profile, so the stage holding the group counts its memory once.
 """
 
 from __future__ import annotations
@@ -51,6 +57,37 @@ def pipeline_time(stage_times: list[float] | tuple[float, ...], num_microbatches
     return float(sum(stage_times) + (num_microbatches - 1) * max(stage_times))
 
 
+def allowed_cuts(num_units: int, tied_groups: list[list[int]]) -> np.ndarray:
+    """allowed[c]: whether a stage may end after unit c (c = 0 .. U-2). False from the first to
+    just before the last unit of every group of units sharing a parameter."""
+    allowed = np.ones(max(num_units - 1, 0), dtype=bool)
+    for group in tied_groups:
+        allowed[min(group):max(group)] = False
+    return allowed
+
+
+def max_stages(allowed: np.ndarray) -> int:
+    """The most contiguous stages the allowed cuts permit."""
+    return int(allowed.sum()) + 1
+
+
+def range_allowed(start: np.ndarray, end: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """Whether unit ranges [start, end) begin and end at allowed cuts (the model's ends always are)."""
+    if allowed is None:
+        return np.ones(np.shape(start), dtype=bool)
+    edges = np.concatenate([[True], allowed, [True]])  # edges[i]: a stage may begin (or end) before unit i
+    return edges[start] & edges[end]
+
+
+def forbid_cuts(cost: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+    """`cost` with +inf for every range that begins or ends at a forbidden cut."""
+    if allowed is None or allowed.all():
+        return cost
+    size = cost.shape[-1]
+    start, end = np.meshgrid(np.arange(size), np.arange(size), indexing="ij")
+    return np.where(range_allowed(start, end, allowed)[None], cost, np.inf)
+
+
 def _least_bottleneck(cost: np.ndarray) -> float:
     """The smallest t_max any cuts achieve (inf if none fit): a min-max DP,
     `worst[j] = min_i max(worst_before[i], cost[k, i, j])` over stages k."""
@@ -62,12 +99,17 @@ def _least_bottleneck(cost: np.ndarray) -> float:
     return float(worst[size - 1])
 
 
-def solve_cuts(cost: np.ndarray, num_microbatches: int) -> StageCuts:
-    """Optimal contiguous cuts for `cost[stage, start, end]` (shape S x (U+1) x (U+1))."""
+def solve_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray | None = None) -> StageCuts:
+    """Optimal contiguous cuts for `cost[stage, start, end]` (shape S x (U+1) x (U+1)), cutting only
+    where `cut_allowed` (`allowed_cuts`; None: anywhere) permits."""
     num_stages, size, _ = cost.shape
     num_units = size - 1
     if num_stages > num_units:
         raise PlannerError(f"{num_stages} pipeline stages need at least as many units; the model has {num_units}.", "Use fewer stages.")
+    if cut_allowed is not None and num_stages > max_stages(cut_allowed):
+        raise PlannerError(f"{num_stages} pipeline stages need {num_stages - 1} cuts; units sharing a parameter leave "
+                           f"{max_stages(cut_allowed) - 1}.", "Use fewer stages.")
+    cost = forbid_cuts(cost, cut_allowed)
     candidates = np.unique(cost[np.isfinite(cost)])
     least = _least_bottleneck(cost)
     if not np.isfinite(least):
@@ -129,13 +171,14 @@ def _min_sum_cuts(cost: np.ndarray, t_max: np.ndarray) -> list[list[tuple[int, i
     return out
 
 
-def brute_force_cuts(cost: np.ndarray, num_microbatches: int) -> StageCuts:
-    """Every placement of S-1 cuts among U-1 positions; for tests on small instances."""
+def brute_force_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray | None = None) -> StageCuts:
+    """Every placement of S-1 cuts among the U-1 positions (the allowed ones); for tests on small instances."""
     from itertools import combinations
 
     num_stages, size, _ = cost.shape
     best: StageCuts | None = None
-    for inner in combinations(range(1, size - 1), num_stages - 1):
+    positions = [c for c in range(1, size - 1) if cut_allowed is None or cut_allowed[c - 1]]
+    for inner in combinations(positions, num_stages - 1):
         edges = (0, *inner, size - 1)
         bounds = tuple(zip(edges[:-1], edges[1:]))
         times = tuple(float(cost[k, i, j]) for k, (i, j) in enumerate(bounds))

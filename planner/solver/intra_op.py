@@ -39,6 +39,11 @@ Constraints                                                   (function that add
     forward_conversion:     yF[p,a,t] >= out[p,a] + x[c,s] - 1, in(s)=t `_add_conversions`
     backward_conversion:    yB[p,a,g] >= out[p,a] + x[c,s] - 1, grad(s)=g
     parameter_memory:       sum x[v,s] param_bytes(v,s) <= limit       `_add_parameter_memory`
+    pinned_tp (TP pinned):  sum_{weighted v, s in colwise/rowwise} x[v,s] >= 1   `_add_pinned_tp`
+
+Colwise on a linear feeding attention must split whole heads (`_heads_of`): the runtime
+leaves its output sharded and the model's code splits it into its local heads. A TP degree
+that divides no attention's heads is refused before the ILP (`tp_obstacles`).
 
 CBC solves it with a time limit (`ILP_TIME_LIMIT_S`); a block has about 40 variables. The
 same cost is computed in closed form by `evaluate` for any assignment, which the tests
@@ -97,6 +102,10 @@ class IntraOpProblem:
     """Boundary layout B is sequence-sharded (S) instead of replicated (R)."""
     parameter_bytes_limit: float | None = None
     """Upper bound on this unit's parameter bytes per GPU (None: unbounded)."""
+    require_sharding: bool = False
+    """The user pinned the TP degree: shard at least one weight of the unit where any can be
+    (constraint `pinned_tp`), rather than replicate everything when collectives cost more than
+    the compute they split."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +139,7 @@ def _numel(shape: list[int]) -> int:
     return math.prod(shape) if shape else 1
 
 
-def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int]) -> dict[str, tuple]:
+def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_parallel: bool = False) -> dict[str, tuple]:
     if tp == 1:
         return {"replicate": (EMBEDDING if op.kind == "embedding" else LINEAR)["replicate"]}
     if op.kind == "linear":
@@ -141,33 +150,77 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int]) -> dict[str, t
         # not offered here (the ILP's objective sees neither advantage of real TP).
         ok = {"replicate": True, "sequence": False, "rowwise": in_f % tp == 0}
         ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0
+        # Under sequence parallelism the runtime runs Megatron's layout (runtime/apply_tp.py): every
+        # linear of a block sharded, activations between the sandwiches sequence-sharded. A
+        # replicated linear there (or the attention it feeds) would need the whole sequence,
+        # which the runtime does not gather for it.
+        ok["replicate"] = not (sequence_parallel and (ok["colwise"] or ok["rowwise"]))
         return {s: v for s, v in LINEAR.items() if ok[s]}
     if op.kind == "embedding":
         num, dim = op.weight_shape
         ok = {"replicate": True, "rowwise": num % tp == 0, "colwise": dim % tp == 0}
         return {s: v for s, v in EMBEDDING.items() if ok[s]}
-    if op.kind in ("attention", "matmul") and len(op.input_shape) >= 4 and op.input_shape[-3] % tp == 0:
+    if _is_attention(op) and op.input_shape[-3] % tp == 0:
         return dict(HEADS)
     return {"replicate": HEADS["replicate"]}
+
+
+def _is_attention(op: OpNode) -> bool:
+    """Attention's core (fused, or the two batched matmuls of a materialised one) on (b, heads, s, d) tensors."""
+    return op.kind in ("attention", "matmul") and len(op.input_shape) >= 4
+
+
+def _heads_of(ops) -> dict[str, int]:
+    """Heads of the linears feeding an attention op (query and key/value heads apart, as grouped-query
+    attention has fewer of the latter).
+
+    The runtime leaves a colwise q/k/v projection's output sharded and the model's own code splits
+    it into heads (`view(b, s, -1, head_dim)`, runtime/apply_tp.py), so colwise must split whole
+    heads. The head dim is the last dim of q (fused attention and `q @ k^T`, whose output is the
+    square score matrix) or of the output (`scores @ v`)."""
+    by_name = {op.name: op for op in ops}
+    heads: dict[str, int] = {}
+    for op in ops:
+        if not _is_attention(op):
+            continue
+        scores = op.kind == "matmul" and op.output_shape[-1] == op.output_shape[-2]
+        head_dim = op.input_shape[-1] if op.kind == "attention" or scores else op.output_shape[-1]
+        for src in op.inputs:
+            if src in by_name and by_name[src].weight_shape and by_name[src].kind == "linear":
+                heads[src] = by_name[src].weight_shape[0] // head_dim
+    return heads
+
+
+def tp_obstacles(ops, tp: int) -> list[str]:
+    """Why the runtime cannot shard this unit's attention `tp` ways (empty if it can or there is none):
+    Megatron-style tensor parallelism splits whole heads, query and key/value heads alike."""
+    if tp == 1:
+        return []
+    problems = []
+    for op in ops:
+        if _is_attention(op) and op.input_shape[-3] % tp:
+            problems.append(f"{op.name} has {op.input_shape[-3]} heads")
+    for name, heads in sorted(_heads_of(ops).items()):
+        if heads % tp:
+            problems.append(f"{name} projects {heads} heads")
+    return problems
+
+
+def shardable_ops(ops, tp: int) -> list[str]:
+    """Ops with a weight the runtime can shard `tp` ways (colwise or rowwise offered to the ILP)."""
+    heads_of = _heads_of(ops)
+    return [op.name for op in ops if op.weight_shape and {"colwise", "rowwise"} & set(_op_strategies(op, tp, heads_of))]
 
 
 def _build_graph(problem: IntraOpProblem) -> _Graph:
     ops, tp, scale = problem.ops, problem.tp_degree, problem.activation_scale
     boundary = "S" if problem.sequence_parallel else "R"
-    by_name = {op.name: op for op in ops}
-    # Heads of the linears feeding an attention op: colwise must split whole (kv) heads.
-    heads_of: dict[str, int] = {}
-    for op in ops:
-        if op.kind == "attention":
-            head_dim = op.input_shape[-1]
-            for src in op.inputs:
-                if src in by_name and by_name[src].weight_shape:
-                    heads_of[src] = by_name[src].weight_shape[0] // head_dim
+    heads_of = _heads_of(ops)
     nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}
     nbytes: dict[str, float] = {INPUT: 0.0}
     sources: dict[str, str] = {}
     for op in ops:
-        nodes[op.name] = _op_strategies(op, tp, heads_of)
+        nodes[op.name] = _op_strategies(op, tp, heads_of, problem.sequence_parallel)
         nbytes[op.name] = _numel(op.output_shape) * problem.dtype_bytes * scale
         act_bytes = _numel(op.input_shape) * problem.dtype_bytes * scale
         if op.kind == "embedding":
@@ -269,22 +322,27 @@ def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     if all(len(s) == 1 for s in free.values()):
         return evaluate(problem, {v: next(iter(s)) for v, s in free.items()})
+    by_name = {op.name: op for op in problem.ops}
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     # x[v, s]: node v uses strategy s (1) or not (0).
     x = {(v, s): pulp.LpVariable(f"x_{i}_{j}", cat="Binary") for i, v in enumerate(free) for j, s in enumerate(free[v])}
-    by_name = {op.name: op for op in problem.ops}
     node_costs = {(v, s): _node_cost(problem, by_name.get(v), s) for (v, s) in x}
     objective = [x[k] * (c + w) for k, (c, w, _) in node_costs.items()]
     _add_one_strategy(model, x, free)
     objective += _add_conversions(model, x, graph, problem.collectives)
     _add_parameter_memory(model, x, node_costs, problem.parameter_bytes_limit)
+    if problem.require_sharding:
+        _add_pinned_tp(model, x, by_name)
     # Objective in microseconds: CBC's absolute tolerances (1e-6..1e-9) are too coarse for seconds.
     model += 1e6 * pulp.lpSum(objective)
     status = model.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=ILP_TIME_LIMIT_S))
     if pulp.LpStatus[status] != "Optimal":
+        limit = problem.parameter_bytes_limit
+        named = ([f"`parameter_memory` (<= {limit:.3g} bytes)"] if limit is not None else []) + \
+            (["`pinned_tp`"] if problem.require_sharding else [])
         raise PlannerError(
             f"The tensor-parallel ILP is {pulp.LpStatus[status].lower()} at tp={problem.tp_degree}: "
-            f"constraint `parameter_memory` (<= {problem.parameter_bytes_limit:.3g} bytes) cannot be met.",
+            f"constraint {' and '.join(named)} cannot be met.",
             "Raise the memory available per GPU or the TP degree.",
         )
     chosen = {v: s for (v, s), var in x.items() if var.value() > 0.5}
@@ -351,6 +409,13 @@ def _add_conversions(model, x, graph: _Graph, coll: TPCollectives) -> list:
 
 def _is_zero(expr) -> bool:
     return isinstance(expr, int) and expr == 0
+
+
+def _add_pinned_tp(model, x, by_name) -> None:
+    # [Constraint] pinned_tp: with the TP degree pinned, at least one weight is sharded (where any can be).
+    sharded = [var for (v, s), var in x.items() if v in by_name and by_name[v].weight_shape and s in ("colwise", "rowwise")]
+    if sharded:
+        model += pulp.lpSum(sharded) >= 1, "pinned_tp"
 
 
 def _add_parameter_memory(model, x, node_costs, limit: float | None) -> None:

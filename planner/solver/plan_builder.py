@@ -17,6 +17,12 @@ def _layout(e: Evaluation) -> Layout:
     )
 
 
+def module_fqn(unit: str, module: str) -> str:
+    """A module's name from the model root, given its path relative to its unit ("" is the unit itself,
+    as when the unit is a Linear such as GPT's `head`)."""
+    return f"{unit}.{module}" if module else unit
+
+
 def why_lost(loser: Evaluation, winner: Evaluation) -> str:
     """The breakdown terms that grew the most, in words."""
     slower = loser.iteration_time_s / winner.iteration_time_s - 1
@@ -50,7 +56,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         tp_plan = {}
         if cfg.tp > 1:
             for u in range(i, j):
-                tp_plan.update({f"{names[u]}.{module}": style for module, style in table.tp_plans[u].items()})
+                tp_plan.update({module_fqn(names[u], module): style for module, style in table.tp_plans[u].items()})
         stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute, tp_plan=tp_plan))
     n = cluster.world_size
     t = best.iteration_time_s

@@ -9,7 +9,8 @@ that the pins allow, `evaluate_config` builds the stage cost table
                                                           across nodes without SP: `scatter_gather`)
                     + the cluster's pipeline_overhead_s  (pp > 1: the schedule's bookkeeping)
 
-(stage memory = model states under ZeRO + in-flight micro-batches x stored activations +
+(+inf for ranges that would split units sharing a parameter; stage memory = model states
+under ZeRO + in-flight micro-batches x stored activations +
 the largest recomputation transient + send/receive buffers), lets the DP
 (planner/solver/inter_op.py) pick the cuts and per-stage recomputation, and prices the
 result with the schedule's closed form (planner/cost/schedules.py) plus the data-parallel
@@ -32,7 +33,7 @@ from planner.cost.memory import model_state_bytes
 from planner.cost.schedules import iteration_time_s, in_flight_microbatches
 from planner.errors import PlannerError
 from planner.solver.costs import RECOMPUTE_MODES, UnitCostTable
-from planner.solver.inter_op import solve_cuts
+from planner.solver.inter_op import max_stages, range_allowed, solve_cuts
 
 
 @dataclass(frozen=True)
@@ -123,10 +124,16 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     num_chunks = cfg.pp * cfg.virtual_stages
     if num_chunks > num_units:
         return Evaluation(cfg, False, f"{num_chunks} stages but only {num_units} units")
+    allowed = table.cut_allowed
+    if allowed is not None and num_chunks > max_stages(allowed):
+        return Evaluation(cfg, False, f"{num_chunks} stages but units sharing a parameter leave room for {max_stages(allowed)}")
     times, states, gathers = _stage_arrays(table, cfg, env)
     size = num_units + 1
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
     start, end = np.triu_indices(size, k=1)
+    # [Constraint] tied units share a stage: no range begins or ends inside a tied group.
+    keep = range_allowed(start, end, allowed)
+    start, end = start[keep], end[keep]
     if fixed_bounds is None and math.isfinite(time_cap_s):
         fastest = prefix(np.min(np.stack([times[r] for r in env.allowed_recompute]), axis=0))
         keep = fastest[end] - fastest[start] <= time_cap_s / cfg.num_microbatches

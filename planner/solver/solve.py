@@ -1,6 +1,8 @@
 """`planner solve`: the fastest plan that fits, from a profile and a cluster (no torch).
 
-`solve` enumerates the configurations the pins allow (`candidate_configs`), prices each
+`solve` refuses pins the model cannot honour (`check_model_pins`: a TP degree that splits no
+weight or not whole attention heads, more pipeline stages than tied weights allow),
+enumerates the configurations the pins allow (`candidate_configs`), prices each
 with `planner.solver.search.evaluate_config`, keeps the best `top_k`, and writes the winner
 as a plan file (planner/plan.py) whose `search` section lists the runners-up and why each
 lost. When nothing fits it says what does not fit and by how much.
@@ -19,7 +21,9 @@ from planner.cost.compute import ComputeModel
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE, SCHEDULES, Batch, ClusterRef, Layout, ModelRef, Plan, Prediction, Stage, Training, stage_ranks
 from planner.profile_schema import Profile
-from planner.solver.costs import DTYPE_BYTES, UnitCosts
+from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_cut_allowed, tied_unit_indices
+from planner.solver.inter_op import max_stages
+from planner.solver.intra_op import shardable_ops, tp_obstacles
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config
 
 GIB = 1024**3
@@ -82,9 +86,65 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         raise PlannerError("Invalid pins: " + "; ".join(problems) + ".", "Change the pinned values (see `planner solve --help`).")
 
 
-def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int]):
+def tp_refusal(profile: Profile, tp: int) -> str | None:
+    """Why the runtime cannot honour tensor parallelism of degree `tp` on this model (None: it can).
+
+    It splits whole attention heads (query and key/value heads alike; Megatron-LM refuses the
+    same) and must shard at least one weight: a degree that does neither would give tp ranks
+    that repeat each other's work."""
+    if tp == 1:
+        return None
+    obstacles, shardable, seen = [], False, set()
+    tied = tied_unit_indices(profile)  # replicated (planner/solver/costs.py)
+    for unit in profile.units:
+        if unit.fingerprint in seen or unit.index in tied:
+            continue
+        seen.add(unit.fingerprint)
+        obstacles += [f"{unit.name}: {why}" for why in tp_obstacles(unit.ops, tp)]
+        shardable = shardable or bool(shardable_ops(unit.ops, tp))
+    if obstacles:
+        more = f" and {len(obstacles) - 3} more" if len(obstacles) > 3 else ""
+        return f"tensor parallelism splits whole attention heads and {tp} does not divide them ({'; '.join(obstacles[:3])}{more})"
+    if not shardable:
+        dims = sorted({d for u in profile.units for op in u.ops if op.weight_shape for d in op.weight_shape})
+        return (f"no Linear or Embedding weight of the model has a dimension that splits {tp} ways "
+                f"(weight dims {dims[:8] or 'none'}"
+                + (", tied weights stay replicated" if tied else "") + "), so nothing would be sharded")
+    return None
+
+
+def stage_limit(profile: Profile) -> tuple[int, str]:
+    """The most pipeline stages (chunks) the model's tied parameters allow, and why it is below the unit count."""
+    limit = max_stages(tied_cut_allowed(profile))
+    if limit >= len(profile.units):
+        return len(profile.units), ""
+    groups = [g for g in profile.model.tied_parameters if len(g) > 1]
+    return limit, (f"units {' / '.join(map(str, groups))} share a parameter (tied weights) and must stay in one stage, "
+                   f"since the runtime cannot tie a weight across stages; that leaves {limit} possible stage(s)")
+
+
+def check_model_pins(pins: Pins, profile: Profile) -> None:
+    """Refuse pinned dimensions this model cannot honour, saying why (the pins alone are checked by `check_pins`)."""
+    problems = []
+    if pins.tp and pins.tp > 1:
+        why = tp_refusal(profile, pins.tp)
+        if why:
+            problems.append(f"--tp {pins.tp}: {why}")
+    limit, why = stage_limit(profile)
+    chunks = (pins.pp or 1) * (pins.virtual_stages or 1)
+    if pins.pp and chunks > limit and why:
+        problems.append(f"--pp {pins.pp} x --virtual-stages {pins.virtual_stages or 1} needs {chunks} stages, but {why}")
+    if problems:
+        raise PlannerError("The model cannot honour the pins: " + "; ".join(problems) + ".",
+                           "Pin a degree the model allows, or leave that dimension to the search.")
+
+
+def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
+                      tp_degrees: set[int] | None = None):
+    """Configurations the pins allow; `num_units` is the most pipeline chunks the model allows
+    (`stage_limit`), `tp_degrees` the TP degrees it can honour (None: any)."""
     n, gpn = cluster.world_size, cluster.gpus_per_node
-    for tp in [pins.tp] if pins.tp else [t for t in _divisors(min(n, gpn))]:
+    for tp in [pins.tp] if pins.tp else [t for t in _divisors(min(n, gpn)) if tp_degrees is None or t in tp_degrees]:
         for pp in [pins.pp] if pins.pp else [p for p in _divisors(n // tp) if p <= num_units]:
             dp = n // (tp * pp)
             if (n % (tp * pp)) or (pins.dp and pins.dp != dp) or global_batch_size % dp:
@@ -113,6 +173,8 @@ def _schedules(pins: Pins, pp: int, m: int, num_units: int):
     # GPipe runs as fast as 1F1B in this model and holds more activations: searched only when pinned.
     names = [pins.schedule] if pins.schedule else ["1f1b", "interleaved-1f1b", "zero-bubble"]
     for name in names:
+        if not torch_builds(name, pp, m):
+            continue
         if name == "interleaved-1f1b":
             choices = [pins.virtual_stages] if pins.virtual_stages else INTERLEAVE_CHOICES
             for v in choices:
@@ -124,6 +186,17 @@ def _schedules(pins: Pins, pp: int, m: int, num_units: int):
                 yield name, v
         else:
             yield name, 1
+
+
+def torch_builds(schedule: str, pp: int, num_microbatches: int) -> bool:
+    """Whether torch.distributed.pipelining (which the runtime runs) accepts this many micro-batches:
+    1F1B needs at least one per stage; the looped schedules split them into rounds of pp
+    (`max(1, m // pp)` rounds, which must divide m)."""
+    if schedule == "1f1b":
+        return num_microbatches >= pp
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        return num_microbatches % max(1, num_microbatches // pp) == 0
+    return True
 
 
 def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
@@ -168,15 +241,21 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     started = time.perf_counter()
     dtype = dtype or profile.dtype
     check_pins(pins, cluster, global_batch_size, len(profile.units))
+    check_model_pins(pins, profile)
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
-    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype)
+    # A pinned TP degree is honoured: each unit shards a weight where it can, even where the
+    # collectives cost more than the compute they split (the free search would pick dp instead).
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
+                      require_sharding=bool(pins.tp and pins.tp > 1))
+    tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = _environment(cluster, compute, dtype, pins, memory_fraction)
     # Branch and bound: price the groups in order of a lower bound on their iteration time
     # (perfectly balanced stages, no bubble, no communication) and stop once that bound
     # exceeds the k-th best time found; feasibility is not monotone, so nothing else is cut.
     groups = []
-    for zero_variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units), profile.micro_batch_sizes):
+    for zero_variants in candidate_configs(pins, cluster, global_batch_size, stage_limit(profile)[0], profile.micro_batch_sizes,
+                                           tp_degrees):
         cfg = zero_variants[0]
         table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
         groups.append((time_lower_bound(table, cfg, env), zero_variants))
