@@ -69,7 +69,8 @@ class ModelFile:
     """Keyword arguments passed to `build_model` and `make_batch`."""
 
     def build_model(self):
-        return call_user(self, "build_model", **self.model_args)
+        """The user's model, made ready for training (see `for_training`)."""
+        return for_training(call_user(self, "build_model", **self.model_args))
 
     def make_batch(self, batch_size: int):
         return call_user(self, "make_batch", batch_size, **self.model_args)
@@ -116,6 +117,21 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) 
             "targets) is optional. See examples/gpt.py.",
         )
     return ModelFile(path=path, module=module, model_args=dict(model_args or {}))
+
+
+def for_training(model):
+    """Turn off inference-only state a model may carry into training.
+
+    A key/value cache (the `use_cache` flag of a model's `config`, on by default in every
+    Hugging Face causal LM) makes each forward append to tensors kept from the previous
+    one: running a unit twice then backpropagates through a freed graph, and a pipeline
+    stage would carry the cache across micro-batches. Training never reads it, so it is
+    off for every model that has the flag, whatever its class.
+    """
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False):
+        config.use_cache = False
+    return model
 
 
 def call_user(model_file: ModelFile, fn_name: str, *args, **kwargs):

@@ -222,6 +222,16 @@ def trace_units(model: nn.Module, inputs: tuple) -> UnitTrace:
     return trace
 
 
+def trace_on_meta(model: nn.Module, inputs: tuple, values: "KnownValues | None" = None) -> UnitTrace:
+    """`trace_units` of a meta-device model on `inputs` (real or meta tensors), with the values
+    the meta device lacks supplied where they can be (planner/meta_values.py)."""
+    from planner.meta_values import KnownValues
+
+    values = values or KnownValues()
+    with values:
+        return trace_units(model, values.to_meta(inputs))
+
+
 def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
     modules = dict(model.named_modules())
     tracer = _Tracer(model, names)

@@ -17,13 +17,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from planner.units import tied_units
+
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_stage: int) -> None:
+    """`fully_shard` each unit, then the stage. Units that share a parameter (tied embeddings)
+    form one FSDP group, as FSDP2 requires of a shared parameter."""
     present = dict(module.named_modules())
     reshard = zero_stage >= 3
-    for name in units:
-        if name in present and any(True for _ in present[name].parameters()):
-            fully_shard(present[name], mesh=dp_mesh, reshard_after_forward=reshard)
+    held = [name for name in units if name in present and any(True for _ in present[name].parameters())]
+    tied = [group for group in tied_units(module, held)]
+    grouped = {name for group in tied for name in group}
+    for group in [*tied, *([name] for name in held if name not in grouped)]:
+        targets = [present[name] for name in group]
+        fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from planner.errors import PlannerError
 from planner.model_file import ModelFile
 from planner.plan import Plan
-from planner.units import model_fingerprint, trace_units
+from planner.units import model_fingerprint, trace_on_meta
 
 
 def build_meta_model(model_file: ModelFile) -> nn.Module:
@@ -39,8 +39,7 @@ def as_tuple(inputs) -> tuple:
 def trace(model: nn.Module, model_file: ModelFile):
     """The unit trace of one meta forward (units in execution order, crossing tensors)."""
     inputs, _ = model_file.make_batch(1)
-    meta_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in as_tuple(inputs))
-    return trace_units(model, meta_inputs)
+    return trace_on_meta(model, as_tuple(inputs))
 
 
 def check_fingerprint(plan: Plan, model: nn.Module, model_file: ModelFile):
@@ -76,6 +75,24 @@ def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
+def tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names of parameters that are one object (tied weights: GPT-2's wte and lm_head), per object."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Make each group one parameter object again. `to_empty` (off the meta device) gives every
+    module a new tensor of its own, so tied weights would silently train as two."""
+    for first, *others in groups:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, attr, shared)
+
+
 def materialize(model: nn.Module, seed: int, device: torch.device, mode: str, model_file: ModelFile) -> nn.Module:
     """Real tensors for every parameter and buffer `model` holds (the whole model, or a pipeline
     stage cut from it with the same FQNs), initialised as the module docstring says; in place."""
@@ -83,11 +100,13 @@ def materialize(model: nn.Module, seed: int, device: torch.device, mode: str, mo
     if mode == "full":
         torch.manual_seed(seed)
         full = model_file.build_model()
+    tied = tied_groups(model)
     model.to_empty(device=device)
+    retie(model, tied)
     with torch.no_grad():
         if full is not None:
             # Non-persistent buffers (rotary inv_freq) are not in state_dict(): copy by name instead.
-            values = {**dict(full.named_parameters()), **dict(full.named_buffers())}
+            values = {**dict(full.named_parameters(remove_duplicate=False)), **dict(full.named_buffers())}
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
                 tensor.copy_(values[name])
         else:

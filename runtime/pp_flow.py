@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from planner.errors import PlannerError
+from planner.meta_values import KnownValues
 from planner.plan import Plan
 
 Key = tuple[float, int]
@@ -75,6 +76,15 @@ class Flow(TorchFunctionMode):
         self.ordinals: Counter = Counter()
         self.consumers: dict[Key, set[float]] = defaultdict(set)
         self.order: list[int] = []
+        self._known_values: KnownValues | None = None
+
+    @property
+    def known_values(self) -> KnownValues:
+        """Values of the meta tensors an earlier stage's glue makes, where they can be known
+        (made on first use: most stages' glue never needs one)."""
+        if self._known_values is None:
+            self._known_values = KnownValues()
+        return self._known_values
 
     @property
     def recording(self) -> bool:
@@ -115,7 +125,12 @@ class Flow(TorchFunctionMode):
             if stage > self.stage:
                 raise StopStage
             if stage < self.stage:  # an earlier stage's glue: shapes only, the values arrive by p2p
-                args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
+                # On meta, but with the values it can know (received tensors such as position
+                # ids, and what follows from them): glue may read them, as mask code does.
+                values = self.known_values
+                args, kwargs = values.to_meta((args, kwargs))
+                with values:
+                    return self.produce(func(*args, **kwargs), position)
         return self.produce(func(*args, **kwargs), position)
 
     # A unit's internals are not numbered, so while one runs the mode steps off torch's
@@ -207,10 +222,11 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
     layout = CutLayout(units, unit_stage, len(plan.stages))
     meta_model = model if all(p.is_meta for p in model.parameters()) else copy.deepcopy(model).to("meta")
     flow = Flow()
-    inputs = flow.produce(tree_map_only(torch.Tensor, to_meta, tuple(example_inputs)), INPUT)
+    values = KnownValues()
+    inputs = flow.produce(values.to_meta(tuple(example_inputs)), INPUT)
     hooks = UnitHooks(meta_model, units)
     try:
-        with hooks.active(flow), torch.no_grad():
+        with values, hooks.active(flow), torch.no_grad():
             meta_model(*inputs)
     finally:
         hooks.remove()

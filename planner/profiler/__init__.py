@@ -19,7 +19,7 @@ the times the solver used and the times the run sees come from the same kernels.
 from __future__ import annotations
 
 import datetime as _dt
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import planner
 from planner.errors import PlannerError
 from planner.hardware import get_gpu
+from planner.meta_values import KnownValues
 from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import Cut, CrossingTensor, ModelInfo, Profile, Unit, UnitCosts, WholeModel
 from planner.profiler.counters import MetaAttentionMode
@@ -65,9 +66,9 @@ def _signature(module_fp: str, args, kwargs) -> tuple:
     return (module_fp,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
 
 
-def _trace(mf: ModelFile, model, inputs, where: str) -> UnitTrace:
+def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None = None) -> UnitTrace:
     try:
-        with MetaAttentionMode():
+        with values or nullcontext(), MetaAttentionMode():
             return trace_units(model, inputs)
     except PlannerError:
         raise
@@ -136,17 +137,7 @@ def profile_model(
 
 
 def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion) -> Profile:
-    if device not in DEVICES:
-        raise PlannerError(f"Unknown device {device!r}.", f"Use one of {', '.join(DEVICES)}.")
-    if dtype not in DTYPES:
-        raise PlannerError(f"Unknown dtype {dtype!r}.", f"Use one of {', '.join(DTYPES)}.")
-    if fusion not in FUSIONS:
-        raise PlannerError(f"Unknown fusion {fusion!r}.", f"Use one of {', '.join(FUSIONS)}.")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise PlannerError("--device cuda was asked for but this machine has no CUDA GPU.", "Use --device cpu, or --device meta for an analytic profile.")
-    sizes = sorted(set(int(b) for b in micro_batch_sizes))
-    if not sizes or sizes[0] < 1:
-        raise PlannerError(f"Micro-batch sizes must be positive integers, got {list(micro_batch_sizes)}.")
+    sizes = _check_options(device, dtype, fusion, micro_batch_sizes)
     analytic_gpu = get_gpu(gpu or "h100-80gb") if device == "meta" else None
     torch_dtype = DTYPES[dtype]
     mf = load_model_file(model_file, model_args)
@@ -156,118 +147,35 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     if not isinstance(meta_model, torch.nn.Module):
         raise PlannerError(f"build_model() in {mf.path} returned {type(meta_model).__name__}, not a torch.nn.Module.")
     meta_model = meta_model.to(torch_dtype)
+    element = torch.empty((), dtype=torch_dtype).element_size()
 
+    # One KnownValues for every meta run of this profile: the shadows of the batch and of the
+    # tensors the trace made stay attached to the unit inputs it recorded (planner/meta_values.py).
+    values = KnownValues(seed=seed)
     batches = {b: mf.make_batch(b) for b in sizes}
-    traces = {b: _trace(mf, meta_model, _to(_as_tuple(batches[b][0]), "meta", torch_dtype), "on the meta device") for b in sizes}
+    model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, torch_dtype, seed, values)
     trace = traces[sizes[0]]
     units = trace.units
     if not units:
         raise PlannerError("The model's forward called none of its submodules, so it has nowhere to cut.", "Put the layers in submodules (e.g. an nn.ModuleList of blocks).")
     fingerprints = unit_fingerprints(meta_model, units)
     owned = owned_parameters(meta_model, units)
-    element = torch.empty((), dtype=torch_dtype).element_size()
     total_params = sum(p.numel() for ps in owned.values() for _, p in ps)
 
-    if device == "meta":
-        model = meta_model
-        unit_inputs = {b: traces[b].unit_inputs for b in sizes}
-    else:
-        _check_fits(device, total_params * element)
-        torch.manual_seed(seed)
-        try:
-            with torch.device(device):
-                model = mf.build_model()
-            model = model.to(torch_dtype)
-        except torch.OutOfMemoryError as exc:
-            raise PlannerError(f"Out of memory building the model on {device}.", "Use --device meta for an analytic profile.") from exc
-        unit_inputs = {}
-        for b in sizes:
-            real_inputs = _to(_as_tuple(batches[b][0]), device, torch_dtype)
-            unit_inputs[b] = _trace(mf, model, real_inputs, f"on {device}").unit_inputs
-
     modules = dict(model.named_modules())
-    costs: dict[str, dict[int, UnitCosts]] = {u: {} for u in units}
-    cache: dict[tuple, UnitCosts] = {}
-    steps, done = len(units) * len(sizes), 0
-    jobs: dict[tuple[str, int], UnitJob] = {}
-    for b in sizes:
-        for name in units:
-            args, kwargs = unit_inputs[b][name]
-            key = _signature(fingerprints[name], args, kwargs)
-            if analytic_gpu is not None and key in cache:
-                costs[name][b] = cache[key]
-            else:
-                try:
-                    costs[name][b] = cache[key] = unit_costs(modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype,
-                                                             fusion=fusion)
-                except torch.OutOfMemoryError as exc:
-                    raise PlannerError(f"Out of memory profiling unit {name} at micro-batch {b} on {device}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
-                except PlannerError:
-                    raise
-                except Exception as exc:
-                    raise user_code_error(mf.path, f"running unit {name} alone", exc) from exc
-                if device != "meta":
-                    jobs[name, b] = UnitJob(modules[name], args, kwargs)
-            done += 1
-            if progress:
-                progress(f"counting {name} @ micro-batch {b}", done, steps)
-
+    with values:
+        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
     if device != "meta":
-        wholes = {b: whole_model_job(model, _to(_as_tuple(batches[b][0]), device, torch_dtype), _to(batches[b][1], device, torch_dtype), mf.loss)
-                  for b in sizes}
-        try:
-            time_round_robin([*jobs.values(), *wholes.values()], warmup, repeats,
-                             progress=(lambda i, n: progress(f"timing pass {i}/{n}", i, n)) if progress else None)
-        except torch.OutOfMemoryError as exc:
-            raise PlannerError(f"Out of memory timing the units on {device}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
-        except Exception as exc:
-            raise user_code_error(mf.path, "timing the units and the whole model", exc) from exc
-        for (name, b), job in jobs.items():
-            forward_s, backward_s = job.typical()
-            costs[name][b] = costs[name][b].model_copy(update={"forward_time_s": forward_s, "backward_time_s": backward_s,
-                                                               "peak_memory_bytes": job.peak_memory_bytes})
-        for b, job in wholes.items():
-            units_s = sum(costs[u][b].forward_time_s + costs[u][b].backward_time_s for u in units)
-            whole[b] = WholeModel(forward_backward_time_s=job.typical(), sum_of_units_time_s=units_s,
-                                  ratio=job.typical() / units_s if units_s else 0.0)
+        whole = _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress)
         optimizer_s = optimizer_step_time(model)
 
-    cuts = []
-    for c in range(len(units) - 1):
-        per_size = {b: traces[b].crossings(c) for b in sizes}
-        tensors = []
-        for i, t in enumerate(per_size[sizes[0]]):
-            tensors.append(
-                CrossingTensor(
-                    producer=trace.position_name(t.producer),
-                    consumers=sorted({trace.position_name(q) for q in t.consumers}),
-                    dtype=t.dtype,
-                    shape={b: per_size[b][i].shape for b in sizes},
-                    bytes={b: per_size[b][i].bytes for b in sizes},
-                )
-            )
-        cuts.append(Cut(after_index=c, after=units[c], tensors=tensors, bytes={b: sum(t.bytes for t in per_size[b]) for b in sizes}))
+    graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
+    with values:
+        op_graphs = _op_graphs(mf, graph_modules, units, fingerprints, trace)
 
-    meta_modules = dict(meta_model.named_modules())
-    op_graphs: dict[str, list] = {}
-    for name in units:
-        if fingerprints[name] not in op_graphs:
-            args, kwargs = trace.unit_inputs[name]
-            try:
-                with MetaAttentionMode():
-                    op_graphs[fingerprints[name]] = record_op_graph(meta_modules[name], args, kwargs)
-            except Exception as exc:
-                raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
-
-    notes = []
-    if trace.unused:
-        notes.append(f"modules never called in forward (left out of the units): {', '.join(trace.unused)}")
-    if trace.repeated_calls:
-        notes.append(f"units called more than once (shared weights): {', '.join(trace.repeated_calls)}")
-    if owned.get(""):
-        notes.append(f"parameters held outside every unit: {', '.join(n for n, _ in owned[''])}")
+    notes = _notes(trace, owned, values, meta_traced)
     first_input = _as_tuple(batches[sizes[0]][0])[0]
     seq_len = int(first_input.shape[1]) if isinstance(first_input, torch.Tensor) and first_input.dim() == 2 and not first_input.is_floating_point() else None
 
@@ -306,12 +214,172 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         ),
         micro_batch_sizes=sizes,
         units=unit_records,
-        cuts=cuts,
+        cuts=_cut_records(traces, sizes),
         whole_model=whole,
         optimizer_step_s=optimizer_s,
         fusion=fusion,
         notes=notes,
     )
+
+
+def _check_options(device: str, dtype: str, fusion: str, micro_batch_sizes) -> list[int]:
+    """Refuse bad options before any work; the micro-batch sizes, sorted and unique."""
+    if device not in DEVICES:
+        raise PlannerError(f"Unknown device {device!r}.", f"Use one of {', '.join(DEVICES)}.")
+    if dtype not in DTYPES:
+        raise PlannerError(f"Unknown dtype {dtype!r}.", f"Use one of {', '.join(DTYPES)}.")
+    if fusion not in FUSIONS:
+        raise PlannerError(f"Unknown fusion {fusion!r}.", f"Use one of {', '.join(FUSIONS)}.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PlannerError("--device cuda was asked for but this machine has no CUDA GPU.", "Use --device cpu, or --device meta for an analytic profile.")
+    sizes = sorted(set(int(b) for b in micro_batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise PlannerError(f"Micro-batch sizes must be positive integers, got {list(micro_batch_sizes)}.")
+    return sizes
+
+
+def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, seed: int, values: KnownValues):
+    """The model the units are counted on, one unit trace per micro-batch size, the inputs
+    of each unit (per size) to count and time it with, and whether the traces ran on the
+    meta device.
+
+    The trace runs on the meta device (free for any model size). A measured profile then
+    builds the real model and traces it again, for unit inputs holding real data. When the
+    meta trace fails (a data-dependent operation planner/meta_values.py cannot answer, or a
+    kernel with no meta implementation) and the model is measured anyway, the real traces
+    serve for everything.
+    """
+    meta_error = None
+    traces = {}
+    try:
+        traces = {b: _trace(mf, meta_model, values.to_meta(_as_tuple(batch[0]), torch_dtype), "on the meta device", values)
+                  for b, batch in batches.items()}
+    except PlannerError as exc:  # a data-dependent operation, or a kernel the meta device lacks
+        if device == "meta":
+            raise
+        meta_error = exc
+    if device == "meta":
+        return meta_model, traces, {b: t.unit_inputs for b, t in traces.items()}, True
+    _check_fits(device, sum(p.numel() for p in meta_model.parameters()) * torch.empty((), dtype=torch_dtype).element_size())
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            model = mf.build_model()
+        model = model.to(torch_dtype)
+    except torch.OutOfMemoryError as exc:
+        raise PlannerError(f"Out of memory building the model on {device}.", "Use --device meta for an analytic profile.") from exc
+    real = {b: _trace(mf, model, _to(_as_tuple(batch[0]), device, torch_dtype), f"on {device}") for b, batch in batches.items()}
+    unit_inputs = {b: t.unit_inputs for b, t in real.items()}
+    if meta_error is not None:
+        return model, real, unit_inputs, False
+    return model, traces, unit_inputs, True  # cuts and op graphs from the meta trace
+
+
+def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress):
+    """FLOPs, bytes (and analytic times) of every unit at every size; the measured jobs to time.
+
+    Identical units (same fingerprint and input shapes) are counted once in analytic mode."""
+    sizes = sorted(unit_inputs)
+    costs: dict[str, dict[int, UnitCosts]] = {u: {} for u in units}
+    cache: dict[tuple, UnitCosts] = {}
+    jobs: dict[tuple[str, int], UnitJob] = {}
+    steps, done = len(units) * len(sizes), 0
+    for b in sizes:
+        for name in units:
+            args, kwargs = unit_inputs[b][name]
+            key = _signature(fingerprints[name], args, kwargs)
+            if analytic_gpu is not None and key in cache:
+                costs[name][b] = cache[key]
+            else:
+                try:
+                    costs[name][b] = cache[key] = unit_costs(modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype,
+                                                             fusion=fusion)
+                except torch.OutOfMemoryError as exc:
+                    raise PlannerError(f"Out of memory profiling unit {name} at micro-batch {b}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
+                except PlannerError:
+                    raise
+                except Exception as exc:
+                    raise user_code_error(mf.path, f"running unit {name} alone", exc) from exc
+                if analytic_gpu is None:
+                    jobs[name, b] = UnitJob(modules[name], args, kwargs)
+            done += 1
+            if progress:
+                progress(f"counting {name} @ micro-batch {b}", done, steps)
+    return costs, jobs
+
+
+def _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress) -> dict[int, WholeModel]:
+    """Time every unit and the whole model round-robin (fills `costs` in place); the whole-model records."""
+    wholes = {b: whole_model_job(model, _to(_as_tuple(batch[0]), device, torch_dtype), _to(batch[1], device, torch_dtype), mf.loss)
+              for b, batch in batches.items()}
+    try:
+        time_round_robin([*jobs.values(), *wholes.values()], warmup, repeats,
+                         progress=(lambda i, n: progress(f"timing pass {i}/{n}", i, n)) if progress else None)
+    except torch.OutOfMemoryError as exc:
+        raise PlannerError(f"Out of memory timing the units on {device}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
+    except Exception as exc:
+        raise user_code_error(mf.path, "timing the units and the whole model", exc) from exc
+    for (name, b), job in jobs.items():
+        forward_s, backward_s = job.typical()
+        costs[name][b] = costs[name][b].model_copy(update={"forward_time_s": forward_s, "backward_time_s": backward_s,
+                                                           "peak_memory_bytes": job.peak_memory_bytes})
+    whole = {}
+    for b, job in wholes.items():
+        units_s = sum(costs[u][b].forward_time_s + costs[u][b].backward_time_s for u in units)
+        whole[b] = WholeModel(forward_backward_time_s=job.typical(), sum_of_units_time_s=units_s,
+                              ratio=job.typical() / units_s if units_s else 0.0)
+    return whole
+
+
+def _cut_records(traces: dict[int, UnitTrace], sizes: list[int]) -> list[Cut]:
+    """For every possible cut, the tensors crossing it, with their bytes at each size."""
+    trace = traces[sizes[0]]
+    cuts = []
+    for c in range(len(trace.units) - 1):
+        per_size = {b: traces[b].crossings(c) for b in sizes}
+        tensors = [
+            CrossingTensor(
+                producer=trace.position_name(t.producer),
+                consumers=sorted({trace.position_name(q) for q in t.consumers}),
+                dtype=t.dtype,
+                shape={b: per_size[b][i].shape for b in sizes},
+                bytes={b: per_size[b][i].bytes for b in sizes},
+            )
+            for i, t in enumerate(per_size[sizes[0]])
+        ]
+        cuts.append(Cut(after_index=c, after=trace.units[c], tensors=tensors, bytes={b: sum(t.bytes for t in per_size[b]) for b in sizes}))
+    return cuts
+
+
+def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace) -> dict[str, list]:
+    """Each distinct unit's matmul-like ops, for the intra-op solver (recorded once per fingerprint)."""
+    op_graphs: dict[str, list] = {}
+    for name in units:
+        if fingerprints[name] not in op_graphs:
+            args, kwargs = trace.unit_inputs[name]
+            try:
+                with MetaAttentionMode():
+                    op_graphs[fingerprints[name]] = record_op_graph(modules[name], args, kwargs)
+            except Exception as exc:
+                raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
+    return op_graphs
+
+
+def _notes(trace: UnitTrace, owned, values: KnownValues, meta_traced: bool) -> list[str]:
+    notes = []
+    if trace.unused:
+        notes.append(f"modules never called in forward (left out of the units): {', '.join(trace.unused)}")
+    if trace.repeated_calls:
+        notes.append(f"units called more than once (shared weights): {', '.join(trace.repeated_calls)}")
+    if owned.get(""):
+        notes.append(f"parameters held outside every unit: {', '.join(n for n, _ in owned[''])}")
+    if not meta_traced:
+        notes.append("the meta-device trace could not answer a data-dependent operation; units were traced on the real model")
+    if values.sampled_decisions:
+        where = "; ".join(f"aten.{op} at {line.splitlines()[0]} ({n}x)" for (op, line), n in sorted(values.sampled_decisions.items()))
+        notes.append("control flow on the meta device followed values sampled in place of parameter-dependent data "
+                     f"(balanced routing for a router): {where}")
+    return notes
 
 
 def _device_name(device: str, gpu) -> str:

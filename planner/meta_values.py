@@ -1,0 +1,287 @@
+"""Meta-device execution that knows the values it can: data-dependent Python on meta tensors.
+
+The planner runs models on the meta device (shapes, no data): to find units and the tensors
+crossing each cut, to count FLOPs of models too large to instantiate, and in the runtime to
+replay an earlier pipeline stage's glue code. A model's forward may read tensor values in
+Python (`if mask.all():`, `.item()`, `torch.nonzero`, `x[bool_mask]`), which a meta tensor
+cannot answer. Hugging Face's mask code does this on every call (`find_packed_sequence_indices`
+checks the position ids), and so does any mixture-of-experts layer that loops over the
+experts its router picked.
+
+`KnownValues` is a `TorchDispatchMode` that carries, beside each small meta tensor, a real
+CPU tensor holding its value (a *shadow*), and answers data-dependent operations from the
+shadows:
+
+- **exact** where the value follows from data the planner has: the model's inputs (bound with
+  `bind`/`to_meta`), factory ops (`arange`, `ones`, `full`: position ids, causal masks) and
+  anything computed from those alone. A check like "are these position ids packed?" gets the
+  answer the real run would give;
+- **sampled** where it depends on parameters, which a meta model does not hold: the output
+  of such an op, if small, gets a standard-normal shadow drawn from a seeded generator (a
+  freshly initialised network's activations are of that kind). Control flow then follows a
+  plausible draw, e.g. a router's top-k over random logits routes tokens about evenly, the
+  balanced routing the cost model assumes. Each such decision is counted in
+  `sampled_decisions`, by operation and model line, so a profile can say so.
+
+A data-dependent operation on a tensor without a shadow (too large to shadow, or made before
+the mode was entered) raises `DataDependentError`, which names the operation and the model's
+line. Shadows are only computed for outputs of at most `max_numel` elements, so the cost stays
+small for any model size: at a 70B model's shapes only masks, position ids and router logits
+are shadowed, never hidden states.
+
+Ordering: enter this mode *before* (outside) a `FlopCounterMode`, so the counter sees only the
+meta op and not the shadow computation this mode runs beneath it.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from planner.errors import PlannerError
+
+aten = torch.ops.aten
+
+DEFAULT_MAX_NUMEL = 1 << 20
+"""Largest tensor (elements) given a shadow: 4 MiB in float32, far below any hidden state of a
+model worth planning, above any mask of a few thousand tokens or router logits of 128 experts."""
+
+_TORCH_DIR = Path(torch.__file__).parent
+_PLANNER_DIRS = (Path(__file__).parent, Path(__file__).parent.parent / "runtime")
+
+
+_UNINITIALISED = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+"""Factories whose values are whatever memory held: their outputs are not known, but sampled."""
+
+
+class DataDependentError(PlannerError):
+    """A model read a tensor value the meta device does not have."""
+
+
+def model_line() -> str:
+    """`file:line (function)` of the innermost frame that is neither torch's nor the planner's:
+    the model code that asked for a value."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename)
+        if _TORCH_DIR in path.parents or any(d in path.parents for d in _PLANNER_DIRS) or "importlib" in frame.filename:
+            continue
+        code = f"\n    {frame.line}" if frame.line else ""
+        return f"{frame.filename}:{frame.lineno} (in {frame.name}){code}"
+    return "an unknown line"
+
+
+def _is_meta(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+def _data_dependent(exc: BaseException) -> bool:
+    """Whether a meta kernel failed for want of data (not, say, a dtype check)."""
+    text = str(exc).lower()
+    return isinstance(exc, NotImplementedError) or "meta" in text or "data-dependent" in text or "data dependent" in text
+
+
+def _in_bfloat16(func, args, kwargs, exc: BaseException):
+    """Retry a meta kernel that refused a float dtype, in bfloat16, and cast back.
+
+    Some meta kernels carry a CUDA kernel's dtype limits (`_grouped_mm`, which Hugging Face's
+    mixture-of-experts layers call, accepts only bfloat16). The planner needs only the output's
+    shape from a meta run, and that does not depend on the dtype.
+    """
+    floats = {x.dtype for x in tree_flatten((args, kwargs))[0] if _is_meta(x) and x.is_floating_point()}
+    if len(floats) != 1 or torch.bfloat16 in floats:
+        raise exc
+    (dtype,) = floats
+    cast = tree_map_only(torch.Tensor, lambda x: x.to(torch.bfloat16) if _is_meta(x) and x.is_floating_point() else x, (args, kwargs))
+    try:
+        out = func(*cast[0], **cast[1])
+    except Exception:
+        raise exc from None
+    return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.dtype == torch.bfloat16 else x, out)
+
+
+def _on_cpu(value):
+    """Arguments for running an op on shadows: meta devices become cpu."""
+    if isinstance(value, torch.device) and value.type == "meta":
+        return torch.device("cpu")
+    return value
+
+
+class KnownValues(TorchDispatchMode):
+    """See the module docstring."""
+
+    def __init__(self, max_numel: int = DEFAULT_MAX_NUMEL, seed: int = 0):
+        super().__init__()
+        self.max_numel = max_numel
+        self.values = WeakTensorKeyDictionary()
+        """meta tensor -> its shadow (a real cpu tensor of the same shape and dtype)."""
+        self.sampled = WeakTensorKeyDictionary()
+        """meta tensors whose shadow depends on a sampled value (marks only: value True)."""
+        self.sampled_decisions: Counter = Counter()
+        """(operation, model line) -> how often control flow read a sampled value there."""
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # -- binding data the planner has ------------------------------------------------------
+    def bind(self, meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Record that `meta` holds `value` (moved to cpu); returns `meta`."""
+        if meta.numel() <= self.max_numel:
+            self.values[meta] = value.detach().to("cpu", dtype=meta.dtype)
+        return meta
+
+    def to_meta(self, obj, dtype: torch.dtype | None = None):
+        """`obj` with every tensor moved to meta (floating ones cast to `dtype`), values bound."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            if t.is_meta:  # no data to know
+                return t.to(dtype=cast)
+            return self.bind(t.detach().to("meta", dtype=cast), t.to(dtype=cast))
+
+        return tree_map_only(torch.Tensor, move, obj)
+
+    # -- entering: `tolist()` and `numpy()` read data without an aten op, so a function mode
+    # beside the dispatch mode answers them ------------------------------------------------
+    def __enter__(self):
+        self._python_reads = _PythonReads(self)
+        self._python_reads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        try:
+            return super().__exit__(exc_type, exc_value, traceback)
+        finally:
+            self._python_reads.__exit__(exc_type, exc_value, traceback)
+
+    def read(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """The value of meta `tensor` for a Python-level read (`what`), or DataDependentError."""
+        value = self.values.get(tensor)
+        if value is None:
+            raise self._unknown_named(what, None)
+        if tensor in self.sampled:
+            self.sampled_decisions[(what, model_line())] += 1
+        return value
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        metas = [x for x in flat if _is_meta(x)]
+        makes_meta = any(isinstance(x, torch.device) and x.type == "meta" for x in flat)
+        if not metas and not makes_meta:
+            return func(*args, **kwargs)
+        known = all(x in self.values for x in metas) and func.overloadpacket not in _UNINITIALISED
+        sampled = any(x in self.sampled for x in metas)
+
+        if func is aten._local_scalar_dense.default:  # .item(), bool(t), int(t), float(t)
+            return self._scalar(func, args[0])
+
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as exc:  # a data-dependent output shape or value
+            if not known:
+                if _data_dependent(exc):
+                    raise self._unknown(func, exc) from exc
+                return _in_bfloat16(func, args, kwargs, exc)
+            real = self._run_on_shadows(func, args, kwargs)
+            if sampled:
+                self._note_sampled(func)
+            out = tree_map_only(torch.Tensor, lambda r: torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device="meta"), real)
+            self._bind_outputs(out, real, sampled)
+            return out
+
+        self._shadow(func, args, kwargs, out, known, sampled)
+        return out
+
+    def _scalar(self, func, tensor: torch.Tensor):
+        value = self.values.get(tensor)
+        if value is None:
+            raise self._unknown(func, None)
+        if tensor in self.sampled:
+            self._note_sampled(func)
+        return value.item()
+
+    def _shadow(self, func, args, kwargs, out, known: bool, sampled: bool) -> None:
+        """Give the outputs of a successful meta op their shadows (computed, or sampled)."""
+        outs = [t for t in tree_flatten(out)[0] if _is_meta(t)]
+        mutated = self._mutated(func, args, kwargs)
+        if not outs and not mutated:
+            return
+        small = all(t.numel() <= self.max_numel for t in outs + mutated)
+        if known and small:
+            try:
+                real = self._run_on_shadows(func, args, kwargs)
+            except Exception:  # a shadow is a convenience: losing one only loses an answer
+                real = None
+            if real is not None:
+                self._bind_outputs(out, real, sampled)
+                return
+        for t in mutated:  # written with unknown data: the old shadow is stale
+            self.values.pop(t, None)
+        for t in outs:
+            if t is not None and t not in self.values and t.numel() <= self.max_numel and t.is_floating_point():
+                self.values[t] = torch.randn(t.shape, generator=self.generator).to(t.dtype)
+                self.sampled[t] = True
+
+    @staticmethod
+    def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+        """The meta tensors `func` writes in place (in-place ops, `out=`)."""
+        schema = func._schema
+        if not schema.is_mutable:
+            return []
+        written = []
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                written += [t for t in tree_flatten(value)[0] if _is_meta(t)]
+        return written
+
+    def _run_on_shadows(self, func, args, kwargs):
+        real_args, real_kwargs = tree_map(lambda x: self.values[x] if _is_meta(x) else _on_cpu(x), (args, kwargs))
+        with torch.no_grad():
+            return func(*real_args, **real_kwargs)
+
+    def _bind_outputs(self, out, real, sampled: bool) -> None:
+        for t, r in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+            if _is_meta(t) and isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape):
+                self.values[t] = r
+                if sampled:
+                    self.sampled[t] = True
+
+    def _note_sampled(self, func) -> None:
+        self.sampled_decisions[(str(func.overloadpacket.__name__), model_line())] += 1
+
+    def _unknown(self, func, exc: BaseException | None) -> DataDependentError:
+        return self._unknown_named(func.overloadpacket.__name__, exc)
+
+    def _unknown_named(self, name: str, exc: BaseException | None) -> DataDependentError:
+        why = f" ({exc})" if exc is not None else ""
+        return DataDependentError(
+            f"The model reads a tensor's value (aten.{name}{why}) on the meta device, where tensors hold "
+            f"no data, at {model_line()}",
+            "The planner knows values that follow from the batch and from factory ops (arange, ones), and samples "
+            "small ones that follow from parameters; this one is neither (too large, or made outside the model's "
+            "forward). Profile on a real device (--device cpu or cuda) if the model fits, or guard the check so it "
+            "is skipped on meta tensors (`if x.device.type != \"meta\": ...`).",
+        )
+
+
+class _PythonReads(TorchFunctionMode):
+    """`Tensor.tolist()` / `.numpy()` / `.__array__` on a meta tensor, answered from its shadow."""
+
+    READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.__array__: "__array__"}
+
+    def __init__(self, values: KnownValues):
+        super().__init__()
+        self.values = values
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = self.READS.get(func)
+        if what is not None and args and _is_meta(args[0]):
+            return func(self.values.read(args[0], what), *args[1:], **kwargs)
+        return func(*args, **kwargs)

@@ -1,0 +1,137 @@
+"""Data-dependent Python on the meta device (planner/meta_values.py).
+
+A model's forward may read tensor values (`if mask.all()`, `.item()`, `nonzero`, boolean
+indexing). On the meta device those have no data; `KnownValues` answers them exactly where the
+value follows from the batch or from factory ops, samples where it follows from parameters,
+and otherwise names the model's line.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import pytest
+
+from planner.errors import PlannerError
+from planner.meta_values import DataDependentError, KnownValues
+from planner.units import trace_on_meta
+
+
+class Branchy(nn.Module):
+    """Takes one branch or the other by a value computed from the input ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        h = self.embed(ids)
+        if (ids.sum() > 100).item() and bool((positions >= 0).all()):
+            return self.a(h)
+        return self.b(h)
+
+
+class LoopOverExperts(nn.Module):
+    """A router and a Python loop over the experts it picked (Mixtral's eager code, 4.x)."""
+
+    def __init__(self, num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.router = nn.Linear(8, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(num_experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(self.router(tokens).softmax(-1), self.top_k)
+        out = torch.zeros_like(tokens)
+        for e in torch.unique(chosen).tolist():  # data-dependent: which experts were hit
+            rows, slot = torch.where(chosen == e)  # data-dependent shape
+            out[rows] += weights[rows, slot, None] * self.experts[e](tokens[rows])
+        return out.reshape(x.shape)
+
+
+def test_values_that_follow_from_the_batch_are_exact():
+    model_meta = Branchy().to("meta")
+    for ids, branch in ((torch.full((2, 8), 15), "a"), (torch.zeros(2, 8, dtype=torch.long), "b")):
+        trace = trace_on_meta(model_meta, (ids,))
+        assert trace.units == ["embed", branch]  # the branch the real run takes
+
+
+def test_parameter_dependent_control_flow_follows_sampled_values_and_says_so():
+    values = KnownValues()
+    model = LoopOverExperts().to("meta")
+    with values:
+        out = model(values.to_meta(torch.randn(2, 16, 8)))
+    assert out.shape == (2, 16, 8) and out.is_meta
+    ops = {op for op, _ in values.sampled_decisions}
+    assert ops & {"_unique2", "unique_dim", "_local_scalar_dense", "nonzero"}, values.sampled_decisions
+    lines = " ".join(line for _, line in values.sampled_decisions)
+    assert "test_meta_values.py" in lines  # the model's own line, not torch's or the planner's
+
+
+def test_sampled_routing_is_about_balanced():
+    """Top-2 of 8 over standard-normal logits: every expert gets tokens, none most of them."""
+    values = KnownValues()
+    with values:
+        logits = values.to_meta(torch.randn(512, 8)) @ torch.empty(8, 8, device="meta")  # parameter-dependent: sampled
+        _, chosen = torch.topk(logits, 2)
+        counts = torch.bincount(chosen.flatten(), minlength=8)
+        hits = [int(counts[e].item()) for e in range(8)]
+    assert sum(hits) == 1024 and min(hits) > 1024 / 8 / 2 and max(hits) < 1024 / 8 * 2, hits
+
+
+def test_a_value_that_cannot_be_known_names_the_line_and_the_operation():
+    values = KnownValues(max_numel=16)  # nothing larger than 16 elements gets a value
+
+    def forward(x, w):
+        h = x @ w
+        return h[h > 0]  # the shape depends on every value of a large parameter-dependent tensor
+
+    with pytest.raises(DataDependentError) as info, values:
+        forward(torch.empty(64, 64, device="meta"), torch.empty(64, 64, device="meta"))
+    message = str(info.value)
+    assert "aten.nonzero" in message or "aten.index" in message, message
+    assert "test_meta_values.py" in message and "return h[h > 0]" in message
+    assert "--device cpu" in info.value.hint
+
+
+MODEL_READS_A_LARGE_VALUE = """
+import torch
+from torch import nn
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1100, 1100)
+        self.b = nn.Linear(1100, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h = h * (h > 0).any(-1, keepdim=True)  # fine: no Python reads a value
+        return self.b(h[:, h.sum((0, 2)) > 0])  # a data-dependent shape from a 1.2M-element tensor
+
+def build_model():
+    return Model()
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 1100, 1100), torch.zeros(batch_size)
+
+def loss_fn(output, targets):
+    return output.pow(2).mean()
+"""
+
+
+def test_meta_profile_refuses_with_the_models_line_and_measured_profile_falls_back(write_model):
+    from planner.profiler import profile_model
+
+    path = write_model(MODEL_READS_A_LARGE_VALUE)
+    with pytest.raises(PlannerError) as info:
+        profile_model(str(path), device="meta")
+    assert "reads a tensor's value" in str(info.value) and "h[:, h.sum((0, 2)) > 0]" in str(info.value)
+    measured = profile_model(str(path), device="cpu", repeats=1, warmup=0)
+    assert [u.name for u in measured.units] == ["a", "b"]
+    assert any("traced on the real model" in note for note in measured.notes)
