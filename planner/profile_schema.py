@@ -59,7 +59,14 @@ class OpNode(_Model):
     module: str | None = None
     """Module path relative to the unit (for ops that are modules), e.g. `attn.wq`."""
     weight_shape: list[int] | None = None
-    """Parameter shape as stored (Linear: [out, in]; Embedding: [num, dim])."""
+    """Parameter shape as stored (Linear: [out, in]; Embedding: [num, dim]; see `weight_in_out`)."""
+    weight_in_out: bool = False
+    """A `linear` whose weight is stored [in, out] and multiplied as `x @ weight` (Hugging Face's
+    `Conv1D` in GPT-2: `addmm(bias, x, weight)`); false for nn.Linear's [out, in]."""
+    fused_attention_input: bool = False
+    """A `linear` whose one output feeds more than one of an attention's query, key and value
+    (GPT-2's fused `c_attn`): its columns are [q | k | v], so a contiguous column shard is not
+    whole heads and the solver keeps it replicated."""
     has_bias: bool = False
     """Whether the module has a bias."""
     input_shape: list[int]

@@ -30,14 +30,16 @@ examples and Hugging Face's Llama do: the owner of a pair sees the full sequence
 from __future__ import annotations
 
 import inspect
+from functools import partial
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from planner.errors import PlannerError
 from planner.plan import Plan
+from planner.profiler.opgraph import linear_weight_orientation
 
 SEQUENCE_DIM = 1  # (batch, sequence, features) activations, as every example model has
 
@@ -74,14 +76,16 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], se
     for name, style in tp_plan.items():
         in_region = any(_in_unit(name, u) for u in region)
         paired = _parent(name) in pairs
+        structural = style in ("colwise", "rowwise") and not isinstance(present[name], (nn.Linear, nn.Embedding))
+        colwise, rowwise = (_StructuralColwise, _StructuralRowwise) if structural else (ColwiseParallel, RowwiseParallel)
         if style == "colwise":
             # Paired: the owner hands it the full sequence (SP) or it is already replicated.
-            styles[name] = ColwiseParallel() if paired else ColwiseParallel(output_layouts=Replicate())
+            styles[name] = colwise() if paired else colwise(output_layouts=Replicate())
         elif style == "rowwise":
             if paired:
-                styles[name] = RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM)) if in_region else RowwiseParallel()
+                styles[name] = rowwise(output_layouts=Shard(SEQUENCE_DIM)) if in_region else rowwise()
             else:
-                styles[name] = RowwiseParallel(input_layouts=Replicate())
+                styles[name] = rowwise(input_layouts=Replicate())
         elif style == "sequence_parallel":
             styles[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
         elif style != "replicate":
@@ -99,7 +103,8 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], se
 
 def check_tp_plan(plan: Plan, model: nn.Module) -> None:
     """Refuse, before launch, a tp_plan naming modules the model lacks, outside its stage, or of a kind
-    DTensor's styles cannot shard (colwise/rowwise take nn.Linear and nn.Embedding)."""
+    the styles cannot shard (colwise/rowwise take nn.Linear, nn.Embedding and linears by structure,
+    such as Hugging Face's Conv1D: `linear_weight_orientation`)."""
     modules = dict(model.named_modules())
     problems = []
     if not plan.layout.sequence_parallel and any(s == "sequence_parallel" for st in plan.stages for s in st.tp_plan.values()):
@@ -110,14 +115,67 @@ def check_tp_plan(plan: Plan, model: nn.Module) -> None:
                 problems.append(f"stage {k}: {name!r} is not a module of the model")
             elif not any(_in_unit(name, u) for u in stage.units):
                 problems.append(f"stage {k}: {name!r} is outside the stage's units")
-            elif style in ("colwise", "rowwise") and not isinstance(modules[name], (nn.Linear, nn.Embedding)):
-                problems.append(f"stage {k}: {name!r} is a {type(modules[name]).__name__}; {style} shards nn.Linear "
-                                "and nn.Embedding only")
+            elif style in ("colwise", "rowwise") and not isinstance(modules[name], (nn.Linear, nn.Embedding)) \
+                    and linear_weight_orientation(modules[name]) is None:
+                problems.append(f"stage {k}: {name!r} is a {type(modules[name]).__name__}; {style} shards nn.Linear, "
+                                "nn.Embedding and modules that multiply their input by their own 2-D weight only")
     if problems:
         raise PlannerError("The plan's tp_plan does not fit the model: " + "; ".join(problems[:5])
                            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + ".",
                            "Name modules by their FQN from the model root, as `planner show` lists them; re-solve "
                            "the plan for this model.")
+
+
+# torch's ColwiseParallel/RowwiseParallel refuse any module but nn.Linear and nn.Embedding
+# (`_apply` dispatches on the class). These two keep their input/output handling and change only
+# which weight dim they shard, so a linear by structure works whichever way it stores its weight:
+# Hugging Face's Conv1D (GPT-2) keeps it [in, out] and computes `addmm(bias, x, weight)`. The
+# orientation is asked of the module itself (`linear_weight_orientation`: one meta forward, the
+# same test the profiler applies), not of the plan, whose styles are DTensor's names, nor of
+# the weight's shape, which a square projection leaves undecided.
+def _out_dim(module: nn.Module) -> int:
+    """The weight dim holding output features: 1 for [in, out] (x @ W), 0 for [out, in] (x @ W^T)."""
+    in_out = linear_weight_orientation(module)
+    if in_out is None:
+        raise PlannerError(f"{type(module).__name__} is not a linear by structure, so it cannot be sharded.",
+                           "Style it `replicate` (check_tp_plan refuses such plans before launch).")
+    return 1 if in_out else 0
+
+
+def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement, src_data_rank) -> None:
+    param = module._parameters[name]
+    module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
+                                                 requires_grad=param.requires_grad))
+
+
+class _StructuralColwise(ColwiseParallel):
+    """ColwiseParallel for a linear by structure: weight sharded on its output dim, bias Shard(0)."""
+
+    def _partition_structural_fn(self, name, module, mesh):
+        _shard_parameter(module, "weight", mesh, Shard(_out_dim(module)), self.src_data_rank)
+        if module._parameters.get("bias") is not None:
+            _shard_parameter(module, "bias", mesh, Shard(0), self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition_structural_fn,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+
+class _StructuralRowwise(RowwiseParallel):
+    """RowwiseParallel for a linear by structure: weight sharded on its input dim, bias replicated
+    (DTensor adds it once to the partial sum, as for nn.Linear)."""
+
+    def _partition_structural_fn(self, name, module, mesh):
+        _shard_parameter(module, "weight", mesh, Shard(1 - _out_dim(module)), self.src_data_rank)
+        if module._parameters.get("bias") is not None:
+            _shard_parameter(module, "bias", mesh, Replicate(), self.src_data_rank)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)  # the input's features, as for nn.Linear
+        return distribute_module(module, device_mesh, self._partition_structural_fn,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
 def _paired_owners(plan: dict[str, str], units: list[str] | None = None) -> set[str]:

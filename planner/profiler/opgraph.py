@@ -8,6 +8,12 @@ tensors and tag every tensor with the set of ops it was computed from: a matmul-
 tags its output with its own name; any other op's output inherits the union of its inputs'
 tags. An op's `inputs` are then the tags of the tensors it consumes (`input` for the
 unit's own input).
+
+A module outside LEAF_KINDS is a `linear` by structure (`linear_weight_orientation`): it owns a
+2-D `weight` and its own forward multiplies its input by that weight, stored [out, in] as
+nn.Linear's (`F.linear(x, weight)`) or [in, out] (`x @ weight`, `addmm(bias, x, weight)`:
+Hugging Face's `Conv1D`, which GPT-2's attention and MLP use). A class-name list would miss
+every model's own variant of it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import sdpa_flop_count
@@ -27,15 +34,75 @@ INPUT = "input"
 LEAF_KINDS = {nn.Linear: "linear", nn.Embedding: "embedding", nn.Conv1d: "conv", nn.Conv2d: "conv", nn.Conv3d: "conv"}
 MATMUL_FUNCS = {torch.matmul, torch.bmm, torch.mm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.bmm, torch.Tensor.mm, torch.einsum}
 ATTENTION_FUNCS = {F.scaled_dot_product_attention}
+# How a structural linear may consume its weight W with its input x (the weight's position in args).
+IN_OUT_FUNCS = {torch.mm: 1, torch.matmul: 1, torch.Tensor.mm: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
+                torch.addmm: 2, torch.Tensor.addmm: 2}  # x @ W: W is [in, out]
+OUT_IN_FUNCS = {F.linear: 1}  # x @ W^T: W is [out, in]
 
 
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
-def _leaf_flops(module: nn.Module, x: torch.Tensor, out: torch.Tensor) -> int:
-    if isinstance(module, nn.Linear):
-        return 2 * math.prod(x.shape[:-1]) * module.in_features * module.out_features
+class _WeightUse(TorchFunctionMode):
+    """Records how one forward consumes `weight`: True for x @ W, False for x @ W^T, None otherwise."""
+
+    def __init__(self, weight: torch.Tensor, x: torch.Tensor):
+        super().__init__()
+        self.weight, self.derived, self.keep, self.uses = weight, {id(x)}, [x], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        operands = tree_flatten((args, kwargs))[0]
+        if any(t is self.weight for t in operands):
+            use = None
+            for funcs, in_out in ((IN_OUT_FUNCS, True), (OUT_IN_FUNCS, False)):
+                pos = funcs.get(func)
+                if pos is not None and len(args) > pos and args[pos] is self.weight and id(args[pos - 1]) in self.derived:
+                    use = in_out
+            self.uses.append(use)
+        if any(isinstance(t, torch.Tensor) and id(t) in self.derived for t in operands):
+            for t in _tensors(out):  # tensors computed from the input (kept alive so ids stay unique)
+                self.derived.add(id(t))
+                self.keep.append(t)
+        return out
+
+
+def linear_weight_orientation(module: nn.Module) -> bool | None:
+    """Whether `module` is a linear by structure, and how it stores its weight: True [in, out], False
+    [out, in], None not a linear. It must own a 2-D `weight` (and at most a 1-D `bias`) and its own
+    forward, run once on meta copies of its parameters, must use the weight in exactly one
+    multiplication with its input (nothing else). The runtime asks the same question
+    (runtime/apply_tp.py), so profile and runtime agree on square weights, which no shape settles."""
+    weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+    if weight is None or weight.dim() != 2 or (bias is not None and bias.dim() != 1):
+        return None
+    if any(True for _ in module.children()) or any(n not in ("weight", "bias") for n, p in module._parameters.items() if p is not None):
+        return None
+    params = {n: torch.empty_like(t, device="meta") for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    for in_features in dict.fromkeys(weight.shape):
+        x = torch.empty(2, in_features, device="meta")
+        probe = _WeightUse(params["weight"], x)
+        try:
+            with torch.no_grad(), probe:
+                functional_call(module, params, (x,))
+        except Exception:  # noqa: BLE001 - any failure means "not a linear taking this input"
+            continue
+        if len(probe.uses) == 1 and probe.uses[0] is not None:
+            return probe.uses[0]
+    return None
+
+
+def _linear_features(module: nn.Module, weight_in_out: bool) -> tuple[int, int]:
+    in_f, out_f = module.weight.shape if weight_in_out else reversed(module.weight.shape)
+    return in_f, out_f
+
+
+def _leaf_flops(module: nn.Module, x: torch.Tensor, out: torch.Tensor, weight_in_out: bool | None = None) -> int:
+    if isinstance(module, nn.Linear) or weight_in_out is not None:
+        in_f, out_f = _linear_features(module, bool(weight_in_out))
+        return 2 * math.prod(x.shape[:-1]) * in_f * out_f
     if isinstance(module, nn.Embedding):
         return 0
     # Conv: one multiply-add per output element per input channel (of its group) per tap.
@@ -52,8 +119,11 @@ class _OpGraphRecorder(TorchFunctionMode):
         self.depth = 0
         self.counts: dict[str, int] = {}
         self.handles = []
+        self.in_out: dict[str, bool] = {}  # structural linears -> weight stored [in, out]
         for name, module in unit.named_modules():
             kind = LEAF_KINDS.get(type(module))
+            if kind is None and (orientation := linear_weight_orientation(module)) is not None:
+                kind, self.in_out[name] = "linear", orientation
             if kind:
                 self.handles.append(module.register_forward_pre_hook(self._pre(name, kind, module), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
@@ -86,16 +156,18 @@ class _OpGraphRecorder(TorchFunctionMode):
                 info = self.pending.pop(name)
                 module, x = info["module"], info["x"]
                 y = _tensors(out)[0]
+                in_out = self.in_out.get(name)
                 self.ops.append(
                     OpNode(
                         name=name or info["kind"],  # the unit itself is the leaf (e.g. an Embedding unit)
                         kind=info["kind"],
                         module=name,
                         weight_shape=list(module.weight.shape),
+                        weight_in_out=bool(in_out),
                         has_bias=getattr(module, "bias", None) is not None,
                         input_shape=list(x.shape),
                         output_shape=list(y.shape),
-                        forward_flops=_leaf_flops(module, x, y),
+                        forward_flops=_leaf_flops(module, x, y, in_out),
                         inputs=sorted(info["inputs"]),
                     )
                 )
@@ -122,11 +194,24 @@ class _OpGraphRecorder(TorchFunctionMode):
             flops = sdpa_flop_count(q.shape, k.shape, v.shape)
         else:
             flops = 2 * y.numel() * operands[0].shape[-1]
+        if kind == "attention" or len(operands[0].shape) >= 4:
+            self._mark_fused(operands[:3] if kind == "attention" else operands[:2])
         self.ops.append(
             OpNode(name=name, kind=kind, input_shape=list(operands[0].shape), output_shape=list(y.shape), forward_flops=flops, inputs=sorted(inputs))
         )
         self.tag(out, frozenset({name}))
         return out
+
+
+    def _mark_fused(self, operands: list[torch.Tensor]) -> None:
+        """A linear feeding more than one of q, k, v (one fused projection split into them)."""
+        seen: dict[str, int] = {}
+        for t in operands:
+            for src in self.tags.get(id(t), frozenset()):
+                seen[src] = seen.get(src, 0) + 1
+        for op in self.ops:
+            if op.kind == "linear" and seen.get(op.name, 0) > 1:
+                op.fused_attention_input = True
 
 
 def record_op_graph(unit: nn.Module, args: tuple, kwargs: dict) -> list[OpNode]:

@@ -45,6 +45,15 @@ Colwise on a linear feeding attention must split whole heads (`_heads_of`): the 
 leaves its output sharded and the model's code splits it into its local heads. A TP degree
 that divides no attention's heads is refused before the ILP (`tp_obstacles`).
 
+A linear's features come from its weight as stored (`_linear_features`): [out, in] for
+nn.Linear, [in, out] where the profile says `weight_in_out` (Hugging Face's Conv1D). A fused
+q|k|v projection (`fused_attention_input`, GPT-2's `c_attn`) is never colwise: a contiguous
+column shard gives a rank a mix of q, k and v, not whole heads, and the runtime does not
+re-layout the columns per head as Megatron-LM does. Its attention then runs replicated (the
+runtime has no way to slice it), and under sequence parallelism such a unit stays wholly
+replicated (`_sequence_parallel_blocked`): Megatron's layout needs every linear sharded, and a
+replicated attention in the sequence-sharded region would see only its rank's tokens.
+
 CBC solves it with a time limit (`ILP_TIME_LIMIT_S`); a block has about 40 variables. The
 same cost is computed in closed form by `evaluate` for any assignment, which the tests
 compare with brute force and the search uses to re-price a cached plan at other micro-batch
@@ -139,17 +148,34 @@ def _numel(shape: list[int]) -> int:
     return math.prod(shape) if shape else 1
 
 
-def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_parallel: bool = False) -> dict[str, tuple]:
-    if tp == 1:
+def _linear_features(op: OpNode) -> tuple[int, int]:
+    """(in, out) features of a `linear` op, whichever way its weight is stored."""
+    in_f, out_f = op.weight_shape if op.weight_in_out else reversed(op.weight_shape)
+    return in_f, out_f
+
+
+def _fused_attention(ops) -> set[str]:
+    """Attention ops (fused, or either matmul of a materialised one) fed by a fused q|k|v linear."""
+    fused = {op.name for op in ops if op.kind == "linear" and op.fused_attention_input}
+    return {op.name for op in ops if _is_attention(op) and fused & set(op.inputs)}
+
+
+def _sequence_parallel_blocked(ops) -> bool:
+    return any(op.kind == "linear" and op.fused_attention_input for op in ops)
+
+
+def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_parallel: bool = False,
+                   replicated: frozenset = frozenset()) -> dict[str, tuple]:
+    if tp == 1 or op.name in replicated:
         return {"replicate": (EMBEDDING if op.kind == "embedding" else LINEAR)["replicate"]}
     if op.kind == "linear":
-        out_f, in_f = op.weight_shape
+        in_f, out_f = _linear_features(op)
         # `sequence` (replicated weight, sequence-sharded tokens) is data parallelism inside the
         # TP group: the outer search prices that as dp, with gradients reduced once per step
         # rather than per micro-batch and without the replicated weights' memory, so it is
         # not offered here (the ILP's objective sees neither advantage of real TP).
         ok = {"replicate": True, "sequence": False, "rowwise": in_f % tp == 0}
-        ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0
+        ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0 and not op.fused_attention_input
         # Under sequence parallelism the runtime runs Megatron's layout (runtime/apply_tp.py): every
         # linear of a block sharded, activations between the sandwiches sequence-sharded. A
         # replicated linear there (or the attention it feeds) would need the whole sequence,
@@ -186,8 +212,9 @@ def _heads_of(ops) -> dict[str, int]:
         scores = op.kind == "matmul" and op.output_shape[-1] == op.output_shape[-2]
         head_dim = op.input_shape[-1] if op.kind == "attention" or scores else op.output_shape[-1]
         for src in op.inputs:
-            if src in by_name and by_name[src].weight_shape and by_name[src].kind == "linear":
-                heads[src] = by_name[src].weight_shape[0] // head_dim
+            linear = by_name.get(src)
+            if linear is not None and linear.weight_shape and linear.kind == "linear" and not linear.fused_attention_input:
+                heads[src] = _linear_features(linear)[1] // head_dim
     return heads
 
 
@@ -197,8 +224,9 @@ def tp_obstacles(ops, tp: int) -> list[str]:
     if tp == 1:
         return []
     problems = []
+    replicated = _fused_attention(ops)
     for op in ops:
-        if _is_attention(op) and op.input_shape[-3] % tp:
+        if _is_attention(op) and op.name not in replicated and op.input_shape[-3] % tp:
             problems.append(f"{op.name} has {op.input_shape[-3]} heads")
     for name, heads in sorted(_heads_of(ops).items()):
         if heads % tp:
@@ -208,19 +236,22 @@ def tp_obstacles(ops, tp: int) -> list[str]:
 
 def shardable_ops(ops, tp: int) -> list[str]:
     """Ops with a weight the runtime can shard `tp` ways (colwise or rowwise offered to the ILP)."""
-    heads_of = _heads_of(ops)
-    return [op.name for op in ops if op.weight_shape and {"colwise", "rowwise"} & set(_op_strategies(op, tp, heads_of))]
+    heads_of, replicated = _heads_of(ops), frozenset(_fused_attention(ops))
+    return [op.name for op in ops if op.weight_shape and {"colwise", "rowwise"} & set(_op_strategies(op, tp, heads_of, replicated=replicated))]
 
 
 def _build_graph(problem: IntraOpProblem) -> _Graph:
     ops, tp, scale = problem.ops, problem.tp_degree, problem.activation_scale
     boundary = "S" if problem.sequence_parallel else "R"
     heads_of = _heads_of(ops)
+    replicated = frozenset(_fused_attention(ops))
+    if problem.sequence_parallel and _sequence_parallel_blocked(ops):
+        replicated = frozenset(op.name for op in ops)
     nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}
     nbytes: dict[str, float] = {INPUT: 0.0}
     sources: dict[str, str] = {}
     for op in ops:
-        nodes[op.name] = _op_strategies(op, tp, heads_of, problem.sequence_parallel)
+        nodes[op.name] = _op_strategies(op, tp, heads_of, problem.sequence_parallel, replicated)
         nbytes[op.name] = _numel(op.output_shape) * problem.dtype_bytes * scale
         act_bytes = _numel(op.input_shape) * problem.dtype_bytes * scale
         if op.kind == "embedding":
@@ -275,7 +306,8 @@ def _node_cost(problem: IntraOpProblem, op: OpNode | None, strategy: str) -> tup
         return 0.0, 0.0, 0.0
     split = problem.tp_degree if strategy in SHARDED else 1
     compute = 3 * op.forward_flops * problem.activation_scale * problem.seconds_per_flop / split
-    weight_bytes = (_numel(op.weight_shape) + (op.weight_shape[0] if op.has_bias else 0)) * problem.dtype_bytes if op.weight_shape else 0
+    bias = (_linear_features(op)[1] if op.kind == "linear" else op.weight_shape[0]) if op.weight_shape and op.has_bias else 0
+    weight_bytes = (_numel(op.weight_shape) + bias) * problem.dtype_bytes if op.weight_shape else 0
     sharded_weight = strategy in ("colwise", "rowwise")
     wgrad = problem.collectives.all_reduce_s(weight_bytes) if strategy == "sequence" else 0.0
     return compute, wgrad, weight_bytes / problem.tp_degree if sharded_weight else weight_bytes

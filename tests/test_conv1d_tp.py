@@ -1,0 +1,121 @@
+"""Tensor parallelism for linears recognised by structure: Hugging Face's Conv1D (GPT-2).
+
+Conv1D stores its weight [in, out] and computes `addmm(bias, x, weight)`. The op graph must
+record it as a linear with that orientation, the ILP must read its features the right way
+round and keep the fused q|k|v projection `c_attn` replicated, and the runtime must shard it
+so that a solved tp=2 plan trains like one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import planner.hf_config_model as hf  # noqa: E402
+from planner.cluster import make_cluster  # noqa: E402
+from planner.profiler import profile_model  # noqa: E402
+from planner.profiler.opgraph import linear_weight_orientation  # noqa: E402
+from planner.solver.intra_op import IntraOpProblem, solve_intra_op  # noqa: E402
+from planner.solver.solve import Pins, solve  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+
+GPT2 = dict(config=str(EXAMPLES / "hf" / "gpt2.json"), n_layer=2, n_embd=64, n_head=4, vocab_size=256,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, seq_len=32)
+
+
+class _Collectives:
+    """Cheap collectives, so that the ILP's only reason to replicate is what it may not shard."""
+
+    def all_reduce_s(self, nbytes):
+        return 1e-9 * nbytes
+
+    all_gather_s = reduce_scatter_s = all_to_all_s = all_reduce_s
+
+
+class _OutIn(nn.Module):
+    """A hand-written linear (not nn.Linear) that stores its weight [out, in] as nn.Linear does."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight)
+
+
+class _NotLinear(nn.Module):
+    """Owns a square 2-D weight but uses it elementwise: no multiplication with its input."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n))
+
+    def forward(self, x):
+        return x * self.weight.sum(0)
+
+
+def test_orientation_is_read_from_the_forward_not_the_class():
+    from transformers.pytorch_utils import Conv1D
+
+    assert linear_weight_orientation(Conv1D(12, 4)) is True  # weight (4, 12): x @ W
+    assert linear_weight_orientation(Conv1D(8, 8)) is True  # square: only the forward can tell
+    assert linear_weight_orientation(_OutIn(4, 12)) is False
+    assert linear_weight_orientation(_NotLinear(8)) is None
+    assert linear_weight_orientation(nn.LayerNorm(8)) is None
+
+
+@pytest.fixture(scope="module")
+def gpt2_meta_profile():
+    return profile_model(hf.__file__, GPT2, [1], device="meta")
+
+
+def test_op_graph_records_conv1d_linears_with_orientation(gpt2_meta_profile):
+    block = next(u for u in gpt2_meta_profile.units if u.kind == "GPT2Block")
+    ops = {op.name: op for op in block.ops}
+    linears = {n: (op.weight_shape, op.weight_in_out) for n, op in ops.items() if op.kind == "linear"}
+    assert linears == {"attn.c_attn": ([64, 192], True), "attn.c_proj": ([64, 64], True),
+                       "mlp.c_fc": ([64, 256], True), "mlp.c_proj": ([256, 64], True)}
+    assert [n for n, op in ops.items() if op.fused_attention_input] == ["attn.c_attn"]
+    assert ops["mlp.c_proj"].inputs == ["mlp.c_fc"]
+    assert ops["mlp.c_fc"].forward_flops == 2 * 32 * 64 * 256  # tokens x in x out multiply-adds
+    head = next(u for u in gpt2_meta_profile.units if u.name == "lm_head")
+    assert head.ops[0].weight_in_out is False  # nn.Linear keeps [out, in]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_ilp_shards_gpt2_mlp_and_keeps_fused_qkv_replicated(gpt2_meta_profile, sequence_parallel):
+    block = next(u for u in gpt2_meta_profile.units if u.kind == "GPT2Block")
+    problem = IntraOpProblem(tuple(block.ops), 2, 4, 1e-12, _Collectives(), sequence_parallel=sequence_parallel,
+                             require_sharding=True)
+    plan = solve_intra_op(problem).tp_plan
+    assert plan["attn.c_attn"] == "replicate"  # a contiguous column shard of [q | k | v] is not whole heads
+    if sequence_parallel:  # Megatron's SP layout needs every linear sharded: the block stays replicated
+        assert set(plan.values()) == {"replicate"}
+    else:
+        assert (plan["mlp.c_fc"], plan["mlp.c_proj"]) == ("colwise", "rowwise")
+
+
+def test_ilp_reads_in_out_weights_the_right_way_round(gpt2_meta_profile):
+    """At tp=128 only the 256-feature side of the MLP splits: c_fc (weight [64, 256], out 256) is
+    colwise only, c_proj ([256, 64], in 256) rowwise only. Reading them as [out, in] swaps both."""
+    from planner.solver.intra_op import _op_strategies
+
+    block = next(u for u in gpt2_meta_profile.units if u.kind == "GPT2Block")
+    ops = {op.name: op for op in block.ops}
+    assert set(_op_strategies(ops["mlp.c_proj"], 128, {})) == {"replicate", "rowwise"}
+    assert set(_op_strategies(ops["mlp.c_fc"], 128, {})) == {"replicate", "colwise"}
+
+
+@pytest.mark.slow
+def test_solved_gpt2_tp2_plan_trains_like_one_process(tmp_path):
+    from tests.test_runtime_parity import check_parity
+
+    profile = profile_model(hf.__file__, GPT2, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2))
+    shards = {n: s for st in plan.stages for n, s in st.tp_plan.items() if s != "replicate"}
+    assert {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"} <= set(shards), shards
+    assert all(not n.endswith("attn.c_attn") for n in shards)
+    check_parity(plan, tmp_path)
