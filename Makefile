@@ -1,6 +1,7 @@
 # Two entry points for a newcomer on a fresh machine (README.md):
 #   make demo   set up, then profile -> solve -> run -> validate the bundled example on CPU
-#   make test   set up, then run the test suite
+#   make test   set up, then run the test suite (all of it: about 35 minutes on 2 cores)
+#   make test-fast   everything but the multi-process tests marked slow (a few minutes)
 # Both create .venv with the CPU build of torch pinned (an unpinned torch pulls a CUDA build).
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-fast clean
 
 $(BIN)/planner: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +25,9 @@ demo: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+test-fast: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs

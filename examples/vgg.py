@@ -16,8 +16,9 @@ paper's), hidden=4096 (the classifier's width), pool_size=7 (the average pool's 
 at 32x32 input the features are 1x1 and the pool repeats them 49 times, as torchvision does),
 dropout=0.5 (0.0 makes a training step deterministic, e.g. for parity tests).
 
-Structure (the planner's units: features, avgpool, classifier: torchvision's VGG has no
-repeated list of blocks, so each top-level child is one unit and all the convolutions are one):
+Structure (the planner's units: every layer of `features`, avgpool, every layer of
+`classifier`: torchvision's VGG has no repeated list of blocks, so the planner opens its
+top-level Sequentials, and a pipeline may cut between any two layers, as PipeDream's does):
     features.{i: Conv2d | [BatchNorm2d] | ReLU | MaxPool2d}   classifier.{0, 3, 6: Linear}
 """
 

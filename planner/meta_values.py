@@ -35,6 +35,7 @@ meta op and not the shadow computation this mode runs beneath it.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -149,12 +150,15 @@ class KnownValues(TorchDispatchMode):
     def __enter__(self):
         self._python_reads = _PythonReads(self)
         self._python_reads.__enter__()
+        self._autocast = meta_autocast()
+        self._autocast.__enter__()
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
         try:
             return super().__exit__(exc_type, exc_value, traceback)
         finally:
+            self._autocast.__exit__(exc_type, exc_value, traceback)
             self._python_reads.__exit__(exc_type, exc_value, traceback)
 
     def read(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
@@ -285,3 +289,27 @@ class _PythonReads(TorchFunctionMode):
         if what is not None and args and _is_meta(args[0]):
             return func(self.values.read(args[0], what), *args[1:], **kwargs)
         return func(*args, **kwargs)
+
+
+class _MetaAutocast(torch.amp.autocast_mode.autocast):
+    """`torch.autocast` that takes device_type "meta" as "cpu" (see `meta_autocast`)."""
+
+    def __init__(self, device_type: str, *args, **kwargs):
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_autocast():
+    """Let model code enter `torch.autocast(device_type=x.device.type, ...)` on meta tensors.
+
+    Models force float32 for a block by `with torch.autocast(device_type=x.device.type,
+    enabled=False)` (Hugging Face's rotary embeddings in transformers 4.x), and torch refuses the
+    device type "meta". On meta tensors autocast changes nothing the planner measures (shapes;
+    the profile's dtype is set explicitly), so "meta" is taken as "cpu" while the block runs.
+    """
+    saved = torch.autocast, torch.amp.autocast
+    torch.autocast = torch.amp.autocast = _MetaAutocast
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast = saved

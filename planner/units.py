@@ -3,7 +3,8 @@
 A *unit* is a module where a pipeline stage may begin or end. The rule (ARCHITECTURE.md):
 the children of the model's top-most repeated lists (`nn.ModuleList`, or an `nn.Sequential`
 of one repeated class), plus every sibling module along the path from the root down to
-those lists, in execution order; the top-level children when the model has no such list.
+those lists, in execution order; the top-level children when the model has no such list
+(an nn.Sequential among them opened into its layers).
 So GPT's units are `embed, blocks.0, ..., blocks.N-1, norm, head`, and a Hugging Face
 Llama's are `model.embed_tokens, model.rotary_emb, model.layers.0, ..., model.norm, lm_head`.
 
@@ -53,7 +54,12 @@ def candidate_units(model: nn.Module) -> list[str]:
         if name and _is_repeated_list(module) and not any(name.startswith(outer + ".") for outer in lists):
             lists.append(name)
     if not lists:
-        return [name for name, _ in model.named_children()]
+        # No repeated blocks: the top-level children, with each nn.Sequential among them opened
+        # into its layers (a chain: every boundary is a legal cut). torchvision's VGG keeps all
+        # its convolutions in one `features` Sequential; PipeDream cuts between them.
+        return [f"{name}.{inner}" if isinstance(child, nn.Sequential) else name
+                for name, child in model.named_children()
+                for inner in ([n for n, _ in child.named_children()] if isinstance(child, nn.Sequential) else [""])]
 
     ancestors = {""}
     for name in lists:

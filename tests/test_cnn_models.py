@@ -33,7 +33,9 @@ VGG_ARGS = dict(depth=16, width=8, hidden=64, image_size=32)
 RESNET_UNITS = (["conv1", "bn1", "relu", "maxpool"]
                 + [f"layer{i + 1}.{j}" for i, n in enumerate([3, 4, 6, 3]) for j in range(n)] + ["avgpool", "fc"])
 RESNET18_UNITS = ["conv1", "bn1", "relu", "maxpool"] + [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)] + ["avgpool", "fc"]
-VGG_UNITS = ["features", "avgpool", "classifier"]
+# VGG-16: 13 convolutions with their ReLUs and 5 max-pools, the pool, 3 linears, 2 ReLUs, 2 dropouts:
+# every layer is a unit, as PipeDream cuts it.
+VGG_UNITS = [f"features.{i}" for i in range(31)] + ["avgpool"] + [f"classifier.{i}" for i in range(7)]
 
 
 def _path(name: str) -> str:
@@ -44,7 +46,8 @@ def test_units_of_the_papers_models():
     resnet = profile_model(_path("resnet"), {}, [1], device="meta")
     assert resnet.unit_names() == RESNET_UNITS
     assert resnet.model.num_parameters == 25_557_032 - 1000 * 2049 + 10 * 2049  # torchvision's resnet50, 10 classes
-    # torchvision's VGG keeps every convolution in one nn.Sequential of mixed layers: one unit.
+    # torchvision's VGG keeps every convolution in one nn.Sequential of mixed layers: the planner
+    # opens it, so a pipeline may cut between any two layers.
     vgg = profile_model(_path("vgg"), {}, [1], device="meta")
     assert vgg.unit_names() == VGG_UNITS
     assert vgg.model.num_parameters == 138_357_544 - 1000 * 4097 + 10 * 4097  # torchvision's vgg16, 10 classes

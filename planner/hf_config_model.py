@@ -1,0 +1,93 @@
+"""A model file (the contract of planner/model_file.py) for any Hugging Face causal LM config.
+
+`planner profile --hf-config PATH/config.json` profiles this file with `config=PATH`: the
+model is `AutoModelForCausalLM.from_config(config)`, unmodified, with random weights (no
+download, no network), built on the meta device for analytic profiles and for real for
+measured ones, exactly as a user's own model file would be. Every other model argument
+overrides a field of the config (`-a num_hidden_layers=2`: a small model of the same shape,
+for a test or a measured profile on a small machine), except `seq_len` (tokens per sample of
+the synthetic batch, default the smaller of 2048 and the config's context length).
+
+The plan records this file and the same arguments, so `planner run` rebuilds the same model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from planner.errors import PlannerError
+
+DEFAULT_SEQ_LEN = 2048
+
+
+def load_config(config: str, **overrides: Any):
+    """The config at `config` (a config.json or a folder holding one) with `overrides` applied;
+    unknown override names are refused with the closest known one."""
+    from transformers import AutoConfig
+
+    path = Path(config).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PlannerError(f"Hugging Face config {path} does not exist.", "Pass the path of a model's config.json.")
+    try:
+        fields = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PlannerError(f"{path} is not a JSON config: {exc}.", "Pass the path of a model's config.json.") from exc
+    model_type = fields.pop("model_type", None) if isinstance(fields, dict) else None
+    if not model_type:
+        raise PlannerError(f"{path} has no `model_type`, so no model class can be chosen for it.",
+                           "Pass a config.json as Hugging Face ships it (it names its model_type).")
+    try:
+        cfg = AutoConfig.for_model(model_type, **fields)
+    except (KeyError, ValueError) as exc:
+        raise PlannerError(f"transformers does not know model_type {model_type!r} of {path}: {exc}.",
+                           "Upgrade transformers, or check the config.") from exc
+    known = set(cfg.to_dict()) | set(getattr(cfg, "attribute_map", {}))  # aliases, e.g. num_experts
+    unknown = sorted(k for k in overrides if k not in known)
+    if unknown:
+        close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
+        said = ", ".join(f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for k, c in close.items())
+        raise PlannerError(f"Model arguments {said} are not fields of the {model_type} config {path}.",
+                           "Use the config's own field names (e.g. -a num_hidden_layers=2), or seq_len for the batch.")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _seq_len(cfg, seq_len: int | None) -> int:
+    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    if seq_len is None:
+        return min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN
+    if context and seq_len > context:
+        raise PlannerError(f"seq_len={seq_len} is longer than the config's context of {context} tokens.",
+                           f"Use seq_len <= {context}, or raise max_position_embeddings in the config (-a).")
+    return int(seq_len)
+
+
+def build_model(config: str, seq_len: int | None = None, **overrides: Any):
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(config, **overrides)
+    _seq_len(cfg, seq_len)  # refuse a bad length before the (possibly long) build
+    # A config's dtype is how its checkpoint is stored (transformers 5 builds in it); training
+    # keeps float32 master weights and the plan's dtype runs under autocast, as for any model file.
+    return AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+
+
+def make_batch(batch_size: int, config: str, seq_len: int | None = None, **overrides: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens; the targets are the inputs shifted left by one (next-token prediction)."""
+    cfg = load_config(config, **overrides)
+    tokens = torch.randint(cfg.vocab_size, (batch_size, _seq_len(cfg, seq_len) + 1))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = getattr(output, "logits", output)  # a ModelOutput, or a plain tensor
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,126 @@
+"""Unmodified Hugging Face models, profiled, solved and run from their config alone.
+
+Each case is a shipped config (examples/hf/) shrunk by config overrides to a few layers of
+width 64, so the same transformers code paths run in seconds: default attention, default
+`use_cache`, no model file written. Analytic (meta) and measured (CPU) profiles must agree
+on FLOPs; the solver's plan for each pinned layout must train to the one-process losses.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import planner.hf_config_model as hf  # noqa: E402
+from planner.cluster import make_cluster  # noqa: E402
+from planner.errors import PlannerError  # noqa: E402
+from planner.profiler import profile_model  # noqa: E402
+from planner.solver.solve import Pins, solve  # noqa: E402
+from tests.conftest import EXAMPLES, ROOT  # noqa: E402
+
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=256)
+NO_DROPOUT_GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+CONFIGS = {
+    "llama3-8b": SMALL,
+    "qwen3-8b": dict(SMALL, head_dim=16),
+    "mistral-7b": SMALL,
+    "gpt2": NO_DROPOUT_GPT2,
+    "qwen3-30b-a3b": dict(SMALL, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+}
+SEQ_LEN = 32
+
+
+def args_of(name: str) -> dict:
+    return {"config": str(EXAMPLES / "hf" / f"{name}.json"), "seq_len": SEQ_LEN, **CONFIGS[name]}
+
+
+def _flops(profile, b=1):
+    return {u.name: (u.costs[b].forward_flops, u.costs[b].backward_flops) for u in profile.units}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_analytic_and_measured_profiles_agree(name):
+    analytic = profile_model(hf.__file__, args_of(name), [1, 2], device="meta", gpu="h100-80gb")
+    measured = profile_model(hf.__file__, args_of(name), [1, 2], device="cpu", repeats=1, warmup=0)
+    assert [u.name for u in analytic.units] == [u.name for u in measured.units]
+    assert analytic.model.fingerprint == measured.model.fingerprint
+    assert analytic.model.num_parameters == measured.model.num_parameters
+    meta, cpu = _flops(analytic), _flops(measured)
+    for unit, (forward, backward) in cpu.items():
+        assert meta[unit][0] == forward, unit
+        # The analytic profile prices attention as the flash kernel a GPU runs, whose backward
+        # recomputes the scores (2.5x the forward's attention FLOPs, not 2x): at most a quarter more.
+        assert backward <= meta[unit][1] <= 1.25 * backward, unit
+    assert all(u.costs[1].forward_time_s > 0 for u in measured.units if u.num_parameters)
+    assert [c.bytes for c in analytic.cuts] == [c.bytes for c in measured.cuts]
+
+
+def test_seventy_b_config_profiles_on_meta_as_a_whole():
+    profile = profile_model(hf.__file__, {"config": str(EXAMPLES / "hf" / "llama3-70b.json"), "seq_len": 4096}, [1],
+                            device="meta", gpu="h100-80gb", dtype="bfloat16")
+    assert len(profile.units) == 80 + 4  # embed, rotary, 80 layers, norm, head
+    assert 70e9 < profile.model.num_parameters < 71e9
+
+
+def test_config_overrides_are_checked_by_name():
+    with pytest.raises(PlannerError, match=r"'n_layr' \(did you mean 'n_layer'\?\)"):
+        hf.load_config(str(EXAMPLES / "hf" / "gpt2.json"), n_layr=2)
+    with pytest.raises(PlannerError, match="longer than the config's context"):
+        hf.make_batch(1, str(EXAMPLES / "hf" / "gpt2.json"), seq_len=4096)
+
+
+def test_cli_profiles_from_a_config(tmp_path):
+    out = tmp_path / "p.json"
+    command = [sys.executable, "-m", "planner.cli", "profile", "--hf-config", str(EXAMPLES / "hf" / "mistral-7b.json"),
+               "--device", "meta", "--seq-len", "64", *[f"-a{k}={v}" for k, v in SMALL.items()], "-o", str(out)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    profile = json.loads(out.read_text())
+    assert profile["model"]["args"]["seq_len"] == 64 and profile["model"]["file"].endswith("hf_config_model.py")
+    both = subprocess.run([*command[:4], "examples/gpt.py", *command[4:]], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert both.returncode == 1 and "not both" in both.stderr
+
+
+# --- solve, then run with parity -------------------------------------------------------------
+
+LAYOUTS = {
+    "tp2": (2, Pins(tp=2)),
+    "pp2-1f1b": (2, Pins(pp=2, schedule="1f1b")),
+    "fsdp2": (2, Pins(dp=2, zero_stage=3)),
+    "pp2xtp2": (4, Pins(pp=2, tp=2)),
+}
+PARITY_MODELS = ["llama3-8b", "qwen3-8b", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def measured_profiles():
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", PARITY_MODELS)
+def test_solver_plan_trains_like_one_process(name, layout, measured_profiles, tmp_path):
+    from tests.test_runtime_parity import check_parity
+
+    if name not in measured_profiles:
+        measured_profiles[name] = profile_model(hf.__file__, args_of(name), [1, 2], device="cpu", repeats=1, warmup=0)
+    world, pins = LAYOUTS[layout]
+    plan = solve(measured_profiles[name], make_cluster(world, gpu="cpu"), 4, pins)
+    assert plan.world_size == world
+    if pins.tp:
+        assert any(s.tp_plan for s in plan.stages), "a tp plan that shards nothing"
+    check_parity(plan, tmp_path)
+
+
+def test_training_turns_the_kv_cache_off():
+    from planner.model_file import load_model_file
+
+    model = load_model_file(hf.__file__, args_of("llama3-8b")).build_model()
+    assert model.config.use_cache is False
