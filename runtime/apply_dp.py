@@ -53,3 +53,30 @@ def average_gradients(modules: list[nn.Module], dp_group) -> None:
             offset += g.numel()
 
 
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank holds (a DTensor's shard: FSDP2 and TP gradients)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def sum_tied_gradients(copies: list[list[nn.Parameter]], groups: list) -> None:
+    """Megatron-LM's embedding all-reduce: per weight tied across stages, the sum of its copies'
+    gradients (this rank's copies, then the pipeline ranks in `groups`, None: none other) in
+    every copy, so that all copies take the same optimizer step and stay equal. After the
+    last backward and the dp reduction, before clipping. Every copy of one weight is placed
+    alike on its mesh (same dp shard, tied units are not TP-sharded), so local shards add."""
+    for params, group in zip(copies, groups, strict=True):
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        if not params or (not grads and group is None):
+            continue
+        total = torch.zeros_like(_local(params[0]).detach()) if not grads else grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        if group is not None:
+            dist.all_reduce(total, group=group)
+        for p in params:
+            if p.grad is not None:
+                _local(p.grad).copy_(total)
+            elif not hasattr(p, "_local_tensor"):  # a copy its stage did not use this step
+                p.grad = total.clone()

@@ -12,10 +12,17 @@ rank should not have to hold the whole model. Two ways, chosen per model (`init_
 - `full` (anything else, e.g. Hugging Face layers with hand-written init): every rank
   builds the whole model on the CPU under `torch.manual_seed(seed)` and copies the tensors
   it holds by name; this needs host memory for the whole model once.
+
+A weight tied across pipeline stages (runtime/pp_split.py `CrossStageTie`) is one object in
+the reference, reset by every module holding it, so it ends with the value of the last of
+them in `named_modules()` order. A stage without that module resets a copy of it from the
+same seed (`_reset_tied_copies`), so every stage's copy starts at the reference's value.
+('full' mode copies by name from the whole model, where the names are tied already.)
 """
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import torch
@@ -114,4 +121,28 @@ def materialize(model: nn.Module, seed: int, device: torch.device, mode: str, mo
                 if hasattr(module, "reset_parameters"):
                     torch.manual_seed(_seed_for(seed, name))
                     module.reset_parameters()
+            _reset_tied_copies(model, seed, device, model_file)
     return model
+
+
+def _reset_tied_copies(model: nn.Module, seed: int, device: torch.device, model_file: ModelFile) -> None:
+    """Give `model`'s tied parameters the value the whole model's last resetting module gives
+    them, where `model` (a pipeline stage) does not hold that module (module docstring)."""
+    whole = build_meta_model(model_file)
+    last: dict[int, tuple[str, str]] = {}  # parameter -> (module, attribute) of the last reset_parameters() reaching it
+    for name, module in whole.named_modules():
+        if hasattr(module, "reset_parameters"):
+            for attr, p in module.named_parameters(recurse=False):
+                last[id(p)] = (name, attr)
+    held = dict(model.named_parameters(remove_duplicate=False))
+    for group in tied_groups(whole):
+        here = [n for n in group if n in held]
+        owner, attr = last.get(id(whole.get_parameter(group[0])), ("", ""))
+        fqn = f"{owner}.{attr}" if owner else attr
+        if not here or not attr or fqn in held:
+            continue  # not held here, or reset by its last module here already
+        module = copy.deepcopy(whole.get_submodule(owner)).to_empty(device=device)
+        torch.manual_seed(_seed_for(seed, owner))
+        module.reset_parameters()
+        for n in here:
+            held[n].copy_(getattr(module, attr))

@@ -8,7 +8,10 @@ Under a plan a rank holds a part of the gradients, in three ways, each summed on
 - plain gradients (replicated parameters): every TP/DP replica holds the same values, so
   they count once, locally;
 - pipeline stages: each pp rank holds other units, so the squared norms add over the pp group
-  (as torchtitan's dist_utils.clip_grad_norm_ does).
+  (as torchtitan's dist_utils.clip_grad_norm_ does);
+- a weight tied across stages has a copy on several stages, each holding the summed gradient
+  (runtime/apply_dp.py `sum_tied_gradients`): only one copy counts (`uncounted`: the others),
+  as Megatron-LM counts shared embeddings once. Every copy is scaled.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(modules: list[nn.Module], max_norm: float, pp_group=None) -> torch.Tensor:
-    """Scale every gradient so the global L2 norm is at most `max_norm`; returns the norm before clipping."""
-    grads = [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+def clip_grad_norm(modules: list[nn.Module], max_norm: float, pp_group=None, uncounted=()) -> torch.Tensor:
+    """Scale every gradient so the global L2 norm is at most `max_norm`; returns the norm before clipping.
+    `uncounted`: parameters whose gradient another copy already counts (weights tied across stages)."""
+    skip = {id(p) for p in uncounted}
+    params = [p for m in modules for p in m.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     groups: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for p in params:
+        if id(p) not in skip:
+            g = p.grad
+            groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for mesh, group in groups.items():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)

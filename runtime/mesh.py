@@ -1,7 +1,9 @@
-"""The (pp, dp, tp) device mesh, built once. tp is innermost, as planner/plan.py's rank_of says."""
+"""The (pp, dp, tp) device mesh and the process groups beside it, built once. tp is innermost,
+as planner/plan.py's rank_of says."""
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.plan import Plan
@@ -10,3 +12,27 @@ from planner.plan import Plan
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     lay = plan.layout
     return init_device_mesh(device_type, (lay.pp_degree, lay.dp_degree, lay.tp_degree), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def build_tie_groups(mesh: DeviceMesh, pp_ranks_per_tie: list[tuple[int, ...]]) -> list[object]:
+    """Per weight tied across stages: this rank's "embedding group" (Megatron-LM's name), the
+    ranks with its dp and tp coordinates on the pipeline ranks `pp_ranks` holding a copy; None
+    where this rank holds none or the copies are all on one pipeline rank (nothing to reduce).
+
+    Every rank creates every group (`new_group` is collective over the whole world), in the
+    same order, one per (dp, tp) coordinate.
+    """
+    grid = mesh.mesh  # global ranks, shape (pp, dp, tp)
+    me = dist.get_rank()
+    out = []
+    for pp_ranks in pp_ranks_per_tie:
+        mine = None
+        if len(pp_ranks) > 1:
+            for d in range(grid.shape[1]):
+                for t in range(grid.shape[2]):
+                    ranks = [int(grid[p, d, t]) for p in pp_ranks]
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        mine = group
+        out.append(mine)
+    return out

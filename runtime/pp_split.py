@@ -34,10 +34,17 @@ only) and looks up its stubs' cached meta outputs; the real work is only its own
 
 Limits (each raises or is documented): the forward must call units in the plan's order and
 each unit once (no weight sharing across calls); parameters owned by the root module (not
-by a unit) and parameters tied across stages are refused; glue of an earlier stage runs on
+by a unit) are refused; glue of an earlier stage runs on
 meta tensors, so it must not read tensor values (`.item()`, data-dependent control flow).
 Python numbers derived from tensors (e.g. `b, s = idx.shape`) are recomputed from the
 placeholder inputs, which therefore carry the micro-batch's shapes (`set_example_microbatch`).
+
+Weights tied across stages (GPT-2's `wte` and `lm_head`) are held as Megatron-LM holds them
+(Shoeybi et al. 2019; its "embedding group"): every stage with a unit of the tie keeps its own
+copy under its own FQNs, initialised to the reference's value (runtime/build.py), and the
+copies' gradients are summed over the pipeline ranks holding them before the optimizer step
+(`cross_stage_ties` here, the groups in runtime/mesh.py, the sum in runtime/apply_dp.py), so
+every copy takes the same step and they stay equal.
 """
 
 from __future__ import annotations
@@ -54,8 +61,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from planner.errors import PlannerError
+from planner.meta_values import meta_autocast
 from planner.plan import Plan
-from planner.units import owned_parameters, tied_units
+from planner.units import owned_parameters
 from runtime.pp_flow import INPUT, CutLayout, Flow, Key, StopStage, UnitHooks, to_meta
 from runtime.pp_scatter import GatherFromGroup, ScatterToGroup, splits
 
@@ -72,24 +80,35 @@ class _Stub(nn.Module):
         self._meta = (meta_unit,)
         self._cache: dict = {}
 
+    def __getattr__(self, name: str):
+        # The model's glue may read a unit's plain attributes (Hugging Face 4.x's Qwen3 reads each
+        # layer's `attention_type` to pick its mask): the stub answers for the unit it stands in for.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_meta":
+                raise
+            return getattr(self._meta[0], name)
+
     def forward(self, *args, **kwargs):
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common case, without pytree's cost
             key = (tuple(args[0].shape), args[0].dtype)
             if key not in self._cache:
-                with torch.no_grad():
+                with torch.no_grad(), meta_autocast():
                     self._cache[key] = self._meta[0](to_meta(args[0]))
             return self._cache[key]
         args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
         flat = tree_flatten((args, kwargs))[0]
         signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
         if signature not in self._cache:
-            with torch.no_grad():
+            with torch.no_grad(), meta_autocast():
                 self._cache[signature] = self._meta[0](*args, **kwargs)
         return self._cache[signature]
 
 
 def check_splittable(model: nn.Module, plan: Plan) -> None:
-    """Refuse what stage modules cannot hold: root-owned parameters, weights tied across stages."""
+    """Refuse what stage modules cannot hold: root-owned parameters. (Weights tied across
+    stages are held as copies: `cross_stage_ties`.)"""
     units = [u for s in plan.stages for u in s.units]
     root_owned = [name for name, _ in owned_parameters(model, units).get("", [])]
     if root_owned:
@@ -97,13 +116,48 @@ def check_splittable(model: nn.Module, plan: Plan) -> None:
             f"Parameters {root_owned[:4]} belong to the model root, not to a unit, so no pipeline stage owns them.",
             "Move them into a submodule (a unit), or run without pipeline parallelism (--pp 1).",
         )
+
+
+@dataclass(frozen=True)
+class CrossStageTie:
+    """One parameter of the model shared by units of several stages; each of them holds a copy."""
+
+    names: tuple[str, ...]
+    """The parameter's FQNs in the whole model, in `named_parameters(remove_duplicate=False)`
+    order: names[0] is the one `named_parameters()` (the reference's saved parameters) keeps."""
+    stages: tuple[int, ...]
+    """Stages holding a copy, ascending; stages[0]'s copy is the one the gradient norm counts."""
+    pp_ranks: tuple[int, ...]
+    """Pipeline ranks holding those stages (looping placement: stage s on rank s % pp)."""
+
+    def copies(self, chunks: list[tuple[int, nn.Module]]) -> list[tuple[int, nn.Parameter]]:
+        """(stage, parameter) of every copy among this rank's chunks (one per chunk holding one)."""
+        out = []
+        for stage, module in chunks:
+            held = dict(module.named_parameters(remove_duplicate=False))
+            found = {id(held[n]): held[n] for n in self.names if n in held}
+            out += [(stage, p) for p in found.values()]
+        return out
+
+
+def _unit_of(name: str, units: list[str]) -> str:
+    return max((u for u in units if name.startswith(u + ".")), key=len)
+
+
+def cross_stage_ties(model: nn.Module, plan: Plan) -> list[CrossStageTie]:
+    """Parameters of the whole `model` that the plan's stages share (one entry per parameter)."""
+    units = [u for s in plan.stages for u in s.units]
     stage_of_unit = {u: k for k, s in enumerate(plan.stages) for u in s.units}
-    for group in tied_units(model, units):
-        if len({stage_of_unit[u] for u in group}) > 1:
-            raise PlannerError(
-                f"Units {list(group)} share a parameter (tied weights) but the plan puts them in different stages.",
-                "Put tied units in one stage, untie the weights, or run without pipeline parallelism (--pp 1).",
-            )
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    ties = []
+    for group in names.values():
+        stages = sorted({stage_of_unit[_unit_of(n, units)] for n in group})
+        if len(stages) > 1:
+            pp = plan.layout.pp_degree
+            ties.append(CrossStageTie(tuple(group), tuple(stages), tuple(sorted({s % pp for s in stages}))))
+    return ties
 
 
 @dataclass

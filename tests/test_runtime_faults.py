@@ -109,46 +109,6 @@ def test_inconsistent_plan_is_refused(tmp_path):
     assert done.returncode == 1 and "not a valid plan" in done.stderr
 
 
-TIED = '''
-import torch
-from torch import nn
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.embed.weight  # tied input and output embeddings
-
-    def forward(self, x):
-        x = self.embed(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-def build_model(**_):
-    return Net()
-
-def make_batch(batch_size, **_):
-    return torch.randint(16, (batch_size, 4)), torch.randint(16, (batch_size, 4))
-'''
-
-
-def test_pipelining_tied_weights_across_stages_is_refused_clearly(tmp_path, write_model):
-    from planner.model_file import load_model_file
-    from runtime.build import build_meta_model, trace
-
-    path = write_model(TIED, "tied.py")
-    mf = load_model_file(path)
-    units = trace(build_meta_model(mf), mf).units
-    plan = make_plan(pp=2, units=units, args={})
-    plan.model.file = str(path)
-    done = cli("run", str(plan.save(tmp_path / "plan.json")))
-    text = " ".join(done.stderr.split())
-    assert done.returncode == 1 and "tied weights" in text, text[-1500:]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("pins", [[], ["--tp", "2", "--sequence-parallel"], ["--pp", "2", "--tp", "2", "--sequence-parallel"]],
                          ids=["free", "tp2-sp", "pp2-tp2-sp"])

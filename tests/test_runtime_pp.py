@@ -135,24 +135,6 @@ def test_root_owned_parameters_are_refused():
         build_stage_modules(Scaled(), plan, 0, (torch.zeros(1, 4),))
 
 
-def test_weights_tied_across_stages_are_refused():
-    from runtime.apply_pp import build_stage_modules
-
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(8, 4)
-            self.head = nn.Linear(4, 8, bias=False)
-            self.head.weight = self.embed.weight
-
-        def forward(self, x):
-            return self.head(self.embed(x))
-
-    plan = make_plan(pp=2, units=["embed", "head"])
-    with pytest.raises(PlannerError, match="tied weights"):
-        build_stage_modules(Tied(), plan, 0, (torch.zeros(1, 3, dtype=torch.long),))
-
-
 # --- spawned ranks: training parity through `python -m runtime` ---------------------------
 # GPT under every schedule, non-uniform cuts, PP x TP (with and without SP), PP x DP and
 # recompute are in test_runtime_parity.py / test_runtime_tp.py; these are the cases that

@@ -1,6 +1,7 @@
 """Every plan the solver writes is one the runtime can run: solver-level checks of the three ways
-a plan used not to be (a unit that is itself a module, tied weights cut apart, a TP degree the
-model cannot shard), and, slow, solve-then-run with loss parity for every pinned dimension."""
+a plan used not to be (a unit that is itself a module, tied weights cut apart: now held as a
+copy per stage, see tests/test_tied_stages.py; a TP degree the model cannot shard), and, slow,
+solve-then-run with loss parity for every pinned dimension."""
 
 from __future__ import annotations
 
@@ -140,32 +141,34 @@ def test_cuts_never_split_a_tied_group_and_match_brute_force():
         assert stage_of[group[0]] == stage_of[group[1]], (got.bounds, group)
 
 
-def test_pipeline_keeps_tied_units_in_one_stage_and_counts_the_weight_once(write_model):
+def test_pipeline_may_cut_between_tied_units_and_prices_each_copy(write_model):
     path = write_model(TIED, "tied.py")
     profile = profile_model(str(path), {}, [1], device="meta", gpu="a100-80gb")
     assert profile.model.tied_parameters == [["blocks.1", "blocks.2"]]
-    result = search(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=2, dp=1, tp=1))
+    cluster = make_cluster(2, gpu="a100-80gb")
+    result = search(profile, cluster, 4, Pins(pp=2, dp=1, tp=1))
     assert result.ranked
-    names = profile.unit_names()
-    for evaluation in result.ranked:
-        stage_of = {names[u]: k for k, (i, j) in enumerate(evaluation.bounds) for u in range(i, j)}
-        assert stage_of["blocks.1"] == stage_of["blocks.2"], evaluation.bounds
-    # The shared weight is priced once: the per-unit parameters add up to the model's.
+    # The profile counts the shared weight once (in blocks.1); a stage holding blocks.2 without
+    # blocks.1 holds a copy of it (d x d = 256 x 256), priced in its memory.
     table = result.costs.table(1, False, 1)
     assert table.parameters.sum() == profile.model.num_parameters
+    (tie,) = table.tied
+    assert tie.units == (2, 3) and tie.num_parameters == 256 * 256
+    assert table.copy_parameters(0, 3)[0] == 0 and table.copy_parameters(3, 5)[0] == 256 * 256
+    assert table.copy_parameters(2, 5)[0] == 0  # blocks.1 (the owner) is in the range
 
 
-def test_pinned_pipeline_that_a_tie_forbids_is_refused(write_model):
+def test_pinned_pipeline_across_a_tie_solves(write_model):
     path = write_model(TIED, "tied.py")
     profile = profile_model(str(path), {"tie_head": True, "tie_blocks": False}, [1], device="meta", gpu="a100-80gb")
-    with pytest.raises(PlannerError, match=r"--pp 2 .*\['embed', 'head'\] share a parameter \(tied weights\)"):
-        solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=2))
-    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4)  # free: no pipeline, and no TP of the tied pair
-    assert plan.layout.pp_degree == 1
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=2))
+    assert plan.layout.pp_degree == 2
+    assert "embed" in plan.stages[0].units and "head" in plan.stages[1].units  # every cut splits this tie
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(tp=2))  # no TP of the tied pair
     assert not {"embed", "head"} & {k for s in plan.stages for k in s.tp_plan}
 
 
-def test_hugging_face_gpt2_tied_embeddings_refuse_a_pipeline(write_model):
+def test_hugging_face_gpt2_tied_embeddings_pipeline(write_model):
     pytest.importorskip("transformers")
     path = write_model('''
         import torch
@@ -192,8 +195,10 @@ def test_hugging_face_gpt2_tied_embeddings_refuse_a_pipeline(write_model):
         ''', "hf_gpt2.py")
     profile = profile_model(str(path), {}, [1], device="meta", gpu="a100-80gb")
     assert ["transformer.wte", "lm_head"] in profile.model.tied_parameters
-    with pytest.raises(PlannerError, match="tied weights"):
-        solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=2))
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=2))
+    assert plan.layout.pp_degree == 2
+    assert "transformer.wte" in plan.stages[0].units and "lm_head" in plan.stages[1].units
+    assert plan.prediction.breakdown_s["tie_comm"] > 0  # the copies' gradient all-reduce
 
 
 # --- 3. pins the model cannot honour ---------------------------------------------------------

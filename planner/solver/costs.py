@@ -9,18 +9,27 @@ planner/solver/intra_op.py). Identical units (same fingerprint) share one ILP so
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from planner.cost.compute import ComputeModel, interpolate, sharded_flop_fraction, tp_time_s
 from planner.cost.memory import unit_activation_bytes
 from planner.profile_schema import Profile, Unit
-from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import SHARDED, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class TiedWeight:
+    """A parameter that several units share (a tied input embedding and output head)."""
+
+    units: tuple[int, ...]
+    """Indices of the units using it, ascending; the first owns it in the profile."""
+    num_parameters: float
+    """Its size (elements); tied units are never TP-sharded, so this is per GPU too."""
 
 
 @dataclass(frozen=True)
@@ -52,9 +61,26 @@ class UnitCostTable:
     """Extra forward FLOPs per recomputation mode."""
     tp_plans: list[dict[str, str]]
     """Per unit: module path relative to the unit -> DTensor style ("" is the unit itself)."""
-    cut_allowed: np.ndarray | None = None
-    """Per unit but the last: whether a stage may end after it (False inside a group of units
-    sharing a parameter; planner/solver/inter_op.py `allowed_cuts`). None: anywhere."""
+    tied: tuple[TiedWeight, ...] = ()
+    """Parameters shared by several units (tied embeddings). `parameters` counts each in its
+    first unit; a stage holding another of its units holds a copy too (`copy_parameters`)."""
+
+    def copy_parameters(self, start, end) -> np.ndarray:
+        """Parameters of unit range(s) [start, end) beyond `parameters`: the copies of tied weights
+        a stage holds because it has a unit of the tie but not the first one (Megatron-LM's
+        embedding copy on the last stage). It depends on the range alone, so the DP stays exact."""
+        start, end = np.atleast_1d(start), np.atleast_1d(end)
+        total = np.zeros(start.shape)
+        for tie in self.tied:
+            units = np.array(tie.units)[:, None]
+            holds = ((units >= start) & (units < end)).any(axis=0)
+            owns = (tie.units[0] >= start) & (tie.units[0] < end)
+            total += np.where(holds & ~owns, tie.num_parameters, 0.0)
+        return total
+
+    def without_ties(self) -> UnitCostTable:
+        """The same table priced as if every shared weight were held once (for comparisons)."""
+        return replace(self, tied=())
 
 
 def _score_bytes(unit: Unit, scale: float, dtype_bytes: int) -> float:
@@ -163,7 +189,7 @@ class UnitCosts:
         for c in self.profile.cuts:
             cut[c.after_index] = interpolate({k: float(v) for k, v in c.bytes.items()}, b) / (t if sp else 1)
         return UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans,
-                             tied_cut_allowed(self.profile))
+                             tied_weights(self.profile))
 
 
 def tied_groups(profile: Profile) -> list[list[int]]:
@@ -176,5 +202,25 @@ def tied_unit_indices(profile: Profile) -> set[int]:
     return {i for g in tied_groups(profile) if len(g) > 1 for i in g}
 
 
-def tied_cut_allowed(profile: Profile) -> np.ndarray:
-    return allowed_cuts(len(profile.units), [g for g in tied_groups(profile) if len(g) > 1])
+def _borrowed_parameters(unit: Unit) -> float:
+    """Parameters the unit's ops use but the unit does not own (`num_parameters` counts a shared
+    weight in its first unit only): weights, and biases of linears, minus what it owns."""
+    used = 0
+    for op in unit.ops:
+        if op.weight_shape:
+            used += math.prod(op.weight_shape)
+            if op.has_bias and op.kind == "linear":
+                used += op.weight_shape[-1] if getattr(op, "weight_in_out", False) else op.weight_shape[0]
+    return max(used - unit.num_parameters, 0)
+
+
+def tied_weights(profile: Profile) -> tuple[TiedWeight, ...]:
+    """The profile's groups of units sharing a parameter, each with the shared size: what a
+    later unit of the group uses without owning it (the profile records no per-tie size)."""
+    by_index = {u.index: u for u in profile.units}
+    out = []
+    for group in tied_groups(profile):
+        if len(group) > 1:
+            size = max(_borrowed_parameters(by_index[i]) for i in group[1:])
+            out.append(TiedWeight(tuple(group), float(size)))
+    return tuple(out)

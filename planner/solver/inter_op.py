@@ -24,11 +24,11 @@ incumbent; candidates are solved in growing batches (1, 2, 4, up to `BATCH`). Th
 optimum of T: the optimal cuts appear when t_max equals their own bottleneck. Each
 candidate costs O(S U^2) (vectorised over i and j with numpy).
 
-Tied parameters. Units that share a parameter (tied input/output embeddings) stay in one
-stage: the runtime cannot tie a weight across stages (runtime/pp_split.py), so no cut may
-fall between the first and the last unit of a tied group (`allowed_cuts`). Ranges starting
-or ending at a forbidden cut cost +inf (`forbid_cuts`); the shared weight is owned by its
-first unit in the profile, so the stage holding the group counts its memory once.
+Forbidden cuts. `solve_cuts` can be told where no stage may end (`allowed_cuts`, e.g. inside
+a group of units that must share a stage): ranges starting or ending at a forbidden cut cost
++inf (`forbid_cuts`). The search no longer needs it for tied weights: the runtime holds a copy
+per stage (runtime/pp_split.py), and a range's cost includes the copy it holds
+(planner/solver/costs.py `UnitCostTable.copy_parameters`), which depends on the range alone.
 """
 
 from __future__ import annotations

@@ -31,6 +31,33 @@ def why_lost(loser: Evaluation, winner: Evaluation) -> str:
     return f"{slower:+.1%} slower" + (f": {', '.join(grew)}" if grew else "")
 
 
+def profile_times_device(profile: Profile) -> str:
+    """Whose times a profile holds: `cpu`, an analytic GPU preset, or a measured GPU's name."""
+    if profile.device == "meta":
+        return profile.target_gpu or "h100-80gb"
+    return "cpu" if profile.device == "cpu" else profile.device_name
+
+
+def device_mismatch(profile: Profile, cluster: Cluster) -> str | None:
+    """A sentence when the profile's times were not taken on (or for) the cluster's GPU, else None.
+
+    A measured GPU's name is matched to a preset as `planner profile-cluster` does it; a
+    cluster GPU given a name of its own in a cluster file matches only a profile of that name.
+    """
+    times, gpu = profile_times_device(profile), cluster.gpu.name
+    if profile.device == "cuda" and gpu != "cpu":
+        from planner.cluster_probe import GPU_NAMES
+
+        name = times.lower()
+        same = next((preset for key, preset in GPU_NAMES if key in name), None) == gpu or gpu.lower() in name
+    else:
+        same = times == gpu
+    if same:
+        return None
+    return (f"the profile's times are {'measured on' if profile.device != 'meta' else 'analytic for'} {times}, "
+            f"the cluster's GPU is {gpu}: the prediction uses {times}'s times")
+
+
 def _alternative(e: Evaluation, winner: Evaluation) -> dict:
     return {
         "layout": _layout(e).model_dump(),
@@ -78,7 +105,8 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     )
     alternatives = [_alternative(e, best) for e in result.ranked[1:top_k]]
     return Plan(
-        model=ModelRef(file=profile.model.file, args=profile.model.args, fingerprint=profile.model.fingerprint),
+        model=ModelRef(file=profile.model.file, args=profile.model.args, fingerprint=profile.model.fingerprint,
+                       source_sha256=profile.model.source_sha256),
         profile=profile_path,
         cluster=ClusterRef(**cluster.to_ref()),
         training=Training(dtype=dtype, cpu_threads=profile.cpu_threads),
@@ -94,4 +122,5 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
             "stage_backward_s": list(best.stage_backward_s),
             "alternatives": alternatives,
         },
+        device_mismatch=device_mismatch(profile, cluster),
     )

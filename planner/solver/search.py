@@ -9,12 +9,15 @@ that the pins allow, `evaluate_config` builds the stage cost table
                                                           across nodes without SP: `scatter_gather`)
                     + the cluster's pipeline_overhead_s  (pp > 1: the schedule's bookkeeping)
 
-(+inf for ranges that would split units sharing a parameter; stage memory = model states
-under ZeRO + in-flight micro-batches x stored activations +
-the largest recomputation transient + send/receive buffers), lets the DP
-(planner/solver/inter_op.py) pick the cuts and per-stage recomputation, and prices the
-result with the schedule's closed form (planner/cost/schedules.py) plus the data-parallel
-gradient synchronisation and the optimizer step. Configurations whose model states alone
+(stage memory = model states under ZeRO, a copy of every tied weight the range uses but
+whose first unit it lacks included (`UnitCostTable.copy_parameters`) + in-flight
+micro-batches x stored activations + the largest recomputation transient + send/receive
+buffers), lets the DP (planner/solver/inter_op.py) pick the cuts and per-stage
+recomputation, and prices the result with the schedule's closed form
+(planner/cost/schedules.py) plus, once per step after the last backward, the data-parallel
+gradient synchronisation, the all-reduce of each tied weight's gradient over the pipeline
+ranks holding a copy (Megatron-LM's embedding group: `_tie_all_reduce_s`) and the optimizer
+step. Configurations whose model states alone
 cannot fit (a lower bound: the whole model's states over pp x tp, ZeRO applied) are pruned
 before the DP. ZeRO stages are all priced as the runtime runs them: stage 0 all-reduces
 gradients once per step; stages 1-3 are FSDP2, which reduce-scatters each unit's gradients
@@ -33,7 +36,7 @@ from planner.cost.memory import model_state_bytes
 from planner.cost.schedules import iteration_time_s, in_flight_microbatches
 from planner.errors import PlannerError
 from planner.solver.costs import RECOMPUTE_MODES, UnitCostTable
-from planner.solver.inter_op import max_stages, range_allowed, solve_cuts
+from planner.solver.inter_op import solve_cuts
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ class Environment:
     """Seconds of the optimizer step per parameter a rank updates (planner/cost/compute.py)."""
     pipeline_overhead_s: float = 0.0
     """Per micro-batch and pipeline chunk, beyond compute and bytes (planner/cluster.py)."""
+    tie_all_reduce_s: object = None
+    """(nbytes, pp ranks holding a copy, ranks per pipeline rank = dp x tp) -> s: the all-reduce of a
+    tied weight's gradient among its copies (None: free)."""
 
 
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
@@ -124,16 +130,10 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     num_chunks = cfg.pp * cfg.virtual_stages
     if num_chunks > num_units:
         return Evaluation(cfg, False, f"{num_chunks} stages but only {num_units} units")
-    allowed = table.cut_allowed
-    if allowed is not None and num_chunks > max_stages(allowed):
-        return Evaluation(cfg, False, f"{num_chunks} stages but units sharing a parameter leave room for {max_stages(allowed)}")
     times, states, gathers = _stage_arrays(table, cfg, env)
     size = num_units + 1
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
     start, end = np.triu_indices(size, k=1)
-    # [Constraint] tied units share a stage: no range begins or ends inside a tied group.
-    keep = range_allowed(start, end, allowed)
-    start, end = start[keep], end[keep]
     if fixed_bounds is None and math.isfinite(time_cap_s):
         fastest = prefix(np.min(np.stack([times[r] for r in env.allowed_recompute]), axis=0))
         keep = fastest[end] - fastest[start] <= time_cap_s / cfg.num_microbatches
@@ -141,6 +141,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
         if start.size == 0:
             return Evaluation(cfg, False, "dominated: every stage range is slower than the best plans allow")
     p_states = prefix(states)
+    # Copies of tied weights a range holds (linear in parameters, like `states`).
+    copy_states = model_state_bytes(table.copy_parameters(start, end), env.dtype, cfg.zero_stage, cfg.dp).total
     # Stage p2p: send activations across the cut at its end and receive their gradients.
     same_node = cfg.dp * cfg.tp < env.gpus_per_node
     sliced = scatter_gather(cfg, same_node)
@@ -155,7 +157,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     per_mode = []  # (time per range, memory per [stage position, range]) per recompute mode
     for r in env.allowed_recompute:
         p_time, p_act = prefix(times[r]), prefix(table.activations[r])
-        fixed = p_states[end] - p_states[start] + buffers + (_range_max(table.transient[r])[start, end] if r == "full" else 0.0)
+        fixed = p_states[end] - p_states[start] + copy_states + buffers + (_range_max(table.transient[r])[start, end] if r == "full" else 0.0)
         per_mode.append((p_time[end] - p_time[start] + p2p[end - 1], fixed[None, :] + in_flight * (p_act[end] - p_act[start])[None, :]))
     min_needed = min(float(memory.min()) for _, memory in per_mode)
 
@@ -236,7 +238,9 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
         bwd.append(total - f - p2p[j - 1] / 2)
         in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
         transient = float(table.transient[r][i:j].max()) if r == "full" else 0.0
-        mem.append(float(states[i:j].sum() + in_flight * table.activations[r][i:j].sum() + transient + 2 * table.cut_bytes[j - 1]))
+        copies = float(table.copy_parameters(i, j)[0])
+        copy_states = model_state_bytes(copies, env.dtype, cfg.zero_stage, cfg.dp).total
+        mem.append(float(states[i:j].sum() + copy_states + in_flight * table.activations[r][i:j].sum() + transient + 2 * table.cut_bytes[j - 1]))
     # Memory per pipeline rank: its chunks together (interleaving puts v chunks on one rank).
     rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
     if max(rank_mem) > env.usable_memory_bytes:
@@ -246,8 +250,10 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
     rank_work = [sum(fwd[k] + bwd[k] for k in range(rank, len(fwd), cfg.pp)) for rank in range(cfg.pp)]
     # Data-parallel gradient synchronisation and optimizer step, once per iteration per rank.
     dp_s, opt_s = [], []
+    tie_s = _tie_all_reduce_s(table, cfg, env, bounds)
     for rank in range(cfg.pp):
-        params = sum(float(table.parameters[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
+        params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0])
+                     for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
         grad_bytes = params * (4 if env.dtype == "float32" else 2)
         if cfg.dp == 1:
             dp_s.append(0.0)
@@ -258,8 +264,9 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
             dp_s.append(env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp) if cfg.zero_stage < 3 else 0.0)
         sharded = params / (cfg.dp if cfg.zero_stage >= 1 else 1)
         opt_s.append(sharded * env.optimizer_s_per_param)
-    tail = max(d + o for d, o in zip(dp_s, opt_s))
-    slowest = int(np.argmax([d + o for d, o in zip(dp_s, opt_s)]))
+    tails = [d + t + o for d, t, o in zip(dp_s, tie_s, opt_s)]
+    tail = max(tails)
+    slowest = int(np.argmax(tails))
     busiest = int(np.argmax(rank_work))
     compute = m * sum(float((table.forward_s + table.backward_s)[i:j].sum() + table.recompute_s[r][i:j].sum())
                       for k, ((i, j), r) in enumerate(zip(bounds, recompute)) if k % cfg.pp == busiest)
@@ -287,9 +294,29 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
             "p2p": p2p_total,
             "bubble": bubble,
             "dp_comm": dp_s[slowest] + gather_total,
+            "tie_comm": tie_s[slowest],
             "optimizer": opt_s[slowest],
         },
         bubble_fraction=bubble / (pipeline_s + tail) if pipeline_s + tail > 0 else 0.0,
         model_flops=model_flops,
         hardware_flops=hw_flops,
     )
+
+
+def _tie_all_reduce_s(table, cfg: Config, env: Environment, bounds) -> list[float]:
+    """Per pipeline rank: its all-reduces of tied weights' gradients, one per tied weight whose
+    copies sit on several pipeline ranks (Megatron-LM's embedding all-reduce), once per step.
+    The gradient is summed as this rank holds it: whole under ZeRO 0 (after the dp all-reduce),
+    its 1/dp shard under FSDP2 (ZeRO >= 1). Copies on one rank are summed locally (free)."""
+    out = [0.0] * cfg.pp
+    if env.tie_all_reduce_s is None:
+        return out
+    grad_bytes = 4 if env.dtype == "float32" else 2
+    for tie in table.tied:
+        ranks = sorted({k % cfg.pp for k, (i, j) in enumerate(bounds) if any(i <= u < j for u in tie.units)})
+        if len(ranks) > 1:
+            nbytes = tie.num_parameters * grad_bytes / (cfg.dp if cfg.zero_stage >= 1 else 1)
+            seconds = env.tie_all_reduce_s(nbytes, tuple(ranks), cfg.dp * cfg.tp)
+            for rank in ranks:
+                out[rank] += seconds
+    return out

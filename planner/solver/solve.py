@@ -1,7 +1,8 @@
 """`planner solve`: the fastest plan that fits, from a profile and a cluster (no torch).
 
 `solve` refuses pins the model cannot honour (`check_model_pins`: a TP degree that splits no
-weight or not whole attention heads, more pipeline stages than tied weights allow),
+weight or not whole attention heads; weights tied across stages are no obstacle: the runtime
+holds a copy per stage, which the search prices),
 enumerates the configurations the pins allow (`candidate_configs`), prices each
 with `planner.solver.search.evaluate_config`, keeps the best `top_k`, and writes the winner
 as a plan file (planner/plan.py) whose `search` section lists the runners-up and why each
@@ -16,13 +17,12 @@ from functools import lru_cache
 from dataclasses import dataclass, replace
 
 from planner.cluster import Cluster
-from planner.cost.collectives import CollectiveModel, group_placement
+from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE, SCHEDULES, Batch, ClusterRef, Layout, ModelRef, Plan, Prediction, Stage, Training, stage_ranks
 from planner.profile_schema import Profile
-from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_cut_allowed, tied_unit_indices
-from planner.solver.inter_op import max_stages
+from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
 from planner.solver.intra_op import shardable_ops, tp_obstacles
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config
 
@@ -113,16 +113,6 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
     return None
 
 
-def stage_limit(profile: Profile) -> tuple[int, str]:
-    """The most pipeline stages (chunks) the model's tied parameters allow, and why it is below the unit count."""
-    limit = max_stages(tied_cut_allowed(profile))
-    if limit >= len(profile.units):
-        return len(profile.units), ""
-    groups = [g for g in profile.model.tied_parameters if len(g) > 1]
-    return limit, (f"units {' / '.join(map(str, groups))} share a parameter (tied weights) and must stay in one stage, "
-                   f"since the runtime cannot tie a weight across stages; that leaves {limit} possible stage(s)")
-
-
 def check_model_pins(pins: Pins, profile: Profile) -> None:
     """Refuse pinned dimensions this model cannot honour, saying why (the pins alone are checked by `check_pins`)."""
     problems = []
@@ -130,10 +120,6 @@ def check_model_pins(pins: Pins, profile: Profile) -> None:
         why = tp_refusal(profile, pins.tp)
         if why:
             problems.append(f"--tp {pins.tp}: {why}")
-    limit, why = stage_limit(profile)
-    chunks = (pins.pp or 1) * (pins.virtual_stages or 1)
-    if pins.pp and chunks > limit and why:
-        problems.append(f"--pp {pins.pp} x --virtual-stages {pins.virtual_stages or 1} needs {chunks} stages, but {why}")
     if problems:
         raise PlannerError("The model cannot honour the pins: " + "; ".join(problems) + ".",
                            "Pin a degree the model allows, or leave that dimension to the search.")
@@ -141,8 +127,8 @@ def check_model_pins(pins: Pins, profile: Profile) -> None:
 
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
                       tp_degrees: set[int] | None = None):
-    """Configurations the pins allow; `num_units` is the most pipeline chunks the model allows
-    (`stage_limit`), `tp_degrees` the TP degrees it can honour (None: any)."""
+    """Configurations the pins allow; `num_units` bounds the pipeline chunks, `tp_degrees` are the
+    TP degrees the model can honour (None: any)."""
     n, gpn = cluster.world_size, cluster.gpus_per_node
     for tp in [pins.tp] if pins.tp else [t for t in _divisors(min(n, gpn)) if tp_degrees is None or t in tp_degrees]:
         for pp in [pins.pp] if pins.pp else [p for p in _divisors(n // tp) if p <= num_units]:
@@ -217,6 +203,9 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         gpus_per_node=cluster.gpus_per_node,
         optimizer_s_per_param=compute.optimizer_s_per_param(),
         pipeline_overhead_s=cluster.pipeline_overhead_s,
+        # A tied weight's copies: one rank per pipeline rank holding one, dp x tp ranks apart (pp is outermost).
+        tie_all_reduce_s=cached(lambda nbytes, pp_ranks, stride: coll.all_reduce_s(
+            nbytes, Group(len(pp_ranks), len({(r * stride) // cluster.gpus_per_node for r in pp_ranks})))),
     )
 
 
@@ -254,7 +243,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # (perfectly balanced stages, no bubble, no communication) and stop once that bound
     # exceeds the k-th best time found; feasibility is not monotone, so nothing else is cut.
     groups = []
-    for zero_variants in candidate_configs(pins, cluster, global_batch_size, stage_limit(profile)[0], profile.micro_batch_sizes,
+    for zero_variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units), profile.micro_batch_sizes,
                                            tp_degrees):
         cfg = zero_variants[0]
         table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)

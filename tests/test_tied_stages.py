@@ -1,0 +1,256 @@
+"""Weights tied across pipeline stages, as Megatron-LM holds them: each stage with a unit of the
+tie keeps a copy, the copies' gradients are summed over the stages holding them before the
+optimizer step (runtime/apply_dp.py `sum_tied_gradients`), and the solver prices the copies'
+memory in every stage holding one and that all-reduce in the step (planner/solver/search.py).
+
+Fast: the solver. Slow: PP2 runs with loss parity against the one-process reference, Hugging
+Face GPT-2 ('full' init) solved with pinned pp, and a tied GPT example written by hand
+('per-module' init, where the stage without the head must start from the head's reset)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cluster import make_cluster
+from planner.profiler import profile_model
+from planner.solver.solve import Pins, search, solve
+from tests.conftest import EXAMPLES
+from tests.runtime_plans import GPT_ARGS, GPT_UNITS, make_plan
+
+# examples/gpt.py with its output head tied to the token embedding (Press & Wolf 2017).
+TIED_GPT = f'''
+import importlib.util
+
+_spec = importlib.util.spec_from_file_location("gpt_example", {str(EXAMPLES / "gpt.py")!r})
+gpt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpt)
+make_batch, loss_fn = gpt.make_batch, gpt.loss_fn
+
+
+def build_model(**args):
+    model = gpt.build_model(**args)
+    model.head.weight = model.embed.tok.weight
+    return model
+'''
+
+HF_GPT2 = {"config": str(EXAMPLES / "hf" / "gpt2.json"), "seq_len": 32, "n_layer": 2, "n_embd": 64, "n_head": 4,
+           "vocab_size": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def _hf_file() -> str:
+    import planner.hf_config_model as hf
+
+    return hf.__file__
+
+
+# --- solver -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tied_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tied") / "tied_gpt.py"
+    path.write_text(TIED_GPT)
+    return profile_model(str(path), {**GPT_ARGS, "d_model": 256, "vocab_size": 4096}, [1], device="meta", gpu="a100-80gb")
+
+
+def test_tied_gpt_pipelines_and_prices_the_copy(tied_profile):
+    from planner.solver.costs import tied_weights
+
+    assert tied_profile.model.tied_parameters == [["embed", "head"]]
+    (tie,) = tied_weights(tied_profile)
+    assert tie.units == (0, len(GPT_UNITS) - 1) and tie.num_parameters == 4096 * 256
+    cluster = make_cluster(2, gpu="a100-80gb")
+    plan = solve(tied_profile, cluster, 4, Pins(pp=2, schedule="1f1b"))
+    assert plan.layout.pp_degree == 2
+    result = search(tied_profile, cluster, 4, Pins(pp=2, schedule="1f1b"))
+    best = result.ranked[0]
+    assert best.breakdown_s["tie_comm"] > 0
+    # The same cuts priced as if the weight were held once: the copy's states and its all-reduce are the difference.
+    from planner.cost.memory import model_state_bytes
+    from planner.solver.search import evaluate_config
+    from planner.solver.solve import _environment
+
+    table = result.costs.table(1, False, best.config.micro_batch_size)
+    env = _environment(cluster, result.costs.compute, tied_profile.dtype, Pins(pp=2), 0.9)
+    untied = evaluate_config(table.without_ties(), best.config, env, fixed_bounds=best.bounds)
+    priced = evaluate_config(table, best.config, env, fixed_bounds=best.bounds)
+    copy_bytes = model_state_bytes(tie.num_parameters, env.dtype, best.config.zero_stage, best.config.dp).total
+    assert priced.peak_memory_bytes[0] == pytest.approx(untied.peak_memory_bytes[0])  # stage 0 owns the weight
+    assert priced.peak_memory_bytes[1] == pytest.approx(untied.peak_memory_bytes[1] + copy_bytes)
+    assert priced.iteration_time_s > untied.iteration_time_s
+    assert untied.breakdown_s["tie_comm"] == 0
+
+
+def test_hugging_face_gpt2_pipelines(tmp_path):
+    pytest.importorskip("transformers")
+    profile = profile_model(_hf_file(), HF_GPT2, [1], device="meta", gpu="a100-80gb")
+    assert ["transformer.wte", "lm_head"] in profile.model.tied_parameters
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=2, schedule="1f1b"))
+    assert plan.layout.pp_degree == 2
+    assert "transformer.wte" in plan.stages[0].units and "lm_head" in plan.stages[1].units
+
+
+def test_dp_with_tied_copies_matches_brute_force(tied_profile):
+    # A stage's memory depends on whether it holds a copy of the tied weight, which depends on its
+    # unit range alone: the DP over ranges stays exact. Every placement of 2 cuts among the 7
+    # units, at memory limits from loose to tight, against the DP's choice.
+    from dataclasses import replace
+    from itertools import combinations, pairwise
+
+    from planner.solver.inter_op import pipeline_time
+    from planner.solver.search import Config, evaluate_config
+    from planner.solver.solve import _environment
+
+    cluster = make_cluster(3, gpu="a100-80gb")
+    result = search(tied_profile, cluster, 4, Pins(pp=3, dp=1, tp=1))
+    table = result.costs.table(1, False, 1)
+    env = _environment(cluster, result.costs.compute, tied_profile.dtype, Pins(), 0.9)
+    cfg = Config(tp=1, sequence_parallel=False, pp=3, dp=1, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                 virtual_stages=1, zero_stage=0)
+    units = len(tied_profile.units)
+    placements = [tuple(pairwise(e)) for inner in combinations(range(1, units), 2) for e in [(0, *inner, units)]]
+    peaks = sorted({max(evaluate_config(table, cfg, env, fixed_bounds=b).peak_memory_bytes) for b in placements})
+
+    def objective(e):
+        return pipeline_time([f + b for f, b in zip(e.stage_forward_s, e.stage_backward_s)], cfg.num_microbatches)
+
+    copies_mattered = False
+    for limit in peaks[:: max(len(peaks) // 8, 1)] + [peaks[-1]]:
+        tight = replace(env, usable_memory_bytes=limit * (1 + 1e-9))
+        feasible = [e for b in placements if (e := evaluate_config(table, cfg, tight, fixed_bounds=b)).feasible]
+        untied = [b for b in placements if evaluate_config(table.without_ties(), cfg, tight, fixed_bounds=b).feasible]
+        copies_mattered |= len(untied) > len(feasible)
+        chosen = evaluate_config(table, cfg, tight)
+        assert chosen.feasible == bool(feasible), limit
+        if feasible:
+            assert max(chosen.peak_memory_bytes) <= limit * (1 + 1e-9)
+            assert objective(chosen) == pytest.approx(min(objective(e) for e in feasible), rel=1e-9)
+    assert copies_mattered  # some limit admits a placement only when the copy is left out
+
+
+# --- runtime: stage modules and their initial values (fast) --------------------------------
+
+TIED_NET = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # tied input and output embeddings
+
+    def forward(self, x):
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+def build_model(**_):
+    return Net()
+
+def make_batch(batch_size, **_):
+    return torch.randint(16, (batch_size, 4)), torch.randint(16, (batch_size, 4))
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.reshape(-1, 16), y.reshape(-1))
+"""
+
+
+def test_stages_hold_a_copy_each_initialised_like_the_reference(write_model):
+    import torch
+    from torch import nn
+
+    from planner.model_file import load_model_file
+    from runtime.apply_pp import build_stage_modules
+    from runtime.build import _seed_for, build_meta_model, materialize, trace
+    from runtime.pp_split import cross_stage_ties
+
+    mf = load_model_file(write_model(TIED_NET, "tied_net.py"))
+    units = trace(build_meta_model(mf), mf).units
+    plan = make_plan(pp=2, units=units, args={})
+    (tie,) = cross_stage_ties(build_meta_model(mf), plan)
+    assert (tie.names, tie.stages, tie.pp_ranks) == (("embed.weight", "head.weight"), (0, 1), (0, 1))
+    example = (mf.make_batch(1)[0],)
+    cpu = torch.device("cpu")
+    stages = [build_stage_modules(build_meta_model(mf), plan, rank, example)[0] for rank in (0, 1)]
+    for s, module in stages:
+        materialize(module, 0, cpu, "per-module", mf)
+    reference = materialize(build_meta_model(mf), 0, cpu, "per-module", mf)
+    (_, first), (_, last) = stages
+    assert [stage for stage, _ in tie.copies(stages)] == [0, 1]
+    assert "head.weight" not in dict(first.named_parameters()) and "embed.weight" not in dict(last.named_parameters())
+    # The reference's shared weight is the head's reset (the last module holding it), not the embedding's.
+    torch.manual_seed(_seed_for(0, "embed"))
+    own = nn.Embedding(16, 8)
+    assert not torch.equal(own.weight, reference.embed.weight)
+    assert torch.equal(first.embed.weight, reference.embed.weight)
+    assert torch.equal(last.head.weight, reference.head.weight)
+
+
+# --- runtime: parity with the one-process reference -------------------------------------------
+
+def _tied_plan(write_model, **kwargs):
+    plan = make_plan(**{"pp": 2, "m": 4, **kwargs})
+    plan.model.file = str(write_model(TIED_GPT, "tied_gpt.py"))
+    return plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("clip,layout", [(None, {}), (0.05, {}), (0.05, {"dp": 2, "zero": 2, "m": 2}),
+                                         (0.05, {"schedule": "interleaved-1f1b", "v": 2})],
+                         ids=["pp2", "pp2-clip", "pp2xdp2-zero2-clip", "pp2-interleaved-v2-clip"])
+def test_hand_written_pp2_with_a_tied_head_per_module_init(clip, layout, write_model, tmp_path):
+    from planner.model_file import load_model_file
+    from runtime.build import build_meta_model, init_mode
+    from tests.test_runtime_parity import check_parity
+
+    plan = _tied_plan(write_model, **layout)  # zero2: the copies' gradients are FSDP2 (DTensor) shards
+    assert init_mode(build_meta_model(load_model_file(plan.model.file, plan.model.args))) == "per-module"
+    assert "embed" in plan.stages[0].units and "head" in plan.stages[-1].units
+    # Clipping far below the gradient norm clips every step: counting the tied gradient twice
+    # (once per copy) changes the coefficient, and Adam's update with it.
+    plan.training.grad_clip = clip
+    check_parity(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_solved_hugging_face_gpt2_pp2_parity(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_runtime_parity import check_parity
+
+    profile = profile_model(_hf_file(), HF_GPT2, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(pp=2, schedule="1f1b"))
+    assert plan.layout.pp_degree == 2 and plan.world_size == 2
+    check_parity(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_resume_across_a_tie_cut(write_model, tmp_path):
+    # Saved with the tie cut apart (each stage's copy under its own name, both equal), resumed with
+    # it whole: DCP keys the state by parameter name, so the same losses as an uninterrupted run.
+    # The reverse is refused, clearly: a whole-model checkpoint keys the shared weight's optimizer
+    # state by its first name only (runtime/train.py `_check_tied_resume`).
+    import json
+
+    from tests.test_runtime_checkpoint import cli
+
+    pp2, pp1 = _tied_plan(write_model), make_plan(pp=1, dp=2, m=2)
+    pp1.model.file = pp2.model.file
+    plan_a, plan_b = pp2.save(tmp_path / "a.json"), pp1.save(tmp_path / "b.json")
+    ck = tmp_path / "ck"
+    ref = cli("run", str(plan_a), "--reference", "--steps", "6", "--output", str(tmp_path / "ref.json"))
+    first = cli("run", str(plan_a), "--steps", "3", "--checkpoint-dir", str(ck), "--output", str(tmp_path / "a-m.json"))
+    second = cli("run", str(plan_b), "--steps", "3", "--checkpoint-dir", str(ck), "--resume", "--output", str(tmp_path / "b-m.json"))
+    for done in (ref, first, second):
+        assert done.returncode == 0, done.stderr[-2000:]
+    losses = [json.loads((tmp_path / f).read_text())["losses"] for f in ("ref.json", "a-m.json", "b-m.json")]
+    assert losses[1] + losses[2] == pytest.approx(losses[0], rel=1e-5)  # tolerance as tests/test_runtime_checkpoint.py
+
+    whole = tmp_path / "whole"
+    saved = cli("run", str(plan_b), "--steps", "1", "--checkpoint-dir", str(whole))
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    refused = cli("run", str(plan_a), "--steps", "1", "--checkpoint-dir", str(whole), "--resume")
+    assert refused.returncode == 1 and "saved with tied weights in one stage" in " ".join(refused.stderr.split())
