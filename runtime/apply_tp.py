@@ -94,11 +94,76 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], se
     if region:
         styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
     parallelize_module(module, tp_mesh, styles)
+    module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs)
     if region:
         for owner in sorted(pairs):
             if any(_in_unit(owner, u) for u in region):
                 _gather_first_input(present[owner], tp_mesh)
         _mark_region_boundaries(present, [u for u in units if u in present], set(region), tp_mesh)
+
+
+def _sandwiched_parameters(present: dict, tp_plan: dict[str, str], pairs: set[str]) -> list[str]:
+    """FQNs of parameters inside a column/row pair that the plan does not shard (Qwen3's q_norm
+    and k_norm, RMSNorms over each head of the colwise q and k projections).
+
+    Between the colwise and the rowwise module every activation is split over the TP ranks (by
+    heads or features), so such a parameter, replicated, sees only this rank's share: its
+    gradient is the sum of the ranks' gradients (`sum_partial_gradients`). A hook checks, at the
+    first forward, that each of them does run between a colwise and the rowwise module; one that
+    ran before them would see the whole activation, and summing its gradient would be wrong."""
+    styled = {name for name, style in tp_plan.items() if style in ("colwise", "rowwise")}
+    found = []
+    for owner in sorted(pairs):
+        children = [(f"{owner}.{n}", m) for n, m in present[owner].named_modules() if n]
+        inside = [(fqn, m) for fqn, m in children
+                  if not any(_in_unit(fqn, s) for s in styled) and any(True for _ in m.parameters(recurse=False))]
+        if inside:
+            _check_sandwich_order(present, owner, tp_plan, inside)
+            found += [f"{fqn}.{p}" for fqn, m in inside for p, _ in m.named_parameters(recurse=False)]
+    return found
+
+
+def _check_sandwich_order(present: dict, owner: str, tp_plan: dict[str, str], inside: list) -> None:
+    """At the first forward: every module of `inside` ran after a colwise and before a rowwise module."""
+    sharded = [n for n in sorted(present) if n.startswith(owner + ".") and tp_plan.get(n) in ("colwise", "rowwise")]
+    seen: list[str] = []
+    handles = []
+
+    def note(name):
+        def hook(mod, args):
+            seen.append(name)
+        return hook
+
+    def check(mod, args, out):
+        for handle in handles:
+            handle.remove()
+        for fqn, _ in inside:
+            if fqn not in seen:
+                continue
+            at = seen.index(fqn)
+            if not (any(tp_plan.get(n) == "colwise" for n in seen[:at]) and any(tp_plan.get(n) == "rowwise" for n in seen[at:])):
+                raise PlannerError(f"{fqn} has parameters the plan does not shard and runs inside the column/row pair of "
+                                   f"{owner}, but not between its sharded modules (order: {seen}).",
+                                   "Its gradient could not be summed over the TP ranks correctly; re-solve without "
+                                   "tensor parallelism for this model, or report the model.")
+
+    for name in [*sharded, *(fqn for fqn, _ in inside)]:
+        handles.append(present[name].register_forward_pre_hook(note(name)))
+    handles.append(present[owner].register_forward_hook(check))
+
+
+def sum_partial_gradients(modules: list[nn.Module], tp_group) -> None:
+    """Sum over the TP group the gradients of the parameters `apply_tp` found inside a column/row
+    pair (see `_sandwiched_parameters`). After backward, before clipping and the optimizer step.
+    Under FSDP a gradient is this rank's shard of the dp group, the same index range on every TP
+    rank, so summing the local shards is exact."""
+    import torch.distributed as dist
+
+    for module in modules:
+        for fqn in getattr(module, "_tp_partial_gradients", ()):
+            grad = module.get_parameter(fqn).grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=tp_group)
 
 
 def check_tp_plan(plan: Plan, model: nn.Module) -> None:
