@@ -1,0 +1,69 @@
+"""Plans for the engines people run: export a plan to an engine's configuration, read one back.
+
+    export_plan(plan, "megatron")   -> Export(text, mapped layout, warnings)
+    read_config(path)               -> EngineLayout (the engine guessed from the file)
+    pricing.compare(profile, cluster, layout)   the configuration priced beside the best plan
+
+One module per engine (torchtitan, megatron, deepspeed, accelerate), each with
+`mapped_layout(plan, unit names)` (what the engine will run and what changed), `render` (the
+file) and `parse` (a file back to a layout); planner/engines/common.py holds what they share.
+Where an engine cannot express the plan, the warning names the change and its price by the
+cost model (planner/engines/pricing.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from planner.engines import accelerate, deepspeed, megatron, torchtitan
+from planner.engines.common import EngineLayout, Export, cluster_of
+from planner.errors import PlannerError
+from planner.plan import Plan
+
+ENGINES = {"torchtitan": torchtitan, "megatron": megatron, "deepspeed": deepspeed, "accelerate": accelerate}
+
+
+def export_plan(plan: Plan, engine: str, profile=None, cluster=None) -> Export:
+    """The plan in `engine`'s terms; `profile` (and `cluster`, default the plan's rebuilt) price the changes."""
+    from planner.engines.pricing import reprice_warning
+
+    if engine not in ENGINES:
+        raise PlannerError(f"Unknown engine {engine!r}.", f"Use one of {', '.join(ENGINES)}.")
+    module = ENGINES[engine]
+    names = [u for s in plan.stages for u in s.units]
+    mapped, changes = module.mapped_layout(plan, names)
+    seq_len = (profile.model.sequence_length if profile is not None else None) or plan.model.args.get("seq_len")
+    text = module.render(mapped, plan, names, seq_len)
+    warnings = []
+    if changes:
+        if profile is not None and cluster is None:
+            cluster = cluster_of(plan)
+        warnings.append(reprice_warning(f"{engine} cannot express the plan exactly: " + "; ".join(changes), plan, mapped,
+                                        profile, cluster))
+    return Export(text, mapped, warnings)
+
+
+def guess_engine(path: Path, text: str) -> str:
+    """The engine a configuration file is for, from its suffix and content."""
+    suffix = path.suffix.lower()
+    if suffix == ".toml" or "[parallelism]" in text:
+        return "torchtitan"
+    if suffix == ".json":
+        return "deepspeed"
+    if suffix in (".yaml", ".yml") or "distributed_type" in text:
+        return "accelerate"
+    if "--" in text:
+        return "megatron"
+    raise PlannerError(f"Cannot tell which engine {path} is for.", "Pass Megatron-LM arguments (.txt/.sh), a torchtitan .toml, "
+                       "a DeepSpeed .json or an Accelerate .yaml.")
+
+
+def read_config(path: str | Path, engine: str | None = None) -> EngineLayout:
+    path = Path(path)
+    if not path.is_file():
+        raise PlannerError(f"{path} does not exist.", "Pass the configuration file you train with.")
+    text = path.read_text()
+    engine = engine or guess_engine(path, text)
+    if engine not in ENGINES:
+        raise PlannerError(f"Unknown engine {engine!r}.", f"Use one of {', '.join(ENGINES)}.")
+    return ENGINES[engine].parse(text, str(path))

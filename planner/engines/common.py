@@ -1,0 +1,242 @@
+"""What every engine translation shares: a layout in an engine's terms, its stage cuts, and its price.
+
+An engine states a layout with its own knobs; `EngineLayout` holds them in the planner's terms,
+with the stage cuts left as the engine's rule (`Split`) until the model's units are known. Then
+`stage_bounds` turns the rule into unit ranges and `price` prices exactly that layout with the
+solver's cost model (planner/solver/search.py `evaluate_config` with the cuts fixed), so a plan
+exported to an engine that cannot say everything, or a user's own configuration, gets the same
+kind of prediction as a solved plan.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+from planner.cluster import Cluster, make_cluster
+from planner.errors import PlannerError
+from planner.plan import Plan
+from planner.profile_schema import Profile
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Split:
+    """An engine's rule for the pipeline stage cuts; `kind` picks which fields apply."""
+
+    kind: str = "even"
+    """`units` (explicit unit names per stage), `blocks` (repeated blocks per stage, what comes before
+    the first block on the first stage and after the last on the last: Megatron-LM), `even` (the
+    blocks split evenly, the same placement), `uniform` (all units as evenly as possible: DeepSpeed's
+    partition_method='uniform'), `parameters` (DeepSpeed's default: balanced parameter counts),
+    `weighted` (torchtitan's generate_llm_fqn_per_model_part: embedding and output count one layer each)."""
+    units: tuple[tuple[str, ...], ...] = ()
+    """kind `units`: unit names per stage."""
+    blocks: tuple[int, ...] = ()
+    """kind `blocks`: repeated blocks per stage."""
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """A layout as an engine runs it, in the planner's terms (planner/plan.py names)."""
+
+    pp_degree: int = 1
+    tp_degree: int = 1
+    dp_degree: int | None = None
+    """None: what the world size leaves (world / (pp x tp))."""
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    micro_batch_size: int | None = None
+    """Samples per micro-batch; None: the global batch over dp in one micro-batch."""
+    global_batch_size: int | None = None
+    """None: the caller's --global-batch, else local_batch_size x dp."""
+    local_batch_size: int | None = None
+    """Samples per data-parallel rank and step, where the engine derives the global batch from it."""
+    recompute: str = "none"
+    """One mode for every stage (none of the engines sets it per stage)."""
+    split: Split = Split()
+    dtype: str | None = None
+    """None: the profile's."""
+    grad_clip: float | None = None
+    notes: tuple[str, ...] = ()
+    """What the engine's file says that the planner does not model (prices leave it out)."""
+
+
+def model_parts(names: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(before, blocks, after): the longest run of units named `prefix.0`, `prefix.1`, ... is the
+    repeated blocks; a model without one is all blocks."""
+    best, start = (0, 0), 0
+    for i in range(1, len(names) + 1):
+        prev = re.fullmatch(r"(.*)\.(\d+)", names[i - 1])
+        cur = re.fullmatch(r"(.*)\.(\d+)", names[i]) if i < len(names) else None
+        if not (prev and cur and cur.group(1) == prev.group(1) and int(cur.group(2)) == int(prev.group(2)) + 1):
+            if re.fullmatch(r"(.*)\.(\d+)", names[start]) and i - start > best[1] - best[0]:
+                best = (start, i)
+            start = i
+    if best == (0, 0):
+        return [], list(names), []
+    return names[:best[0]], names[best[0]:best[1]], names[best[1]:]
+
+
+def blocks_per_stage(names: list[str], bounds) -> tuple[list[int], list[str]]:
+    """Repeated blocks in each stage, and where the units before/after the blocks sit elsewhere than
+    the first/last stage (what an engine that places them itself would move)."""
+    before, blocks, _ = model_parts(names)
+    lo, hi = len(before), len(before) + len(blocks)
+    counts = [max(0, min(j, hi) - max(i, lo)) for i, j in bounds]
+    moved = [names[u] for k, (i, j) in enumerate(bounds) for u in range(i, j)
+             if (u < lo and k != 0) or (u >= hi and k != len(bounds) - 1)]
+    return counts, moved
+
+
+def even_blocks(num_blocks: int, num_stages: int) -> list[int] | None:
+    """Megatron-LM's default: every stage the same number of layers (None where it does not divide)."""
+    return [num_blocks // num_stages] * num_stages if num_blocks % num_stages == 0 else None
+
+
+def ds_uniform(num_items: int, num_parts: int) -> list[int]:
+    """Part edges of DeepSpeed's `partition_uniform` (deepspeed/runtime/utils.py): chunks of
+    num_items // num_parts, the first `residual` parts one larger."""
+    if num_items <= num_parts:
+        return [min(p, num_items) for p in range(num_parts + 1)]
+    chunk, residual = divmod(num_items, num_parts)
+    return [p * chunk + min(p, residual) for p in range(num_parts + 1)]
+
+
+def balanced(weights: list[float], num_parts: int) -> list[int]:
+    """Part edges minimising the heaviest part (the objective of DeepSpeed's `partition_balanced`)."""
+    n, prefix = len(weights), [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    best = [[math.inf] * (n + 1) for _ in range(num_parts + 1)]
+    arg = [[0] * (n + 1) for _ in range(num_parts + 1)]
+    best[0][0] = 0.0
+    for p in range(1, num_parts + 1):
+        for j in range(p, n + 1):
+            for i in range(p - 1, j):
+                cost = max(best[p - 1][i], prefix[j] - prefix[i])
+                if cost < best[p][j]:
+                    best[p][j], arg[p][j] = cost, i
+    edges = [n]
+    for p in range(num_parts, 0, -1):
+        edges.append(arg[p][edges[-1]])
+    return edges[::-1]
+
+
+def weighted_split(names: list[str], num_stages: int, layers_per_stage: int | None = None) -> list[int]:
+    """Blocks per stage as torchtitan's `generate_llm_fqn_per_model_part` (torchtitan/distributed/
+    pipeline.py, 2025-08) splits them: input and output modules weigh one layer each, the
+    remainder of the division goes to the first stages."""
+    _, blocks, _ = model_parts(names)
+    if layers_per_stage is not None:
+        return [layers_per_stage] * num_stages
+    effective = len(blocks) + 2
+    base, extra = divmod(effective, num_stages)
+    counts = [base + (k < extra) - (k == 0) - (k == num_stages - 1) for k in range(num_stages)]
+    if num_stages == 1:
+        counts = [len(blocks)]
+    return counts
+
+
+def stage_bounds(layout: EngineLayout, profile: Profile) -> tuple[tuple[int, int], ...]:
+    """The engine's stage cuts as unit ranges of this profile."""
+    names = profile.unit_names()
+    num_stages = layout.pp_degree * layout.virtual_stages
+    split = layout.split
+    if split.kind == "units":
+        index = {n: i for i, n in enumerate(names)}
+        unknown = [u for stage in split.units for u in stage if u not in index]
+        if unknown or len(split.units) != num_stages:
+            raise PlannerError(f"The configuration's stages ({len(split.units)}, naming {unknown[:3] or 'known units'}) do not "
+                               f"match the model's units or pp x virtual stages = {num_stages}.",
+                               f"The model's units are {names[:6]}...; list each stage's modules by those names.")
+        return tuple((index[s[0]], index[s[-1]] + 1) for s in split.units)
+    if split.kind == "uniform":
+        edges = ds_uniform(len(names), num_stages)
+    elif split.kind == "parameters":
+        edges = balanced([float(u.num_parameters) for u in profile.units], num_stages)
+    else:
+        before, blocks, _ = model_parts(names)
+        counts = list(split.blocks) if split.kind == "blocks" else (
+            weighted_split(names, num_stages) if split.kind == "weighted" else even_blocks(len(blocks), num_stages))
+        if counts is None or len(counts) != num_stages or sum(counts) != len(blocks) or min(counts) < 0:
+            raise PlannerError(f"The configuration's layers per stage ({counts or f'{len(blocks)} over {num_stages}'}) do not "
+                               f"add up to the model's {len(blocks)} repeated blocks over {num_stages} stages.",
+                               "Give layers per stage that add up to the model's layers (or a pp that divides them).")
+        edges = [0] + [len(before) + sum(counts[:k + 1]) for k in range(num_stages)]
+        edges[-1] = len(names)  # what follows the blocks goes with the last stage
+    bounds = tuple(zip(edges[:-1], edges[1:]))
+    if any(i >= j for i, j in bounds):
+        raise PlannerError(f"The configuration leaves a pipeline stage empty ({[j - i for i, j in bounds]} units per stage).",
+                           "Use fewer pipeline stages.")
+    return bounds
+
+
+def cluster_of(plan: Plan) -> Cluster:
+    """The plan's cluster rebuilt from its preset GPU (a measured cluster's links are not in the plan)."""
+    ref = plan.cluster
+    return make_cluster(ref.num_nodes * ref.gpus_per_node, ref.gpus_per_node, ref.gpu)
+
+
+def plan_layout(plan: Plan) -> EngineLayout:
+    """A plan as an EngineLayout (its exact cuts; its recompute if every stage agrees, else `mixed`)."""
+    lay, modes = plan.layout, {s.recompute for s in plan.stages}
+    return EngineLayout(
+        pp_degree=lay.pp_degree, tp_degree=lay.tp_degree, dp_degree=lay.dp_degree, zero_stage=lay.zero_stage,
+        sequence_parallel=lay.sequence_parallel, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+        micro_batch_size=plan.batch.micro_batch_size, global_batch_size=plan.batch.global_batch_size,
+        recompute=modes.pop() if len(modes) == 1 else "mixed",
+        split=Split("units", tuple(tuple(s.units) for s in plan.stages)), dtype=plan.training.dtype,
+        grad_clip=plan.training.grad_clip)
+
+
+def strongest_recompute(plan: Plan) -> str:
+    """One mode for all stages that keeps every stage within memory: the most recomputing one used."""
+    order = ("none", "selective", "full")
+    return max((s.recompute for s in plan.stages), key=order.index)
+
+
+def differences(a: EngineLayout, b: EngineLayout, bounds_a=None, bounds_b=None) -> list[str]:
+    """`pp 8 -> 4`-style differences from a to b."""
+    out = []
+    for label, name in (("pp", "pp_degree"), ("dp", "dp_degree"), ("tp", "tp_degree"), ("zero", "zero_stage"),
+                        ("sequence parallel", "sequence_parallel"), ("schedule", "schedule"), ("virtual stages", "virtual_stages"),
+                        ("micro-batch", "micro_batch_size"), ("recompute", "recompute"), ("dtype", "dtype")):
+        x, y = getattr(a, name), getattr(b, name)
+        if x is not None and y is not None and x != y:
+            out.append(f"{label} {x} -> {y}")
+    if bounds_a is not None and bounds_b is not None and bounds_a != bounds_b:
+        out.append(f"units per stage {[j - i for i, j in bounds_a]} -> {[j - i for i, j in bounds_b]}")
+    return out
+
+
+def summary(plan: Plan, usable_bytes: float | None = None) -> str:
+    """`12.3 ms, peak 41.2 GiB` (with `does not fit` when over the usable memory)."""
+    pred = plan.prediction
+    peak = max(pred.peak_memory_bytes)
+    fits = "" if usable_bytes is None or peak <= usable_bytes else f" (does not fit: {usable_bytes / GIB:.1f} GiB usable)"
+    return f"{seconds(pred.iteration_time_s)}, peak {peak / GIB:.2f} GiB{fits}"
+
+
+def seconds(value: float) -> str:
+    return f"{value:.3g} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+def with_defaults(layout: EngineLayout, **fields) -> EngineLayout:
+    return replace(layout, **{k: v for k, v in fields.items() if v is not None})
+
+
+@dataclass
+class Export:
+    """An engine configuration written from a plan."""
+
+    text: str
+    """The file's content (TOML, arguments, JSON or YAML)."""
+    mapped: EngineLayout
+    """What the engine will run, in the planner's terms."""
+    warnings: list[str] = field(default_factory=list)
+    """Each thing the engine cannot express, what it became, and what that costs by the cost model."""

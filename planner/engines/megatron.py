@@ -1,0 +1,210 @@
+"""Megatron-LM: a plan as `pretrain_gpt.py` command-line arguments, and back.
+
+Argument names and meanings are Megatron-LM's `megatron/training/arguments.py` (commit 84cf979,
+2025-07-31, where each is an explicit `add_argument`; later versions generate the same flags from
+their config dataclasses):
+
+    --tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size,
+    --expert-model-parallel-size        degrees (data parallel is what the world size leaves)
+    --sequence-parallel                 Korthikanti et al. 2022's sequence parallelism
+    --num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank
+                                        interleaved 1F1B (the older --virtual-pipeline-model-parallel-size
+                                        is read too); without them Megatron runs 1F1B
+    --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
+                                        layers of the first/last stage, the rest split evenly
+    --pipeline-model-parallel-layout    any cuts: stages split by "|", E embedding, t layer, L loss
+    --recompute-granularity full|selective (selective: core attention), --recompute-method
+                                        uniform|block, --recompute-num-layers; --recompute-activations
+                                        is the older spelling of selective
+    --use-distributed-optimizer         ZeRO-1 (with --overlap-grad-reduce, --overlap-param-gather)
+    --use-torch-fsdp2 [--torch-fsdp2-no-reshard-after-forward]
+                                        ZeRO-3 [ZeRO-2: "Set to enable FSDP ZeRO-2"]
+    --micro-batch-size, --global-batch-size, --seq-length, --num-layers, --bf16/--fp16, --clip-grad
+
+Megatron-LM puts the embedding on the first stage and the final norm, output layer and loss on
+the last; a plan that cuts elsewhere around them is moved there (with a warning and its price).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import replace
+
+from planner.engines.common import EngineLayout, Split, blocks_per_stage, model_parts, plan_layout, strongest_recompute
+from planner.errors import PlannerError
+from planner.plan import Plan
+
+FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+         "--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward", "--recompute-activations", "--bf16", "--fp16",
+         "--use-custom-fsdp", "--use-megatron-fsdp"}
+
+
+def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]]:
+    """What Megatron-LM will run, and each change from the plan."""
+    lay, mapped, changes = plan.layout, plan_layout(plan), []
+    if mapped.recompute == "mixed":
+        mode = strongest_recompute(plan)
+        changes.append(f"per-stage recompute {[s.recompute for s in plan.stages]} -> {mode} on every stage "
+                       "(--recompute-granularity is one setting)")
+        mapped = replace(mapped, recompute=mode)
+    if lay.pp_degree > 1:
+        megatron = "interleaved-1f1b" if lay.virtual_stages > 1 else "1f1b"
+        if lay.schedule != megatron:
+            changes.append(f"schedule {lay.schedule} -> {megatron} (Megatron-LM runs 1F1B, interleaved with virtual stages)")
+            mapped = replace(mapped, schedule=megatron)
+    else:
+        mapped = replace(mapped, schedule="1f1b")
+    bounds = [(sum(len(s.units) for s in plan.stages[:k]), sum(len(s.units) for s in plan.stages[:k + 1]))
+              for k in range(len(plan.stages))]
+    counts, moved = blocks_per_stage(names, bounds)
+    if moved:
+        changes.append(f"{moved} moved to the first/last stage (Megatron-LM places the embedding with the first stage, "
+                       "the final norm and output layer with the last)")
+    mapped = replace(mapped, split=Split("blocks", blocks=tuple(counts)))
+    replicated = sorted({name for s in plan.stages for name, style in s.tp_plan.items() if style == "replicate"})
+    if replicated:
+        changes.append(f"TP layout: Megatron-LM shards every attention and MLP linear, the plan leaves {replicated[:4]} "
+                       "replicated (priced with the solver's own TP layout for the pinned degree)")
+    return mapped, changes
+
+
+def _split_args(counts: list[int], pp: int, v: int) -> list[str]:
+    if len(set(counts)) == 1:
+        return [f"--num-layers-per-virtual-pipeline-stage {counts[0]}"] if v > 1 else []
+    if v == 1 and pp > 2 and len(set(counts[1:-1])) == 1:
+        middle = counts[1]
+        return ([f"--decoder-first-pipeline-num-layers {counts[0]}"] if counts[0] != middle else []) + \
+               ([f"--decoder-last-pipeline-num-layers {counts[-1]}"] if counts[-1] != middle else [])
+    if v == 1 and pp == 2:
+        return [f"--decoder-first-pipeline-num-layers {counts[0]}"]
+    stages = [("E" if k == 0 else "") + (f"t*{c}" if c > 1 else "t" * c) + ("L" if k == len(counts) - 1 else "")
+              for k, c in enumerate(counts)]
+    return [f"--pipeline-model-parallel-layout {shlex.quote('|'.join(stages))}"]
+
+
+def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
+    _, blocks, _ = model_parts(names)
+    args = [f"--tensor-model-parallel-size {mapped.tp_degree}", f"--pipeline-model-parallel-size {mapped.pp_degree}",
+            "--context-parallel-size 1", "--expert-model-parallel-size 1", f"--num-layers {len(blocks)}"]
+    if mapped.pp_degree > 1:
+        args += _split_args(list(mapped.split.blocks), mapped.pp_degree, mapped.virtual_stages)
+    if mapped.sequence_parallel:
+        args.append("--sequence-parallel")
+    if mapped.recompute == "full":  # every layer checkpointed on its own: the planner's per-unit full recomputation
+        args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
+    elif mapped.recompute == "selective":
+        args.append("--recompute-granularity selective")
+    if mapped.dp_degree > 1:
+        args += {0: ["--overlap-grad-reduce"],
+                 1: ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
+                 2: ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"],
+                 3: ["--use-torch-fsdp2"]}[mapped.zero_stage]
+    args += [f"--micro-batch-size {mapped.micro_batch_size}", f"--global-batch-size {mapped.global_batch_size}"]
+    if seq_len:
+        args.append(f"--seq-length {seq_len}")
+    args += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(mapped.dtype, [])
+    args.append(f"--clip-grad {mapped.grad_clip if mapped.grad_clip is not None else 0.0}")
+    return "\n".join(args) + "\n"
+
+
+def tokens(text: str) -> dict[str, str | bool]:
+    """`--name value` / `--name=value` / flags from a file with one argument per line or a shell
+    command line (backslash continuations, comments and a leading `torchrun ... pretrain_gpt.py`)."""
+    words = shlex.split(text.replace("\\\n", " "), comments=True)
+    out: dict[str, str | bool] = {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word.startswith("--"):
+            name, eq, value = word.partition("=")
+            if eq:
+                out[name] = value
+            elif name in FLAGS or i + 1 == len(words) or words[i + 1].startswith("--"):
+                out[name] = True
+            else:
+                out[name] = words[i + 1]
+                i += 1
+        i += 1
+    return out
+
+
+def layout_counts(layout: str, source: str) -> list[int]:
+    """Layers per stage of a --pipeline-model-parallel-layout, unrolled as Megatron-LM's
+    `PipelineParallelLayerLayout.parse_str_to_list` does ((...)*n, then x*n; commas are cosmetic)."""
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    stages = text.split("|")
+    bad = set(text) - set("EtL|")
+    if bad or not stages[0].startswith("E") or not stages[-1].endswith("L") or text.count("E") != 1 or text.count("L") != 1:
+        raise PlannerError(f"{source}: pipeline layout {layout!r} is not E (first stage), t layers, L (last stage).",
+                           "The planner prices decoder layers (t) with the embedding first and the loss last.")
+    return [stage.count("t") for stage in stages]
+
+
+def _int(args: dict, name: str, default: int | None, source: str) -> int | None:
+    value = args.get(name, default)
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise PlannerError(f"{source}: {name} {value!r} is not a number.",
+                           "Replace shell variables by their values (the planner does not run the script).") from None
+
+
+def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
+    args = tokens(text)
+    if not any(k.startswith("--") for k in args):
+        raise PlannerError(f"{source} holds no --arguments.", "Pass Megatron-LM arguments, one per line or as a command line.")
+    num = lambda name, default=None: _int(args, name, default, source)  # noqa: E731
+    for name in ("--context-parallel-size", "--expert-model-parallel-size"):
+        if num(name, 1) != 1:
+            raise PlannerError(f"{source}: {name} {args[name]}; the planner does not model it yet.", f"Price it with {name} 1.")
+    tp, pp, layers = num("--tensor-model-parallel-size", 1), num("--pipeline-model-parallel-size", 1), num("--num-layers")
+    v = num("--num-virtual-stages-per-pipeline-rank") or num("--virtual-pipeline-model-parallel-size") or 1
+    per_vstage = num("--num-layers-per-virtual-pipeline-stage")
+    notes = []
+    if per_vstage:
+        if layers is None:
+            raise PlannerError(f"{source}: --num-layers-per-virtual-pipeline-stage needs --num-layers.", "Add --num-layers.")
+        v = layers // (pp * per_vstage)
+    split = Split("even")
+    if args.get("--pipeline-model-parallel-layout"):
+        counts = layout_counts(str(args["--pipeline-model-parallel-layout"]), source)
+        v = len(counts) // pp
+        split = Split("blocks", blocks=tuple(counts))
+    elif "--decoder-first-pipeline-num-layers" in args or "--decoder-last-pipeline-num-layers" in args:
+        if layers is None or v > 1:
+            raise PlannerError(f"{source}: first/last stage layers need --num-layers and no virtual stages here.",
+                               "Add --num-layers, or give --pipeline-model-parallel-layout.")
+        first, last = num("--decoder-first-pipeline-num-layers"), num("--decoder-last-pipeline-num-layers")
+        rest = pp - (first is not None) - (last is not None)
+        left = layers - (first or 0) - (last or 0)
+        if rest < 0 or (rest and left % rest):
+            raise PlannerError(f"{source}: {left} layers do not split evenly over the other {rest} stages.", "Fix the layer counts.")
+        middle = [left // rest] * rest if rest else []
+        split = Split("blocks", blocks=tuple(([first] if first is not None else []) + middle + ([last] if last is not None else [])))
+    if args.get("--recompute-granularity") == "full":
+        method, k = args.get("--recompute-method"), num("--recompute-num-layers", 1)
+        if method == "block" or (method == "uniform" and k != 1):
+            notes.append(f"--recompute-method {method} --recompute-num-layers {k} priced as full recomputation of every layer")
+        recompute = "full"
+    else:
+        recompute = "selective" if args.get("--recompute-granularity") == "selective" or args.get("--recompute-activations") else "none"
+    zero = 0
+    if args.get("--use-distributed-optimizer"):
+        zero = 1
+    if args.get("--use-torch-fsdp2"):
+        zero = 2 if args.get("--torch-fsdp2-no-reshard-after-forward") else 3
+    if args.get("--use-custom-fsdp") or args.get("--use-megatron-fsdp"):
+        zero = {"no_shard": 0, "optim": 1, "optim_grads": 2}.get(str(args.get("--data-parallel-sharding-strategy", "")), 3)
+    mbs, glob = num("--micro-batch-size", 1), num("--global-batch-size")
+    clip = float(args.get("--clip-grad", 1.0))
+    return EngineLayout(
+        pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
+        schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,
+        global_batch_size=glob, local_batch_size=mbs, recompute=recompute, split=split,
+        dtype="bfloat16" if args.get("--bf16") else "float16" if args.get("--fp16") else "float32",
+        grad_clip=clip or None, notes=tuple(notes))

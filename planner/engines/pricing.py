@@ -1,0 +1,138 @@
+"""Price one engine layout exactly, and set it beside the best plan.
+
+`price` pins every dimension and fixes the stage cuts, then runs the search's own pricing
+(planner/solver/search.py `evaluate_config` with `fixed_bounds`) and plan writer
+(planner/solver/plan_builder.py): the result is a plan file like a solved one, whose
+prediction is what that configuration costs by the same model. Memory is not a constraint
+here (a user's configuration may not fit; the report says so instead of refusing).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from planner.cluster import Cluster
+from planner.engines.common import EngineLayout, differences, plan_layout, seconds, stage_bounds, summary
+from planner.errors import PlannerError
+from planner.plan import Plan
+from planner.profile_schema import Profile
+
+# evaluate_config may use any amount of memory: a priced configuration is reported, not refused.
+UNBOUNDED_MEMORY_FRACTION = 1e6
+
+
+def resolve(layout: EngineLayout, cluster: Cluster, global_batch_size: int | None) -> tuple[EngineLayout, int]:
+    """Fill what the engine derives from the world size: dp, the global batch, the micro-batch."""
+    from dataclasses import replace
+
+    world = cluster.world_size
+    if world % (layout.pp_degree * layout.tp_degree):
+        raise PlannerError(f"pp x tp = {layout.pp_degree} x {layout.tp_degree} does not divide the cluster's {world} GPUs.",
+                           "Pass the cluster the configuration runs on (--gpus N or --cluster FILE).")
+    dp = world // (layout.pp_degree * layout.tp_degree)
+    if layout.dp_degree is not None and layout.dp_degree != dp:
+        raise PlannerError(f"The configuration's data-parallel degree {layout.dp_degree} x pp {layout.pp_degree} x tp "
+                           f"{layout.tp_degree} != the cluster's {world} GPUs.", "Pass the cluster the configuration runs on.")
+    batch = layout.global_batch_size or global_batch_size or (layout.local_batch_size or 0) * dp or None
+    if batch is None:
+        raise PlannerError("The configuration does not say its global batch.", "Pass --global-batch B.")
+    if global_batch_size is not None and layout.global_batch_size is not None and global_batch_size != layout.global_batch_size:
+        raise PlannerError(f"--global-batch {global_batch_size} differs from the configuration's {layout.global_batch_size}.",
+                           "Drop --global-batch, or change the configuration.")
+    mbs = layout.micro_batch_size or batch // dp
+    if batch % (dp * mbs):
+        raise PlannerError(f"Global batch {batch} is not a whole number of micro-batches of {mbs} over dp {dp}.",
+                           "Make the global batch a multiple of micro-batch x dp.")
+    return replace(layout, dp_degree=dp, micro_batch_size=mbs, global_batch_size=batch), batch
+
+
+def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch_size: int | None = None,
+          profile_path: str | None = None) -> Plan:
+    """The plan that runs exactly `layout` (cuts from its engine's rule), priced by the cost model."""
+    from planner.cost.collectives import CollectiveModel, group_placement
+    from planner.cost.compute import ComputeModel
+    from planner.solver.costs import UnitCosts
+    from planner.solver.plan_builder import build_plan
+    from planner.solver.search import Config, evaluate_config
+    from planner.solver.solve import Pins, SearchResult, _environment, check_model_pins, check_pins
+
+    layout, batch = resolve(layout, cluster, global_batch_size)
+    dtype = layout.dtype or profile.dtype
+    if layout.recompute not in ("none", "selective", "full"):
+        raise PlannerError(f"Recompute {layout.recompute!r} is not one mode for all stages.", "Give one of none, selective, full.")
+    pins = Pins(layout.pp_degree, layout.tp_degree, layout.dp_degree, layout.micro_batch_size, layout.schedule,
+                layout.virtual_stages, layout.recompute, layout.zero_stage, layout.sequence_parallel)
+    check_pins(pins, cluster, batch, len(profile.units))
+    check_model_pins(pins, profile)
+    bounds = stage_bounds(layout, profile)
+    compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
+    coll = CollectiveModel(cluster)
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
+                      require_sharding=layout.tp_degree > 1)
+    env = _environment(cluster, compute, dtype, pins, UNBOUNDED_MEMORY_FRACTION)
+    m = batch // (layout.dp_degree * layout.micro_batch_size)
+    cfg = Config(layout.tp_degree, layout.sequence_parallel, layout.pp_degree, layout.dp_degree, layout.micro_batch_size, m,
+                 layout.schedule, layout.virtual_stages, layout.zero_stage)
+    table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+    evaluation = evaluate_config(table, cfg, env, bounds)
+    if not evaluation.feasible:
+        raise PlannerError(f"The configuration cannot be priced: {evaluation.reason}.", "Check its stages and degrees.")
+    result = SearchResult([evaluation], 1, 0, math.inf, 0.0, costs)
+    plan = build_plan(profile, cluster, batch, result, 1, dtype, profile_path)
+    plan.training.grad_clip = layout.grad_clip
+    return plan
+
+
+@dataclass
+class Comparison:
+    """A user's configuration priced beside the best plan for the same model and cluster."""
+
+    theirs: Plan
+    best: Plan | None
+    """None when no plan fits."""
+    changes: list[str]
+    usable_bytes: float
+
+    def lines(self) -> list[str]:
+        out = [f"your configuration: {summary(self.theirs, self.usable_bytes)}"]
+        if self.best is None:
+            return out + ["best plan: no configuration fits this cluster"]
+        out.append(f"best plan:          {summary(self.best, self.usable_bytes)}")
+        t0, t1 = self.theirs.prediction.iteration_time_s, self.best.prediction.iteration_time_s
+        if self.changes:
+            out.append(f"change: {', '.join(self.changes)}: {seconds(t0)} -> {seconds(t1)} ({t1 / t0 - 1:+.1%})")
+        else:
+            out.append("change: nothing, it is the best plan the model knows")
+        return out
+
+
+def compare(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch_size: int | None = None,
+            profile_path: str | None = None) -> Comparison:
+    from planner.solver.solve import MEMORY_FRACTION, solve
+
+    theirs = price(profile, cluster, layout, global_batch_size, profile_path)
+    usable = cluster.gpu.memory_bytes * MEMORY_FRACTION
+    try:
+        best = solve(profile, cluster, theirs.batch.global_batch_size, dtype=theirs.training.dtype, profile_path=profile_path)
+    except PlannerError:
+        return Comparison(theirs, None, [], usable)
+    if best.prediction.iteration_time_s > theirs.prediction.iteration_time_s and max(theirs.prediction.peak_memory_bytes) <= usable:
+        best = theirs  # the search's own pruning never beats an exact price of a fitting layout
+    a, b = plan_layout(theirs), plan_layout(best)
+    bounds = lambda p: tuple((sum(len(s.units) for s in p.stages[:k]), sum(len(s.units) for s in p.stages[:k + 1]))  # noqa: E731
+                             for k in range(len(p.stages)))
+    return Comparison(theirs, best, differences(a, b, bounds(theirs), bounds(best)), usable)
+
+
+def reprice_warning(what: str, plan: Plan, mapped: EngineLayout, profile: Profile | None, cluster: Cluster | None) -> str:
+    """`<what>; by the cost model 12.1 ms -> 13.0 ms (+7.4%), peak memory 30.1 -> 33.0 GiB`."""
+    if profile is None or cluster is None or plan.prediction is None:
+        return f"{what} (not re-priced: the plan's profile is not available)"
+    try:
+        priced = price(profile, cluster, mapped, plan.batch.global_batch_size)
+    except PlannerError as exc:
+        return f"{what} (not re-priced: {exc.message})"
+    t0, t1 = plan.prediction.iteration_time_s, priced.prediction.iteration_time_s
+    m0, m1 = max(plan.prediction.peak_memory_bytes) / 2**30, max(priced.prediction.peak_memory_bytes) / 2**30
+    return f"{what}; by the cost model {seconds(t0)} -> {seconds(t1)} ({t1 / t0 - 1:+.1%}), peak memory {m0:.2f} -> {m1:.2f} GiB"

@@ -1,0 +1,156 @@
+"""torchtitan: a plan as the TOML job file of `torchtitan/train.py`, and back.
+
+Option names and meanings are torchtitan's `torchtitan/config/job_config.py` (commit 6404b93,
+2025-08, the last release read from TOML files; later versions build the same fields in Python):
+
+    [parallelism] data_parallel_replicate_degree   DDP degree (ZeRO 0)
+                  data_parallel_shard_degree       FSDP2 degree; -1 = the ranks left over
+                  fsdp_reshard_after_forward       "always" = ZeRO-3, "never" = FSDP2 keeping the
+                                                   gathered parameters = the planner's ZeRO 1/2
+                  tensor_parallel_degree           TP; torchtitan's llama TP plans always shard norms
+                                                   along the sequence (sequence parallelism)
+                  pipeline_parallel_degree, pipeline_parallel_schedule (torch's class names),
+                  pipeline_parallel_microbatch_size, module_fqns_per_model_part (modules per stage,
+                  exact cuts), pipeline_parallel_layers_per_stage
+                  context_parallel_degree, expert_parallel_degree
+    [activation_checkpoint] mode = "none" | "selective" | "full"; selective_ac_option = "op"
+                  (per-op SAC) or an integer k (full AC on every k-th layer)
+    [training]    local_batch_size (per DP rank and step), global_batch_size, seq_len, max_norm,
+                  mixed_precision_param ("bfloat16" | "float32")
+    [float8]      recipe_name: written when a plan carries FP8 (planner plans do not yet: `_float8`)
+
+Pipeline micro-batches are local_batch_size / pipeline_parallel_microbatch_size and gradient
+accumulation steps global_batch_size / (local_batch_size x dp) (torchtitan/train.py).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import replace
+
+from planner.engines.common import EngineLayout, Split, strongest_recompute
+from planner.errors import PlannerError
+from planner.plan import Plan
+
+# Plan schedule -> torch.distributed.pipelining class name, as runtime/apply_pp.py runs them.
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B", "zero-bubble": "InterleavedZeroBubble"}
+
+
+def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]]:
+    """What torchtitan will run, and each change from the plan."""
+    from planner.engines.common import plan_layout
+
+    lay, mapped, changes = plan.layout, plan_layout(plan), []
+    if mapped.recompute == "mixed":
+        mode = strongest_recompute(plan)
+        changes.append(f"per-stage recompute {[s.recompute for s in plan.stages]} -> {mode} on every stage "
+                       "([activation_checkpoint] mode is one setting)")
+        mapped = replace(mapped, recompute=mode)
+    if lay.tp_degree > 1 and not lay.sequence_parallel:
+        changes.append("sequence parallelism off -> on (torchtitan's TP plans shard norms along the sequence)")
+        mapped = replace(mapped, sequence_parallel=True)
+    if lay.zero_stage == 1 and lay.dp_degree > 1:
+        changes.append("ZeRO 1 -> 2 (FSDP2 without resharding shards gradients too)")
+        mapped = replace(mapped, zero_stage=2)
+    if plan.training.dtype == "float16":
+        changes.append("float16 -> bfloat16 (mixed_precision_param has no float16)")
+        mapped = replace(mapped, dtype="bfloat16")
+    return mapped, changes
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def _float8(plan: Plan) -> dict | None:
+    """[float8] for a plan with FP8 linears: none yet (the plan schema has no FP8 field)."""
+    return None
+
+
+def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
+    dp = mapped.dp_degree
+    sharded = mapped.zero_stage >= 1 and dp > 1
+    m = mapped.global_batch_size // (dp * mapped.micro_batch_size)
+    parallelism = {
+        "data_parallel_replicate_degree": 1 if sharded else dp,
+        "data_parallel_shard_degree": dp if sharded else 1,
+        "fsdp_reshard_after_forward": "always" if mapped.zero_stage == 3 else "never",
+        "tensor_parallel_degree": mapped.tp_degree,
+        "pipeline_parallel_degree": mapped.pp_degree,
+        "context_parallel_degree": 1,
+        "expert_parallel_degree": 1,
+    }
+    if mapped.pp_degree > 1:
+        parallelism["pipeline_parallel_schedule"] = SCHEDULES[mapped.schedule]
+        parallelism["pipeline_parallel_microbatch_size"] = mapped.micro_batch_size
+        parallelism["module_fqns_per_model_part"] = [list(s) for s in mapped.split.units]
+    # With pp the step's micro-batches are one pipeline flush; without, they are gradient accumulation.
+    local = mapped.micro_batch_size * (m if mapped.pp_degree > 1 else 1)
+    training = {"local_batch_size": local, "global_batch_size": mapped.global_batch_size,
+                "mixed_precision_param": "float32" if mapped.dtype == "float32" else "bfloat16"}
+    if seq_len:
+        training["seq_len"] = seq_len
+    if mapped.grad_clip is not None:
+        training["max_norm"] = mapped.grad_clip
+    ac = {"mode": mapped.recompute}
+    if mapped.recompute == "selective":
+        ac["selective_ac_option"] = "op"  # per-op SAC: nearest to recomputing attention's core (Korthikanti et al. 2022)
+    sections = {"training": training, "parallelism": parallelism, "activation_checkpoint": ac}
+    if _float8(plan):
+        sections["float8"] = _float8(plan)
+    lines = [f"# torchtitan job file written by `planner export` from a plan for {plan.world_size} GPUs",
+             "# (torchtitan/config/job_config.py names; launch with NGPU=" + str(plan.world_size) + ")"]
+    for name, body in sections.items():
+        lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+    return "\n".join(lines) + "\n"
+
+
+def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PlannerError(f"{source} is not valid TOML ({exc}).", "Pass a torchtitan job file.") from None
+    par, train, ac = data.get("parallelism", {}), data.get("training", {}), data.get("activation_checkpoint", {})
+    notes = []
+    for key in ("context_parallel_degree", "expert_parallel_degree"):
+        if par.get(key, 1) != 1:
+            raise PlannerError(f"{source}: {key} = {par[key]}; the planner does not model it yet.", f"Price it with {key} = 1.")
+    replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
+    if replicate > 1 and shard != 1:
+        notes.append(f"HSDP (replicate {replicate} x shard {shard}) priced as FSDP over all data-parallel ranks")
+    reshard = par.get("fsdp_reshard_after_forward", "default")
+    pp = int(par.get("pipeline_parallel_degree", 1))
+    # "default" reshards after forward except under pipeline parallelism (torchtitan's parallelize_llama).
+    zero = 0 if shard == 1 else (3 if reshard == "always" or (reshard == "default" and pp == 1) else 2)
+    dp = None if shard == -1 else replicate * shard
+    names = {v: k for k, v in SCHEDULES.items()}
+    sched = par.get("pipeline_parallel_schedule", "1F1B")
+    if sched not in names:
+        raise PlannerError(f"{source}: pipeline_parallel_schedule {sched!r} has no planner counterpart.",
+                           f"Use one of {sorted(names)}.")
+    parts = par.get("module_fqns_per_model_part")
+    v = len(parts) // pp if parts else 1
+    if not parts and par.get("pipeline_parallel_layers_per_stage"):
+        raise PlannerError(f"{source}: pipeline_parallel_layers_per_stage without module_fqns_per_model_part.",
+                           "List the modules per stage (module_fqns_per_model_part) so the cuts are known.")
+    split = Split("units", tuple(tuple(p) for p in parts)) if parts else Split("weighted")
+    mode = ac.get("mode", "selective")
+    option = str(ac.get("selective_ac_option", "2"))
+    if mode == "selective" and option != "op":
+        notes.append(f"selective_ac_option {option} (full AC every {option}th layer) priced as full recomputation")
+        mode = "full" if option != "0" else "none"
+    local = int(train.get("local_batch_size", 8))
+    mbs = int(par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
+    glob = train.get("global_batch_size", -1)
+    return EngineLayout(
+        pp_degree=pp, tp_degree=int(par.get("tensor_parallel_degree", 1)), dp_degree=dp, zero_stage=zero,
+        sequence_parallel=int(par.get("tensor_parallel_degree", 1)) > 1, schedule=names[sched] if pp > 1 else "1f1b",
+        virtual_stages=v, micro_batch_size=mbs, global_batch_size=None if glob in (-1, None) else int(glob), local_batch_size=local,
+        recompute=mode, split=split, dtype="float32" if train.get("mixed_precision_param") == "float32" else "bfloat16",
+        grad_clip=train.get("max_norm"), notes=tuple(notes))
