@@ -1,8 +1,8 @@
 """What profiling costs: wall time and peak RSS per profile, each in a fresh process.
 
 Measured CPU profiles of the bundled examples, and analytic (meta device) profiles of
-GPT-3 175B and a Llama-3-405B-shaped model, whose goal is under 30 s and 4 GiB each on the
-project's 2-core machine. Writes benchmarks/results/profile_cost.csv.
+GPT-3 175B, a Llama-3-405B-shaped model, and unmodified Hugging Face Llama-3 70B and Qwen3-30B-A3B
+built from their configs, whose goal is under 30 s and 4 GiB each on the project's 2-core machine. Writes benchmarks/results/profile_cost.csv.
 
     python benchmarks/profile_cost.py
 """
@@ -30,6 +30,11 @@ CASES = [
     ("unet (default args)", "examples/unet.py", {}, "cpu", None, "float32", [1, 2, 4]),
     ("GPT-3 175B analytic", "examples/gpt.py", GPT3_175B, "meta", "a100-80gb", "bfloat16", [1, 2, 4]),
     ("Llama-3 405B analytic", "examples/llama.py", LLAMA3_405B, "meta", "h100-80gb", "bfloat16", [1, 2]),
+    # Unmodified Hugging Face models from their config alone (planner profile --hf-config).
+    ("HF Llama-3 70B config", "planner/hf_config_model.py", dict(config="examples/hf/llama3-70b.json", seq_len=4096),
+     "meta", "h100-80gb", "bfloat16", [1, 2]),
+    ("HF Qwen3-30B-A3B config", "planner/hf_config_model.py", dict(config="examples/hf/qwen3-30b-a3b.json", seq_len=4096),
+     "meta", "h100-80gb", "bfloat16", [1]),
 ]
 
 CHILD = """

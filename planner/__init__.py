@@ -2,7 +2,7 @@
 
     planner.profile(...)  -> Profile     measure every unit of a model
     planner.solve(...)    -> Plan        choose the fastest layout that fits
-    runtime.run(...)                     execute a plan with torchrun
+    runtime.launch.run_plan("plan.json")  execute a plan with torchrun (`planner run`)
 
 Importing `planner` does not import torch; the verbs that need it import it themselves.
 """

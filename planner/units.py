@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from planner.errors import PlannerError
+
+if TYPE_CHECKING:
+    from planner.meta_values import KnownValues
 
 INPUT = "input"
 
@@ -228,7 +232,7 @@ def trace_units(model: nn.Module, inputs: tuple) -> UnitTrace:
     return trace
 
 
-def trace_on_meta(model: nn.Module, inputs: tuple, values: "KnownValues | None" = None) -> UnitTrace:
+def trace_on_meta(model: nn.Module, inputs: tuple, values: KnownValues | None = None) -> UnitTrace:
     """`trace_units` of a meta-device model on `inputs` (real or meta tensors), with the values
     the meta device lacks supplied where they can be (planner/meta_values.py)."""
     from planner.meta_values import KnownValues

@@ -2,7 +2,7 @@
 
 Per distinct unit structure (fingerprint), TP degree and boundary layout the solver picks
 one strategy per matmul-like op of the unit's op graph (`Unit.ops`); identical blocks share
-the answer (`IntraOpCache`). The graph is extended with *merge* nodes (an op fed by more than
+the answer (planner/solver/costs.py caches solutions per (fingerprint, tp, sequence parallel)). The graph is extended with *merge* nodes (an op fed by more than
 one producer consumes their elementwise combination, e.g. the residual stream `x + wo(.)`
 or SwiGLU's `silu(w1) * w3`), a fixed `input` node (the unit's input, in the boundary
 layout B) and a fixed `output` node (the unit's sinks, required back in B).
@@ -21,10 +21,12 @@ writes) and grad(s) (layout its input gradient comes back in):
 B = S when sequence parallel is on, else R.
 
 Variables
-    x[v,s]     in {0,1}  node v uses strategy s                                     (1)
-    yF[p,a,t]  in [0,1]  producer p writes a and some consumer reads t (forward)    (1)
-    yB[p,a,g]  in [0,1]  producer p writes a and some consumer returns gradient g   (1)
-    out[p,a] = sum_{s: out(s)=a} x[p,s]  (a constant for `input`)
+    x[v,s]      in {0,1}  node v uses strategy s                                      (1)
+    eF[p,c,a,t] >= 0      share of edge p -> c with producer layout a, consumer reading t (1)
+    eB[p,c,a,g] >= 0      share of edge p -> c with producer layout a, gradient back in g (1)
+    yF[p,a,t]   in [0,1]  producer p writes a and some consumer reads t (forward)     (1)
+    yB[p,a,g]   in [0,1]  producer p writes a and some consumer returns gradient g    (1)
+    out[p,a] = sum_{s: out(s)=a} x[p,s]  (a constant for `input`);  want[c,t] likewise
 
 Objective (seconds per micro-batch, forward + backward)
     min  sum_{v,s} x[v,s] (compute_s(v,s) + wgrad_s(v,s))
@@ -36,8 +38,12 @@ Objective (seconds per micro-batch, forward + backward)
 
 Constraints                                                   (function that adds them)
     one_strategy[v]:        sum_s x[v,s] = 1                           `_add_one_strategy`
-    forward_conversion:     yF[p,a,t] >= out[p,a] + x[c,s] - 1, in(s)=t `_add_conversions`
-    backward_conversion:    yB[p,a,g] >= out[p,a] + x[c,s] - 1, grad(s)=g
+    edge_out / edge_in:     sum_t e[p,c,a,t] = out[p,a],  sum_a e[p,c,a,t] = want[c,t]
+                            (a transportation plan between the two marginals: tighter than the
+                            AND linearisation y >= out + x - 1, so CBC closes the gap at the root)
+                                                                       `_add_conversions`
+    forward_conversion:     yF[p,a,t] >= eF[p,c,a,t] for every consumer c
+    backward_conversion:    yB[p,a,g] >= eB[p,c,a,g] for every consumer c
     parameter_memory:       sum x[v,s] param_bytes(v,s) <= limit       `_add_parameter_memory`
     pinned_tp (TP pinned):  sum_{weighted v, s in colwise/rowwise} x[v,s] >= 1   `_add_pinned_tp`
 
@@ -370,11 +376,14 @@ def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
     status = model.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=ILP_TIME_LIMIT_S))
     if pulp.LpStatus[status] != "Optimal":
         limit = problem.parameter_bytes_limit
+        if pulp.LpStatus[status] != "Infeasible":  # a time limit or a solver failure, not the model's constraints
+            raise PlannerError(f"The tensor-parallel ILP ended {pulp.LpStatus[status].lower()} at tp={problem.tp_degree} "
+                               f"(time limit {ILP_TIME_LIMIT_S} s).", "Re-run; if it persists, pin --tp.")
         named = ([f"`parameter_memory` (<= {limit:.3g} bytes)"] if limit is not None else []) + \
             (["`pinned_tp`"] if problem.require_sharding else [])
         raise PlannerError(
-            f"The tensor-parallel ILP is {pulp.LpStatus[status].lower()} at tp={problem.tp_degree}: "
-            f"constraint {' and '.join(named)} cannot be met.",
+            f"The tensor-parallel ILP is infeasible at tp={problem.tp_degree}: "
+            f"constraint {' and '.join(named) or 'one_strategy'} cannot be met.",
             "Raise the memory available per GPU or the TP degree.",
         )
     chosen = {v: s for (v, s), var in x.items() if var.value() > 0.5}
