@@ -4,11 +4,9 @@ This is the planner's test case for a third-party model: its units are model.emb
 model.rotary_emb, model.layers.0 .. model.layers.N-1, model.norm and lm_head, and the rotary
 cos/sin computed once at the top are passed to every layer (so they cross every cut).
 
-Attention is Hugging Face's own SDPA function, registered under the name "causal_sdpa". Stock
-"sdpa" (and "eager") cannot run on the meta device: building the causal mask checks the
-position ids for packed sequences and the mask for padding with `.all()`, which needs data.
-A name without a mask function makes the model skip mask building and pass mask=None, and
-the SDPA function then uses is_causal=True: same numbers, no data-dependent Python.
+Attention is the config's default (SDPA) with its mask code as shipped: the planner answers the
+mask code's data-dependent checks on the meta device itself (planner/meta_values.py), so the
+model file needs nothing special.
 
 Model args (all optional): n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128,
 vocab_size=256, seq_len=32.
@@ -23,11 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-ATTENTION = "causal_sdpa"
-AttentionInterface.register(ATTENTION, sdpa_attention_forward)
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def make_config(
@@ -40,7 +34,7 @@ def make_config(
     seq_len: int = 32,
     **_,
 ) -> LlamaConfig:
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=d_model,
         intermediate_size=d_ff,
@@ -49,11 +43,8 @@ def make_config(
         num_key_value_heads=n_kv_heads,
         max_position_embeddings=max(seq_len, 1),
         attention_dropout=0.0,
-        use_cache=False,
         tie_word_embeddings=False,
     )
-    config._attn_implementation = ATTENTION
-    return config
 
 
 def build_model(**model_args: Any) -> LlamaForCausalLM:

@@ -11,6 +11,8 @@ Heavy imports (torch) happen inside the verbs so that `planner --help` is instan
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -43,15 +45,68 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def check_output_path(path: Path | str | None, option: str, directory: bool = False) -> None:
+    """Refuse, before any work, an output the command could not write at the end: a directory
+    where a file goes (or a file where a directory goes), or a folder that cannot be created or
+    written. The folder is created now (it would be at the end); a test file is written in it
+    and removed, which answers for permissions, read-only file systems and running as root alike."""
+    import tempfile
+
+    if path is None:
+        return
+    path = Path(path).expanduser()
+    if directory and path.exists() and not path.is_dir():
+        raise PlannerError(f"{option} {path} is a file, not a directory.", f"Pass a directory for {option}.")
+    if not directory and path.is_dir():
+        raise PlannerError(f"{option} {path} is a directory.", f"Pass a file path for {option}, e.g. {path / 'out.json'}.")
+    folder = path if directory else path.parent
+    existing = next((a for a in (folder, *folder.parents) if a.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise PlannerError(f"{option} {path} cannot be written: {existing} is a file, so no folder can be made in it.",
+                           f"Choose a {option} in a folder you can write to.")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise PlannerError(f"{option} {path} cannot be written: {reason} ({exc.filename or folder}).",
+                           f"Choose a {option} in a folder you can write to.") from None
+    if not directory and path.exists() and not os.access(path, os.W_OK):
+        raise PlannerError(f"{option} {path} exists and is not writable.", f"Choose another {option}, or make the file writable.")
+
+
 def default_profile_path(model_file: str, device: str, gpu: str | None, dtype: str) -> Path:
     where = f"meta-{gpu}" if device == "meta" else device
     return Path("profiles") / f"{Path(model_file).stem}-{where}-{dtype}.json"
 
 
+def _model_source(model_file: str | None, args: dict, hf_config: Path | None, seq_len: int | None) -> tuple[str, dict]:
+    """The model file and its arguments: the user's, or planner/hf_config_model.py for --hf-config."""
+    if (model_file is None) == (hf_config is None):
+        raise PlannerError("Give a model file or --hf-config, not " + ("both." if model_file else "neither."),
+                           "e.g. planner profile examples/gpt.py, or planner profile --hf-config examples/hf/llama3-8b.json")
+    if hf_config is None:
+        if seq_len is not None:
+            raise PlannerError("--seq-len goes with --hf-config.", "For a model file, pass its own argument (-a seq_len=N).")
+        return model_file, args
+    import planner.hf_config_model as hf
+    from planner.hf_config_model import load_config
+
+    load_config(str(hf_config), **args)  # refuse a bad path or a misspelt field before any work
+    extra = {"seq_len": seq_len} if seq_len is not None else {}
+    return hf.__file__, {"config": str(hf_config.expanduser().resolve()), **extra, **args}
+
+
 @app.command()
 def profile(
-    model_file: str = typer.Argument(..., help="Python file defining build_model and make_batch."),
-    model_arg: list[str] = typer.Option([], "--model-arg", "-a", help="KEY=VALUE passed to build_model (repeatable)."),
+    model_file: Optional[str] = typer.Argument(None, help="Python file defining build_model and make_batch (or --hf-config)."),
+    model_arg: list[str] = typer.Option([], "--model-arg", "-a", help="KEY=VALUE passed to build_model (repeatable); "
+                                        "with --hf-config, a config field to override."),
+    hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="A Hugging Face config.json (or its folder): "
+                                             "profile AutoModelForCausalLM.from_config of it, no model file needed."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="With --hf-config: tokens per sample (default "
+                                          "min(2048, the config's context))."),
     micro_batch_sizes: str = typer.Option("1", help="Comma-separated micro-batch sizes to profile."),
     device: str = typer.Option("cpu", help="cpu or cuda (measured), or meta (analytic)."),
     gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200)."),
@@ -72,7 +127,9 @@ def profile(
     from planner.report import print_profile
 
     args = parse_model_args(model_arg)
+    model_file, args = _model_source(model_file, args, hf_config, seq_len)
     sizes = _int_list(micro_batch_sizes)
+    check_output_path(output or default_profile_path("model", device, None, dtype), "--output")  # before any work
     if gpu is not None:
         get_gpu(gpu)  # reject unknown names before any work
         if device != "meta":
@@ -85,7 +142,8 @@ def profile(
 
         result = profile_model(model_file, args, sizes, device=device, gpu=gpu, dtype=dtype, repeats=repeats, progress=step,
                                fusion=fusion, threads=threads)
-    path = result.save(output or default_profile_path(model_file, device, result.target_gpu, dtype))
+    named = str(hf_config.parent / hf_config.stem) if hf_config is not None and hf_config.suffix else str(hf_config or model_file)
+    path = result.save(output or default_profile_path(named, device, result.target_gpu, dtype))
     print_profile(result, console=console)
     console.print(f"wrote {path}")
 
@@ -99,6 +157,9 @@ def show(
 ) -> None:
     """Print a profile (per unit, totals, share of time) or a plan (layout, stages, breakdown, alternatives)."""
     import json
+
+    check_output_path(csv, "--csv")
+    check_output_path(gantt, "--gantt")
 
     try:
         data = json.loads(file.read_text()) if file.is_file() else None
@@ -157,14 +218,27 @@ def solve(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
     top: int = typer.Option(3, "--top", help="Keep the K best configurations in the plan."),
     output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="Where to write the plan."),
+    allow_device_mismatch: bool = typer.Option(False, "--allow-device-mismatch", help="Solve with a profile whose times "
+                                               "come from another device than the cluster's GPU (the plan says so)."),
 ) -> None:
     """Find the fastest plan that fits and write it as a plan file."""
     from planner.plan_report import print_plan
     from planner.profile_schema import load_profile
+    from planner.solver.plan_builder import device_mismatch
     from planner.solver.solve import Pins, solve as solve_plan
 
+    if top < 1:
+        raise PlannerError(f"--top must be at least 1 (got {top}).", "--top K keeps the K best configurations; 1 keeps the best alone.")
+    check_output_path(output, "--output")
     prof = load_profile(profile_file)
+    if gpu is None and cluster is None and gpus is not None:
+        gpu = _profile_gpu(prof)  # the device whose times the profile holds, rather than a fixed preset
     clus = load_cluster_args(cluster, gpus, gpus_per_node, gpu)
+    mismatch = device_mismatch(prof, clus)
+    if mismatch and not allow_device_mismatch:
+        raise PlannerError(f"Device mismatch: {mismatch}, not the cluster's.",
+                           f"Profile for the cluster's GPU (--device meta --gpu {clus.gpu.name}, or measured on it), solve for "
+                           f"the profile's device (--gpu {_profile_gpu(prof)}), or pass --allow-device-mismatch to accept it.")
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PlannerError(f"Unknown --dtype {dtype!r}.", "Use float32, bfloat16 or float16.")
     pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel)
@@ -173,6 +247,17 @@ def solve(
     plan.save(output)
     print_plan(plan, console=console)
     console.print(f"wrote {output}")
+
+
+def _profile_gpu(prof) -> str:
+    """The GPU preset a profile's times belong to (a measured CUDA GPU matched as profile-cluster does)."""
+    from planner.cluster_probe import GPU_NAMES
+    from planner.solver.plan_builder import profile_times_device
+
+    name = profile_times_device(prof)
+    if prof.device == "cuda":
+        return next((preset for key, preset in GPU_NAMES if key in name.lower()), "a100-80gb")
+    return name
 
 
 @app.command()
@@ -186,7 +271,9 @@ def run(
     reference: bool = typer.Option(False, "--reference", help="One process, no parallelism (the parity yardstick)."),
     timeout: float = typer.Option(600.0, "--timeout", help="Wall-clock limit of the whole job, seconds."),
     checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="Save a checkpoint here at the end."),
-    resume: bool = typer.Option(False, "--resume", help="Start from the checkpoint in --checkpoint-dir (any plan)."),
+    resume: bool = typer.Option(False, "--resume", help="Start from the newest complete step in --checkpoint-dir (any plan)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start fresh in a --checkpoint-dir that holds a checkpoint "
+                                   "(its steps are deleted once this run's step is saved)."),
 ) -> None:
     """Execute a plan with torchrun (gloo on CPU, NCCL on GPUs) and record what happened."""
     from runtime.launch import run_plan  # planner never imports runtime's training code at import time
@@ -195,7 +282,7 @@ def run(
         raise PlannerError(f"--steps must be positive (got {steps}).", "Run at least one step.")
     run_plan(str(plan_file), str(model_file) if model_file else None, steps, seed, lr,
              str(output) if output else None, reference, timeout_s=timeout,
-             checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=resume)
+             checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=resume, overwrite=overwrite)
     if output:
         console.print(f"wrote {output}")
 
@@ -210,8 +297,9 @@ def validate(
     from planner.plan import load_plan
     from planner.validate import compare, draw_validation_gantt, print_comparison
 
+    check_output_path(gantt, "--gantt")
     plan = load_plan(plan_file)
-    print_comparison(compare(plan, metrics_file), console=console)
+    print_comparison(compare(plan, metrics_file, plan_file), console=console)
     if gantt:
         console.print(f"wrote {draw_validation_gantt(plan, metrics_file, gantt)}")
 
@@ -239,7 +327,79 @@ def schema(
 
 from planner.cluster_probe import profile_cluster_command as _pcc  # noqa: E402  (typer reads its signature; no torch import)
 
-app.command("profile-cluster", help=_pcc.__doc__)(_pcc)
+
+
+@functools.wraps(_pcc)
+def _profile_cluster(*args, **kwargs):
+    check_output_path(kwargs.get("output"), "--output")  # before measuring, not after
+    return _pcc(*args, **kwargs)
+
+
+app.command("profile-cluster", help=_pcc.__doc__)(_profile_cluster)
+
+
+@app.command("export")
+def export_command(
+    plan_file: Path = typer.Argument(..., help="Plan JSON (from planner solve)."),
+    to: str = typer.Option(..., "--to", help="torchtitan, megatron, deepspeed or accelerate."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here instead of printing."),
+    profile_file: Optional[Path] = typer.Option(None, "--profile", "-p", help="Profile to price what the engine cannot "
+                                                "express (default: the plan's)."),
+) -> None:
+    """Write a plan as an engine's configuration (planner/engines/); warn, with the price, where it cannot say it all."""
+    from planner.engines import export_plan
+    from planner.plan import load_plan
+    from planner.profile_schema import load_profile
+
+    check_output_path(output, "--output")
+    plan = load_plan(plan_file)
+    path = profile_file or (Path(plan.profile) if plan.profile else None)
+    prof = load_profile(path) if path is not None and path.is_file() else None
+    result = export_plan(plan, to, prof)
+    from rich.markup import escape
+
+    for warning in result.warnings:
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    if output:
+        output.write_text(result.text)
+        console.print(f"wrote {output}")
+    else:
+        sys.stdout.write(result.text)
+
+
+@app.command("price")
+def price_command(
+    from_file: Path = typer.Option(..., "--from", help="Megatron-LM arguments (.txt/.sh), torchtitan .toml, DeepSpeed .json "
+                                   "or Accelerate .yaml."),
+    profile_file: Path = typer.Option(..., "--profile", "-p", help="Profile JSON of the model."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="The file's engine (default: from its suffix and content)."),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", "-b", help="Samples per step, where the file has none."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="Number of GPUs (with a preset GPU)."),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(gpus, 8))."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset (default: the profile's)."),
+    cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster file (YAML/JSON) instead of --gpus."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the priced configuration as a plan."),
+) -> None:
+    """Price an existing engine configuration exactly and set it beside the best plan for the same model and cluster."""
+    from planner.engines import read_config
+    from planner.engines.pricing import compare
+    from planner.profile_schema import load_profile
+
+    check_output_path(output, "--output")
+    prof = load_profile(profile_file)
+    if gpu is None and cluster is None and gpus is not None:
+        gpu = _profile_gpu(prof)
+    clus = load_cluster_args(cluster, gpus, gpus_per_node, gpu)
+    layout = read_config(from_file, engine)
+    with err_console.status("pricing"):
+        result = compare(prof, clus, layout, global_batch, profile_path=str(profile_file))
+    for note in layout.notes:
+        console.print(f"note: {note}")
+    for line in result.lines():
+        console.print(line, highlight=False)
+    if output:
+        result.theirs.save(output)
+        console.print(f"wrote {output}")
 
 
 def main() -> None:
@@ -265,7 +425,8 @@ def main() -> None:
     except Exception as exc:  # click usage errors are handled below; anything else is a bug
         import click
 
-        if isinstance(exc, click.ClickException):
+        # typer >= 0.20 raises its own copy of click's usage errors (typer._click), not click's.
+        if isinstance(exc, click.ClickException) or (callable(getattr(exc, "show", None)) and hasattr(exc, "exit_code")):
             exc.show()
             sys.exit(exc.exit_code)
         if debug:

@@ -116,7 +116,55 @@ def load_model_file(path: str | Path, model_args: dict[str, Any] | None = None) 
             "make_batch(batch_size, **model_args) -> (inputs, targets); loss_fn(output, "
             "targets) is optional. See examples/gpt.py.",
         )
+    check_model_args(path, module, dict(model_args or {}))
     return ModelFile(path=path, module=module, model_args=dict(model_args or {}))
+
+
+def check_model_args(path: Path, module: ModuleType, model_args: dict[str, Any]) -> None:
+    """Refuse a --model-arg that no function of the model file would read.
+
+    `build_model`, `make_batch` (and `get_batch`, if defined) are all called with every
+    argument. A key is accepted when one of them names it as a parameter, or takes
+    `**kwargs` under a name that does not start with `_` (it forwards them, e.g. to a config
+    class). `**_` (or `**_anything`) discards extras by convention, so a key only such a
+    function would swallow is a typo, refused with the closest known name: `n_layerz=2` for
+    examples/gpt.py. A function without `**` must name every key (Python would refuse it).
+    """
+    import difflib
+    import inspect
+
+    if not model_args:
+        return
+    named: set[str] = set()
+    forwards, closed = [], []
+    for fn_name in (*REQUIRED, "get_batch"):
+        fn = getattr(module, fn_name, None)
+        if not callable(fn):
+            continue
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):  # a builtin or C function: nothing to check against
+            return
+        if fn_name in ("make_batch", "get_batch"):
+            params = params[1:] if fn_name == "make_batch" else params[2:]  # (batch_size,) / (step, batch_size)
+        own = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        named |= own
+        var = next((p.name for p in params if p.kind == p.VAR_KEYWORD), None)
+        if var is None:
+            closed.append((fn_name, own))
+        elif not var.startswith("_"):
+            forwards.append(fn_name)
+    for key in sorted(model_args):
+        refused_by = [fn_name for fn_name, own in closed if key not in own]
+        if refused_by or (key not in named and not forwards):
+            close = difflib.get_close_matches(key, sorted(named), n=1)
+            where = (f"{' and '.join(f'{f}()' for f in refused_by)} in {path} rejected the model arguments: "
+                     f"no parameter named {key}" if refused_by
+                     else f"Unknown --model-arg {key}: no function in {path} names it (their **_ would discard it)")
+            raise PlannerError(
+                where + "." + (f" Did you mean {close[0]}?" if close else ""),
+                f"Known model arguments: {', '.join(sorted(named)) or 'none'}.",
+            )
 
 
 def for_training(model):

@@ -44,6 +44,9 @@ class ModelRef(_Model):
     """Arguments for build_model / make_batch."""
     fingerprint: str | None = None
     """Structural fingerprint; the runtime refuses a model that does not match it."""
+    source_sha256: str | None = None
+    """SHA-256 of the model file the profile was made from; `planner run` warns when the file has
+    changed since (an edit that keeps the structure may still change the times)."""
 
 
 class ClusterRef(_Model):
@@ -136,7 +139,7 @@ class Prediction(_Model):
     """Forward+backward time of one micro-batch per stage."""
     breakdown_s: dict[str, float]
     """compute, p2p (with the cluster's pipeline_overhead_s per micro-batch and stage), tp_comm,
-    dp_comm, optimizer, bubble."""
+    dp_comm, tie_comm (summing the gradients of a weight tied across stages), optimizer, bubble."""
 
 
 class Plan(_Model):
@@ -153,6 +156,9 @@ class Plan(_Model):
     """Absent in hand-written plans."""
     search: dict | None = None
     """Solver statistics and alternatives."""
+    device_mismatch: str | None = None
+    """Set when the profile's times come from another device than the cluster's GPU (solved with
+    --allow-device-mismatch): which device's times the prediction used. None: they agree."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "Plan":

@@ -47,6 +47,10 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                  str(lay.zero_stage), lay.schedule, str(lay.virtual_stages), p2p, str(batch.micro_batch_size),
                  str(batch.num_microbatches), str(batch.global_batch_size), plan.training.dtype)
     console.print(head)
+    if plan.device_mismatch:
+        from rich.markup import escape
+
+        console.print(f"[bold yellow]device mismatch:[/] {escape(plan.device_mismatch)} (solved with --allow-device-mismatch).")
     pred = plan.prediction
     stages = Table(title="Stages")
     for col in ("stage", "units", "ranks", "recompute", "TP modules", "time / micro-batch", "peak memory"):
@@ -102,9 +106,63 @@ def simulated_timeline(plan: Plan):
     return simulate(lay.schedule, fwd, bwd, plan.batch.num_microbatches, lay.virtual_stages)
 
 
+SCHEDULE_TERMS = ("compute", "tp_comm", "p2p", "bubble")
+"""Breakdown terms spent inside the pipeline schedule (planner/solver/search.py `_price`:
+iteration = pipeline + the slowest rank's dp_comm + tie_comm + optimizer); the others run
+once per step after a rank's last backward."""
+
+
+def _ranks_summary(ranks: list[int]) -> str:
+    """`24-31` style ranges for runs of consecutive ranks."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and runs[-1][1] + 1 == r:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def gantt_row_labels(plan: Plan) -> tuple[str, ...]:
+    """Per pipeline rank: its stages and the global ranks holding them (`stage 3 (ranks 24-31)`)."""
+    pp = plan.layout.pp_degree
+    labels = []
+    for r in range(pp):
+        stages = [k for k in range(len(plan.stages)) if k % pp == r]
+        ranks = _ranks_summary(plan.stages[r].ranks) if r < len(plan.stages) else "?"
+        labels.append(f"stage{'s' if len(stages) > 1 else ''} {', '.join(map(str, stages))} (ranks {ranks})")
+    return tuple(labels)
+
+
+def after_schedule_terms(plan: Plan, makespan_s: float) -> tuple[tuple[str, float], ...]:
+    """The prediction's once-per-step terms, in breakdown order, drawn after the schedule.
+
+    Under ZeRO >= 1 the breakdown's dp_comm also counts the per-micro-batch reduce-scatters
+    and gathers that sit inside the stage times; only what the schedule leaves of the step is
+    drawn after it, so the segments end at the predicted iteration time.
+    """
+    pred = plan.prediction
+    terms = [(t, v) for t, v in pred.breakdown_s.items() if t not in SCHEDULE_TERMS]
+    if plan.layout.zero_stage >= 1:
+        others = sum(v for t, v in terms if t != "dp_comm")
+        step_s = max(0.0, pred.iteration_time_s - makespan_s - others)
+        terms = [("dp_comm (per step part)", step_s) if t == "dp_comm" and step_s < v else (t, v) for t, v in terms]
+    return tuple(terms)
+
+
 def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
-    """Simulate the plan's schedule on its predicted stage times and draw it."""
+    """Simulate the plan's schedule on its predicted stage times and draw it, then the
+    prediction's once-per-step terms, so the time axis ends at the predicted iteration time."""
     from planner.cost.simulator import draw_gantt
 
-    lay = plan.layout
-    return draw_gantt(simulated_timeline(plan), path, title=f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}")
+    lay, pred = plan.layout, plan.prediction
+    timeline = simulated_timeline(plan)
+    title = f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}"
+    if pred is None:
+        return draw_gantt(timeline, path, title=title, row_labels=gantt_row_labels(plan))
+    after = after_schedule_terms(plan, timeline.makespan_s)
+    inside = ", ".join(f"{t} {_time(pred.breakdown_s[t])}" for t in SCHEDULE_TERMS if t in pred.breakdown_s)
+    once = ", ".join(f"{t} {_time(v)}" for t, v in after)
+    title += (f"\nsimulated schedule {_time(timeline.makespan_s)} + once per step ({once}) = predicted iteration "
+              f"{_time(pred.iteration_time_s)}\nschedule terms on the busiest rank: {inside}")
+    return draw_gantt(timeline, path, title=title, row_labels=gantt_row_labels(plan), after=after, end_s=pred.iteration_time_s)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -26,9 +28,42 @@ def load_metrics(path: str | Path) -> dict:
     return data
 
 
-def compare(plan: Plan, metrics_path: str | Path) -> list[tuple[str, float | None, float | None, str]]:
-    """Rows (term, predicted, measured, kind) for what both sides have."""
+def plan_digest(plan: Plan) -> str:
+    """SHA-256 of what a run executes and what it is held against (the plan less the solver's
+    statistics): the same plan file always gives the same digest, another plan another one."""
+    return hashlib.sha256(plan.model_dump_json(exclude={"search"}).encode()).hexdigest()
+
+
+def check_metrics_match(plan: Plan, metrics: dict, metrics_path: str | Path, plan_path: str | Path = "the plan") -> None:
+    """Refuse metrics recorded by another plan: their comparison would be meaningless."""
+    recorded = metrics.get("plan_sha256")
+    if recorded is not None:
+        same = recorded == plan_digest(plan)
+    else:  # metrics of an older run: the prediction and world size it recorded must agree
+        pred = plan.prediction.model_dump() if plan.prediction else None
+        same = metrics.get("world_size", plan.world_size) == plan.world_size and (
+            metrics.get("prediction") is None or pred is None or _same_numbers(metrics["prediction"], pred))
+    if not same:
+        ran = f" (it ran {metrics['plan']})" if metrics.get("plan") else ""
+        raise PlannerError(f"{metrics_path} was recorded by another plan than {plan_path}{ran}: its plan fingerprint "
+                           f"differs, so a comparison would be meaningless.",
+                           "Pass the plan file the run executed, or run this plan with `planner run PLAN --output FILE`.")
+
+
+def _same_numbers(a, b) -> bool:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_numbers(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_numbers(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) or a == b
+    return a == b
+
+
+def compare(plan: Plan, metrics_path: str | Path, plan_path: str | Path = "the plan") -> list[tuple[str, float | None, float | None, str]]:
+    """Rows (term, predicted, measured, kind) for what both sides have; another plan's metrics are refused."""
     metrics = load_metrics(metrics_path)
+    check_metrics_match(plan, metrics, metrics_path, plan_path)
     pred = plan.prediction
     rows = [("iteration time", pred.iteration_time_s if pred else None, metrics["median_iteration_time_s"], "time"),
             ("samples/s", pred.samples_per_s if pred else None, metrics["samples_per_s"], "rate")]

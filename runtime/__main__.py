@@ -27,14 +27,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--save-params", default=None, help="Write the final full parameters here (torch.save; tests).")
     parser.add_argument("--reference", action="store_true", help="One process, no parallelism.")
     parser.add_argument("--checkpoint-dir", default=None, help="Save a checkpoint here at the end (DCP).")
-    parser.add_argument("--resume", action="store_true", help="Start from the checkpoint in --checkpoint-dir.")
+    parser.add_argument("--resume", action="store_true", help="Start from the newest complete step in --checkpoint-dir.")
+    parser.add_argument("--overwrite", action="store_true", help="Start fresh in a --checkpoint-dir that holds a checkpoint.")
     return parser.parse_args(argv)
 
 
 @record
 def main(argv=None) -> None:
     from planner.plan import load_plan
-    from runtime.launch import resolve_model_file
+    from runtime.launch import check_checkpoint_dir, resolve_model_file
     from runtime.train import train
 
     args = parse_args(argv)
@@ -42,8 +43,8 @@ def main(argv=None) -> None:
     try:
         plan = load_plan(args.plan)
         model_file = resolve_model_file(plan, args.plan, args.model_file)
-        if args.resume and not args.checkpoint_dir:
-            raise PlannerError("--resume needs --checkpoint-dir.", "Pass the directory a previous run saved to.")
+        # Every rank checks before the process group exists; no rank writes there before a save's barrier.
+        check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite, args.reference)
         metrics = train(plan, model_file, args.steps, args.seed, args.lr, args.reference, args.checkpoint_dir, args.resume)
     except PlannerError as exc:
         rank = os.environ.get("RANK", "0")

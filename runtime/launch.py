@@ -1,7 +1,12 @@
 """`planner run`: check the plan, then start torchrun with the plan's world size.
 
 Everything that can be refused is refused here, before any process group exists: an
-unreadable or inconsistent plan, a model file that does not match it. On one node the
+unreadable or inconsistent plan, a model file that does not match it, training settings
+no run could use (a negative or NaN learning rate, steps < 1), an output that could not be
+written, and a checkpoint directory that holds a checkpoint when neither --resume nor
+--overwrite says what to do with it. A model file edited since the plan was solved (its
+SHA-256 differs from the profile's) gets a warning: the structure is checked by the
+fingerprint, but the predicted times may no longer hold. On one node the
 ranks are started by `python -m torch.distributed.run --standalone` through
 planner/launcher.py: torchrun stops every rank when one fails, and the launcher names the
 rank and prints its own error; Ctrl-C, SIGTERM and the wall-clock limit (`--timeout`) end
@@ -12,6 +17,7 @@ torchrun command of each node is printed instead.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -41,7 +47,14 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
     path = resolve_model_file(plan, plan_path, model_file)
     mf = load_model_file(path, plan.model.args)
     meta = build_meta_model(mf)
+    if not any(True for _ in meta.parameters()):
+        raise PlannerError(f"build_model() in {path} returned a model with no parameters: there is nothing to train.",
+                           "Return the model with its layers as submodules.")
     check_fingerprint(plan, meta, mf)
+    if plan.model.source_sha256 and mf.source_sha256() != plan.model.source_sha256:
+        print(f"warning: {path} has changed since it was profiled for this plan (its SHA-256 differs from the "
+              "profile's): the prediction may not hold. Re-profile and re-solve to plan for the edited model.",
+              file=sys.stderr, flush=True)
     check_tp_plan(plan, meta)
     if plan.layout.pp_degree > 1:
         from runtime.pp_split import check_splittable
@@ -50,9 +63,56 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
     return plan, path
 
 
+def check_training_args(plan: Plan, steps: int, seed: int, lr: float | None, timeout_s: float) -> None:
+    """Refuse settings no run could use, before launching (a rank would refuse them only after start-up)."""
+    problems = []
+    if steps < 1:
+        problems.append(f"--steps must be at least 1 (got {steps})")
+    if seed < 0:
+        problems.append(f"--seed must be non-negative (got {seed})")
+    for what, value in (("--lr" if lr is not None else "the plan's training.lr", lr if lr is not None else plan.training.lr),
+                        ("the plan's training.weight_decay", plan.training.weight_decay)):
+        if not math.isfinite(value) or value < 0:
+            problems.append(f"{what} must be a finite number >= 0 (got {value})")
+    clip = plan.training.grad_clip
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        problems.append(f"the plan's training.grad_clip must be a positive number or null (got {clip})")
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        problems.append(f"--timeout must be a positive number of seconds (got {timeout_s})")
+    if problems:
+        raise PlannerError("Cannot run: " + "; ".join(problems) + ".", "Fix those settings; nothing was started.")
+
+
+def check_checkpoint_dir(checkpoint_dir: str | None, resume: bool, overwrite: bool, reference: bool = False) -> None:
+    """An existing checkpoint is neither silently replaced nor silently ignored."""
+    from runtime.checkpoint import has_content, latest
+
+    if checkpoint_dir is None:
+        if resume:
+            raise PlannerError("--resume needs --checkpoint-dir.", "Pass the directory a previous run saved to.")
+        return
+    if resume and overwrite:
+        raise PlannerError("--resume and --overwrite contradict each other.", "Resume from the checkpoint, or start fresh over it.")
+    if reference:
+        raise PlannerError("--reference does not save checkpoints.", "Drop --checkpoint-dir for the reference run.")
+    if not resume and not overwrite and has_content(checkpoint_dir):
+        found = latest(checkpoint_dir)
+        what = f"a checkpoint ({found.name})" if found is not None else "files"
+        raise PlannerError(f"--checkpoint-dir {checkpoint_dir} already holds {what}; this run would replace it.",
+                           "Pass --resume to continue from it, --overwrite to start fresh (its steps are deleted once this "
+                           "run's step is saved), or another --checkpoint-dir.")
+
+
 def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed: int = 0, lr: float | None = None,
              output: str | None = None, reference: bool = False, save_params: str | None = None,
-             timeout_s: float = 600.0, checkpoint_dir: str | None = None, resume: bool = False) -> int:
+             timeout_s: float = 600.0, checkpoint_dir: str | None = None, resume: bool = False, overwrite: bool = False) -> int:
+    from planner.cli import check_output_path
+
+    check_output_path(output, "--output")
+    check_output_path(save_params, "--save-params")
+    check_checkpoint_dir(checkpoint_dir, resume, overwrite, reference)
+    check_output_path(checkpoint_dir, "--checkpoint-dir", directory=True)
+    check_training_args(load_plan(plan_path), steps, seed, lr, timeout_s)  # cheap: before the model is built
     plan, path = precheck(plan_path, model_file)
     extra = ["--model-file", path, "--steps", str(steps), "--seed", str(seed)]
     extra += ["--lr", str(lr)] if lr is not None else []
@@ -60,6 +120,7 @@ def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed
     extra += ["--save-params", save_params] if save_params else []
     extra += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
     extra += ["--resume"] if resume else []
+    extra += ["--overwrite"] if overwrite else []
     threads = plan.training.cpu_threads or os.environ.get("OMP_NUM_THREADS", "1")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if plan.cluster.num_nodes > 1 and not reference:
@@ -81,22 +142,19 @@ def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed
 
 def kept_after_stop(checkpoint_dir: str | None, output: str | None, started: float) -> str:
     """What a stopped run leaves: the metrics and checkpoint are written only when a run finishes."""
-    from runtime.checkpoint import META
+    from runtime.checkpoint import META, latest
 
     kept = []
-    meta = Path(checkpoint_dir) / META if checkpoint_dir else None
-    if meta is not None and meta.is_file():
+    found = latest(checkpoint_dir) if checkpoint_dir else None
+    if found is not None:
+        meta = found / META
         try:
             step = json.loads(meta.read_text()).get("step", "?")
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             step = "?"
-        if meta.stat().st_mtime >= started:
-            kept.append(f"the checkpoint in {checkpoint_dir} (step {step}, saved by this run)")
-        elif any(f.stat().st_mtime >= started for f in Path(checkpoint_dir).rglob("*") if f.is_file()):
-            kept.append(f"the checkpoint in {checkpoint_dir} (step {step}, from before this run), but this run was "
-                        "stopped while overwriting it: it may be damaged")
-        else:
-            kept.append(f"the checkpoint in {checkpoint_dir} (step {step}, from before this run)")
+        # A step folder appears only complete (runtime/checkpoint.py): a save cut short leaves the previous one.
+        when = "saved by this run" if meta.stat().st_mtime >= started else "from before this run"
+        kept.append(f"the checkpoint in {found} (step {step}, {when})")
     if output and Path(output).is_file() and Path(output).stat().st_mtime >= started:
         kept.append(f"the metrics in {output}")
     if kept:

@@ -101,6 +101,8 @@ def peak_memory() -> int:
 
 
 def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: int, timeline: dict | None = None) -> dict:
+    from planner.validate import plan_digest
+
     after = times[WARMUP_STEPS:] or times
     median = statistics.median(after) if after else float("nan")
     return {
@@ -114,5 +116,6 @@ def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: i
         "world_size": world_size,
         "cpu_threads": None if torch.cuda.is_available() else torch.get_num_threads(),
         "prediction": plan.prediction.model_dump() if plan.prediction else None,
+        "plan_sha256": plan_digest(plan),  # `planner validate` refuses another plan's metrics
         "_params": params,
     }

@@ -44,13 +44,13 @@ from planner.errors import PlannerError
 from planner.model_file import call_user, load_model_file
 from planner.plan import Plan
 from runtime import checkpoint
-from runtime.apply_dp import apply_fsdp, average_gradients
+from runtime.apply_dp import apply_fsdp, average_gradients, sum_tied_gradients
 from runtime.apply_pp import build_schedule, build_stage_modules
-from runtime.apply_tp import apply_tp, check_tp_plan
+from runtime.apply_tp import apply_tp, check_tp_plan, sum_partial_gradients
 from runtime.build import as_tuple, build_meta_model, check_fingerprint, init_mode, materialize
 from runtime.grad_clip import clip_grad_norm
 from runtime.metrics import StageTimer, build_metrics, merge_stage_times, peak_memory, synchronize, timeline_of
-from runtime.pp_split import check_splittable
+from runtime.pp_split import check_splittable, cross_stage_ties
 from runtime.recompute import apply_recompute
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)  # a dead peer fails the job instead of hanging it
@@ -131,10 +131,13 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
         from planner.units import model_fingerprint
 
         fingerprint = model_fingerprint(meta, units)
-        first_step = 0
+        first_step, resume_from = 0, None
         if resume:
-            first_step = checkpoint.read_meta(checkpoint_dir, fingerprint)["step"]
-        return _train_parallel(plan, mf, steps, seed, lr, device, checkpoint_dir, resume, first_step, fingerprint)
+            saved = checkpoint.read_meta(checkpoint_dir, fingerprint)  # the newest complete step
+            first_step, resume_from = saved["step"], saved["directory"]
+            if dist.get_rank() == 0:
+                print(f"resuming from step {first_step} ({resume_from})", flush=True)
+        return _train_parallel(plan, mf, steps, seed, lr, device, checkpoint_dir, resume_from, first_step, fingerprint)
     finally:
         dist.destroy_process_group()
 
@@ -163,15 +166,16 @@ def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> 
     return build_metrics(plan, losses, times, [peak_memory()], merge_stage_times([timer.summary()]), params, world_size=1)
 
 
-def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume=False,
+def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume_from=None,
                     first_step: int = 0, fingerprint: str = "") -> dict:
-    from runtime.mesh import build_mesh
+    from runtime.mesh import build_mesh, build_tie_groups
 
     lay, batch = plan.layout, plan.batch
     mesh = build_mesh(plan, device.type)
     pp_rank, dp_rank, tp_rank = (mesh[axis].get_local_rank() for axis in ("pp", "dp", "tp"))
     meta = build_meta_model(mf)
     mode = init_mode(meta)
+    ties = cross_stage_ties(meta, plan) if lay.pp_degree > 1 else []  # weights held by several stages
     if lay.pp_degree > 1:
         # torch's schedule calls the stage modules itself: autocast goes inside their forward.
         scatter = mesh["tp"].get_group() if (lay.p2p_scatter_gather and lay.tp_degree > 1) else None
@@ -187,6 +191,9 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         if lay.zero_stage >= 1 and lay.dp_degree > 1:
             apply_fsdp(model, mesh["dp"], stage.units, lay.zero_stage)
     modules = [m for _, m in chunks]
+    tie_groups = build_tie_groups(mesh, [t.pp_ranks for t in ties])
+    tie_copies = [t.copies(chunks) for t in ties]  # after FSDP, which replaces the parameters
+    uncounted = [p for t, copies in zip(ties, tie_copies) for s, p in copies if s != t.stages[0]]
     # One optimizer per chunk (AdamW is per parameter, so this is the same update): each
     # chunk's optimizer state is then keyed by its own parameter names (runtime/checkpoint.py).
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=plan.training.weight_decay) for m in modules]
@@ -197,8 +204,9 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         example_microbatch = tuple(_slice(x, 0, batch.micro_batch_size) for x in example)
         runner = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn, example_microbatch)
     timer = StageTimer(device)
-    if resume:
-        checkpoint.load(checkpoint_dir, modules, optimizers)
+    if resume_from:
+        _check_tied_resume(resume_from, ties)
+        checkpoint.load(resume_from, modules, optimizers)
     has_last = any(s == len(plan.stages) - 1 for s, _ in chunks)
     reports, times = [], []
     for step in range(first_step, first_step + steps):
@@ -225,8 +233,12 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
                 local_loss += loss.detach().float()
         if lay.zero_stage == 0:
             average_gradients(modules, mesh["dp"].get_group())
+        if lay.tp_degree > 1:  # replicated parameters inside a column/row pair saw a share of the heads
+            sum_partial_gradients(modules, mesh["tp"].get_group())
+        if ties:  # tied copies take the same step: their gradients summed (runtime/pp_split.py)
+            sum_tied_gradients([[p for _, p in copies] for copies in tie_copies], tie_groups)
         if plan.training.grad_clip:  # after the dp reduction: the norm of the averaged gradient
-            clip_grad_norm(modules, plan.training.grad_clip, mesh["pp"].get_group())
+            clip_grad_norm(modules, plan.training.grad_clip, mesh["pp"].get_group(), uncounted)
         for optimizer in optimizers:
             optimizer.step()
         synchronize(device)  # the step's kernels are done, not just queued
@@ -239,8 +251,10 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     dist.all_reduce(total)
     losses = (total / lay.dp_degree).tolist()
     if checkpoint_dir:
-        checkpoint.save(checkpoint_dir, modules, optimizers, first_step + steps, fingerprint)
-    params = _full_parameters(modules) if (dp_rank == 0 and tp_rank == 0) else _full_parameters(modules, keep=False)
+        checkpoint.save(checkpoint_dir, modules, optimizers, first_step + steps, fingerprint, resumed_from=resume_from)
+    # A tied weight under the reference's name for it (named_parameters() keeps the first).
+    aliases = {name: t.names[0] for t in ties for name in t.names}
+    params = _full_parameters(modules, keep=dp_rank == 0 and tp_rank == 0, aliases=aliases)
     peaks, stage_times = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_memory())
     dist.all_gather_object(stage_times, timer.summary())
@@ -256,12 +270,32 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
                          timeline=timeline)
 
 
-def _full_parameters(modules, keep: bool = True) -> dict:
-    """Full (unsharded) parameters by original name; every rank joins the gathers."""
+def _check_tied_resume(directory, ties) -> None:
+    """Refuse to resume with a tied weight cut across stages from a checkpoint saved with it whole:
+    that checkpoint keys the optimizer state by the weight's first name only (one parameter), and
+    the stage holding the copy under another name would find none. (The reverse works: a cut
+    plan saves every copy under its own name.)"""
+    if not ties:
+        return
+    import torch.distributed.checkpoint as dcp
+
+    keys = set(dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
+    missing = [name for t in ties for name in t.names[1:]
+               if f"optim.state.{t.names[0]}.step" in keys and f"optim.state.{name}.step" not in keys]
+    if missing:
+        raise PlannerError(
+            f"The checkpoint in {directory} was saved with tied weights in one stage, so it holds no optimizer state "
+            f"for {missing}, which this plan keeps as a copy on another pipeline stage.",
+            "Resume under a plan that keeps the tied units in one stage (e.g. the saving plan), or start fresh.")
+
+
+def _full_parameters(modules, keep: bool = True, aliases: dict[str, str] | None = None) -> dict:
+    """Full (unsharded) parameters by original name (renamed by `aliases`); every rank joins the gathers."""
     out = {}
     for module in modules:
         for name, p in module.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             if keep:
-                out[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().cpu().clone()
+                name = name.replace("_checkpoint_wrapped_module.", "")
+                out[(aliases or {}).get(name, name)] = full.detach().cpu().clone()
     return out

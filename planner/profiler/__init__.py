@@ -146,6 +146,9 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         meta_model = mf.build_model()
     if not isinstance(meta_model, torch.nn.Module):
         raise PlannerError(f"build_model() in {mf.path} returned {type(meta_model).__name__}, not a torch.nn.Module.")
+    if not any(True for _ in meta_model.parameters()):
+        raise PlannerError(f"build_model() in {mf.path} returned a model with no parameters: there is nothing to train "
+                           "or to split.", "Return the model with its layers (nn.Linear, nn.Embedding, ...) as submodules.")
     meta_model = meta_model.to(torch_dtype)
     element = torch.empty((), dtype=torch_dtype).element_size()
 
@@ -153,6 +156,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     # tensors the trace made stay attached to the unit inputs it recorded (planner/meta_values.py).
     values = KnownValues(seed=seed)
     batches = {b: mf.make_batch(b) for b in sizes}
+    _check_batch_scales(mf, batches)
     model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, torch_dtype, seed, values)
     trace = traces[sizes[0]]
     units = trace.units
@@ -220,6 +224,30 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         fusion=fusion,
         notes=notes,
     )
+
+
+def _check_batch_scales(mf: ModelFile, batches: dict) -> None:
+    """Refuse a make_batch whose batch does not grow with batch_size: every micro-batch size
+    would then profile the same work (identical FLOPs), and the plan's batch arithmetic would
+    be wrong. With one size profiled, make_batch is called once more at twice it (the RNG
+    state is restored, so the profile's batches do not change)."""
+    sizes = sorted(batches)
+    if len(sizes) == 1:
+        extra = 2 * sizes[0]
+        with torch.random.fork_rng(devices=[]):
+            batches = {**batches, extra: mf.make_batch(extra)}
+        sizes.append(extra)
+
+    def leading(batch) -> list:  # every tensor of (inputs, targets), nested containers included
+        return [int(x.shape[0]) for x in tree_flatten(batch)[0] if isinstance(x, torch.Tensor) and x.dim() > 0]
+
+    dims = {b: leading(batches[b]) for b in sizes}
+    scales = any(all(dims[b][k] == b for b in sizes) for k in range(min((len(d) for d in dims.values()), default=0)))
+    if not scales:
+        shown = ", ".join(f"make_batch({b}) -> leading dims {dims[b]}" for b in sizes)
+        raise PlannerError(f"make_batch(batch_size) in {mf.path} does not follow batch_size: {shown}. Every micro-batch size "
+                           "would profile the same work.",
+                           "Return inputs and targets whose first dimension is batch_size (samples along dim 0).")
 
 
 def _check_options(device: str, dtype: str, fusion: str, micro_batch_sizes) -> list[int]:
