@@ -180,10 +180,10 @@ def _stop(proc: subprocess.Popen | None, tracked, grace_s: float = GRACE_S) -> i
 
 def describe_failure(stderr: str, code: int, log_dir: Path | None, stopped: str) -> tuple[str, str]:
     """(message, hint) for a failed job: the first failing rank, its error, and its last lines of stderr."""
-    rank = root_cause(stderr)[0]
+    rank = primary_rank(stderr, log_dir)
     own = rank_stderr(log_dir, rank) if rank is not None else None
     own = RANK_PREFIX.sub("", own) if own else own
-    message = failure_summary(stderr, code, stopped, own)
+    message = failure_summary(stderr, code, stopped, own, rank)
     if own and own.strip():
         tail = "\n".join("  " + line for line in own.strip().splitlines()[-10:])
         return message, f"Rank {rank}'s last lines of stderr:\n{tail}"
@@ -198,6 +198,27 @@ def root_cause(stderr: str) -> tuple[int | None, str]:
     return (int(rank.group(1)) if rank else None), root
 
 
+FOLLOW_ON = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|"
+                       r"ProcessGroupGloo.*(?:closed|timed out)|recv.*failed", re.IGNORECASE)
+"""Errors a healthy rank raises because another rank died: never the cause of a failure."""
+
+
+def primary_rank(stderr: str, log_dir: Path | None) -> int | None:
+    """The rank whose own error caused the failure. torchrun's root cause is the first rank to
+    exit, which may be a healthy rank whose collective broke when its peer died; then the first
+    rank whose log holds an error that is not such a follow-on is the cause."""
+    first = root_cause(stderr)[0]
+    if log_dir is None or first is None:
+        return first
+    ranks = sorted({int(p.parent.name) for p in Path(log_dir).glob("*/attempt_*/*/stderr.log") if p.parent.name.isdigit()})
+    for rank in [first, *(r for r in ranks if r != first)]:
+        text = rank_stderr(log_dir, rank) or ""
+        failed = OWN_LINE.search(text) or any(EXCEPTION_LINE.match(line) for line in RANK_PREFIX.sub("", text).splitlines())
+        if failed and not FOLLOW_ON.search(text):
+            return rank
+    return first
+
+
 def rank_stderr(log_dir: Path | None, rank: int) -> str | None:
     """What local rank `rank` wrote to stderr in torchrun's latest attempt (one node: local rank = rank)."""
     if log_dir is None:
@@ -206,16 +227,19 @@ def rank_stderr(log_dir: Path | None, rank: int) -> str | None:
     return files[-1].read_text(errors="replace") if files else None
 
 
-def failure_summary(stderr: str, code: int, stopped: str = "the whole job was stopped", own: str | None = None) -> str:
+def failure_summary(stderr: str, code: int, stopped: str = "the whole job was stopped", own: str | None = None,
+                    failed_rank: int | None = None) -> str:
     """One sentence: which rank failed first, and why (its own error line, its exception, or its signal).
 
-    `stderr` is torchrun's; `own` is the failing rank's own stderr where it was kept.
+    `stderr` is torchrun's; `own` is the failing rank's own stderr where it was kept, and
+    `failed_rank` that rank (`primary_rank`; default torchrun's root cause).
     """
     for text in (own or "", stderr):
         line = OWN_LINE.search(text)
         if line:
             return f"Rank {line.group(1)} failed: {line.group(2).strip()}"
     rank, root = root_cause(stderr)
+    rank = rank if failed_rank is None else failed_rank
     exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", root)
     sig = re.search(r"Signal (\d+) \((\w+)\)", root)
     causes = [m.group(1) for m in map(EXCEPTION_LINE.match, (own or root).splitlines()) if m]
