@@ -218,8 +218,9 @@ def _peak_held(actions: list[Action]) -> int:
     return peak
 
 
-def draw_gantt(timeline: Timeline, path: str | Path, title: str = "") -> Path:
-    """PNG Gantt chart of a timeline (see planner.cost.gantt)."""
+def draw_gantt(timeline: Timeline, path: str | Path, title: str = "", row_labels: tuple[str, ...] = (),
+               after: tuple[tuple[str, float], ...] = (), end_s: float = 0.0) -> Path:
+    """PNG Gantt chart of a timeline; row labels, once-per-step segments: see planner.cost.gantt."""
     from planner.cost.gantt import draw_gantt as draw
 
-    return draw(timeline, path, title)
+    return draw(timeline, path, title, row_labels, after, end_s)
