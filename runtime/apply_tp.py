@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -94,12 +95,25 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], se
     if region:
         styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
     parallelize_module(module, tp_mesh, styles)
+    if any(getattr(m, "inplace", False) is True for m in module.modules()):
+        _copy_local_outputs(present, [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))])
     module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs)
     if region:
         for owner in sorted(pairs):
             if any(_in_unit(owner, u) for u in region):
                 _gather_first_input(present[owner], tp_mesh)
         _mark_region_boundaries(present, [u for u in units if u in present], set(region), tp_mesh)
+
+
+def _copy_local_outputs(present: dict, names: list[str]) -> None:
+    """A sharded module's local output is a view DTensor's `to_local` made inside a custom
+    Function, and autograd forbids writing into such a view in place: a model with in-place
+    ops (VGG's `ReLU(inplace=True)` after a colwise Linear) gets copies instead."""
+    def copy(mod, args, out):
+        return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else None
+
+    for name in names:
+        present[name].register_forward_hook(copy)
 
 
 def _sandwiched_parameters(present: dict, tp_plan: dict[str, str], pairs: set[str]) -> list[str]:

@@ -67,6 +67,9 @@ from planner.units import owned_parameters
 from runtime.pp_flow import INPUT, CutLayout, Flow, Key, StopStage, UnitHooks, to_meta
 from runtime.pp_scatter import GatherFromGroup, ScatterToGroup, splits
 
+_SAME = object()  # a _Stub's cache entry for a unit that returns its input
+
+
 class _Stub(nn.Module):
     """Stands in for a unit another stage holds: outputs of the right structure, on meta.
 
@@ -95,8 +98,13 @@ class _Stub(nn.Module):
             key = (tuple(args[0].shape), args[0].dtype)
             if key not in self._cache:
                 with torch.no_grad(), meta_autocast():
-                    self._cache[key] = self._meta[0](to_meta(args[0]))
-            return self._cache[key]
+                    given = to_meta(args[0])
+                    out = self._meta[0](given)
+                # A unit that returns its input (an in-place ReLU) returns it here too: the tensor
+                # keeps the key it had (as in the trace), and a received one stays real.
+                self._cache[key] = _SAME if out is given else out
+            out = self._cache[key]
+            return args[0] if out is _SAME else out
         args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
         flat = tree_flatten((args, kwargs))[0]
         signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)

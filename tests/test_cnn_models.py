@@ -119,3 +119,14 @@ def test_parity_with_a_cut_before_an_in_place_relu(tmp_path):
 
     args, units = PARITY["resnet"]
     check_parity(make_plan(model="resnet", args=args, units=units, pp=2, m=2, cuts=[0, 2, len(units)]), tmp_path)
+
+
+@pytest.mark.slow
+def test_parity_with_a_cut_after_an_in_place_relu(tmp_path):
+    """The stage after the cut replays VGG's classifier.1, a ReLU(inplace=True) that returns its
+    input: its stand-in must return the received tensor itself, not a meta copy."""
+    from tests.test_runtime_parity import check_parity
+
+    args, units = PARITY["vgg"]
+    cut = units.index("classifier.1") + 1
+    check_parity(make_plan(model="vgg", args=args, units=units, pp=2, m=2, cuts=[0, cut, len(units)]), tmp_path)

@@ -324,3 +324,38 @@ def test_solved_plan_runs_with_reference_parity(model, case, measured, tmp_path)
     assert set(params) == set(ref_params)
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
     assert worst < PARAM_ATOL, worst
+
+
+# --- slow: the other examples, each pinned dimension it supports --------------------------------
+# Small sizes; BatchNorm and dropout are off where a model has them (per-rank batch statistics and
+# per-rank random masks differ from one process by design, not by a fault of the layout).
+OTHER_MODELS = {
+    "cnn": dict(image_size=16, widths="8,16"),
+    "unet": dict(image_size=16, base_width=4, depth=2),
+    "resnet": dict(depth=18, width=8, image_size=64, norm="group"),  # 64: GroupNorm over 2 values amplifies rounding
+    "vgg": dict(depth=11, width=4, hidden=32, image_size=32, dropout=0.0),
+    "hf_llama": dict(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64, vocab_size=64, seq_len=16),
+}
+OTHER_CASES = {"pp2-1f1b": Pins(pp=2, schedule="1f1b"), "dp2-zero3": Pins(dp=2, zero_stage=3), "tp2": Pins(tp=2)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(OTHER_CASES))
+@pytest.mark.parametrize("model", sorted(OTHER_MODELS))
+def test_other_examples_solved_plans_run_or_are_refused_with_the_reason(model, case, tmp_path):
+    from tests.test_runtime_parity import LOSS_RTOL, PARAM_ATOL, run
+
+    profile = profile_model(str(EXAMPLES / f"{model}.py"), OTHER_MODELS[model], [1, 2], device="cpu", repeats=1, warmup=0)
+    try:
+        plan = solve(profile, make_cluster(2, gpu="cpu"), GLOBAL_BATCH, OTHER_CASES[case])
+    except PlannerError as exc:
+        # Only tensor parallelism may be refused (a model with no weight TP can split); never silently.
+        assert case == "tp2" and "--tp 2" in str(exc), str(exc)
+        return
+    path = plan.save(tmp_path / "plan.json")
+    ref_metrics, ref_params = run(path, tmp_path, 1, reference=True, extra=STEPS)
+    metrics, params = run(path, tmp_path, plan.world_size, extra=STEPS)
+    # Two steps, as the gpt/llama matrix above: float32, reordered sums (test_runtime_parity.py).
+    assert metrics["losses"] == pytest.approx(ref_metrics["losses"], rel=LOSS_RTOL)
+    assert set(params) == set(ref_params)
+    assert max((params[k] - ref_params[k]).abs().max().item() for k in ref_params) < PARAM_ATOL
