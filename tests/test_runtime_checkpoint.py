@@ -28,8 +28,12 @@ RESUMES = {
 @pytest.mark.parametrize("case", RESUMES)
 def test_resume_under_another_plan_matches_reference(tmp_path, case):
     a, b = RESUMES[case]
-    plan_a = make_plan(**a).save(tmp_path / "a.json")
-    plan_b = make_plan(**b).save(tmp_path / "b.json")
+    check_resume_matches_reference(make_plan(**a), make_plan(**b), tmp_path)
+
+
+def check_resume_matches_reference(a, b, tmp_path):
+    """3 steps under plan `a` saved, 3 more resumed under plan `b`: the losses of 6 reference steps."""
+    plan_a, plan_b = a.save(tmp_path / "a.json"), b.save(tmp_path / "b.json")
     ck = tmp_path / "ck"
     ref = cli("run", str(plan_a), "--reference", "--steps", "6", "--output", str(tmp_path / "ref.json"))
     first = cli("run", str(plan_a), "--steps", "3", "--checkpoint-dir", str(ck), "--output", str(tmp_path / "a-m.json"))
@@ -39,6 +43,7 @@ def test_resume_under_another_plan_matches_reference(tmp_path, case):
     losses = [json.loads((tmp_path / f).read_text())["losses"] for f in ("ref.json", "a-m.json", "b-m.json")]
     # Same tolerance as the parity tests (float32, reordered sums); resuming must not restart Adam or the data.
     assert losses[1] + losses[2] == pytest.approx(losses[0], rel=1e-5)
+    return plan_a, plan_b
 
 
 @pytest.mark.slow

@@ -233,21 +233,11 @@ def test_resume_across_a_tie_cut(write_model, tmp_path):
     # it whole: DCP keys the state by parameter name, so the same losses as an uninterrupted run.
     # The reverse is refused, clearly: a whole-model checkpoint keys the shared weight's optimizer
     # state by its first name only (runtime/train.py `_check_tied_resume`).
-    import json
-
-    from tests.test_runtime_checkpoint import cli
+    from tests.test_runtime_checkpoint import check_resume_matches_reference, cli
 
     pp2, pp1 = _tied_plan(write_model), make_plan(pp=1, dp=2, m=2)
     pp1.model.file = pp2.model.file
-    plan_a, plan_b = pp2.save(tmp_path / "a.json"), pp1.save(tmp_path / "b.json")
-    ck = tmp_path / "ck"
-    ref = cli("run", str(plan_a), "--reference", "--steps", "6", "--output", str(tmp_path / "ref.json"))
-    first = cli("run", str(plan_a), "--steps", "3", "--checkpoint-dir", str(ck), "--output", str(tmp_path / "a-m.json"))
-    second = cli("run", str(plan_b), "--steps", "3", "--checkpoint-dir", str(ck), "--resume", "--output", str(tmp_path / "b-m.json"))
-    for done in (ref, first, second):
-        assert done.returncode == 0, done.stderr[-2000:]
-    losses = [json.loads((tmp_path / f).read_text())["losses"] for f in ("ref.json", "a-m.json", "b-m.json")]
-    assert losses[1] + losses[2] == pytest.approx(losses[0], rel=1e-5)  # tolerance as tests/test_runtime_checkpoint.py
+    plan_a, plan_b = check_resume_matches_reference(pp2, pp1, tmp_path)
 
     whole = tmp_path / "whole"
     saved = cli("run", str(plan_b), "--steps", "1", "--checkpoint-dir", str(whole))

@@ -200,6 +200,16 @@ def strongest_recompute(plan: Plan) -> str:
     return max((s.recompute for s in plan.stages), key=order.index)
 
 
+def one_recompute_mode(plan: Plan, mapped: EngineLayout, changes: list[str], why: str) -> EngineLayout:
+    """`mapped` with one recompute mode for every stage (engines have one setting; `why` names it),
+    the change noted in `changes`."""
+    if mapped.recompute != "mixed":
+        return mapped
+    mode = strongest_recompute(plan)
+    changes.append(f"per-stage recompute {[s.recompute for s in plan.stages]} -> {mode} on every stage ({why})")
+    return replace(mapped, recompute=mode)
+
+
 def differences(a: EngineLayout, b: EngineLayout, bounds_a=None, bounds_b=None) -> list[str]:
     """`pp 8 -> 4`-style differences from a to b."""
     out = []

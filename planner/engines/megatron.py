@@ -31,7 +31,7 @@ import re
 import shlex
 from dataclasses import replace
 
-from planner.engines.common import EngineLayout, Split, blocks_per_stage, model_parts, plan_layout, strongest_recompute
+from planner.engines.common import EngineLayout, Split, blocks_per_stage, model_parts, one_recompute_mode, plan_layout
 from planner.errors import PlannerError
 from planner.plan import Plan
 
@@ -43,11 +43,7 @@ FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-r
 def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]]:
     """What Megatron-LM will run, and each change from the plan."""
     lay, mapped, changes = plan.layout, plan_layout(plan), []
-    if mapped.recompute == "mixed":
-        mode = strongest_recompute(plan)
-        changes.append(f"per-stage recompute {[s.recompute for s in plan.stages]} -> {mode} on every stage "
-                       "(--recompute-granularity is one setting)")
-        mapped = replace(mapped, recompute=mode)
+    mapped = one_recompute_mode(plan, mapped, changes, "--recompute-granularity is one setting")
     if lay.pp_degree > 1:
         megatron = "interleaved-1f1b" if lay.virtual_stages > 1 else "1f1b"
         if lay.schedule != megatron:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import replace
 
-from planner.engines.common import EngineLayout, Split, strongest_recompute
+from planner.engines.common import EngineLayout, Split, one_recompute_mode
 from planner.errors import PlannerError
 from planner.plan import Plan
 
@@ -41,11 +41,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     from planner.engines.common import plan_layout
 
     lay, mapped, changes = plan.layout, plan_layout(plan), []
-    if mapped.recompute == "mixed":
-        mode = strongest_recompute(plan)
-        changes.append(f"per-stage recompute {[s.recompute for s in plan.stages]} -> {mode} on every stage "
-                       "([activation_checkpoint] mode is one setting)")
-        mapped = replace(mapped, recompute=mode)
+    mapped = one_recompute_mode(plan, mapped, changes, "[activation_checkpoint] mode is one setting")
     if lay.tp_degree > 1 and not lay.sequence_parallel:
         changes.append("sequence parallelism off -> on (torchtitan's TP plans shard norms along the sequence)")
         mapped = replace(mapped, sequence_parallel=True)
