@@ -1,14 +1,37 @@
-"""Predicted iteration time of each Megatron-LM SC21 Table 1 configuration beside the published one.
+"""Predicted iteration times beside published ones: Megatron-LM SC21 Table 1 and today's stacks.
 
-For every row of shared/reference/megatron_sc21_table1.csv (Narayanan et al. 2021): an
-analytic profile of examples/gpt.py at the row's shape (float16, A100-80GB roofline, the
-row's micro-batch size, materialised attention and dropout 0.1 as Megatron ran them, and
-its fused elementwise kernels: scale-mask-softmax, bias-GeLU, bias-dropout-add, so
-`fusion="elementwise"`), a
-cluster of the row's GPUs in DGX A100 nodes of 8, and `planner.solver.solve` with every
-dimension pinned to the row (tp, pp, dp, micro-batch, interleaving, full recomputation,
-no ZeRO, no sequence parallelism): the solver still chooses the stage cuts. No per-row
-constant. Writes benchmarks/results/cost_model_vs_reference.{csv,png}.
+Two reference files (shared/reference/, read its README):
+
+- `megatron_sc21_table1.csv` (Narayanan et al. 2021): examples/gpt.py at the row's shape,
+  float16, A100-80GB, the row's micro-batch size, materialised attention and dropout 0.1 as
+  Megatron ran them, its fused elementwise kernels (`fusion="elementwise"`); every dimension
+  pinned (tp, pp, dp, micro-batch, interleaving, full recomputation, no ZeRO, no sequence
+  parallelism). Published iteration time: the README's, F / (TFLOP/s per GPU x GPUs) with
+  the paper's F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)).
+- `modern_stacks.csv`:
+  * Megatron-Core on H100 (2024): examples/gpt.py with fused (flash) attention, no dropout,
+    bfloat16, d_ff = 4h; pinned tp, pp, dp and the distributed optimizer (ZeRO 1); micro-batch,
+    interleaving, recomputation and sequence parallelism are not published and are left to
+    the solver, within Megatron-Core's schedules (1F1B or interleaved 1F1B: both are solved,
+    the faster is kept). Published iteration time from TFLOP/s with the FLOP formula Megatron-Core
+    reports with (megatron/training/training.py `num_floating_point_operations`, no recompute):
+    F = 12 B s l h^2 (2 + s/h + d_ff/h + V/(2 l h)).
+  * PyTorch FSDP FULL_SHARD on A100-40GB (MosaicML llm-foundry): the same GPT with fused
+    attention, bfloat16, ZeRO 3, full recomputation and the published micro-batch pinned.
+    Published iteration time from tokens/s per GPU: B s / (tokens/s per GPU x GPUs).
+
+Each stack is priced with the overlaps it runs (planner/cost/overlap.py), a property of the
+software, not a fitted constant:
+  * Megatron-LM 2021: none. Gradients were all-reduced after the last micro-batch's backward
+    (`allreduce_gradients` of its local DDP, called from `train_step`) and pipeline sends were
+    waited on at once (`p2p_communication`), so every collective is in series (`SERIAL`).
+  * Megatron-Core 2024: all four (`--overlap-grad-reduce --overlap-param-gather
+    --tp-comm-overlap`, pipeline p2p overlap by default: the row's notes).
+  * FSDP (llm-foundry): gradient reduce-scatter and prefetched parameter all-gathers
+    (FSDP's backward prefetch); no TP, no pipeline.
+
+The solver always chooses the stage cuts. No per-row constant. Writes
+benchmarks/results/cost_model_vs_reference.{csv,png}.
 
     python benchmarks/cost_model_vs_reference.py
 """
@@ -17,17 +40,27 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
 
 from planner.cluster import make_cluster
+from planner.cost.overlap import SERIAL, Overlap
+from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.solve import Pins, solve
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = ROOT.parent / "shared" / "reference" / "megatron_sc21_table1.csv"
+REFERENCE = ROOT.parent / "shared" / "reference"
 RESULTS = ROOT / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class StackPins(Pins):
+    """Pins plus the overlaps of the stack a row ran (read by planner/solver/solve.py `_environment`)."""
+
+    overlap: Overlap = Overlap()
 
 
 def _virtual_stages(text: str) -> int:
@@ -35,65 +68,147 @@ def _virtual_stages(text: str) -> int:
     return int(found.group(1)) if found else 1
 
 
-def predict(row) -> dict:
-    args = dict(n_layers=int(row.num_layers), d_model=int(row.hidden_size), n_heads=int(row.num_heads),
-                d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
-                attention="math", dropout=0.1)
-    started = time.perf_counter()
-    prof = profile_model("examples/gpt.py", args, [int(row.micro_batch_size)], device="meta", gpu="a100-80gb", dtype="float16",
-                         fusion="elementwise")
-    profiled = time.perf_counter() - started
+def _num(value) -> int | None:
+    return None if pd.isna(value) or str(value).strip() == "" else int(float(value))
+
+
+def megatron_core_flops(b: int, s: int, l: int, h: int, ffn: int, vocab: int) -> float:
+    """Megatron-Core's `num_floating_point_operations` for a GPT with full multi-head attention."""
+    return 12 * b * s * l * h * h * (2 + s / h + ffn / h + vocab / (2 * l * h))
+
+
+def table1_case(row) -> dict:
     v = _virtual_stages(row.virtual_pipeline)
-    pins = Pins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), micro_batch_size=int(row.micro_batch_size),
-                schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full", zero_stage=0,
-                sequence_parallel=False)
-    cluster = make_cluster(int(row.num_gpus), int(row.gpus_per_node), "a100-80gb")
-    plan = solve(prof, cluster, int(row.global_batch_size_seqs), pins, top_k=1, dtype="float16")
-    pred = plan.prediction
-    published = float(str(row.iteration_time_s).split()[0])
+    return dict(
+        source="Megatron-LM SC21 Table 1", stack="Megatron-LM 2021", model=row.model, gpu="a100-80gb", dtype="float16",
+        args=dict(n_layers=int(row.num_layers), d_model=int(row.hidden_size), n_heads=int(row.num_heads),
+                  d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
+                  attention="math", dropout=0.1),
+        gpus=int(row.num_gpus), gpus_per_node=int(row.gpus_per_node), global_batch=int(row.global_batch_size_seqs),
+        pins=StackPins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), micro_batch_size=int(row.micro_batch_size),
+                       schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full", zero_stage=0,
+                       sequence_parallel=False, overlap=SERIAL),
+        profile_mbs=[int(row.micro_batch_size)],
+        published_s=float(str(row.iteration_time_s).split()[0]), derived_from="README: F(eq. 3) / TFLOP/s",
+        published_tflops=float(row.throughput_tflops_per_gpu),
+    )
+
+
+def modern_case(row) -> dict:
+    h, l, s, vocab = int(row.hidden_size), int(row.num_layers), int(row.seq_length), int(row.vocab_size)
+    ffn = _num(row.ffn_hidden_size) or 4 * h
+    gpus, batch = int(row.num_gpus), int(row.global_batch_size_seqs)
+    args = dict(n_layers=l, d_model=h, n_heads=int(row.num_heads), d_ff=ffn, vocab_size=vocab, seq_len=s,
+                attention="sdpa", dropout=0.0)
+    tp, pp, dp = int(row.tp), int(row.pp), int(row.dp)
+    if str(row.gpu_type).startswith("H100"):
+        tflops = float(row.throughput_tflops_per_gpu)
+        return dict(source="Megatron-Core H100 (2024)", stack="Megatron-Core", model=row.model, gpu="h100-80gb",
+                    dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
+                    pins=StackPins(pp=pp, tp=tp, dp=dp, zero_stage=1, overlap=Overlap(tp_comm=True)),
+                    schedules=["1f1b", "interleaved-1f1b"] if pp > 1 else [None], profile_mbs=[1, 2],
+                    published_s=megatron_core_flops(batch, s, l, h, ffn, vocab) / (tflops * 1e12 * gpus),
+                    derived_from="Megatron-Core FLOPs / TFLOP/s", published_tflops=tflops)
+    mbs = int(row.micro_batch_size)
+    return dict(source="MosaicML FSDP A100-40GB", stack="PyTorch FSDP", model=f"{row.model} x{gpus}", gpu="a100-40gb",
+                dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
+                pins=StackPins(pp=pp, tp=tp, dp=dp, micro_batch_size=mbs, recompute="full", zero_stage=3,
+                               sequence_parallel=False, overlap=Overlap()),
+                profile_mbs=[mbs], published_s=batch * s / (float(row.tokens_per_sec_per_gpu) * gpus),
+                derived_from="tokens/s per GPU", published_tflops=float("nan"))
+
+
+def predict(case: dict) -> dict:
+    started = time.perf_counter()
+    prof = profile_model("examples/gpt.py", case["args"], case["profile_mbs"], device="meta", gpu=case["gpu"],
+                         dtype=case["dtype"], fusion="elementwise")
+    profiled = time.perf_counter() - started
+    cluster = make_cluster(case["gpus"], case["gpus_per_node"], case["gpu"])
+    out = {k: case[k] for k in ("source", "stack", "model", "gpu", "gpus")}
+    p = case["pins"]
+    out.update(tp=p.tp, pp=p.pp, dp=p.dp, published_iteration_s=case["published_s"], derived_from=case["derived_from"],
+               published_tflops_per_gpu=case["published_tflops"])
+    plans, errors = [], []
+    for schedule in case.get("schedules", [p.schedule]):  # the stack's schedules; the solver picks within each
+        try:
+            plans.append(solve(prof, cluster, case["global_batch"], replace(p, schedule=schedule), top_k=1, dtype=case["dtype"]))
+        except PlannerError as error:
+            errors.append(str(error).split(":")[0])
+    if not plans:
+        return {**out, "predicted_iteration_s": float("nan"), "error": float("nan"), "note": "; ".join(errors)}
+    plan = min(plans, key=lambda q: q.prediction.iteration_time_s)
+    pred, lay = plan.prediction, plan.layout
     return {
-        "model": row.model, "gpus": int(row.num_gpus), "tp": int(row.tp), "pp": int(row.pp), "dp": int(row.dp),
-        "micro_batch": int(row.micro_batch_size), "virtual_stages": v,
-        "published_iteration_s": published, "predicted_iteration_s": pred.iteration_time_s,
-        "error": pred.iteration_time_s / published - 1,
-        "published_tflops_per_gpu": float(row.throughput_tflops_per_gpu), "predicted_hw_tflops_per_gpu": pred.hw_tflops_per_gpu,
+        **out, "micro_batch": plan.batch.micro_batch_size, "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
+        "sequence_parallel": lay.sequence_parallel, "zero": lay.zero_stage,
+        "recompute": "/".join(sorted({s.recompute for s in plan.stages})),
+        "predicted_iteration_s": pred.iteration_time_s, "error": pred.iteration_time_s / case["published_s"] - 1,
+        "predicted_hw_tflops_per_gpu": pred.hw_tflops_per_gpu, "predicted_model_tflops_per_gpu": pred.tflops_per_gpu,
         **{f"{k}_s": v_ for k, v_ in pred.breakdown_s.items()},
-        "profile_s": profiled, "solve_s": plan.search["solve_time_s"],
+        "overlap": ",".join(p.overlap.names()) or "none",
+        "profile_s": profiled, "solve_s": plan.search["solve_time_s"], "note": "",
     }
 
 
-def main() -> None:
-    reference = pd.read_csv(REFERENCE)
-    rows = []
-    for row in reference.itertuples():
-        rows.append(predict(row))
-        r = rows[-1]
-        print(f"{r['model']:>12}  published {r['published_iteration_s']:7.2f} s  predicted {r['predicted_iteration_s']:7.2f} s  "
-              f"error {r['error']:+.1%}", flush=True)
-    frame = pd.DataFrame(rows)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(RESULTS / "cost_model_vs_reference.csv", index=False)
-    errors = frame["error"].abs()
-    print(f"median |error| {errors.median():.1%}, max |error| {errors.max():.1%}, within 15%: {(errors <= 0.15).sum()}/{len(frame)}")
+def cases() -> list[dict]:
+    table1 = [table1_case(r) for r in pd.read_csv(REFERENCE / "megatron_sc21_table1.csv").itertuples()]
+    modern = [modern_case(r) for r in pd.read_csv(REFERENCE / "modern_stacks.csv").itertuples()]
+    return table1 + modern
+
+
+def summary(frame: pd.DataFrame) -> str:
+    lines = []
+    for name, part in [("all", frame), *frame.groupby("source", sort=False)]:
+        errors = part["error"].abs().dropna()
+        missing = part["error"].isna().sum()
+        lines.append(f"{name:>28}: median |error| {errors.median():.1%}, max {errors.max():.1%}, "
+                     f"within 5%: {(errors <= 0.05).sum()}/{len(part)}, within 10%: {(errors <= 0.10).sum()}/{len(part)}"
+                     + (f", not priced: {missing}" if missing else ""))
+    return "\n".join(lines)
+
+
+def plot(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 6))
-    ax.scatter(frame["published_iteration_s"], frame["predicted_iteration_s"])
-    for r in frame.itertuples():
-        ax.annotate(r.model, (r.published_iteration_s, r.predicted_iteration_s), fontsize=7)
-    top = max(frame["published_iteration_s"].max(), frame["predicted_iteration_s"].max()) * 1.1
-    ax.plot([0, top], [0, top], "k--", lw=0.8, label="exact")
-    ax.fill_between([0, top], [0, top * 0.85], [0, top * 1.15], alpha=0.15, label="±15%")
-    ax.set_xlabel("published iteration time (s), Megatron-LM SC21 Table 1")
+    fig, ax = plt.subplots(figsize=(7, 7))
+    priced = frame.dropna(subset=["predicted_iteration_s"])
+    for (source, part), marker in zip(priced.groupby("source", sort=False), "os^"):
+        ax.scatter(part["published_iteration_s"], part["predicted_iteration_s"], marker=marker, label=source)
+        for r in part.itertuples():
+            ax.annotate(r.model, (r.published_iteration_s, r.predicted_iteration_s), fontsize=6)
+    lo = min(priced["published_iteration_s"].min(), priced["predicted_iteration_s"].min()) * 0.8
+    hi = max(priced["published_iteration_s"].max(), priced["predicted_iteration_s"].max()) * 1.25
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="exact")
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], alpha=0.15, label="±10%")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("published iteration time (s)")
     ax.set_ylabel("predicted iteration time (s)")
-    ax.set_title("Cost model vs Megatron-LM on A100-80GB")
-    ax.legend()
+    ax.set_title("Cost model vs published runs (one set of constants)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "cost_model_vs_reference.png", dpi=120)
+    fig.savefig(path, dpi=120)
+
+
+def main(stem: str = "cost_model_vs_reference") -> pd.DataFrame:
+    rows = []
+    for case in cases():
+        rows.append(predict(case))
+        r = rows[-1]
+        print(f"{r['source']:>26} {r['model']:>14}  published {r['published_iteration_s']:7.2f} s  "
+              f"predicted {r['predicted_iteration_s']:7.2f} s  error {r['error']:+.1%} {r['note']}", flush=True)
+    frame = pd.DataFrame(rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(RESULTS / f"{stem}.csv", index=False)
+    print(summary(frame))
+    plot(frame, RESULTS / f"{stem}.png")
+    return frame
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(*sys.argv[1:])

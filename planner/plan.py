@@ -140,6 +140,10 @@ class Prediction(_Model):
     breakdown_s: dict[str, float]
     """compute, p2p (with the cluster's pipeline_overhead_s per micro-batch and stage), tp_comm,
     dp_comm, tie_comm (summing the gradients of a weight tied across stages), optimizer, bubble."""
+    overlap: list[str] | None = None
+    """Communication the prediction assumes hidden behind compute, by name (planner/cost/overlap.py:
+    grad_reduce, param_gather, pipeline_p2p, tp_comm); the breakdown's terms are then the exposed
+    parts. None: not recorded (plans predicted before overlap was modelled)."""
 
 
 class Plan(_Model):

@@ -163,3 +163,33 @@ def test_for_group_binds_the_group():
 def test_unknown_collective_is_rejected():
     with pytest.raises(ValueError, match="unknown collective"):
         CollectiveModel(make_cluster(8)).algorithm_times("all_scatter", M, Group(8, 1))
+
+
+def test_nccl_rings_across_nodes_use_one_nic_per_gpu_of_the_group():
+    # Eight GPUs of a node in one data-parallel group push the ring through eight NICs (one ring
+    # per NIC); a group with one GPU per node has one NIC. Large message: bandwidth-bound.
+    c = _cluster(8, nodes=4)
+    model = CollectiveModel(c)
+    wide, narrow = model.algorithm_times("all_reduce", M, Group(32, 4)), model.algorithm_times("all_reduce", M, Group(4, 4))
+    network = BETA / 10
+    assert wide["nccl_ring"] == pytest.approx(2 * 31 * 2 * ALPHA + 2 * 31 / 32 * M / (8 * network))
+    assert narrow["nccl_ring"] == pytest.approx(2 * 3 * 2 * ALPHA + 2 * 3 / 4 * M / network)
+    # The node's links are shared: never more than NVLink carries, whatever the NIC count.
+    fast_network = _cluster(8, nodes=4, inter_bw=BETA)
+    assert CollectiveModel(fast_network).algorithm_times("all_gather", M, Group(32, 4))["nccl_ring"] == pytest.approx(
+        31 * 2 * ALPHA + 31 / 32 * M / BETA)
+
+
+def test_ring_latency_over_thousands_of_ranks_makes_the_tree_win():
+    # 3072 ranks on 384 nodes: the ring pays 2 (n - 1) network latencies, the tree 2 log2(nodes).
+    c = _cluster(8, nodes=384)
+    model = CollectiveModel(c)
+    small = model.algorithm_times("all_reduce", 1e6, Group(3072, 384))
+    assert small["nccl_ring"] > 2 * 3071 * 2 * ALPHA
+    assert small["nccl_tree"] == pytest.approx(2 * (9 * 2 * ALPHA + 7 * ALPHA) + 2 * 1e6 / (8 * BETA / 10))
+    # Small messages: a logarithmic algorithm (the tree, or in-node then across) is ~100x cheaper.
+    assert model.all_reduce_s(1e6, Group(3072, 384)) < small["nccl_ring"] / 100
+    # Large messages: the tree's 2 M and the ring's 2 (n - 1)/n M take the node's 8 links alike,
+    # and the ring's 30 ms of latency still costs it: 8 NICs per node beat one (flat) by ~8x.
+    large = model.algorithm_times("all_reduce", 64e9, Group(3072, 384))
+    assert large["nccl_tree"] < large["nccl_ring"] < large["flat_ring"] / 7

@@ -34,6 +34,27 @@ above on the inter-node link, whose slowest hop paces the whole ring) and hierar
 NCCL's and Horovod's hierarchical all-reduce; all-gather and reduce-scatter likewise in
 two levels; broadcast across then within).
 
+At scale (NCCL's algorithms, nccl/src/graph/tuning.cc and the NCCL 2.4 blog post "Massively
+Scale Your Deep Learning Training with NCCL 2.4", Jeaugey 2019): across nodes NCCL does not
+run one ring over the network links. It builds one ring per NIC ("channel"), each through
+every rank of the group, so a node's g GPUs of the group push the ring's traffic through g
+NICs at once, while the node's other GPUs run their own groups' collectives (the other
+data-parallel groups, one per tensor/pipeline coordinate) on their own NICs: eight GPUs share
+a node's network links evenly, and a group holding g of them gets g of the links. With
+n ranks on N nodes and a per-GPU NIC bandwidth beta_net (the preset's inter-node link,
+one NIC per GPU), beta_nvl inside a node:
+
+    nccl_ring      all-reduce 2 (n-1) alpha_net + 2 (n-1)/n M / min(beta_nvl, g beta_net)
+                   all-gather / reduce-scatter: half the steps, half the bytes
+    nccl_tree      (all-reduce only: a chain inside each node, a double binary tree across)
+                   2 (lg N alpha_net + (g-1) alpha_nvl) + 2 M / min(beta_nvl, g beta_net)
+
+Every ring step waits for its slowest hop, so the ring's latency is 2 (n-1) alpha_net: 30 ms
+over 3072 ranks at 5 us, which is why NCCL switches to the tree, logarithmic in the nodes,
+for all-reduces over thousands of ranks and small or medium messages; the cheapest of the
+algorithms is taken, as NCCL's tuner does. benchmarks/results/nccl_bus_bandwidth.csv checks
+the bus bandwidths this predicts against published nccl-tests figures.
+
 A cluster measured by `planner profile-cluster` carries a fitted latency and bandwidth per
 collective, in terms of the ring's per-rank traffic (2(n-1)/n M for all-reduce, (n-1)/n M
 for all-gather and reduce-scatter, M for p2p). Those replace the alpha-beta terms for
@@ -116,6 +137,23 @@ def flat_times(kind: str, n: int, nbytes: float, link: Link) -> dict[str, float]
     return {"pairwise": (n - 1) * a + (n - 1) / n**2 * nbytes / b}
 
 
+def nccl_times(kind: str, group: Group, nbytes: float, intra: Link, inter: Link) -> dict[str, float]:
+    """NCCL's ring (one per NIC) and tree across nodes, the node's links shared (module docstring)."""
+    n, nodes, g = group.size, group.num_nodes, group.per_node
+    bandwidth = min(intra.bandwidth_bytes_per_s, g * inter.bandwidth_bytes_per_s)
+    a = inter.latency_s  # a ring step waits for its slowest hop
+    if kind == "all_reduce":
+        return {
+            "nccl_ring": 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / bandwidth,
+            "nccl_tree": 2 * (_log2(nodes) * a + (g - 1) * intra.latency_s) + 2 * nbytes / bandwidth,
+        }
+    if kind in ("all_gather", "reduce_scatter"):
+        return {"nccl_ring": (n - 1) * a + (n - 1) / n * nbytes / bandwidth}
+    if kind == "broadcast":
+        return {"nccl_ring": (n - 1) * a + nbytes / bandwidth}
+    return {}
+
+
 class CollectiveModel:
     """Times of collectives and p2p on one cluster; the public methods return the cheapest algorithm's."""
 
@@ -143,6 +181,7 @@ class CollectiveModel:
             return {"fitted": fitted} if fitted is not None else flat_times(kind, group.size, nbytes, c.intra_node)
         times = {f"flat_{k}": v for k, v in flat_times(kind, group.size, nbytes, c.inter_node).items()}
         g, nodes = group.per_node, group.num_nodes
+        times.update(nccl_times(kind, group, nbytes, c.intra_node, c.inter_node))
 
         def inside(k: str, m: float) -> float:
             fitted = self._fitted_s(k, m, g) if g > 1 else None

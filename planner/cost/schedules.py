@@ -61,7 +61,13 @@ the first micro-batch crosses 2 (p v - 1) boundaries there and back, each adding
 Exact for GPipe, and for interleaved 1F1B while p2p_s is below a chunk's forward time (the
 tests). 1F1B and zero bubble keep only about p micro-batches in flight, so each round trip's
 2 (p - 1) p2p_s also stretches the steady state: the simulator is slower than this form by
-up to m * 2 (p - 1) p2p_s / p. The solver folds p2p into the stage times instead.
+up to m * 2 (p - 1) p2p_s / p. The solver (planner/solver/search.py) prices p2p by the
+overlap it assumes (planner/cost/overlap.py): with `pipeline_p2p` (sends overlapped in the
+steady state, as Megatron-LM's and torch's asynchronous sends run) only this latency term,
+summed over the actual cuts; without, folded into the stage times (every micro-batch pays
+its sends in series). Data-parallel gradient reduction after the pipeline: see
+`planner.cost.overlap.grad_reduce_tail_s`, exact against the simulator's communication
+streams for GPipe and 1F1B on uniform stages (tests/test_overlap.py).
 """
 
 from __future__ import annotations

@@ -18,6 +18,15 @@ special case for a local hand-off); sends are asynchronous: they occupy no compu
 links have no contention. A list that can never finish (an action waits on one that is
 behind it somewhere) raises ValueError with the rank grid, the stuck action in brackets.
 
+Communication streams (`grad_sync_s`): each rank also has a communication stream, which
+runs its data-parallel gradient reduction while the compute stream goes on (PyTorch DDP,
+FSDP2, Megatron-LM's --overlap-grad-reduce; planner/cost/overlap.py). A chunk's gradients
+are complete after its last weight-gradient action (BW, or W in zero bubble, of the last
+micro-batch); they are cut into `num_buckets` buckets per rank, bucket i of a chunk ready
+i/k of the way through that action (k: the chunk's share of the buckets), and the stream
+reduces ready buckets one at a time in the order they become ready. The step ends when both
+streams of every rank are done (`Timeline.step_s`).
+
 Activations held: a chunk-micro-batch is counted from its F until its BW (or, in
 zero-bubble, its W: the weight gradient still needs the layer inputs, Qi et al. 2023
 section 2). Because a rank's count changes only at its own actions, the peak follows from
@@ -67,6 +76,14 @@ class Timeline:
     """End of the last action: the pipeline part of one iteration."""
     peak_in_flight: tuple[int, ...]
     """Per rank: most chunk-micro-batches whose activations it held at once."""
+    comm_events: tuple[Event, ...] = ()
+    """Gradient-reduction buckets on the ranks' communication streams (kind "R"; `simulate`'s
+    `grad_sync_s`), in the order they ran."""
+
+    @property
+    def step_s(self) -> float:
+        """End of the step: the pipeline and every rank's gradient reduction."""
+        return max([self.makespan_s] + [e.end_s for e in self.comm_events])
 
     def busy_s(self, rank: int) -> float:
         """Compute time of `rank` (sum of its action durations)."""
@@ -151,11 +168,13 @@ def _looped(rank: int, p: int, m: int, v: int, warmup: int, zero_bubble: bool) -
 
 
 def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
-             virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5) -> Timeline:
+             virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5,
+             grad_sync_s: list[float] | None = None, num_buckets: int = 1) -> Timeline:
     """Play `schedule_actions` on per-chunk forward / backward times (lists in chunk order).
 
     In zero-bubble the backward b of a chunk splits into B = (1 - w) b and W = w b with w =
-    backward_weight_fraction.
+    backward_weight_fraction. `grad_sync_s` (per rank, seconds) adds each rank's gradient
+    reduction on its communication stream, in `num_buckets` buckets (module docstring).
     """
     num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
     if not 0.0 <= backward_weight_fraction <= 1.0:
@@ -202,7 +221,34 @@ def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list
         stuck = {r: pointer[r] for r in range(p) if pointer[r] < len(plans[r])}
         raise ValueError(f"schedule {schedule!r} deadlocks: no rank can run its next action [bracketed]\n"
                          + format_actions(plans, stuck))
-    return Timeline(schedule, p, tuple(events), max(free_s), tuple(_peak_held(a) for a in plans))
+    comm = _gradient_buckets(events, p, num_microbatches, grad_sync_s, num_buckets) if grad_sync_s else ()
+    return Timeline(schedule, p, tuple(events), max(free_s), tuple(_peak_held(a) for a in plans), comm)
+
+
+def _gradient_buckets(events: list[Event], num_ranks: int, num_microbatches: int, grad_sync_s: list[float],
+                      num_buckets: int) -> tuple[Event, ...]:
+    """Each rank's reduction buckets, ready during its chunks' last weight-gradient actions,
+    played one at a time on its communication stream (module docstring)."""
+    if len(grad_sync_s) != num_ranks or min(grad_sync_s) < 0:
+        raise ValueError(f"grad_sync_s needs one non-negative time per pipeline rank ({num_ranks}), got {grad_sync_s}")
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets must be at least 1, got {num_buckets}")
+    out: list[Event] = []
+    for rank in range(num_ranks):
+        last = [e for e in events if e.rank == rank and e.kind in ("BW", "W") and e.microbatch == num_microbatches - 1]
+        work = sum(e.end_s - e.start_s for e in last)
+        ready = []  # (ready time, chunk) per bucket; a chunk gets buckets in proportion to its work
+        for e in last:
+            share = (e.end_s - e.start_s) / work if work > 0 else 1 / len(last)
+            count = max(1, round(num_buckets * share))
+            ready += [(e.start_s + (i + 1) / count * (e.end_s - e.start_s), e.chunk) for i in range(count)]
+        seconds = grad_sync_s[rank] / len(ready)
+        free = 0.0
+        for when, chunk in sorted(ready):
+            start = max(free, when)
+            free = start + seconds
+            out.append(Event(rank, chunk, num_microbatches - 1, "R", start, free))
+    return tuple(out)
 
 
 def _plus(t: float | None, dt: float) -> float | None:

@@ -102,6 +102,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         peak_memory_bytes=[int(m) for m in best.peak_memory_bytes],
         stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s)],
         breakdown_s=best.breakdown_s,
+        overlap=list(best.overlap),
     )
     alternatives = [_alternative(e, best) for e in result.ranked[1:top_k]]
     return Plan(

@@ -4,25 +4,46 @@ For each (tp, sequence parallel, pp, micro-batch size, schedule, virtual stages,
 that the pins allow, `evaluate_config` builds the stage cost table
 
     cost[k, i, j] = min over recompute r (allowed, fitting in stage k's memory) of
-                    sum_{u in [i, j)} (fwd_u + bwd_u + recompute_r,u + tp_comm_u + zero3_gather_u)
-                    + 2 * p2p(bytes crossing cut j)      (as 1/tp slices + a TP all-gather
+                    sum_{u in [i, j)} (fwd_u + bwd_u + recompute_r,u + tp_comm_u + zero_u)
+                    + first_i                            (ZeRO 2/3: the range's exposed first
+                                                          gather and last reduce-scatter)
+                    + 2 * p2p(bytes crossing cut j)      (only without `pipeline_p2p` overlap;
+                                                          as 1/tp slices + a TP all-gather
                                                           across nodes without SP: `scatter_gather`)
                     + the cluster's pipeline_overhead_s  (pp > 1: the schedule's bookkeeping)
+
+where zero_u is what ZeRO 2/3 communication adds per micro-batch: with the `param_gather` /
+`grad_reduce` overlaps (planner/cost/overlap.py) each unit's all-gather hides behind the
+previous unit's forward and its reduce-scatter (with the next gather) behind the next unit's
+backward, so zero_u is only their excess; without, their sum (planner/solver/comm_pricing.py
+prices every overlapped piece).
 
 (stage memory = model states under ZeRO, a copy of every tied weight the range uses but
 whose first unit it lacks included (`UnitCostTable.copy_parameters`) + in-flight
 micro-batches x stored activations + the largest recomputation transient + send/receive
 buffers), lets the DP (planner/solver/inter_op.py) pick the cuts and per-stage
-recomputation, and prices the result with the schedule's closed form
-(planner/cost/schedules.py) plus, once per step after the last backward, the data-parallel
-gradient synchronisation, the all-reduce of each tied weight's gradient over the pipeline
-ranks holding a copy (Megatron-LM's embedding group: `_tie_all_reduce_s`) and the optimizer
-step. Configurations whose model states alone
-cannot fit (a lower bound: the whole model's states over pp x tp, ZeRO applied) are pruned
-before the DP. ZeRO stages are all priced as the runtime runs them: stage 0 all-reduces
-gradients once per step; stages 1-3 are FSDP2, which reduce-scatters each unit's gradients
-every micro-batch (and each rank updates only its 1/dp of the optimizer state); stages 1
-and 2 gather parameters once per step, stage 3 twice per micro-batch.
+recomputation, and prices the result (`_price`) with the schedule's closed form
+(planner/cost/schedules.py; the first micro-batch's p2p hops through the fill and drain as
+its latency when p2p is overlapped) plus, once per step, the part of the data-parallel
+gradient reduction the backward does not hide (`dp_tail_s`), the all-reduce of each tied
+weight's gradient over the pipeline ranks holding a copy (Megatron-LM's embedding group:
+`_tie_all_reduce_s`) and the optimizer step. Configurations whose model states alone cannot
+fit (a lower bound: the whole model's states over pp x tp, ZeRO applied) are pruned before
+the DP.
+
+Data-parallel communication per ZeRO stage (the runtime runs 1-3 as FSDP2):
+- 0: gradients accumulate over the micro-batches and are all-reduced once per step, in
+  buckets under the last micro-batch's backward (DDP, Megatron's DDP).
+- 1: as 0 with a reduce-scatter (Megatron-LM's distributed optimizer), then the updated
+  parameters are all-gathered once per step, prefetched under the first forward
+  (`--overlap-param-gather`). The runtime's FSDP2 (reshard_after_forward=False) reduce-
+  scatters every micro-batch instead, which this price does not follow (FSDP2's
+  `set_requires_gradient_sync(False)` on all but the last micro-batch would match it, and
+  the memory model already keeps ZeRO 1's gradients whole).
+- 2: gradients are sharded, so reduce-scattered every micro-batch (in the stage times);
+  parameters gathered once per step as in 1.
+- 3: parameters all-gathered before each unit's forward and again before its backward,
+  gradients reduce-scattered after it, every micro-batch (in the stage times).
 """
 
 from __future__ import annotations
@@ -33,9 +54,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.cost.memory import model_state_bytes
+from planner.cost.overlap import Overlap
 from planner.cost.schedules import iteration_time_s, in_flight_microbatches
 from planner.errors import PlannerError
 from planner.solver.costs import RECOMPUTE_MODES, UnitCostTable
+from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
 from planner.solver.inter_op import solve_cuts
 
 
@@ -76,6 +99,8 @@ class Evaluation:
     """Least per-GPU memory any stage arrangement needs (for infeasibility messages)."""
     p2p_scatter_gather: bool = False
     """Activations cross the cuts as TP slices (`scatter_gather`)."""
+    overlap: tuple[str, ...] = ()
+    """Communication the price assumes hidden behind compute (planner/cost/overlap.py names)."""
 
 
 @dataclass(frozen=True)
@@ -99,23 +124,19 @@ class Environment:
     tie_all_reduce_s: object = None
     """(nbytes, pp ranks holding a copy, ranks per pipeline rank = dp x tp) -> s: the all-reduce of a
     tied weight's gradient among its copies (None: free)."""
+    overlap: Overlap = Overlap()
+    """Which communication hides behind compute (planner/cost/overlap.py)."""
 
 
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
-    """Per unit and recompute mode: time per micro-batch and memory pieces (prefix-summable)."""
-    zero3_gather = np.zeros_like(table.parameters)
-    if cfg.zero_stage >= 1 and cfg.dp > 1:
-        # The runtime runs ZeRO 1-3 as FSDP2, which reduce-scatters each unit's gradients in
-        # every backward (sharded gradients do not accumulate unsharded); ZeRO-3 also gathers each unit's
-        # parameters before its forward and again before its backward.
-        grad_bytes = 4 if env.dtype == "float32" else 2
-        scatter = np.array([env.dp_reduce_scatter_s(p * grad_bytes, cfg.dp, cfg.tp) for p in table.parameters])
-        gather = np.array([env.dp_all_gather_s(p * env.dtype_bytes, cfg.dp, cfg.tp) for p in table.parameters])
-        zero3_gather = scatter + (2 * gather if cfg.zero_stage == 3 else 0.0)
-    base = table.forward_s + table.backward_s + table.tp_comm_s + zero3_gather
-    times = {r: base + table.recompute_s[r] for r in env.allowed_recompute}
+    """Per recompute mode: time per unit per micro-batch (prefix-summable) and the start term of
+    a range (`zero_unit_s`); model states per unit; and the ZeRO part of both (for the breakdown)."""
+    base = table.forward_s + table.backward_s + tp_comm_s(table, cfg, env)
+    zero = zero_unit_s(table, cfg, env)
+    times = {r: base + table.recompute_s[r] + zero[r][0] for r in env.allowed_recompute}
+    first = {r: zero[r][1] for r in env.allowed_recompute}
     states = model_state_bytes(table.parameters, env.dtype, cfg.zero_stage, cfg.dp).total  # linear: vectorised
-    return times, states, zero3_gather
+    return times, first, states, zero
 
 
 def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None,
@@ -130,13 +151,14 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     num_chunks = cfg.pp * cfg.virtual_stages
     if num_chunks > num_units:
         return Evaluation(cfg, False, f"{num_chunks} stages but only {num_units} units")
-    times, states, gathers = _stage_arrays(table, cfg, env)
+    times, first, states, zero = _stage_arrays(table, cfg, env)
     size = num_units + 1
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
     start, end = np.triu_indices(size, k=1)
     if fixed_bounds is None and math.isfinite(time_cap_s):
-        fastest = prefix(np.min(np.stack([times[r] for r in env.allowed_recompute]), axis=0))
-        keep = fastest[end] - fastest[start] <= time_cap_s / cfg.num_microbatches
+        fastest = np.min(np.stack([prefix(times[r])[end] - prefix(times[r])[start] + first[r][start]
+                                   for r in env.allowed_recompute]), axis=0)
+        keep = fastest <= time_cap_s / cfg.num_microbatches
         start, end = start[keep], end[keep]
         if start.size == 0:
             return Evaluation(cfg, False, "dominated: every stage range is slower than the best plans allow")
@@ -146,8 +168,10 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     # Stage p2p: send activations across the cut at its end and receive their gradients.
     same_node = cfg.dp * cfg.tp < env.gpus_per_node
     sliced = scatter_gather(cfg, same_node)
-    p2p = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
-    p2p[-1] = 0.0
+    hops = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
+    hops[-1] = 0.0
+    # Overlapped p2p leaves the stage times; the fill and drain pay it in `_price`.
+    p2p = np.zeros_like(hops) if env.overlap.pipeline_p2p else hops.copy()
     if cfg.pp > 1:  # every chunk, the last included, pays the schedule's per-micro-batch bookkeeping
         p2p += env.pipeline_overhead_s
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
@@ -158,7 +182,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     for r in env.allowed_recompute:
         p_time, p_act = prefix(times[r]), prefix(table.activations[r])
         fixed = p_states[end] - p_states[start] + copy_states + buffers + (_range_max(table.transient[r])[start, end] if r == "full" else 0.0)
-        per_mode.append((p_time[end] - p_time[start] + p2p[end - 1], fixed[None, :] + in_flight * (p_act[end] - p_act[start])[None, :]))
+        per_mode.append((p_time[end] - p_time[start] + first[r][start] + p2p[end - 1],
+                         fixed[None, :] + in_flight * (p_act[end] - p_act[start])[None, :]))
     min_needed = min(float(memory.min()) for _, memory in per_mode)
 
     def stage_costs(limit: float):
@@ -194,10 +219,11 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
                                   min_memory_bytes=math.inf if dominated else min_needed)
         evaluation = _price(table, cfg, env, bounds, [int(choice[k, i, j]) for k, (i, j) in enumerate(bounds)],
-                            times, states, gathers, p2p)
+                            times, first, states, zero, p2p, hops)
         if evaluation.feasible or attempt + 1 == len(limits):
             break
     evaluation.p2p_scatter_gather = sliced
+    evaluation.overlap = tuple(env.overlap.names())
     return evaluation
 
 
@@ -228,12 +254,12 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, states, gathers, p2p) -> Evaluation:
+def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, first, states, zero, p2p, hops) -> Evaluation:
     recompute = tuple(env.allowed_recompute[r] for r in recompute_idx)
     fwd, bwd, mem = [], [], []
     for k, ((i, j), r) in enumerate(zip(bounds, recompute)):
         f = float(table.forward_s[i:j].sum() + table.recompute_s[r][i:j].sum())
-        total = float(times[r][i:j].sum() + p2p[j - 1])
+        total = float(times[r][i:j].sum() + first[r][i] + p2p[j - 1])
         fwd.append(f + p2p[j - 1] / 2)
         bwd.append(total - f - p2p[j - 1] / 2)
         in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
@@ -246,38 +272,35 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
     pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages)
+    # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
+    fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0
+    pipeline_s += fill_s
     m = cfg.num_microbatches
     rank_work = [sum(fwd[k] + bwd[k] for k in range(rank, len(fwd), cfg.pp)) for rank in range(cfg.pp)]
-    # Data-parallel gradient synchronisation and optimizer step, once per iteration per rank.
-    dp_s, opt_s = [], []
+    # Once per step: the gradient reduction the backward does not hide, the tied weights'
+    # all-reduce and the optimizer step, per pipeline rank.
+    grad_s, gather_s = dp_tail_s(table, cfg, env, bounds, recompute)
     tie_s = _tie_all_reduce_s(table, cfg, env, bounds)
+    opt_s = []
     for rank in range(cfg.pp):
         params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0])
                      for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
-        grad_bytes = params * (4 if env.dtype == "float32" else 2)
-        if cfg.dp == 1:
-            dp_s.append(0.0)
-        elif cfg.zero_stage == 0:
-            dp_s.append(env.dp_all_reduce_s(grad_bytes, cfg.dp, cfg.tp))
-        else:  # gradients were reduce-scattered per micro-batch (stage times); ZeRO-1/2 gather
-            # the updated parameters once per step (FSDP2 with reshard_after_forward=False).
-            dp_s.append(env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp) if cfg.zero_stage < 3 else 0.0)
-        sharded = params / (cfg.dp if cfg.zero_stage >= 1 else 1)
-        opt_s.append(sharded * env.optimizer_s_per_param)
-    tails = [d + t + o for d, t, o in zip(dp_s, tie_s, opt_s)]
+        opt_s.append(params / (cfg.dp if cfg.zero_stage >= 1 else 1) * env.optimizer_s_per_param)
+    tails = [d + g + t + o for d, g, t, o in zip(grad_s, gather_s, tie_s, opt_s)]
     tail = max(tails)
     slowest = int(np.argmax(tails))
     busiest = int(np.argmax(rank_work))
+    on_busiest = [(k, (i, j), r) for k, ((i, j), r) in enumerate(zip(bounds, recompute)) if k % cfg.pp == busiest]
     compute = m * sum(float((table.forward_s + table.backward_s)[i:j].sum() + table.recompute_s[r][i:j].sum())
-                      for k, ((i, j), r) in enumerate(zip(bounds, recompute)) if k % cfg.pp == busiest)
+                      for _, (i, j), r in on_busiest)
     # Full recomputation replays the forward's TP collectives: communication, not compute.
-    replayed = m * sum(float(table.recompute_tp_comm_s[i:j].sum()) for k, ((i, j), r) in enumerate(zip(bounds, recompute))
-                       if k % cfg.pp == busiest and r == "full")
+    replayed = m * sum(float(table.recompute_tp_comm_s[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
     compute -= replayed
-    tp_comm = replayed + m * sum(float(table.tp_comm_s[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
-    p2p_total = m * sum(float(p2p[j - 1]) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
-    gather_total = m * sum(float(gathers[i:j].sum()) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest)
-    bubble = max(pipeline_s - m * rank_work[busiest], 0.0)
+    tp_exposed = tp_comm_s(table, cfg, env)
+    tp_comm = replayed + m * sum(float(tp_exposed[i:j].sum()) for _, (i, j), _r in on_busiest)
+    p2p_total = m * sum(float(p2p[j - 1]) for _, (i, j), _r in on_busiest) + fill_s
+    zero_total = m * sum(float(zero[r][0][i:j].sum() + zero[r][1][i]) for _, (i, j), r in on_busiest)
+    bubble = max(pipeline_s - fill_s - m * rank_work[busiest], 0.0)
     model_flops = m * cfg.dp * float(table.model_flops.sum())
     hw_flops = model_flops + m * cfg.dp * sum(float(table.recompute_flops[r][i:j].sum()) for (i, j), r in zip(bounds, recompute))
     return Evaluation(
@@ -293,7 +316,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, s
             "tp_comm": tp_comm,
             "p2p": p2p_total,
             "bubble": bubble,
-            "dp_comm": dp_s[slowest] + gather_total,
+            "dp_comm": grad_s[slowest] + gather_s[slowest] + zero_total,
             "tie_comm": tie_s[slowest],
             "optimizer": opt_s[slowest],
         },

@@ -186,6 +186,8 @@ def torch_builds(schedule: str, pp: int, num_microbatches: int) -> bool:
 
 
 def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
+    from planner.cost.overlap import SERIAL, Overlap
+
     coll = CollectiveModel(cluster)
     place = lru_cache(maxsize=None)(lambda dp, tp: group_placement(cluster, dp, tp))  # DP ranks are tp apart
     # Identical units ask the same questions thousands of times in one search: memoise.
@@ -206,6 +208,11 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         # A tied weight's copies: one rank per pipeline rank holding one, dp x tp ranks apart (pp is outermost).
         tie_all_reduce_s=cached(lambda nbytes, pp_ranks, stride: coll.all_reduce_s(
             nbytes, Group(len(pp_ranks), len({(r * stride) // cluster.gpus_per_node for r in pp_ranks})))),
+        # The overlaps the stack being planned for runs (planner/cost/overlap.py); a pins object
+        # may name them (`overlap`), else the runtime's: on GPUs DDP/FSDP2-style buckets and
+        # prefetch and async p2p (NCCL runs on its own streams); on CPUs none, since gloo's
+        # collectives run on the same cores as the compute.
+        overlap=getattr(pins, "overlap", None) or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),
     )
 
 

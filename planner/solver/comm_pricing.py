@@ -1,0 +1,113 @@
+"""Communication the step waits for under each overlap (planner/cost/overlap.py), per piece
+of the search's price (planner/solver/search.py): tensor-parallel collectives (`tp_comm_s`),
+ZeRO 2/3 traffic per micro-batch inside the stage times (`zero_unit_s`), and the once-per-step
+data-parallel gradient reduction and parameter gather after the pipeline (`dp_tail_s`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from planner.cost.overlap import drain_slack_s, exposed_s, grad_reduce_tail_s
+
+if TYPE_CHECKING:
+    from planner.solver.costs import UnitCostTable
+    from planner.solver.search import Config, Environment
+
+
+def tp_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
+    """TP collectives per unit and micro-batch the compute stream waits for: all of them, or
+    with async TP (`tp_comm` overlap: Megatron's --tp-comm-overlap splits each collective and its
+    GEMM into tp chunks, Wang et al. 2023, "Overlap Communication with Dependent Computation via
+    Decomposition", ASPLOS) what the unit's compute cannot hide, the first chunk at least."""
+    comm = table.tp_comm_s
+    if not env.overlap.tp_comm or cfg.tp == 1:
+        return comm
+    compute = table.forward_s + table.backward_s
+    return np.where(comm > 0, np.maximum(comm / cfg.tp, comm - compute * (cfg.tp - 1) / cfg.tp), 0.0)
+
+
+def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
+    """ZeRO 2/3 communication per micro-batch the step waits for, per recompute mode, as
+    (per unit, per range start): a range [i, j) pays sum_{u in [i, j)} per_unit[u] + start[i].
+
+    Forward: unit u's all-gather g_u hides behind unit u-1's forward f_{u-1} (`param_gather`),
+    the range's first one is exposed. Backward: unit u's reduce-scatter s_u and the gather of
+    unit u-1 share the stream under unit u-1's backward b_{u-1} (with its recomputation); the
+    range's last reduce-scatter s_i is exposed; its last unit keeps its parameters from the
+    forward (torchtitan leaves the last block unresharded for this reason). Overlap off: every
+    collective in series, two gathers per unit.
+    """
+    num_units = len(table.parameters)
+    nothing = np.zeros(num_units)
+    if cfg.zero_stage < 2 or cfg.dp == 1:
+        return {r: (nothing, nothing) for r in env.allowed_recompute}
+    grad_bytes = 4 if env.dtype == "float32" else 2
+    scatter = np.array([env.dp_reduce_scatter_s(p * grad_bytes, cfg.dp, cfg.tp) for p in table.parameters])
+    gather = nothing if cfg.zero_stage < 3 else \
+        np.array([env.dp_all_gather_s(p * env.dtype_bytes, cfg.dp, cfg.tp) for p in table.parameters])
+    hide_gather, hide_scatter = env.overlap.param_gather, env.overlap.grad_reduce
+    previous = lambda a: np.concatenate([[0.0], a[:-1]])  # noqa: E731
+    forward = np.maximum(gather - previous(table.forward_s), 0.0) if hide_gather else gather
+    hidden = (scatter if hide_scatter else 0.0) + (previous(gather) if hide_gather else 0.0)
+    serial = (0.0 if hide_scatter else scatter) + (0.0 if hide_gather else gather)
+    out = {}
+    for r in env.allowed_recompute:
+        window = previous(table.backward_s + table.recompute_s[r])
+        backward_hidden = np.maximum(hidden - window, 0.0)
+        per_unit = forward + backward_hidden + serial
+        # At a range's start, the pair (u, u-1) is not in the range: its first gather and its
+        # last reduce-scatter are exposed instead.
+        start = (gather - forward if hide_gather else 0.0) + (scatter if hide_scatter else 0.0) - backward_hidden
+        out[r] = (per_unit, np.broadcast_to(start, (num_units,)).astype(float))
+    return out
+
+
+MEGATRON_BUCKET_PARAMS = 40_000_000
+"""Megatron-Core's gradient bucket with --overlap-grad-reduce: max(40M, 1M x dp) parameters
+(megatron/core/distributed/distributed_data_parallel_config.py, `bucket_size`); PyTorch
+DDP's 25 MiB default is of the same order."""
+
+
+def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[list[float], list[float]]:
+    """Per pipeline rank, once per step: the exposed gradient reduction (ZeRO 0: all-reduce,
+    ZeRO 1: reduce-scatter) and the exposed parameter all-gather (ZeRO 1, 2).
+
+    The reduction runs in buckets under the last micro-batch's backward of the rank's chunks
+    (`exposed_s` with that backward as window) and goes on while the ranks before it finish
+    that micro-batch's backward (`drain_slack_s`, `grad_reduce_tail_s`; the event simulator
+    plays the same on its communication streams, tests/test_overlap.py). The gather hides
+    behind the first forward (the first bucket is exposed, the mirror image). ZeRO 2 and 3
+    reduce every micro-batch (`zero_unit_s`). Not overlapped: one collective over the flat
+    buffer, in series.
+    """
+    grad_s, gather_s = [0.0] * cfg.pp, [0.0] * cfg.pp
+    if cfg.dp == 1 or cfg.zero_stage == 3:
+        return grad_s, gather_s
+    overlap = env.overlap
+    grad_bytes = 4 if env.dtype == "float32" else 2
+    backward = [float((table.backward_s + table.recompute_s[r])[i:j].sum()) for (i, j), r in zip(bounds, recompute)]
+    slack = drain_slack_s(cfg.schedule, backward, cfg.pp)
+    for rank in range(cfg.pp):
+        chunks = [k for k in range(len(bounds)) if k % cfg.pp == rank]
+        params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in (bounds[k] for k in chunks))
+        buckets = max(1, math.ceil(params / max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)))
+        window = sum(backward[k] for k in chunks)
+        forward = sum(float(table.forward_s[i:j].sum()) for i, j in (bounds[k] for k in chunks))
+        if cfg.zero_stage <= 1:
+            collective = env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s
+            if overlap.grad_reduce:
+                total = buckets * collective(params * grad_bytes / buckets, cfg.dp, cfg.tp)
+                grad_s[rank] = grad_reduce_tail_s([total], [window], [slack[rank]], buckets)
+            else:  # one flat buffer after the backward (the runtime's ZeRO 0, Megatron-LM 2021)
+                grad_s[rank] = collective(params * grad_bytes, cfg.dp, cfg.tp)
+        if cfg.zero_stage in (1, 2):
+            if overlap.param_gather:
+                total = buckets * env.dp_all_gather_s(params * env.dtype_bytes / buckets, cfg.dp, cfg.tp)
+                gather_s[rank] = exposed_s(total, forward, buckets)
+            else:
+                gather_s[rank] = env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp)
+    return grad_s, gather_s
