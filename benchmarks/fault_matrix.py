@@ -2,7 +2,8 @@
 
     python benchmarks/fault_matrix.py            # writes benchmarks/results/fault_matrix.csv
 
-For each case: the exit code, the seconds from start to exit, the first line the user is
+For each case: the exit code, the seconds from start to exit and from the fault to exit (after
+the signal or the kill -9; after the deadline for --timeout), the first line the user is
 shown (the error, warning or stop notice), how many of the job's processes were still alive
 after `planner` returned (the whole process tree is recorded while it runs, as
 tests/test_launch_signals.py does; any left is killed here and counted), and what data was
@@ -14,6 +15,7 @@ tests/test_reliability.py. Nothing here is a pass/fail assertion: the table is t
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import shutil
@@ -45,9 +47,11 @@ class Outcome:
     stdout: str
     stderr: str
     left: int
+    after_fault: float | None = None
+    """Seconds from the signal or kill to the exit (None: no fault was injected while it ran)."""
 
 
-def planner(*args: str, env: dict | None = None, during: Callable[[subprocess.Popen, dict], None] | None = None,
+def planner(*args: str, env: dict | None = None, during: Callable[[subprocess.Popen, dict], float] | None = None,
             timeout_s: float = 300) -> Outcome:
     """Run `planner ARGS` in a session of its own, recording its process tree; `during` acts on it while it runs."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -56,15 +60,16 @@ def planner(*args: str, env: dict | None = None, during: Callable[[subprocess.Po
                                 env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, start_new_session=True)
         seen: dict[int, psutil.Process] = {}
         try:
-            if during is not None:
-                during(proc, seen)
+            fault_at = during(proc, seen) if during is not None else None
             while proc.poll() is None and time.monotonic() - started < timeout_s:
                 _record(proc, seen)
                 time.sleep(0.1)
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait(timeout=30)
-            seconds = time.monotonic() - started
+            ended = time.monotonic()
+            seconds = ended - started
+            after_fault = ended - fault_at if fault_at is not None else None
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -78,7 +83,7 @@ def planner(*args: str, env: dict | None = None, during: Callable[[subprocess.Po
                 pass
         out.seek(0)
         err.seek(0)
-        return Outcome(code, seconds, out.read(), err.read(), len(left))
+        return Outcome(code, seconds, out.read(), err.read(), len(left), after_fault)
 
 
 def _record(proc: subprocess.Popen, seen: dict) -> None:
@@ -128,7 +133,8 @@ def main() -> None:
 
     def add(case: str, o: Outcome, kept: str) -> None:
         short = lambda text: text.replace(str(work), "$WORK")  # noqa: E731  (the CSV does not depend on the temp folder)
-        rows.append({"case": case, "exit_code": o.code, "seconds_to_exit": f"{o.seconds:.1f}", "message_first_line": short(first_line(o)),
+        rows.append({"case": case, "exit_code": o.code, "seconds_to_exit": f"{o.seconds:.1f}",
+                     "seconds_after_fault": "" if o.after_fault is None else f"{o.after_fault:.1f}", "message_first_line": short(first_line(o)),
                      "processes_left": o.left, "data_kept": short(kept)})
         print(f"{case}: exit {o.code} in {o.seconds:.1f} s, left {o.left}: {first_line(o)}", flush=True)
 
@@ -148,11 +154,13 @@ def main() -> None:
         def send(proc, seen, tag=tag, sig=sig, to_group=to_group):
             wait_for(lambda: all((work / f"trains-{tag}.rank{r}").exists() for r in (0, 1)), proc, seen)
             os.killpg(proc.pid, sig) if to_group else proc.send_signal(sig)
+            return time.monotonic()
 
         o = planner("run", str(signal_plan("none", tag)), "--steps", "4000", "--timeout", "300", "--checkpoint-dir", str(ck), during=send)
         add(name, o, steps_in(ck))
     o = planner("run", str(signal_plan("hang", "hang")), "--steps", "50", "--timeout", "20")
-    add("rank hangs, --timeout 20", o, "-")
+    # The limit counts from the launch, after the plan and model checks: an upper bound.
+    add("rank hangs, --timeout 20", dataclasses.replace(o, after_fault=o.seconds - 20), "-")
     o = planner("run", str(signal_plan("raise", "raise")), "--steps", "5", "--timeout", "120")
     add("rank raises ValueError", o, "-")
 
@@ -174,6 +182,7 @@ def main() -> None:
             if fault == "during-write":
                 wait_for(lambda: bool(list(temp.glob("__0_*.distcp"))), proc, seen)
             os.kill(int(marker.read_text()), signal.SIGKILL)
+            return time.monotonic()
 
         o = planner("run", str(plan_file), "--steps", "2", "--checkpoint-dir", str(ck), "--resume",
                     env={"RELIABILITY_SAVE_FAULT": fault, "RELIABILITY_MARKER": str(marker)}, during=kill)
