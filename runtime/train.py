@@ -39,6 +39,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from planner.errors import PlannerError
 from planner.model_file import call_user, load_model_file
@@ -224,6 +225,12 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
             m = batch.num_microbatches
             for k in range(m):
                 lo, hi = k * batch.micro_batch_size, (k + 1) * batch.micro_batch_size
+                # ZeRO-1 reduce-scatters gradients once per step, after the last micro-batch, as the
+                # cost model prices it (planner/solver/comm_pricing.py; Megatron's distributed
+                # optimizer). ZeRO 2-3 shard gradients, so they reduce-scatter every micro-batch:
+                # holding unsharded gradients across micro-batches would undo that memory saving.
+                if lay.zero_stage == 1 and isinstance(modules[0], FSDPModule):
+                    modules[0].set_requires_gradient_sync(k == m - 1)
                 with timer.time(0, "forward"):
                     with _autocast(plan, device):
                         out = modules[0](*(_slice(x, lo, hi) for x in inputs))

@@ -75,6 +75,10 @@ def _initial(path, tmp_path):
 CASES = {
     "dp2": dict(dp=2),
     "dp2-zero3-fsdp": dict(dp=2, zero=3),
+    # ZeRO-1 accumulates 2 micro-batches unreduced and reduce-scatters once per step; ZeRO-2
+    # reduce-scatters each micro-batch's gradient into its shard.
+    "dp2-zero1-accumulated": dict(dp=2, zero=1, m=2),
+    "dp2-zero2-m2": dict(dp=2, zero=2, m=2),
     "tp2-gpt": dict(tp=2, tp_plan=GPT_TP),
     "tp2-llama": dict(model="llama", tp=2, tp_plan=LLAMA_TP),
     "pp2-gpipe": dict(pp=2, schedule="gpipe", m=4),
