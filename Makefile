@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast lint clean
 
 $(BIN)/planner: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ demo: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check planner runtime
 
 test-fast: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"

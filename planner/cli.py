@@ -225,7 +225,8 @@ def solve(
     from planner.plan_report import print_plan
     from planner.profile_schema import load_profile
     from planner.solver.plan_builder import device_mismatch
-    from planner.solver.solve import Pins, solve as solve_plan
+    from planner.solver.solve import Pins
+    from planner.solver.solve import solve as solve_plan
 
     if top < 1:
         raise PlannerError(f"--top must be at least 1 (got {top}).", "--top K keeps the K best configurations; 1 keeps the best alone.")
@@ -276,7 +277,9 @@ def run(
                                    "(its steps are deleted once this run's step is saved)."),
 ) -> None:
     """Execute a plan with torchrun (gloo on CPU, NCCL on GPUs) and record what happened."""
-    from runtime.launch import run_plan  # planner never imports runtime's training code at import time
+    from runtime.launch import (
+        run_plan,  # planner never imports runtime's training code at import time
+    )
 
     if steps < 1:
         raise PlannerError(f"--steps must be positive (got {steps}).", "Run at least one step.")
@@ -326,7 +329,6 @@ def schema(
 
 
 from planner.cluster_probe import profile_cluster_command as _pcc  # noqa: E402  (typer reads its signature; no torch import)
-
 
 
 @functools.wraps(_pcc)

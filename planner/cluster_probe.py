@@ -47,7 +47,8 @@ from pathlib import Path
 import typer
 
 from planner.errors import PlannerError
-from planner.launcher import failure_summary as launcher_failure_summary, launch, torchrun_command
+from planner.launcher import failure_summary as launcher_failure_summary
+from planner.launcher import launch, torchrun_command
 
 TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
            "reduce_scatter": lambda n: (n - 1) / n, "p2p": lambda n: 1.0, "p2p_inter_node": lambda n: 1.0}

@@ -250,7 +250,7 @@ class KnownValues(TorchDispatchMode):
             return func(*real_args, **real_kwargs)
 
     def _bind_outputs(self, out, real, sampled: bool) -> None:
-        for t, r in zip(tree_flatten(out)[0], tree_flatten(real)[0]):
+        for t, r in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=False):
             if _is_meta(t) and isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape):
                 self.values[t] = r
                 if sampled:

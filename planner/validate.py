@@ -54,7 +54,7 @@ def _same_numbers(a, b) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_numbers(a[k], b[k]) for k in a)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_numbers(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same_numbers(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0) or a == b
     return a == b

@@ -42,7 +42,12 @@ from planner.errors import PlannerError
 from planner.plan import Plan
 from runtime.metrics import synchronize
 from runtime.pp_flow import trace_layout
-from runtime.pp_split import check_splittable, make_stage, restore_output, set_example_microbatch
+from runtime.pp_split import (
+    check_splittable,
+    make_stage,
+    restore_output,
+    set_example_microbatch,
+)
 
 SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 """Schedules that hold one stage per rank."""

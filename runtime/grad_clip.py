@@ -34,7 +34,7 @@ def clip_grad_norm(modules: list[nn.Module], max_norm: float, pp_group=None, unc
             g = p.grad
             groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-    for mesh, group in groups.items():
+    for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import PlannerError
 from planner.meta_values import KnownValues

@@ -239,7 +239,7 @@ def _stage_forward(self: nn.Module, *args):
         if len(args) != len(spec.in_keys):
             raise RuntimeError(f"stage {spec.stage} got {len(args)} tensors, expected {len(spec.in_keys)}")
         received = {k: _received(GatherFromGroup.apply(t, spec.scatter_group) if spec.sliced(k) else t)
-                    for k, t in zip(spec.in_keys, args)}
+                    for k, t in zip(spec.in_keys, args, strict=False)}
         inputs = spec.placeholders
     if spec.hooks is None:  # first call: after TP, FSDP and recompute wrapped the units
         spec.hooks = UnitHooks(self, layout.units)
@@ -288,7 +288,7 @@ def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tu
                scatter_group=None) -> nn.Module:
     """A copy of `model` holding only `stage`'s units (same FQNs), running only its part."""
     chunk = copy.deepcopy(model)
-    for name, stage_index in zip(layout.units, layout.unit_stage):
+    for name, stage_index in zip(layout.units, layout.unit_stage, strict=False):
         if stage_index == stage:
             continue
         parent_name, _, child = name.rpartition(".")

@@ -5,7 +5,9 @@ here the whole attention module, found by name: `attn`, `attention`, `self_attn`
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
 
 ATTENTION_NAMES = ("attn", "attention", "self_attn")
 

@@ -48,9 +48,22 @@ from runtime import checkpoint
 from runtime.apply_dp import apply_fsdp, average_gradients, sum_tied_gradients
 from runtime.apply_pp import build_schedule, build_stage_modules
 from runtime.apply_tp import apply_tp, check_tp_plan, sum_partial_gradients
-from runtime.build import as_tuple, build_meta_model, check_fingerprint, init_mode, materialize
+from runtime.build import (
+    as_tuple,
+    build_meta_model,
+    check_fingerprint,
+    init_mode,
+    materialize,
+)
 from runtime.grad_clip import clip_grad_norm
-from runtime.metrics import StageTimer, build_metrics, merge_stage_times, peak_memory, synchronize, timeline_of
+from runtime.metrics import (
+    StageTimer,
+    build_metrics,
+    merge_stage_times,
+    peak_memory,
+    synchronize,
+    timeline_of,
+)
 from runtime.pp_split import check_splittable, cross_stage_ties
 from runtime.recompute import apply_recompute
 
@@ -194,7 +207,7 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     modules = [m for _, m in chunks]
     tie_groups = build_tie_groups(mesh, [t.pp_ranks for t in ties])
     tie_copies = [t.copies(chunks) for t in ties]  # after FSDP, which replaces the parameters
-    uncounted = [p for t, copies in zip(ties, tie_copies) for s, p in copies if s != t.stages[0]]
+    uncounted = [p for t, copies in zip(ties, tie_copies, strict=False) for s, p in copies if s != t.stages[0]]
     # One optimizer per chunk (AdamW is per parameter, so this is the same update): each
     # chunk's optimizer state is then keyed by its own parameter names (runtime/checkpoint.py).
     optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=plan.training.weight_decay) for m in modules]

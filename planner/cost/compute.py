@@ -46,7 +46,6 @@ from dataclasses import dataclass, replace
 from planner.hardware import GPUSpec
 from planner.profile_schema import Profile, Unit
 
-
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
 """AdamW's memory traffic per parameter: weights, gradients, master weights, two moments in; updated ones out."""
 

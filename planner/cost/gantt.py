@@ -99,7 +99,7 @@ def draw_gantts(panels: list[Panel | tuple[Timeline, str]], path: str | Path) ->
     legend_in = 0.7
     fig, axes = plt.subplots(len(panels), 1, figsize=(14.0, sum(heights) + legend_in), squeeze=False, sharex=True,
                              gridspec_kw={"height_ratios": heights})
-    for ax, panel, panel_rows in zip(axes[:, 0], panels, rows):
+    for ax, panel, panel_rows in zip(axes[:, 0], panels, rows, strict=False):
         _draw_panel(ax, panel, panel_rows, end)
     axes[-1, 0].set_xlabel("time (s)")
 
@@ -109,7 +109,7 @@ def draw_gantts(panels: list[Panel | tuple[Timeline, str]], path: str | Path) ->
         handles.append(Patch(color=MERGED_COLOR, label=f"micro-batches after the first and before the last {EDGE_MICROBATCHES} "
                                                        "aggregated: one bar per run without visible idle time"))
     for panel in panels:
-        for (term, seconds), color in zip(panel.after, AFTER_COLORS):
+        for (term, seconds), color in zip(panel.after, AFTER_COLORS, strict=False):
             handles.append(Patch(color=color, label=f"{term} {_seconds(seconds)} (once per step)"))
     fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, legend_in / (sum(heights) + legend_in), 1, 1))
@@ -174,7 +174,7 @@ def _draw_panel(ax, panel: Panel, rows: list[_Row], end_s: float) -> None:
         for x, text in row.texts:
             ax.text(x, r, text, ha="center", va="center", fontsize=6, color="white")
     start = timeline.makespan_s if not panel.end_s else panel.end_s - sum(s for _, s in panel.after)
-    for (term, seconds), color in zip(panel.after, AFTER_COLORS):
+    for (term, seconds), color in zip(panel.after, AFTER_COLORS, strict=False):
         if seconds > 0:
             ax.broken_barh([(start, seconds)], (-0.5, timeline.num_ranks), facecolors=color, edgecolors="none", alpha=0.8)
             if seconds >= MIN_LABEL_SHARE * end_s:

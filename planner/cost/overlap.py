@@ -85,7 +85,7 @@ def prefetch_exposed_s(gather_s, compute_s) -> float:
     gather_s, compute_s = list(gather_s), list(compute_s)
     if not gather_s:
         return 0.0
-    return gather_s[0] + sum(max(0.0, g - c) for g, c in zip(gather_s[1:], compute_s[:-1]))
+    return gather_s[0] + sum(max(0.0, g - c) for g, c in zip(gather_s[1:], compute_s[:-1], strict=False))
 
 
 def drain_slack_s(schedule: str, stage_backward_s, num_ranks: int) -> list[float]:
@@ -104,4 +104,4 @@ def drain_slack_s(schedule: str, stage_backward_s, num_ranks: int) -> list[float
 def grad_reduce_tail_s(comm_s, window_s, slack_s, num_buckets: int = 1) -> float:
     """What a step waits for after its pipeline: over ranks, the bucketed gradient reduction
     the last backward (`window_s`) and the drain after it (`slack_s`) do not hide."""
-    return max([max(exposed_s(c, w, num_buckets) - s, 0.0) for c, w, s in zip(comm_s, window_s, slack_s)], default=0.0)
+    return max([max(exposed_s(c, w, num_buckets) - s, 0.0) for c, w, s in zip(comm_s, window_s, slack_s, strict=False)], default=0.0)

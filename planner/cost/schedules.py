@@ -133,7 +133,7 @@ def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward
     num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
     p, m, v = num_chunks // virtual_stages, num_microbatches, virtual_stages
     check_schedule(schedule, p, m, v)
-    work = [f + b for f, b in zip(stage_forward_s, stage_backward_s)]
+    work = [f + b for f, b in zip(stage_forward_s, stage_backward_s, strict=False)]
     latency_s = 2 * (num_chunks - 1) * p2p_s  # the first micro-batch's hops there and back
     if schedule == "interleaved-1f1b" and v > 1:
         rank_work = [sum(work[k] for k in range(r, num_chunks, p)) for r in range(p)]
@@ -150,7 +150,7 @@ def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward
         return simulate(schedule, stage_forward_s, stage_backward_s, m, v, p2p_s, w).makespan_s
     # Qi et al. 2023: with the drain filled by deferred W's, a hop of the fill/drain costs
     # max(f + B - W, f, B) instead of f + b (module docstring).
-    hop = [max(f + (1 - w) * b - w * b, f, (1 - w) * b) for f, b in zip(stage_forward_s, stage_backward_s)]
+    hop = [max(f + (1 - w) * b - w * b, f, (1 - w) * b) for f, b in zip(stage_forward_s, stage_backward_s, strict=False)]
     rank_work = [sum(work[k] for k in range(r, num_chunks, p)) for r in range(p)]
     if v == 1:
         slowest = max(range(num_chunks), key=lambda k: work[k])

@@ -169,7 +169,7 @@ def stage_bounds(layout: EngineLayout, profile: Profile) -> tuple[tuple[int, int
                                "Give layers per stage that add up to the model's layers (or a pp that divides them).")
         edges = [0] + [len(before) + sum(counts[:k + 1]) for k in range(num_stages)]
         edges[-1] = len(names)  # what follows the blocks goes with the last stage
-    bounds = tuple(zip(edges[:-1], edges[1:]))
+    bounds = tuple(zip(edges[:-1], edges[1:], strict=False))
     if any(i >= j for i, j in bounds):
         raise PlannerError(f"The configuration leaves a pipeline stage empty ({[j - i for i, j in bounds]} units per stage).",
                            "Use fewer pipeline stages.")

@@ -25,7 +25,13 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from planner.engines.common import EngineLayout, Split, ds_uniform, plan_layout, strongest_recompute
+from planner.engines.common import (
+    EngineLayout,
+    Split,
+    ds_uniform,
+    plan_layout,
+    strongest_recompute,
+)
 from planner.errors import PlannerError
 from planner.plan import Plan
 
@@ -51,7 +57,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
             mapped = replace(mapped, schedule="1f1b", virtual_stages=1)
         own = [len(s.units) for s in plan.stages]
         edges = ds_uniform(len(names), lay.pp_degree)
-        uniform = [b - a for a, b in zip(edges[:-1], edges[1:])]
+        uniform = [b - a for a, b in zip(edges[:-1], edges[1:], strict=False)]
         if own != uniform:
             changes.append(f"stage cuts {own} units per stage -> DeepSpeed's uniform partition {uniform}")
         mapped = replace(mapped, split=Split("uniform"))

@@ -31,7 +31,14 @@ import re
 import shlex
 from dataclasses import replace
 
-from planner.engines.common import EngineLayout, Split, blocks_per_stage, model_parts, one_recompute_mode, plan_layout
+from planner.engines.common import (
+    EngineLayout,
+    Split,
+    blocks_per_stage,
+    model_parts,
+    one_recompute_mode,
+    plan_layout,
+)
 from planner.errors import PlannerError
 from planner.plan import Plan
 

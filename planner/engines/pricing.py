@@ -13,7 +13,14 @@ import math
 from dataclasses import dataclass
 
 from planner.cluster import Cluster
-from planner.engines.common import EngineLayout, differences, plan_layout, seconds, stage_bounds, summary
+from planner.engines.common import (
+    EngineLayout,
+    differences,
+    plan_layout,
+    seconds,
+    stage_bounds,
+    summary,
+)
 from planner.errors import PlannerError
 from planner.plan import Plan
 from planner.profile_schema import Profile
@@ -55,7 +62,13 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     from planner.solver.costs import UnitCosts
     from planner.solver.plan_builder import build_plan
     from planner.solver.search import Config, evaluate_config
-    from planner.solver.solve import Pins, SearchResult, _environment, check_model_pins, check_pins
+    from planner.solver.solve import (
+        Pins,
+        SearchResult,
+        _environment,
+        check_model_pins,
+        check_pins,
+    )
 
     layout, batch = resolve(layout, cluster, global_batch_size)
     dtype = layout.dtype or profile.dtype

@@ -25,8 +25,9 @@ accumulation steps global_batch_size / (local_batch_size x dp) (torchtitan/train
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import replace
+
+import tomllib
 
 from planner.engines.common import EngineLayout, Split, one_recompute_mode
 from planner.errors import PlannerError

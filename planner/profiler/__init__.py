@@ -30,10 +30,23 @@ from planner.errors import PlannerError
 from planner.hardware import get_gpu
 from planner.meta_values import KnownValues
 from planner.model_file import ModelFile, load_model_file, user_code_error
-from planner.profile_schema import Cut, CrossingTensor, ModelInfo, Profile, Unit, UnitCosts, WholeModel
-from planner.profiler.counters import MetaAttentionMode
-from planner.profiler.counters import FUSIONS
-from planner.profiler.measure import UnitJob, optimizer_step_time, time_round_robin, unit_costs, whole_model_job
+from planner.profile_schema import (
+    CrossingTensor,
+    Cut,
+    ModelInfo,
+    Profile,
+    Unit,
+    UnitCosts,
+    WholeModel,
+)
+from planner.profiler.counters import FUSIONS, MetaAttentionMode
+from planner.profiler.measure import (
+    UnitJob,
+    optimizer_step_time,
+    time_round_robin,
+    unit_costs,
+    whole_model_job,
+)
 from planner.profiler.opgraph import record_op_graph
 from planner.units import (
     UnitTrace,

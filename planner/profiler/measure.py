@@ -32,7 +32,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.hardware import GPUSpec
 from planner.profile_schema import UnitCosts
-from planner.profiler.counters import MetaAttentionMode, OpCostMode, SavedBytes, flop_counter
+from planner.profiler.counters import (
+    MetaAttentionMode,
+    OpCostMode,
+    SavedBytes,
+    flop_counter,
+)
 
 
 def _fresh_inputs(args, kwargs):
@@ -158,7 +163,7 @@ class UnitJob:
         _, bwd_s = self.timer.time(lambda: torch.autograd.backward(outs, grads) if outs else None)
         if self.cuda and first:
             self.peak_memory_bytes = torch.cuda.max_memory_allocated() - baseline
-        del out, outs, grads
+        out = outs = grads = None  # release the graph before the next run
         for p in self.params:
             p.grad = None
         if keep:

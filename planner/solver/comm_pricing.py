@@ -89,7 +89,7 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[
         return grad_s, gather_s
     overlap = env.overlap
     grad_bytes = 4 if env.dtype == "float32" else 2
-    backward = [float((table.backward_s + table.recompute_s[r])[i:j].sum()) for (i, j), r in zip(bounds, recompute)]
+    backward = [float((table.backward_s + table.recompute_s[r])[i:j].sum()) for (i, j), r in zip(bounds, recompute, strict=False)]
     slack = drain_slack_s(cfg.schedule, backward, cfg.pp)
     for rank in range(cfg.pp):
         chunks = [k for k in range(len(bounds)) if k % cfg.pp == rank]

@@ -13,10 +13,21 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from planner.cost.compute import ComputeModel, interpolate, sharded_flop_fraction, tp_time_s
+from planner.cost.compute import (
+    ComputeModel,
+    interpolate,
+    sharded_flop_fraction,
+    tp_time_s,
+)
 from planner.cost.memory import unit_activation_bytes
 from planner.profile_schema import Profile, Unit
-from planner.solver.intra_op import SHARDED, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
+from planner.solver.intra_op import (
+    SHARDED,
+    IntraOpProblem,
+    IntraOpSolution,
+    evaluate,
+    solve_intra_op,
+)
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -180,7 +180,7 @@ def brute_force_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.nd
     positions = [c for c in range(1, size - 1) if cut_allowed is None or cut_allowed[c - 1]]
     for inner in combinations(positions, num_stages - 1):
         edges = (0, *inner, size - 1)
-        bounds = tuple(zip(edges[:-1], edges[1:]))
+        bounds = tuple(zip(edges[:-1], edges[1:], strict=False))
         times = tuple(float(cost[k, i, j]) for k, (i, j) in enumerate(bounds))
         if not all(np.isfinite(times)):
             continue

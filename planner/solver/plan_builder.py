@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from planner.cluster import Cluster
-from planner.plan import Batch, ClusterRef, Layout, ModelRef, Plan, Prediction, Stage, Training, stage_ranks
+from planner.plan import (
+    Batch,
+    ClusterRef,
+    Layout,
+    ModelRef,
+    Plan,
+    Prediction,
+    Stage,
+    Training,
+    stage_ranks,
+)
 from planner.profile_schema import Profile
 from planner.solver.search import Evaluation
 
@@ -79,7 +89,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
     names = profile.unit_names()
     stages = []
-    for k, ((i, j), recompute) in enumerate(zip(best.bounds, best.stage_recompute)):
+    for k, ((i, j), recompute) in enumerate(zip(best.bounds, best.stage_recompute, strict=False)):
         tp_plan = {}
         if cfg.tp > 1:
             for u in range(i, j):
@@ -100,7 +110,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         mfu=tflops * 1e12 / peak if peak else 0.0,
         bubble_fraction=best.bubble_fraction,
         peak_memory_bytes=[int(m) for m in best.peak_memory_bytes],
-        stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s)],
+        stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s, strict=False)],
         breakdown_s=best.breakdown_s,
         overlap=list(best.overlap),
     )

@@ -55,10 +55,10 @@ import numpy as np
 
 from planner.cost.memory import model_state_bytes
 from planner.cost.overlap import Overlap
-from planner.cost.schedules import iteration_time_s, in_flight_microbatches
+from planner.cost.schedules import in_flight_microbatches, iteration_time_s
 from planner.errors import PlannerError
-from planner.solver.costs import RECOMPUTE_MODES, UnitCostTable
 from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
+from planner.solver.costs import UnitCostTable
 from planner.solver.inter_op import solve_cuts
 
 
@@ -257,7 +257,7 @@ def _range_max(values: np.ndarray) -> np.ndarray:
 def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, first, states, zero, p2p, hops) -> Evaluation:
     recompute = tuple(env.allowed_recompute[r] for r in recompute_idx)
     fwd, bwd, mem = [], [], []
-    for k, ((i, j), r) in enumerate(zip(bounds, recompute)):
+    for k, ((i, j), r) in enumerate(zip(bounds, recompute, strict=False)):
         f = float(table.forward_s[i:j].sum() + table.recompute_s[r][i:j].sum())
         total = float(times[r][i:j].sum() + first[r][i] + p2p[j - 1])
         fwd.append(f + p2p[j - 1] / 2)
@@ -286,11 +286,11 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
         params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0])
                      for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
         opt_s.append(params / (cfg.dp if cfg.zero_stage >= 1 else 1) * env.optimizer_s_per_param)
-    tails = [d + g + t + o for d, g, t, o in zip(grad_s, gather_s, tie_s, opt_s)]
+    tails = [d + g + t + o for d, g, t, o in zip(grad_s, gather_s, tie_s, opt_s, strict=False)]
     tail = max(tails)
     slowest = int(np.argmax(tails))
     busiest = int(np.argmax(rank_work))
-    on_busiest = [(k, (i, j), r) for k, ((i, j), r) in enumerate(zip(bounds, recompute)) if k % cfg.pp == busiest]
+    on_busiest = [(k, (i, j), r) for k, ((i, j), r) in enumerate(zip(bounds, recompute, strict=False)) if k % cfg.pp == busiest]
     compute = m * sum(float((table.forward_s + table.backward_s)[i:j].sum() + table.recompute_s[r][i:j].sum())
                       for _, (i, j), r in on_busiest)
     # Full recomputation replays the forward's TP collectives: communication, not compute.
@@ -302,7 +302,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     zero_total = m * sum(float(zero[r][0][i:j].sum() + zero[r][1][i]) for _, (i, j), r in on_busiest)
     bubble = max(pipeline_s - fill_s - m * rank_work[busiest], 0.0)
     model_flops = m * cfg.dp * float(table.model_flops.sum())
-    hw_flops = model_flops + m * cfg.dp * sum(float(table.recompute_flops[r][i:j].sum()) for (i, j), r in zip(bounds, recompute))
+    hw_flops = model_flops + m * cfg.dp * sum(float(table.recompute_flops[r][i:j].sum()) for (i, j), r in zip(bounds, recompute, strict=False))
     return Evaluation(
         cfg, True,
         iteration_time_s=pipeline_s + tail,

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from functools import lru_cache
-from dataclasses import dataclass, replace
 
 from planner.cluster import Cluster
 from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
 from planner.errors import PlannerError
-from planner.plan import RECOMPUTE, SCHEDULES, Batch, ClusterRef, Layout, ModelRef, Plan, Prediction, Stage, Training, stage_ranks
+from planner.plan import (
+    RECOMPUTE,
+    SCHEDULES,
+    Plan,
+)
 from planner.profile_schema import Profile
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
 from planner.solver.intra_op import shardable_ops, tp_obstacles
@@ -283,7 +287,7 @@ def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
     if num_stages > num_units:
         return None
     edges = [round(k * num_units / num_stages) for k in range(num_stages + 1)]
-    return tuple(zip(edges[:-1], edges[1:]))
+    return tuple(zip(edges[:-1], edges[1:], strict=False))
 
 
 def time_lower_bound(table, cfg: Config, env: Environment) -> float:
