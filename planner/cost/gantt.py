@@ -95,7 +95,8 @@ def draw_gantts(panels: list[Panel | tuple[Timeline, str]], path: str | Path) ->
     panels = [p if isinstance(p, Panel) else Panel(*p) for p in panels]
     end = max(max(p.end_s, p.timeline.makespan_s) for p in panels) or 1.0
     rows = [_layout_rows(p.timeline, end) for p in panels]
-    heights = [0.32 * p.timeline.num_ranks + 0.9 for p in panels]
+    # Rows, then room for the axis and a title of several lines (a one-row plan must still fit them).
+    heights = [0.32 * p.timeline.num_ranks + 1.1 + 0.2 * ((p.title or " ").count("\n") + 1) for p in panels]
     legend_in = 0.7
     fig, axes = plt.subplots(len(panels), 1, figsize=(14.0, sum(heights) + legend_in), squeeze=False, sharex=True,
                              gridspec_kw={"height_ratios": heights})
@@ -178,8 +179,10 @@ def _draw_panel(ax, panel: Panel, rows: list[_Row], end_s: float) -> None:
         if seconds > 0:
             ax.broken_barh([(start, seconds)], (-0.5, timeline.num_ranks), facecolors=color, edgecolors="none", alpha=0.8)
             if seconds >= MIN_LABEL_SHARE * end_s:
-                ax.text(start + seconds / 2, (timeline.num_ranks - 1) / 2, term, rotation=90, ha="center", va="center",
-                        fontsize=7)
+                # Upright across several rows; a single row is too short for it: the legend names it.
+                if timeline.num_ranks >= 3:
+                    ax.text(start + seconds / 2, (timeline.num_ranks - 1) / 2, term, rotation=90, ha="center",
+                            va="center", fontsize=7)
         start += seconds
     labels = panel.row_labels or tuple(f"rank {r}" for r in range(timeline.num_ranks))
     ax.set_yticks(range(timeline.num_ranks), labels, fontsize=7 if timeline.num_ranks <= 32 else 5)
