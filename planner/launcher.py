@@ -88,7 +88,8 @@ def launch(command: list[str], env: dict, timeout_s: float, *, what: str, log_di
                 break
             except subprocess.TimeoutExpired:
                 pass
-        if received or proc.poll() is None:
+        # A signal that came after the job had finished well does not undo it.
+        if (received and proc.poll() != 0) or proc.poll() is None:
             _track(proc.pid, tracked)
             num_stopped = _stop(proc, tracked.values())
             reader.join(timeout=2)

@@ -41,6 +41,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
@@ -59,6 +60,8 @@ _PLANNER_DIRS = (Path(__file__).parent, Path(__file__).parent.parent / "runtime"
 
 
 _UNINITIALISED = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+_OVERWRITES = {aten.fill_, aten.zero_, aten.copy_}
+"""In-place ops that replace every value of their `self` without reading it."""
 """Factories whose values are whatever memory held: their outputs are not known, but sampled."""
 
 
@@ -117,9 +120,12 @@ def _on_cpu(value):
 class KnownValues(TorchDispatchMode):
     """See the module docstring."""
 
-    def __init__(self, max_numel: int = DEFAULT_MAX_NUMEL, seed: int = 0):
+    def __init__(self, max_numel: int = DEFAULT_MAX_NUMEL, seed: int = 0, sample: bool = True):
         super().__init__()
         self.max_numel = max_numel
+        self.sample = sample
+        """Whether parameter-dependent values are sampled (False: only exact values; a read of
+        another raises DataDependentError)."""
         self.values = WeakTensorKeyDictionary()
         """meta tensor -> its shadow (a real cpu tensor of the same shape and dtype)."""
         self.sampled = WeakTensorKeyDictionary()
@@ -178,8 +184,12 @@ class KnownValues(TorchDispatchMode):
         makes_meta = any(isinstance(x, torch.device) and x.type == "meta" for x in flat)
         if not metas and not makes_meta:
             return func(*args, **kwargs)
-        known = all(x in self.values for x in metas) and func.overloadpacket not in _UNINITIALISED
-        sampled = any(x in self.sampled for x in metas)
+        reads = self._reads(func, args, kwargs, metas)
+        # Random ops draw from torch's generator: their values are not the batch's, and drawing
+        # them for a shadow would move the global RNG. Their small float outputs are sampled.
+        known = (all(x in self.values for x in reads) and func.overloadpacket not in _UNINITIALISED
+                 and torch.Tag.nondeterministic_seeded not in func.tags)
+        sampled = any(x in self.sampled for x in reads)
 
         if func is aten._local_scalar_dense.default:  # .item(), bool(t), int(t), float(t)
             return self._scalar(func, args[0])
@@ -222,14 +232,36 @@ class KnownValues(TorchDispatchMode):
             except Exception:  # a shadow is a convenience: losing one only loses an answer
                 real = None
             if real is not None:
-                self._bind_outputs(out, real, sampled)
+                self._bind_outputs(out, real, sampled, mutated)
                 return
-        for t in mutated:  # written with unknown data: the old shadow is stale
-            self.values.pop(t, None)
+        for t in mutated:  # written with unknown data: the old shadow is stale, and so are its aliases'
+            self._forget(t)
+        if not self.sample:
+            return
         for t in outs:
             if t is not None and t not in self.values and t.numel() <= self.max_numel and t.is_floating_point():
                 self.values[t] = torch.randn(t.shape, generator=self.generator).to(t.dtype)
                 self.sampled[t] = True
+
+    def _forget(self, tensor: torch.Tensor) -> None:
+        """Drop the shadows of `tensor` and of every meta tensor viewing the same storage."""
+        storage = StorageWeakRef(tensor.untyped_storage())
+        for t in list(self.values.keys()):
+            if t is tensor or StorageWeakRef(t.untyped_storage()) == storage:
+                self.values.pop(t, None)
+                self.sampled.pop(t, None)
+
+    def _reads(self, func, args, kwargs, metas: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`metas` less the arguments `func` only writes (`out=`, the self of fill_/zero_/copy_)."""
+        schema = func._schema
+        if not schema.is_mutable:
+            return metas
+        write_only = []
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write and (arg.is_out or func.overloadpacket in _OVERWRITES):
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                write_only += [id(t) for t in tree_flatten(value)[0] if _is_meta(t)]
+        return [x for x in metas if id(x) not in write_only]
 
     @staticmethod
     def _mutated(func, args, kwargs) -> list[torch.Tensor]:
@@ -245,16 +277,28 @@ class KnownValues(TorchDispatchMode):
         return written
 
     def _run_on_shadows(self, func, args, kwargs):
-        real_args, real_kwargs = tree_map(lambda x: self.values[x] if _is_meta(x) else _on_cpu(x), (args, kwargs))
+        def real(x):
+            if not _is_meta(x):
+                return _on_cpu(x)
+            if x in self.values:
+                return self.values[x]
+            return torch.empty(x.shape, dtype=x.dtype)  # an argument the op only writes (`_reads`)
+
+        real_args, real_kwargs = tree_map(real, (args, kwargs))
         with torch.no_grad():
             return func(*real_args, **real_kwargs)
 
-    def _bind_outputs(self, out, real, sampled: bool) -> None:
+    def _bind_outputs(self, out, real, sampled: bool, mutated: list[torch.Tensor] = ()) -> None:
+        written = {id(t) for t in mutated}
         for t, r in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=False):
             if _is_meta(t) and isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape):
+                if id(t) in written and self.values.get(t) is not r:
+                    self._forget(t)  # written with a new shadow: its aliases' shadows are stale
                 self.values[t] = r
                 if sampled:
                     self.sampled[t] = True
+                else:
+                    self.sampled.pop(t, None)
 
     def _note_sampled(self, func) -> None:
         self.sampled_decisions[(str(func.overloadpacket.__name__), model_line())] += 1

@@ -83,7 +83,9 @@ class Flow(TorchFunctionMode):
         """Values of the meta tensors an earlier stage's glue makes, where they can be known
         (made on first use: most stages' glue never needs one)."""
         if self._known_values is None:
-            self._known_values = KnownValues()
+            # Exact values only: a sampled one could steer this stage's glue down another path
+            # than the trace and stage 0 took, and the tensor keys would no longer agree.
+            self._known_values = KnownValues(sample=False)
         return self._known_values
 
     @property

@@ -244,6 +244,10 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
                 # holding unsharded gradients across micro-batches would undo that memory saving.
                 if lay.zero_stage == 1 and isinstance(modules[0], FSDPModule):
                     modules[0].set_requires_gradient_sync(k == m - 1)
+                if lay.zero_stage in (1, 2) and isinstance(modules[0], FSDPModule):
+                    # Parameters stay gathered until the step's last backward: one all-gather per
+                    # step, as priced (reshard_after_forward is already off for ZeRO 1-2).
+                    modules[0].set_reshard_after_backward(k == m - 1)
                 with timer.time(0, "forward"):
                     with _autocast(plan, device):
                         out = modules[0](*(_slice(x, lo, hi) for x in inputs))
