@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from planner.metrics_schema import load_metrics
 from planner.validate import timeline_from_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,25 +62,25 @@ def chain(args, out: Path, tag: str, k: int) -> dict:
     for r in range(args.runs):
         path = metrics.with_name(f"{metrics.stem}-run{r}.json")
         planner("run", str(plan), "--steps", str(args.steps), "--output", str(path))
-        runs.append((json.loads(path.read_text())["median_iteration_time_s"], path))
+        runs.append((load_metrics(path).median_iteration_time_s, path))
     runs.sort()
     metrics.write_text(runs[len(runs) // 2][1].read_text())
     for _, path in runs:
         path.unlink()
-    p, m = json.loads(plan.read_text()), json.loads(metrics.read_text())
+    p, m = json.loads(plan.read_text()), load_metrics(metrics)
     pred, timeline = p["prediction"], timeline_from_metrics(m)
-    measured_stage = [m["stage_times_s"][str(s)]["forward_s"] + m["stage_times_s"][str(s)]["backward_s"] for s in range(len(p["stages"]))]
+    measured_stage = [m.stage_times_s[s].forward_s + m.stage_times_s[s].backward_s for s in range(len(p["stages"]))]
     return {"chain": k, "device": json.loads(profile.read_text())["device_name"], "gpus": args.gpus, "dtype": args.dtype,
             "layout": json.dumps(p["layout"]), "micro_batch": p["batch"]["micro_batch_size"], "num_microbatches": p["batch"]["num_microbatches"],
             "compute_slowdown": slowdown,
-            "predicted_iteration_s": pred["iteration_time_s"], "measured_iteration_s": m["median_iteration_time_s"],
-            "error": pred["iteration_time_s"] / m["median_iteration_time_s"] - 1,
+            "predicted_iteration_s": pred["iteration_time_s"], "measured_iteration_s": m.median_iteration_time_s,
+            "error": pred["iteration_time_s"] / m.median_iteration_time_s - 1,
             "measured_runs_s": ";".join(f"{t:.5f}" for t, _ in runs),
             "predicted_stage_s": ";".join(f"{t:.5f}" for t in pred["stage_time_s"]),
             "measured_stage_s": ";".join(f"{t:.5f}" for t in measured_stage),
             "predicted_bubble_fraction": pred["bubble_fraction"],
             "measured_bubble_fraction": timeline.bubble_fraction() if timeline else None,
-            "predicted_peak_memory_bytes": max(pred["peak_memory_bytes"]), "measured_peak_memory_bytes": max(x or 0 for x in m["peak_memory_bytes"]),
+            "predicted_peak_memory_bytes": max(pred["peak_memory_bytes"]), "measured_peak_memory_bytes": max(m.peak_memory_bytes),
             **{f"predicted_{key}_s": v for key, v in pred["breakdown_s"].items()},
             "_plan": plan, "_metrics": metrics}
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from planner.metrics_schema import load_metrics
 from planner.plan import Batch, ClusterRef, Layout, ModelRef, Plan, Stage, stage_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,16 +57,16 @@ def make_plan(layout: Layout, cuts: list[int]) -> Plan:
                 layout=layout, stages=stages)
 
 
-def _run(command: list[str], output: Path) -> float:
+def _run(command: list[str]) -> None:
     done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     if done.returncode:
         sys.exit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(output.read_text())["median_iteration_time_s"]
 
 
 def ours(plan_path: Path, steps: int, out: Path) -> float:
     metrics = out / "ours.json"
-    return _run([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--steps", str(steps), "--output", str(metrics)], metrics)
+    _run([sys.executable, "-m", "planner.cli", "run", str(plan_path), "--steps", str(steps), "--output", str(metrics)])
+    return load_metrics(metrics).median_iteration_time_s
 
 
 def plain(layout: Layout, cuts: list[int], steps: int, out: Path) -> float:
@@ -76,7 +77,8 @@ def plain(layout: Layout, cuts: list[int], steps: int, out: Path) -> float:
                *[x for k, v in ARGS.items() for x in ("-a", f"{k}={v}")],
                "--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH),
                "--units", ",".join(UNITS), "--cuts", ",".join(map(str, cuts)), "--steps", str(steps), "--output", str(result)]
-    return _run(command, result)
+    _run(command)
+    return json.loads(result.read_text())["median_iteration_time_s"]  # plain_torch.py's own two-field file
 
 
 def stage_replay_overhead(repeats: int = 7, calls: int = 30) -> list[dict]:

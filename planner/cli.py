@@ -309,18 +309,20 @@ def validate(
 
 @app.command()
 def schema(
-    kind: str = typer.Argument(..., help="plan or profile"),
+    kind: str = typer.Argument(..., help="plan, profile, metrics or cluster"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here instead of printing."),
 ) -> None:
-    """Print the JSON schema of plan or profile files."""
+    """Print the JSON schema of plan, profile, metrics or cluster files (published in schemas/)."""
     import json
 
+    from planner.cluster_schema import ClusterFile
+    from planner.metrics_schema import Metrics
     from planner.plan import Plan
     from planner.profile_schema import Profile
 
-    models = {"plan": Plan, "profile": Profile}
+    models = {"plan": Plan, "profile": Profile, "metrics": Metrics, "cluster": ClusterFile}
     if kind not in models:
-        raise PlannerError(f"Unknown schema {kind!r}.", "Use `planner schema plan` or `planner schema profile`.")
+        raise PlannerError(f"Unknown schema {kind!r}.", f"Use `planner schema KIND` with KIND one of {', '.join(models)}.")
     text = json.dumps(models[kind].model_json_schema(), indent=1) + "\n"
     if output:
         output.write_text(text)

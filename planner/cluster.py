@@ -35,16 +35,18 @@ File format (YAML or JSON; profiles/clusters/ holds one file per preset):
     pipeline_overhead_s: 8.0e-4 # optional: what a pipelined micro-batch costs a stage beyond compute and bytes
 
 A file may instead list `nodes: [{gpu: a100-80gb, count: 2, gpus_per_node: 8}, ...]`;
-nodes of different GPU types are parsed and rejected (not supported yet).
+nodes of different GPU types are parsed and rejected (not supported yet). The file's schema
+(`ClusterFile`, each field's meaning and bounds, the error messages) is planner/cluster_schema.py;
+`planner schema cluster` prints it as JSON schema.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from planner.cluster_schema import GPUOverride, LinkFile, NodeGroup, validate_cluster_file
 from planner.errors import PlannerError
 from planner.hardware import GPUS, GPUSpec, get_gpu
 
@@ -55,10 +57,6 @@ GLOO_LATENCY_S = 50e-6
 # Share of the data-sheet link bandwidth collectives reach (module docstring).
 NVLINK_EFFICIENCY = 0.75
 NETWORK_EFFICIENCY = 0.9
-
-TOP_LEVEL_KEYS = {"name", "gpu", "num_nodes", "gpus_per_node", "intra_node", "inter_node", "fitted", "nodes", "compute_slowdown",
-                  "pipeline_overhead_s"}
-_HINT = "Fix the cluster file (format: planner/cluster.py, examples: profiles/clusters/)."
 
 
 @dataclass(frozen=True)
@@ -135,146 +133,53 @@ def make_cluster(gpus: int, gpus_per_node: int | None = None, gpu: str = "a100-8
     return Cluster(f"{spec.name}x{gpus}", spec, gpus // per_node, per_node, intra, inter)
 
 
-def _positive(value, what: str, source: str, allow_zero: bool = False) -> float:
-    """A finite number > 0 (or >= 0 with `allow_zero`), or a PlannerError naming the field."""
-    if isinstance(value, bool):
-        value = "a boolean"
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise PlannerError(f"{source}: {what} must be a number (got {value!r}).", _HINT) from None
-    if not ((number >= 0 if allow_zero else number > 0) and math.isfinite(number)):
-        least = "0 or positive" if allow_zero else "positive"
-        raise PlannerError(f"{source}: {what} must be {least} and finite (got {value!r}).", _HINT)
-    return number
-
-
-def _count(value, what: str, source: str) -> int:
-    """A positive whole number (2.0 is accepted, 2.5 is not)."""
-    number = _positive(value, what, source)
-    if number != int(number):
-        raise PlannerError(f"{source}: {what} must be a whole number (got {value!r}).", _HINT)
-    return int(number)
-
-
-def _preset(name, what: str, source: str) -> GPUSpec:
-    try:
-        return get_gpu(str(name))
-    except PlannerError as exc:
-        raise PlannerError(f"{source}: {what}: {exc.message}", exc.hint) from None
-
-
-def _gpu_from(entry, source: str) -> GPUSpec:
-    """`gpu: NAME` or `gpu: {preset: NAME, <GPUSpec field>: value, ...}`."""
+def _gpu_spec(entry: str | GPUOverride) -> GPUSpec:
     if isinstance(entry, str):
-        return _preset(entry, "gpu", source)
-    if not (isinstance(entry, dict) and "preset" in entry):
-        raise PlannerError(f"{source}: `gpu` must be a preset name or {{preset: NAME, ...overrides}}.", "Example: gpu: a100-80gb")
-    spec = _preset(entry["preset"], "gpu.preset", source)
-    known = {f.name for f in fields(GPUSpec)} - {"name"}
-    unknown = set(entry) - known - {"preset", "name"}
-    if unknown:
-        raise PlannerError(f"{source}: unknown gpu fields {sorted(unknown)}.", f"Known fields: {sorted(known)}.")
-    overrides: dict = {}
-    for key, value in entry.items():
-        if key == "peak_flops":
-            if not isinstance(value, dict) or not value:
-                raise PlannerError(f"{source}: gpu.peak_flops must map dtype names to FLOP/s.", "Example: {bfloat16: 3.12e14}")
-            overrides[key] = {**spec.peak_flops, **{str(d): _positive(v, f"gpu.peak_flops.{d}", source) for d, v in value.items()}}
-        elif key == "memory_bytes":
-            overrides[key] = _count(value, "gpu.memory_bytes", source)
-        elif key in known:
-            overrides[key] = _positive(value, f"gpu.{key}", source)
-    return replace(spec, name=str(entry.get("name", spec.name)), **overrides)
+        return get_gpu(entry)
+    spec = get_gpu(entry.preset)
+    overrides = entry.model_dump(exclude_none=True, exclude={"preset", "name", "peak_flops"})
+    if entry.peak_flops:
+        overrides["peak_flops"] = {**spec.peak_flops, **entry.peak_flops}
+    return replace(spec, name=entry.name or spec.name, **overrides)
 
 
-def _link(entry, default: Link, what: str, source: str) -> Link:
+def _link(entry: LinkFile | None, default: Link) -> Link:
     if entry is None:
         return default
-    if not isinstance(entry, dict):
-        raise PlannerError(f"{source}: `{what}` must be a mapping.", "Example: {bandwidth_bytes_per_s: 3.0e11, latency_s: 3.0e-6}")
-    unknown = set(entry) - {"bandwidth_bytes_per_s", "latency_s"}
-    if unknown:
-        raise PlannerError(f"{source}: unknown {what} fields {sorted(unknown)}.", "Known fields: bandwidth_bytes_per_s, latency_s.")
-    return Link(
-        _positive(entry.get("bandwidth_bytes_per_s", default.bandwidth_bytes_per_s), f"{what}.bandwidth_bytes_per_s", source),
-        _positive(entry.get("latency_s", default.latency_s), f"{what}.latency_s", source),
-    )
+    return Link(entry.bandwidth_bytes_per_s or default.bandwidth_bytes_per_s, entry.latency_s or default.latency_s)
 
 
-def _fitted(entry, source: str) -> dict[str, dict]:
-    """Check the numbers the collective model reads; keep everything else (raw points, notes)."""
-    if entry is None:
-        return {}
-    if not isinstance(entry, dict):
-        raise PlannerError(f"{source}: `fitted` must be a mapping.", "Re-create the file with `planner profile-cluster`.")
-    out = {}
-    for kind, fit in entry.items():
-        if not isinstance(fit, dict):
-            raise PlannerError(f"{source}: fitted.{kind} must be a mapping.", "Re-create the file with `planner profile-cluster`.")
-        for key in ("latency_s", "bandwidth_bytes_per_s"):
-            _positive(fit.get(key), f"fitted.{kind}.{key}", source)
-        if "num_ranks" in fit:
-            _count(fit["num_ranks"], f"fitted.{kind}.num_ranks", source)
-        out[str(kind)] = dict(fit)
-    return out
-
-
-def _flatten_nodes(data: dict, source: str) -> dict:
-    """`nodes: [...]` -> num_nodes / gpus_per_node / gpu, or the heterogeneity error."""
-    nodes = data["nodes"]
-    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, dict) and "gpu" in n for n in nodes):
-        raise PlannerError(f"{source}: `nodes` must be a non-empty list of {{gpu, count, gpus_per_node}}.", _HINT)
-    if "num_nodes" in data or "gpus_per_node" in data or "gpu" in data:
-        raise PlannerError(f"{source}: give either `nodes` or `gpu`/`num_nodes`/`gpus_per_node`, not both.", _HINT)
-    kinds = []
-    for i, node in enumerate(nodes):
-        spec = _gpu_from(node["gpu"], f"{source}: nodes[{i}]")
-        kinds.append((spec, _count(node.get("gpus_per_node", 8), f"nodes[{i}].gpus_per_node", source)))
-        _count(node.get("count", 1), f"nodes[{i}].count", source)
+def _one_node_type(nodes: list[NodeGroup], source: str) -> tuple[GPUSpec, int, int]:
+    """(gpu, num_nodes, gpus_per_node) of a `nodes` list, or the heterogeneity error."""
+    kinds = [(_gpu_spec(n.gpu), n.gpus_per_node) for n in nodes]
     if any(kind != kinds[0] for kind in kinds):  # GPUSpec holds a dict: compare, do not hash
         described = sorted({f"{per_node} x {spec.name}" for spec, per_node in kinds})
         raise PlannerError(
             f"{source} mixes node types ({', '.join(described)}): heterogeneous clusters are not supported yet.",
             "Plan for one node type at a time (a cluster file with a single `gpu`).",
         )
-    rest = {k: v for k, v in data.items() if k != "nodes"}
-    return {**rest, "gpu": nodes[0]["gpu"], "num_nodes": sum(int(n.get("count", 1)) for n in nodes),
-            "gpus_per_node": kinds[0][1]}
+    return kinds[0][0], sum(n.count for n in nodes), kinds[0][1]
 
 
 def parse_cluster(data, source: str = "cluster") -> Cluster:
     """A Cluster from a parsed YAML/JSON mapping; `source` names it in errors."""
-    if not isinstance(data, dict):
-        raise PlannerError(f"{source} is not a cluster description (expected a mapping).", _HINT)
-    unknown = set(data) - TOP_LEVEL_KEYS
-    if unknown:
-        raise PlannerError(f"{source}: unknown fields {sorted(unknown)}.", f"Known fields: {sorted(TOP_LEVEL_KEYS)}.")
-    if "nodes" in data:
-        data = _flatten_nodes(data, source)
-    if "gpu" not in data:
-        raise PlannerError(f"{source}: missing `gpu`.", "Add e.g. `gpu: a100-80gb`.")
-    gpu = _gpu_from(data["gpu"], source)
+    form = validate_cluster_file(data, source)
+    if form.nodes is not None:
+        gpu, num_nodes, gpus_per_node = _one_node_type(form.nodes, source)
+    else:
+        gpu, num_nodes, gpus_per_node = _gpu_spec(form.gpu), form.num_nodes, form.gpus_per_node
     intra, inter = default_links(gpu)  # overridden GPU bandwidths carry into the default links
     return Cluster(
-        name=str(data.get("name") or Path(source).stem),
+        name=form.name or Path(source).stem,
         gpu=gpu,
-        num_nodes=_count(data.get("num_nodes", 1), "num_nodes", source),
-        gpus_per_node=_count(data.get("gpus_per_node", 8), "gpus_per_node", source),
-        intra_node=_link(data.get("intra_node"), intra, "intra_node", source),
-        inter_node=_link(data.get("inter_node"), inter, "inter_node", source),
-        fitted=_fitted(data.get("fitted"), source),
-        compute_slowdown=_slowdown(data.get("compute_slowdown", 1.0), source),
-        pipeline_overhead_s=_positive(data.get("pipeline_overhead_s", 0.0), "pipeline_overhead_s", source, allow_zero=True),
+        num_nodes=num_nodes,
+        gpus_per_node=gpus_per_node,
+        intra_node=_link(form.intra_node, intra),
+        inter_node=_link(form.inter_node, inter),
+        fitted={kind: fit.model_dump(exclude_unset=True) for kind, fit in form.fitted.items()},
+        compute_slowdown=form.compute_slowdown,
+        pipeline_overhead_s=form.pipeline_overhead_s,
     )
-
-
-def _slowdown(value, source: str) -> float:
-    number = _positive(value, "compute_slowdown", source)
-    if number < 1.0:
-        raise PlannerError(f"{source}: compute_slowdown must be at least 1 (got {value!r}): sharing a node never speeds a device up.",
-                           _HINT)
-    return number
 
 
 def load_cluster(path: str | Path) -> Cluster:

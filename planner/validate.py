@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from pathlib import Path
 
@@ -11,40 +10,29 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.errors import PlannerError
+from planner.metrics_schema import Metrics, load_metrics
 from planner.plan import Plan
 from planner.report import _bytes, _time
 
 
-def load_metrics(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise PlannerError(f"Metrics file {path} does not exist.", "Create one with `planner run PLAN --output FILE`.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise PlannerError(f"Metrics file {path} is not valid JSON ({exc}).", "Re-run the plan.") from None
-    if not isinstance(data, dict) or "median_iteration_time_s" not in data:
-        raise PlannerError(f"{path} is not a metrics file from `planner run`.", "Pass the file written by --output.")
-    return data
-
-
 def plan_digest(plan: Plan) -> str:
     """SHA-256 of what a run executes and what it is held against (the plan less the solver's
-    statistics): the same plan file always gives the same digest, another plan another one."""
-    return hashlib.sha256(plan.model_dump_json(exclude={"search"}).encode()).hexdigest()
+    statistics): the same plan file always gives the same digest, another plan another one.
+    Fields left at their defaults are not hashed, so a field a later version adds with a default
+    does not change the digest of the plans written before it."""
+    return hashlib.sha256(plan.model_dump_json(exclude={"search"}, exclude_defaults=True).encode()).hexdigest()
 
 
-def check_metrics_match(plan: Plan, metrics: dict, metrics_path: str | Path, plan_path: str | Path = "the plan") -> None:
+def check_metrics_match(plan: Plan, metrics: Metrics, metrics_path: str | Path, plan_path: str | Path = "the plan") -> None:
     """Refuse metrics recorded by another plan: their comparison would be meaningless."""
-    recorded = metrics.get("plan_sha256")
-    if recorded is not None:
-        same = recorded == plan_digest(plan)
+    if metrics.plan_sha256 is not None:
+        same = metrics.plan_sha256 == plan_digest(plan)
     else:  # metrics of an older run: the prediction and world size it recorded must agree
-        pred = plan.prediction.model_dump() if plan.prediction else None
-        same = metrics.get("world_size", plan.world_size) == plan.world_size and (
-            metrics.get("prediction") is None or pred is None or _same_numbers(metrics["prediction"], pred))
+        same = metrics.world_size == plan.world_size and (
+            metrics.prediction is None or plan.prediction is None
+            or _same_numbers(metrics.prediction.model_dump(), plan.prediction.model_dump()))
     if not same:
-        ran = f" (it ran {metrics['plan']})" if metrics.get("plan") else ""
+        ran = f" (it ran {metrics.plan})" if metrics.plan else ""
         raise PlannerError(f"{metrics_path} was recorded by another plan than {plan_path}{ran}: its plan fingerprint "
                            f"differs, so a comparison would be meaningless.",
                            "Pass the plan file the run executed, or run this plan with `planner run PLAN --output FILE`.")
@@ -65,21 +53,21 @@ def compare(plan: Plan, metrics_path: str | Path, plan_path: str | Path = "the p
     metrics = load_metrics(metrics_path)
     check_metrics_match(plan, metrics, metrics_path, plan_path)
     pred = plan.prediction
-    rows = [("iteration time", pred.iteration_time_s if pred else None, metrics["median_iteration_time_s"], "time"),
-            ("samples/s", pred.samples_per_s if pred else None, metrics["samples_per_s"], "rate")]
-    peaks = [p for p in metrics.get("peak_memory_bytes", []) if p]
+    rows = [("iteration time", pred.iteration_time_s if pred else None, metrics.median_iteration_time_s, "time"),
+            ("samples/s", pred.samples_per_s if pred else None, metrics.samples_per_s, "rate")]
+    peaks = [p for p in metrics.peak_memory_bytes if p]
     if peaks:
         rows.append(("peak memory (max over ranks)", max(pred.peak_memory_bytes) if pred else None, max(peaks), "bytes"))
     measured_timeline = timeline_from_metrics(metrics)
     if measured_timeline is not None:
         rows.append(("bubble fraction (last step)", pred.bubble_fraction if pred else None, measured_timeline.bubble_fraction(), "share"))
-    measured_stages = metrics.get("stage_times_s") or {}
+    measured_stages = metrics.stage_times_s
     predicted_stages = pred.stage_time_s if pred else []
     for k in range(max(len(predicted_stages), len(measured_stages))):
-        t = measured_stages.get(str(k))
+        t = measured_stages.get(k)
         if t is not None or k < len(predicted_stages):
             rows.append((f"stage {k} fwd+bwd per micro-batch", predicted_stages[k] if k < len(predicted_stages) else None,
-                         t["forward_s"] + t["backward_s"] if t else None, "time"))
+                         t.forward_s + t.backward_s if t else None, "time"))
     return rows
 
 
@@ -104,17 +92,17 @@ def print_comparison(rows, console: Console | None = None) -> None:
                   "so it is not comparable with the prediction's tensors-only figure.")
 
 
-def timeline_from_metrics(metrics: dict):
+def timeline_from_metrics(metrics: Metrics):
     """The measured pipeline timeline a pipelined run recorded (runtime/metrics.py), or None."""
     from planner.cost.simulator import Event, Timeline, _peak_held
 
-    data = metrics.get("timeline")
-    if not data or not data.get("events"):
+    measured = metrics.timeline
+    if measured is None or not measured.events:
         return None
-    events = tuple(sorted((Event(e["rank"], e["chunk"], e["microbatch"], e["kind"], e["start_s"], e["end_s"]) for e in data["events"]),
+    events = tuple(sorted((Event(e.rank, e.chunk, e.microbatch, e.kind, e.start_s, e.end_s) for e in measured.events),
                           key=lambda e: e.start_s))
-    per_rank = [[(e.kind, e.chunk, e.microbatch) for e in events if e.rank == r] for r in range(data["num_ranks"])]
-    return Timeline(data["schedule"], data["num_ranks"], events, max(e.end_s for e in events), tuple(_peak_held(a) for a in per_rank))
+    per_rank = [[(e.kind, e.chunk, e.microbatch) for e in events if e.rank == r] for r in range(measured.num_ranks)]
+    return Timeline(measured.schedule, measured.num_ranks, events, max(e.end_s for e in events), tuple(_peak_held(a) for a in per_rank))
 
 
 def draw_validation_gantt(plan: Plan, metrics_path: str | Path, path: str | Path) -> Path:

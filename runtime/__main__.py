@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -45,28 +44,24 @@ def main(argv=None) -> None:
         model_file = resolve_model_file(plan, args.plan, args.model_file)
         # Every rank checks before the process group exists; no rank writes there before a save's barrier.
         check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite, args.reference)
-        metrics = train(plan, model_file, args.steps, args.seed, args.lr, args.reference, args.checkpoint_dir, args.resume)
+        result = train(plan, model_file, args.steps, args.seed, args.lr, args.reference, args.checkpoint_dir, args.resume)
     except PlannerError as exc:
         rank = os.environ.get("RANK", "0")
         print(f"error (rank {rank}): {exc.message}\n{exc.hint or ''}", file=sys.stderr)
         sys.exit(1)
-    params = metrics.pop("_params")
     rank = int(os.environ.get("RANK", 0))
-    if args.save_params and params:
+    if args.save_params and result.params:
         import torch
 
         path = Path(args.save_params)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(params, path.with_name(f"{path.stem}.rank{rank}{path.suffix}") if not args.reference else path)
+        torch.save(result.params, path.with_name(f"{path.stem}.rank{rank}{path.suffix}") if not args.reference else path)
     if rank == 0:
-        metrics["plan"] = str(args.plan)
-        metrics["reference"] = args.reference
-        text = json.dumps(metrics, indent=1)
+        metrics = result.metrics.model_copy(update={"plan": str(args.plan), "reference": args.reference})
         if args.output:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output).write_text(text)
-        losses = ", ".join(f"{x:.5f}" for x in metrics["losses"])
-        print(f"losses: {losses}\nmedian step: {metrics['median_iteration_time_s'] * 1e3:.1f} ms")
+            metrics.save(args.output)
+        losses = ", ".join(f"{x:.5f}" for x in metrics.losses)
+        print(f"losses: {losses}\nmedian step: {metrics.median_iteration_time_s * 1e3:.1f} ms")
     if not args.reference:
         # Everything is written and the process groups are destroyed. Leave without the
         # interpreter's teardown: about one gloo run in 30 aborted there ("terminate called

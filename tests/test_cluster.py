@@ -99,7 +99,19 @@ def test_links_in_the_file_win(tmp_path):
     ("gpu: a100-80gb\nintra_node: {bandwidth_bytes_per_s: .inf}\n", "intra_node.bandwidth_bytes_per_s must be positive and finite"),
     ("gpu: a100-80gb\ninter_node: {latency_s: 0}\n", "inter_node.latency_s must be positive"),
     ("gpu: a100-80gb\ninter_node: {bw: 1}\n", "unknown inter_node fields"),
-    ("gpu: a100-80gb\nfitted: {all_reduce: {latency_s: 1.0e-5}}\n", "fitted.all_reduce.bandwidth_bytes_per_s must be a number"),
+    # A missing field is named as missing (before the pydantic schema it read "must be a number (got None)").
+    ("gpu: a100-80gb\nfitted: {all_reduce: {latency_s: 1.0e-5}}\n", "missing `fitted.all_reduce.bandwidth_bytes_per_s`"),
+    ("gpu: a100-80gb\nfitted: {all_reduce: {latency_s: 1.0e-5, bandwidth_bytes_per_s: fast}}\n",
+     "fitted.all_reduce.bandwidth_bytes_per_s must be a number"),
+    ("gpu: a100-80gb\nfitted: {all_reduce: {latency_s: 1.0e-5, bandwidth_bytes_per_s: 1.0e9, num_ranks: 2.5}}\n",
+     "fitted.all_reduce.num_ranks must be a whole number"),
+    ("gpu: a100-80gb\nfitted: {all_reduce: 3}\n", "`fitted.all_reduce` must be a mapping"),
+    ("gpu: a100-80gb\nintra_node: 3\n", "`intra_node` must be a mapping"),
+    ("gpu: {preset: a100-80gb, peak_flops: {}}\n", "`gpu.peak_flops` must be a mapping of dtype names to FLOP/s"),
+    ("gpu: {memory_bytes: 1}\n", "missing `gpu.preset`"),
+    ("nodes: [{gpu: tpu-v9}]\n", r"nodes\[0\].gpu: Unknown GPU 'tpu-v9'"),
+    ("nodes: [{gpu: a100-80gb, count: 0}]\n", r"nodes\[0\].count must be positive"),
+    ("nodes: [{gpu: a100-80gb}]\ngpu: a100-80gb\n", "give either `nodes` or `gpu`"),
     ("gpu: a100-80gb\nnum_gpus: 8\n", "unknown fields \\['num_gpus'\\]"),
     ("num_nodes: 2\n", "missing `gpu`"),
     ("- a list\n", "expected a mapping"),
@@ -118,6 +130,17 @@ def test_bad_cluster_files_are_explained(tmp_path, text, needle):
     with pytest.raises(PlannerError, match=needle) as err:
         load_cluster(path)
     assert str(path) in err.value.message and err.value.hint
+
+
+def test_every_problem_is_listed_with_the_known_fields(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("gpu: {preset: a100-80gb, hbm: 3}\nnum_nodes: 0\ninter_node: {bw: 1}\n")
+    with pytest.raises(PlannerError) as err:
+        load_cluster(path)
+    lines = err.value.message.splitlines()
+    assert lines[0] == f"{path}:" and "num_nodes must be positive and finite (got 0)" in lines[1:][0]
+    assert {"unknown gpu fields ['hbm'].", "unknown inter_node fields ['bw']."} <= {line.strip() for line in lines}
+    assert "'memory_bytes'" in err.value.hint and "'latency_s'" in err.value.hint  # each parent's own fields
 
 
 def test_heterogeneous_message_lists_the_node_types(tmp_path):

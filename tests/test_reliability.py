@@ -207,7 +207,8 @@ def test_metrics_of_another_plan_are_refused(tmp_path, plan_file):
     from planner.validate import compare, plan_digest
 
     plan = load_plan(plan_file)
-    metrics = {"median_iteration_time_s": 0.01, "samples_per_s": 800.0, "plan_sha256": plan_digest(plan), "plan": "a.json"}
+    metrics = {"losses": [1.0], "step_times_s": [0.01], "median_iteration_time_s": 0.01, "samples_per_s": 800.0,
+               "peak_memory_bytes": [0], "world_size": plan.world_size, "plan_sha256": plan_digest(plan), "plan": "a.json"}
     path = tmp_path / "m.json"
     path.write_text(json.dumps(metrics))
     assert compare(plan, path)  # its own metrics compare

@@ -7,15 +7,41 @@ import json
 import pytest
 
 from conftest import ROOT
+from planner.cluster_schema import ClusterFile
 from planner.errors import PlannerError
+from planner.metrics_schema import Metrics
 from planner.plan import Plan, load_plan, parse_plan, stage_ranks
 from planner.profile_schema import Profile
 
+SCHEMAS = [("plan", Plan), ("profile", Profile), ("metrics", Metrics), ("cluster", ClusterFile)]
 
-@pytest.mark.parametrize("kind,model", [("plan", Plan), ("profile", Profile)])
+
+@pytest.mark.parametrize("kind,model", SCHEMAS)
 def test_published_schema_is_current(kind, model):
     published = json.loads((ROOT / "schemas" / f"{kind}.schema.json").read_text())
     assert published == model.model_json_schema(), f"run `planner schema {kind} -o schemas/{kind}.schema.json`"
+
+
+@pytest.mark.parametrize("kind,model", SCHEMAS)
+def test_schema_verb_prints_each_published_schema(kind, model):
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    done = CliRunner().invoke(app, ["schema", kind])
+    assert done.exit_code == 0 and json.loads(done.stdout) == model.model_json_schema()
+
+
+@pytest.mark.parametrize("module", ["planner.metrics_schema", "planner.cluster_schema"])
+def test_every_field_is_documented(module):
+    # Each field of these files says what it holds and in which unit (its docstring is its description).
+    import importlib
+
+    from pydantic import BaseModel
+
+    mod = importlib.import_module(module)
+    models = [m for m in vars(mod).values() if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == module]
+    assert models and [f"{m.__name__}.{n}" for m in models for n, f in m.model_fields.items() if not f.description] == []
 
 
 def hand_plan(**layout) -> dict:
