@@ -92,6 +92,14 @@ class Layout(_Model):
     """Data-parallel degree."""
     tp_degree: int = Field(1, gt=0)
     """Tensor-parallel degree."""
+    ep_degree: int = Field(1, gt=0)
+    """Expert-parallel degree: each MoE experts module keeps 1/ep of its experts per rank and
+    tokens travel to their experts' ranks by all-to-all (runtime/apply_ep.py). EP is folded onto
+    the data-parallel ranks, as Megatron-Core's parallel folding and torchtitan do: along dp, the
+    expert layers' ranks form an (expert_dp, ep) grid with ep innermost, so an EP group is a run
+    of ep consecutive dp indices and expert_dp = dp_degree / ep_degree ranks hold the same experts.
+    Adds no ranks (world size stays pp x dp x tp); ep_degree must divide dp_degree and the number
+    of experts."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded (FSDP)."""
     sequence_parallel: bool = False
@@ -207,6 +215,9 @@ def check_plan_consistency(plan: Plan) -> None:
             f"pp x dp x tp = {lay.pp_degree} x {lay.dp_degree} x {lay.tp_degree} = {lay.world_size} "
             f"!= cluster devices {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node}"
         )
+    if lay.dp_degree % lay.ep_degree:
+        problems.append(f"ep_degree {lay.ep_degree} does not divide dp_degree {lay.dp_degree} (expert parallelism is "
+                        "folded onto the data-parallel ranks)")
     if lay.p2p_scatter_gather and (lay.tp_degree == 1 or lay.sequence_parallel or lay.pp_degree == 1):
         problems.append("p2p_scatter_gather needs pp_degree > 1, tp_degree > 1 and no sequence parallelism")
     if lay.virtual_stages > 1 and lay.schedule not in ("interleaved-1f1b", "zero-bubble"):

@@ -1,6 +1,7 @@
 """Data parallelism: replicated parameters with gradient averaging (ZeRO 0) or FSDP2.
 
-ZeRO 0 averages gradients over the dp group after the step's last backward (one
+ZeRO 0 averages gradients over the dp group (expert parameters over expert-dp, with the
+same divisor: `average_gradients`) after the step's last backward (one
 all-reduce of a flat bucket; written by hand because DDP does not
 compose with torch's pipeline schedules and DTensor parameters as simply). ZeRO 1-3 use
 FSDP2 `fully_shard` on every unit and on the stage: ZeRO-3 reshards parameters after each
@@ -20,11 +21,23 @@ from torch.distributed.fsdp import fully_shard
 from planner.units import tied_units
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_stage: int) -> None:
+def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_stage: int,
+               expert_dp_mesh: DeviceMesh | None = None) -> None:
     """`fully_shard` each unit, then the stage. Units that share a parameter (tied embeddings)
-    form one FSDP group, as FSDP2 requires of a shared parameter."""
+    form one FSDP group, as FSDP2 requires of a shared parameter.
+
+    Expert parallelism (runtime/apply_ep.py): each experts module is sharded first, on its own,
+    over `expert_dp_mesh` (the ranks holding the same experts; torchtitan's dp_mod_ep), so the
+    units' FSDP groups leave its parameters out. Its reduce-scatter sums over expert-dp what the
+    all-to-all's backward summed over the EP group, so the sum must be divided by the whole dp
+    degree (see `average_gradients`, Scale); FSDP divides by the expert-dp size, and
+    `scale_gradients` divides by ep after the step's backward. (FSDP's own
+    set_gradient_divide_factor reduces with PREMUL_SUM, which gloo lacks.)"""
     present = dict(module.named_modules())
     reshard = zero_stage >= 3
+    if expert_dp_mesh is not None:
+        for experts in getattr(module, "_ep_modules", ()):
+            fully_shard(experts, mesh=expert_dp_mesh, reshard_after_forward=reshard)
     held = [name for name in units if name in present and any(True for _ in present[name].parameters())]
     tied = [group for group in tied_units(module, held)]
     grouped = {name for group in tied for name in group}
@@ -34,25 +47,49 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_st
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
 
 
-def average_gradients(modules: list[nn.Module], dp_group) -> None:
-    """All-reduce and average every gradient over the dp group (ZeRO 0)."""
+def average_gradients(modules: list[nn.Module], dp_group, expert_params=(), expert_dp_group=None) -> None:
+    """All-reduce and average every gradient over the dp group (ZeRO 0); the expert parameters
+    of expert parallelism (runtime/apply_ep.py) over their expert-dp group instead.
+
+    Scale. Rank r's loss L_r is the mean over its local batch; the reference's is the mean over
+    the global batch, so its gradient is (1/dp) * sum_r grad L_r. A replicated parameter holds
+    grad L_r: sum over dp, divide by dp. An expert parameter lives on one rank of each EP group,
+    and the all-to-all's backward has already summed into it the gradients of every rank of
+    that EP group; summing over expert-dp (the dp / ep groups holding the same experts) then
+    counts every dp rank exactly once, so it too is divided by dp_degree, not by the expert-dp
+    size (that would leave it ep times too large; torchtitan's FSDP gradient_divide_factor for
+    experts is the same dp degree)."""
     size = dist.get_world_size(dp_group)
     if size == 1:
         return
+    experts = {id(p) for p in expert_params}
+    grads = [_local(p.grad) for module in modules for p in module.parameters() if p.grad is not None and id(p) not in experts]
+    _sum_and_divide(grads, dp_group, size)
+    _sum_and_divide([_local(p.grad) for p in expert_params if p.grad is not None], expert_dp_group, size)
+
+
+def scale_gradients(params, factor: float) -> None:
+    """Multiply the (local shards of the) gradients of `params` by `factor`, in place."""
+    for p in params:
+        if p.grad is not None:
+            _local(p.grad).mul_(factor)
+
+
+def _sum_and_divide(grads: list[torch.Tensor], group, divisor: int) -> None:
+    """Sum `grads` over `group` (None or one rank: nothing to sum) and divide them by `divisor`."""
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
     # One flat bucket per dtype, as DDP buckets gradients: one collective's latency, not one per tensor.
-    grads = [p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
-             for module in modules for p in module.parameters() if p.grad is not None]
     for dtype in {g.dtype for g in grads}:
-        group = [g for g in grads if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in group])
-        dist.all_reduce(flat, group=dp_group)
-        flat.div_(size)
+        same = [g for g in grads if g.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in same])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        flat.div_(divisor)
         offset = 0
-        for g in group:
+        for g in same:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-
-
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

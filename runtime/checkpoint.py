@@ -2,7 +2,9 @@
 
 State is keyed by the model's own parameter names (get_state_dict strips FSDP and
 checkpoint-wrapper prefixes) and saved as DTensor shards, so DCP reshards on load: a run
-saved as PP2 x DP2 resumes as TP2 x DP2. A rank may hold several stage chunks (virtual
+saved as PP2 x DP2 resumes as TP2 x DP2. Expert-parallel experts are DTensor shards of the
+whole experts tensors too (runtime/apply_ep.py), so a run saved under EP2 resumes under EP1
+(plain tensors, read whole) and the reverse (each rank reads its experts' rows). A rank may hold several stage chunks (virtual
 stages), each with its own optimizer (runtime/train.py); every chunk holds different
 parameters under the model's names, so their state dicts merge into one without clashes.
 Optimizer state is saved flattened (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`), as
@@ -85,6 +87,8 @@ def _state(modules: list, optimizers: list) -> dict:
     """{"model": ..., "optim": ...} over this rank's chunks, keyed by parameter names."""
     model_sd, optim_sd = {}, {}
     for module, optimizer in zip(modules, optimizers, strict=True):
+        if optimizer is None:  # a chunk without parameters (runtime/train.py): nothing to keep
+            continue
         m, o = get_state_dict(module, optimizer, options=OPTIONS)
         model_sd.update(m)
         optim_sd.update(o)
@@ -207,4 +211,6 @@ def load(directory: str | Path, modules: list, optimizers: list) -> None:
         raise PlannerError(f"Loading the checkpoint in {directory} failed ({type(exc).__name__}: {first[:300]}).", DAMAGED_HINT) from None
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # each chunk takes its own keys
     for module, optimizer in zip(modules, optimizers, strict=True):
+        if optimizer is None:
+            continue
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)

@@ -40,6 +40,7 @@ def resolve_model_file(plan: Plan, plan_path: str, override: str | None) -> str:
 def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
     """Refuse a bad plan or a mismatched model before starting any process."""
     from planner.model_file import load_model_file
+    from runtime.apply_ep import check_ep
     from runtime.apply_tp import check_tp_plan
     from runtime.build import build_meta_model, check_fingerprint
 
@@ -56,6 +57,7 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
               "profile's): the prediction may not hold. Re-profile and re-solve to plan for the edited model.",
               file=sys.stderr, flush=True)
     check_tp_plan(plan, meta)
+    check_ep(plan, meta)
     if plan.layout.pp_degree > 1:
         from runtime.pp_split import check_splittable
 

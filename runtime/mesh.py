@@ -1,5 +1,5 @@
 """The (pp, dp, tp) device mesh and the process groups beside it, built once. tp is innermost,
-as planner/plan.py's rank_of says."""
+as planner/plan.py's rank_of says. Expert layers see dp as (edp, ep) (`build_ep_mesh`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,17 @@ from planner.plan import Plan
 def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     lay = plan.layout
     return init_device_mesh(device_type, (lay.pp_degree, lay.dp_degree, lay.tp_degree), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def build_ep_mesh(mesh: DeviceMesh, ep_degree: int) -> DeviceMesh | None:
+    """The (pp, edp, ep, tp) view of the mesh for expert layers (planner/plan.py `Layout.ep_degree`):
+    dp = edp x ep with ep innermost, so an EP group is ep consecutive dp indices (ranks
+    `tp_degree` apart) and the edp ranks beside it hold the same experts. Same ranks as `mesh`,
+    new groups for the two axes; None without expert parallelism."""
+    if ep_degree == 1:
+        return None
+    dp_degree = mesh["dp"].size()
+    return mesh._unflatten("dp", (dp_degree // ep_degree, ep_degree), ("edp", "ep"))
 
 
 def build_tie_groups(mesh: DeviceMesh, pp_ranks_per_tie: list[tuple[int, ...]]) -> list[object]:

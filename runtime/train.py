@@ -10,7 +10,10 @@ The order of construction is fixed, and each step needs the one before it:
 4. materialise and initialise each chunk (runtime/build.py: the reference's values, by FQN);
    this comes *before* TP because TP shards initialised full tensors: a sharded init would
    draw different random numbers than the one-process reference (parity by construction);
-5. tensor parallelism (runtime/apply_tp.py);
+5. tensor parallelism (runtime/apply_tp.py), then expert parallelism (runtime/apply_ep.py):
+   both slice initialised full tensors; EP keeps this rank's experts as DTensor shards on
+   the ep axis (dp viewed as (edp, ep), runtime/mesh.py), and its all-to-alls run inside
+   the recompute wrapper of step 6 so that recomputation replays them;
 6. activation checkpointing (runtime/recompute.py), inside the TP hooks so that recompute
    replays the TP collectives;
 7. FSDP (runtime/apply_dp.py) last, wrapping the TP-sharded parameters on the dp mesh;
@@ -45,7 +48,8 @@ from planner.errors import PlannerError
 from planner.model_file import call_user, load_model_file
 from planner.plan import Plan
 from runtime import checkpoint
-from runtime.apply_dp import apply_fsdp, average_gradients, sum_tied_gradients
+from runtime.apply_dp import apply_fsdp, average_gradients, scale_gradients, sum_tied_gradients
+from runtime.apply_ep import apply_ep, check_ep, expert_parameters
 from runtime.apply_pp import build_schedule, build_stage_modules
 from runtime.apply_tp import apply_tp, check_tp_plan, sum_partial_gradients
 from runtime.build import (
@@ -125,6 +129,7 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
     meta = build_meta_model(mf)
     traced = check_fingerprint(plan, meta, mf)
     check_tp_plan(plan, meta)
+    check_ep(plan, meta)
     units = traced.units
     lay = plan.layout
     lr = lr if lr is not None else plan.training.lr
@@ -182,10 +187,11 @@ def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> 
 
 def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume_from=None,
                     first_step: int = 0, fingerprint: str = "") -> dict:
-    from runtime.mesh import build_mesh, build_tie_groups
+    from runtime.mesh import build_ep_mesh, build_mesh, build_tie_groups
 
     lay, batch = plan.layout, plan.batch
     mesh = build_mesh(plan, device.type)
+    ep_mesh = build_ep_mesh(mesh, lay.ep_degree)  # (pp, edp, ep, tp); None without EP
     pp_rank, dp_rank, tp_rank = (mesh[axis].get_local_rank() for axis in ("pp", "dp", "tp"))
     meta = build_meta_model(mf)
     mode = init_mode(meta)
@@ -201,16 +207,21 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         stage = plan.stages[s]
         materialize(model, seed, device, mode, mf)
         apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel, stage.units)
+        if ep_mesh is not None:
+            apply_ep(model, ep_mesh["ep"])
         apply_recompute(model, stage.units, stage.recompute)
         if lay.zero_stage >= 1 and lay.dp_degree > 1:
-            apply_fsdp(model, mesh["dp"], stage.units, lay.zero_stage)
+            apply_fsdp(model, mesh["dp"], stage.units, lay.zero_stage, ep_mesh["edp"] if ep_mesh is not None else None)
     modules = [m for _, m in chunks]
     tie_groups = build_tie_groups(mesh, [t.pp_ranks for t in ties])
     tie_copies = [t.copies(chunks) for t in ties]  # after FSDP, which replaces the parameters
     uncounted = [p for t, copies in zip(ties, tie_copies, strict=False) for s, p in copies if s != t.stages[0]]
     # One optimizer per chunk (AdamW is per parameter, so this is the same update): each
     # chunk's optimizer state is then keyed by its own parameter names (runtime/checkpoint.py).
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=plan.training.weight_decay) for m in modules]
+    # A chunk without parameters (a stage of rotary embeddings alone) has none.
+    optimizers = [torch.optim.AdamW(params, lr=lr, weight_decay=plan.training.weight_decay) if (params := list(m.parameters())) else None
+                  for m in modules]
+    stepping = [o for o in optimizers if o is not None]
     loss_fn = lambda out, tgt: mf.loss(_fp32(out), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
     runner = None
     if lay.pp_degree > 1:
@@ -227,7 +238,7 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         timer.step = step - first_step
         inputs, targets = _local_batch(mf, plan, seed, step, dp_rank, device)
         start = time.perf_counter()
-        for optimizer in optimizers:
+        for optimizer in stepping:
             optimizer.zero_grad()
         if runner is not None:
             mean_loss = runner.step(inputs, targets)  # the last stage's mean over micro-batches, else None
@@ -256,14 +267,18 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
                     loss.backward()
                 local_loss += loss.detach().float()
         if lay.zero_stage == 0:
-            average_gradients(modules, mesh["dp"].get_group())
+            # Expert parameters over expert-dp, divided by the whole dp degree (apply_dp.average_gradients).
+            average_gradients(modules, mesh["dp"].get_group(), expert_parameters(modules),
+                              ep_mesh["edp"].get_group() if ep_mesh is not None else None)
+        elif ep_mesh is not None:  # FSDP divided the experts' sums by expert-dp, not dp (apply_dp.apply_fsdp)
+            scale_gradients(expert_parameters(modules), 1.0 / lay.ep_degree)
         if lay.tp_degree > 1:  # replicated parameters inside a column/row pair saw a share of the heads
             sum_partial_gradients(modules, mesh["tp"].get_group())
         if ties:  # tied copies take the same step: their gradients summed (runtime/pp_split.py)
             sum_tied_gradients([[p for _, p in copies] for copies in tie_copies], tie_groups)
         if plan.training.grad_clip:  # after the dp reduction: the norm of the averaged gradient
             clip_grad_norm(modules, plan.training.grad_clip, mesh["pp"].get_group(), uncounted)
-        for optimizer in optimizers:
+        for optimizer in stepping:
             optimizer.step()
         synchronize(device)  # the step's kernels are done, not just queued
         times.append(time.perf_counter() - start)

@@ -1,0 +1,166 @@
+"""Expert parallelism: each rank keeps 1/ep of every MoE layer's experts; tokens travel to them.
+
+Experts modules are found by structure, never by class name (`find_experts`). The contract,
+which Hugging Face transformers 5.x's `Qwen3MoeExperts` / `MixtralExperts` and
+examples/moe.py's `Experts` meet:
+- the module owns all its parameters (no submodule has any), at least one, and every one has
+  the same leading dim E >= 2, the number of experts: expert e's weights are `p[e]` for every
+  parameter p;
+- `forward(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k]) -> [T, D]`, each
+  token's output the `top_k_weights`-weighted sum of its experts' outputs, expert e computed
+  from the slices `p[e]` alone (so a module over a slice of the experts computes those);
+- an integer attribute `num_experts`, if it has one, is E (it is set to the local count on the
+  module that runs the local experts).
+
+The EP groups. EP is folded onto the data-parallel ranks (planner/plan.py `Layout.ep_degree`,
+Megatron-Core's "parallel folding", torchtitan): the dp axis of the (pp, dp, tp) mesh is viewed
+as (edp, ep) with ep innermost (runtime/mesh.py `build_ep_mesh`); the ep ranks of one group
+hold different experts, the edp ranks holding the same experts see different data.
+
+Placement. After the whole model is initialised as the reference is (runtime/build.py), each
+experts parameter becomes a DTensor `Shard(0)` over the ep mesh holding this rank's E/ep
+experts: the slice of the reference's values, so initialisation is the reference's by
+construction. As DTensors, `full_tensor()` returns the whole experts for parity checks, and
+torch.distributed.checkpoint saves and reshards them like TP shards (a run saved under EP2
+resumes under EP1 and back: runtime/checkpoint.py).
+
+Dispatch (the wrapped forward; GShard's all-to-all, Lepikhin et al. 2020, section 2.2):
+1. sort this rank's T*k token copies by expert (stable), so copies bound for each EP rank are
+   contiguous; count copies per expert and exchange the counts (all_to_all of E integers);
+2. all_to_all_single with variable splits sends each copy to the rank owning its expert;
+3. the local experts run on what arrived, by the module's own per-expert maths (its class's
+   forward over the local slice, each copy a "token" with top-1 index = its local expert and
+   weight 1.0, which multiplies exactly);
+4. all_to_all back by the reverse splits, then the routing weights and the scatter-add into
+   token positions in the same order as the one-process forward (examples/moe.py).
+The data all-to-alls are `all_to_all_single_autograd` (torch's functional collectives; works
+on gloo): its backward is the reverse all-to-all, so each token's gradient returns to its rank
+and each expert's weight gradient sums the contributions of every rank in the EP group.
+Gradients over expert-dp: runtime/apply_dp.py `average_gradients` (ZeRO 0) and `apply_fsdp`
+(ZeRO 1-3: the experts are their own FSDP group on the expert-dp mesh, as torchtitan shards them).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from planner.errors import PlannerError
+from planner.plan import Plan
+
+
+def find_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> experts module, by the structure the module docstring states."""
+    found = {}
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not own or len(own) != len(list(module.parameters())):
+            continue
+        leading = {p.shape[0] if p.dim() >= 2 else None for p in own}
+        if len(leading) != 1 or None in leading or next(iter(leading)) < 2:
+            continue
+        try:
+            params = inspect.signature(type(module).forward).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # past self
+        required = [p for p in positional if p.default is p.empty]
+        if len(positional) == 3 and len(required) == 3:
+            found[name] = module
+    return found
+
+
+def num_experts(module: nn.Module) -> int:
+    return next(module.parameters()).shape[0]
+
+
+def check_ep(plan: Plan, model: nn.Module) -> None:
+    """Refuse, before any process group exists, an EP layout this runtime or model cannot run."""
+    lay = plan.layout
+    if lay.ep_degree == 1:
+        return
+    problems = []
+    if lay.sequence_parallel:
+        problems.append("sequence_parallel with ep_degree > 1: the router would see this rank's sequence chunk only")
+    experts = find_experts(model)
+    if not experts:
+        problems.append(f"ep_degree is {lay.ep_degree} but the model has no experts module (a module whose "
+                        "parameters share a leading expert dim and whose forward takes (hidden_states, "
+                        "top_k_index, top_k_weights))")
+    uneven = {name: num_experts(m) for name, m in experts.items() if num_experts(m) % lay.ep_degree}
+    if uneven:
+        name, count = next(iter(uneven.items()))
+        problems.append(f"ep_degree {lay.ep_degree} does not divide the number of experts of {name} ({count})"
+                        + (f" and {len(uneven) - 1} more modules" if len(uneven) > 1 else ""))
+    if problems:
+        raise PlannerError("The plan's expert parallelism does not fit: " + "; ".join(problems) + ".",
+                           "Pick an ep_degree that divides dp_degree and every experts module's number of experts, "
+                           "without sequence parallelism.")
+
+
+def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Keep this rank's experts of every experts module in `module` (a model or a stage) and
+    route tokens to the others' by all-to-all (module docstring). Records the experts modules in
+    `module._ep_modules` for FSDP and the gradient reduction (`expert_parameters`)."""
+    ep_degree = ep_mesh.size()
+    module._ep_modules = []
+    if ep_degree == 1:
+        return
+    rank = ep_mesh.get_local_rank()
+    for experts in find_experts(module).values():
+        total = num_experts(experts)
+        local = total // ep_degree
+        assert local * ep_degree == total, "check_ep refuses an ep_degree that does not divide the experts"
+        # The module that runs the local experts: a shallow copy over the local slices (set per call).
+        runner = copy.copy(experts)
+        runner.__dict__["_parameters"] = {}
+        if isinstance(getattr(experts, "num_experts", None), int):
+            runner.num_experts = local
+        for name, param in list(experts._parameters.items()):
+            shard = param.detach()[rank * local:(rank + 1) * local].clone()
+            sharded = nn.Parameter(DTensor.from_local(shard, ep_mesh, (Shard(0),), run_check=False),
+                                   requires_grad=param.requires_grad)
+            experts.register_parameter(name, sharded)
+        module._ep_modules.append(experts)
+        experts.forward = _dispatching_forward(experts, runner, total, ep_degree, ep_mesh.get_group())
+
+
+def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_degree: int, group):
+    local = total // ep_degree
+    compute = type(experts).forward
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)  # token copies grouped by expert, hence by owning rank
+        token = order // k
+        counts = torch.bincount(flat, minlength=total)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] copy counts
+        received = received.view(ep_degree, local)
+        send_splits = counts.view(ep_degree, local).sum(dim=1).tolist()
+        recv_splits = received.sum(dim=1).tolist()
+        arrived = all_to_all_single_autograd(hidden_states[token], recv_splits, send_splits, group)
+        which = torch.arange(local, device=flat.device).repeat(ep_degree).repeat_interleave(received.reshape(-1))
+        runner.__dict__["_parameters"] = {n: p.to_local() for n, p in experts._parameters.items()}
+        ones = torch.ones(which.shape[0], 1, dtype=arrived.dtype, device=arrived.device)
+        out = compute(runner, arrived, which[:, None], ones)
+        runner.__dict__["_parameters"] = {}  # hold no activations' graph between calls
+        back = all_to_all_single_autograd(out, send_splits, recv_splits, group)
+        back = back * top_k_weights.reshape(-1)[order, None]
+        return torch.zeros_like(hidden_states).index_add_(0, token, back.to(hidden_states.dtype))
+
+    return forward
+
+
+def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of the experts modules `apply_ep` sharded, over every stage chunk (read from
+    the modules: FSDP replaces the parameter objects)."""
+    return [p for m in modules for experts in getattr(m, "_ep_modules", ()) for p in experts.parameters()]

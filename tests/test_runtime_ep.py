@@ -1,0 +1,297 @@
+"""Expert parallelism (runtime/apply_ep.py) on examples/moe.py: parity with the one-process reference.
+
+Tolerances: those of tests/test_runtime_parity.py (losses 1e-5 relative, parameters 1e-4
+absolute after 3 AdamW steps), and for the same reason. Routing is decided per token by the
+router, whose input is the same token's hidden state in the reference and in every rank, so
+the same experts are chosen (a near-tie flipping would change a token's output by O(1) and
+the loss far beyond 1e-5); what differs is only float reassociation: each expert's matmul
+runs over a differently composed batch of rows, and gradients are summed in another order
+(all-to-all backward, then the expert-dp all-reduce). The one-step gradient test is tighter
+(1e-5 relative): no Adam amplification. It is the test that the expert gradients are scaled
+right: AdamW divides each update by sqrt(v), so a gradient off by a constant factor (divided
+by the expert-dp size instead of dp) would still pass the parameter parity checks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from planner.plan import Plan
+from tests.conftest import EXAMPLES
+from tests.runtime_plans import make_plan, megatron_tp_plan
+from tests.test_runtime_checkpoint import check_resume_matches_reference, cli
+from tests.test_runtime_parity import check_parity
+
+# aux_loss_coef 0.1, ten times the default, so that the load-balancing loss moves the
+# parameters by far more than the tolerance (test_aux_loss_is_in_the_loss_and_the_training).
+MOE_ARGS = dict(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16, num_experts=4, top_k=2, moe_d_ff=32,
+                aux_loss_coef=0.1)
+MOE_UNITS = ["embed", "layers.0", "layers.1", "norm", "output"]
+MOE_TP = megatron_tp_plan("layers", 2, ("attention.wq", "attention.wk", "attention.wv"),
+                          ("moe.shared_expert.w1", "moe.shared_expert.w3"), "moe.shared_expert.w2", "attention.wo")
+
+
+def moe_plan(ep: int = 1, args: dict | None = None, sequence_parallel: bool = False, grad_clip: float | None = None,
+             **layout) -> Plan:
+    plan = make_plan(model="moe", args={**MOE_ARGS, **(args or {})}, units=MOE_UNITS, **layout)
+    data = plan.model_dump()
+    data["layout"].update(ep_degree=ep, sequence_parallel=sequence_parallel)
+    data["training"]["grad_clip"] = grad_clip
+    return Plan.model_validate(data)  # check_plan_consistency runs again, with ep
+
+
+def load_moe():
+    spec = importlib.util.spec_from_file_location("example_moe", EXAMPLES / "moe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- the model file and the structural match (one process) ----
+
+def test_moe_example_follows_the_contract():
+    moe = load_moe()
+    with torch.device("meta"):
+        meta = moe.build_model(**MOE_ARGS)
+    tokens, targets = moe.make_batch(2, **MOE_ARGS)
+    logits, aux = meta(tokens.to("meta"))
+    assert logits.shape == (2, 16, 64) and aux.shape == (2,)
+    for options in ({}, dict(shared_expert=True, granularity=2)):
+        torch.manual_seed(0)
+        model = moe.build_model(**{**MOE_ARGS, **options})
+        moe.loss_fn(model(tokens), targets).backward()
+        for name, p in model.named_parameters():  # the router learns from the aux loss and the experts' outputs
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+    experts = model.layers[0].moe.experts
+    assert experts.num_experts == 8 and experts.gate_up_proj.shape == (8, 2 * 16, 32)  # granularity 2: 2x experts, 1/2 wide
+    # The meta device's gathered-weights form is the same maths as the grouped loop.
+    x, index, weights = torch.randn(10, 32), torch.randint(8, (10, 4)), torch.rand(10, 4)
+    torch.testing.assert_close(experts(x, index, weights), experts._gathered(x, index, weights))
+
+
+def test_aux_loss_is_in_the_loss():
+    moe = load_moe()
+    tokens, targets = moe.make_batch(2, **MOE_ARGS)
+    losses = {}
+    for coef in (0.0, 0.1):
+        torch.manual_seed(0)
+        logits, aux = moe.build_model(**{**MOE_ARGS, "aux_loss_coef": coef})(tokens)
+        losses[coef] = moe.loss_fn((logits, aux), targets)
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1))
+        torch.testing.assert_close(losses[coef], ce + aux.mean())
+    # Two layers, each aux >= 1 (1 exactly when balanced): the loss grows by at least 2 x coef.
+    assert losses[0.1] - losses[0.0] >= 2 * 0.1 - 1e-6
+
+
+def test_experts_are_found_by_structure():
+    from runtime.apply_ep import find_experts
+
+    moe = load_moe()
+    with torch.device("meta"):
+        model = moe.build_model(**MOE_ARGS)
+    assert sorted(find_experts(model)) == ["layers.0.moe.experts", "layers.1.moe.experts"]  # not the router's Linear
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = transformers.Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+    with torch.device("meta"):
+        block = Qwen3MoeSparseMoeBlock(config)
+    assert list(find_experts(block)) == ["experts"]
+
+
+@pytest.mark.parametrize("layout,ep,message", [
+    (dict(dp=4), 3, "ep_degree 3 does not divide dp_degree 4"),
+])
+def test_ep_not_dividing_dp_is_refused_with_the_plan(layout, ep, message):
+    with pytest.raises(ValueError, match=message):
+        moe_plan(ep=ep, **layout)
+
+
+def test_ep_the_model_cannot_take_is_refused_before_training():
+    from planner.errors import PlannerError
+    from runtime.apply_ep import check_ep
+
+    with torch.device("meta"):
+        model = load_moe().build_model(**{**MOE_ARGS, "num_experts": 3})
+    with pytest.raises(PlannerError, match=r"ep_degree 2 does not divide the number of experts of layers.0.moe.experts \(3\)"):
+        check_ep(moe_plan(ep=2, dp=2, args={"num_experts": 3}), model)
+    with pytest.raises(PlannerError, match="sequence_parallel with ep_degree > 1"):
+        check_ep(moe_plan(ep=2, dp=2, tp=2, sequence_parallel=True), model)
+    with torch.device("meta"):
+        dense = load_moe().build_model(**MOE_ARGS).layers[0].attention
+    with pytest.raises(PlannerError, match="the model has no experts module"):
+        check_ep(moe_plan(ep=2, dp=2), dense)
+
+
+@pytest.mark.slow
+def test_run_refuses_ep_not_dividing_the_experts(tmp_path):
+    plan = moe_plan(ep=2, dp=2, args={"num_experts": 3}).save(tmp_path / "plan.json")
+    done = cli("run", str(plan), "--steps", "1", "--output", str(tmp_path / "metrics.json"), timeout=120)
+    assert done.returncode == 1 and "does not divide the number of experts" in " ".join(done.stderr.split())
+    assert not (tmp_path / "metrics.json").exists()  # refused before the first step
+
+
+# ---- gradients of one step, spawned gloo ranks ----
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gradient_worker(rank: int, world: int, port: int, ep: int, zero: int) -> None:
+    """One backward under dp=world, ep (ZeRO 0: replicated, 3: FSDP): every full gradient (experts
+    gathered) equals the one-process one, reduced as runtime/train.py reduces them."""
+    from planner.model_file import load_model_file
+    from runtime.apply_dp import apply_fsdp, average_gradients, scale_gradients
+    from runtime.apply_ep import apply_ep, expert_parameters
+    from runtime.build import build_meta_model, materialize
+    from runtime.grad_clip import clip_grad_norm
+    from runtime.mesh import build_ep_mesh, build_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        plan = moe_plan(ep=ep, dp=world, zero=zero)
+        mf = load_model_file(str(EXAMPLES / "moe.py"), plan.model.args)
+        mesh = build_mesh(plan, "cpu")
+        ep_mesh = build_ep_mesh(mesh, ep)
+        cpu = torch.device("cpu")
+        reference = materialize(build_meta_model(mf), 0, cpu, "per-module", mf)
+        model = materialize(build_meta_model(mf), 0, cpu, "per-module", mf)
+        apply_ep(model, ep_mesh["ep"])
+        if zero:
+            apply_fsdp(model, mesh["dp"], MOE_UNITS, zero, ep_mesh["edp"])
+        torch.manual_seed(1)
+        tokens, targets = mf.make_batch(2 * world)
+        mf.loss(reference(tokens), targets).backward()
+        mine = slice(2 * rank, 2 * rank + 2)  # pp = tp = 1: the dp index is the rank
+        mf.loss(model(tokens[mine]), targets[mine]).backward()
+        if zero:
+            scale_gradients(expert_parameters([model]), 1.0 / ep)
+        else:
+            average_gradients([model], mesh["dp"].get_group(), expert_parameters([model]), ep_mesh["edp"].get_group())
+        assert len(expert_parameters([model])) == 4
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-7, msg=name)
+        # Gradient clipping's global norm counts every expert once (ep shards summed, edp replicas not).
+        norm = clip_grad_norm([model], max_norm=1e9)
+        torch.testing.assert_close(norm, torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,ep,zero", [(2, 2, 0), pytest.param(4, 2, 0, marks=pytest.mark.slow),
+                                            pytest.param(4, 2, 3, marks=pytest.mark.slow)])
+def test_expert_gradients_equal_the_one_process_gradients(world, ep, zero):
+    mp.spawn(_gradient_worker, args=(world, _free_port(), ep, zero), nprocs=world, join=True)
+
+
+def _hf_worker(rank: int, world: int, port: int) -> None:
+    """Hugging Face's Qwen3MoeSparseMoeBlock with its experts sharded: the same outputs and gradients."""
+    import copy
+
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from runtime.apply_dp import average_gradients
+    from runtime.apply_ep import apply_ep, expert_parameters
+    from runtime.mesh import build_ep_mesh, build_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        plan = moe_plan(ep=world, dp=world)
+        mesh = build_mesh(plan, "cpu")
+        ep_mesh = build_ep_mesh(mesh, world)
+        torch.manual_seed(0)
+        config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+        reference = Qwen3MoeSparseMoeBlock(config)
+        for p in reference.parameters():  # HF leaves them to _init_weights: any values will do
+            torch.nn.init.normal_(p, std=0.3)
+        block = copy.deepcopy(reference)
+        apply_ep(block, ep_mesh["ep"])
+        x = torch.randn(2 * world, 8, 16)
+        full = reference(x)
+        full.square().mean().backward()
+        mine = slice(2 * rank, 2 * rank + 2)
+        out = block(x[mine])
+        torch.testing.assert_close(out, full[mine])
+        out.square().mean().backward()
+        average_gradients([block], mesh["dp"].get_group(), expert_parameters([block]), ep_mesh["edp"].get_group())
+        for name, p in block.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_hugging_face_experts_under_ep():
+    pytest.importorskip("transformers")
+    mp.spawn(_hf_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+# ---- whole runs against --reference ----
+
+EP_CASES = {
+    "ep2-dp2": dict(ep=2, dp=2),
+    "ep2-dp4": dict(ep=2, dp=4),
+    # The per-sequence aux loss crosses the pipeline cut beside the hidden state.
+    "ep2-pp2": dict(ep=2, pp=2, dp=2, m=2),
+    # Attention and the shared expert TP-sharded; the experts replicated over tp, each tp rank
+    # dispatching within its own EP group.
+    "ep2-tp2": dict(ep=2, dp=2, tp=2, tp_plan=MOE_TP, args={"shared_expert": True}),
+    "ep2-pp2-zero-bubble": dict(ep=2, pp=2, dp=2, schedule="zero-bubble", m=4),
+    "ep2-recompute-full": dict(ep=2, dp=2, recompute="full"),  # the all-to-alls replayed in backward
+    # Clipping (active: the norm is ~0.5) over the experts' DTensor gradients. Weak on the norm's
+    # value: AdamW nearly undoes a per-step scale, so this mostly checks that clipping composes.
+    "ep2-dp4-clip": dict(ep=2, dp=4, grad_clip=0.05),
+    # FSDP: the experts sharded over expert-dp (2 ranks), the rest over dp (4).
+    "ep2-dp4-zero3": dict(ep=2, dp=4, zero=3),
+    "ep2-dp4-zero1-m2": dict(ep=2, dp=4, zero=1, m=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(EP_CASES))
+def test_ep_parity(case, tmp_path):
+    check_parity(moe_plan(**EP_CASES[case]), tmp_path)
+
+
+@pytest.mark.slow
+def test_aux_loss_is_in_the_training(tmp_path):
+    """The reference with and without the aux loss trains to different parameters (so the parity
+    runs above, at coef 0.1, check that the parallel run applies it too)."""
+    from tests.test_runtime_parity import run
+
+    params = []
+    for coef in (0.0, 0.1):
+        out = tmp_path / str(coef)
+        out.mkdir()
+        params.append(run(moe_plan(args={"aux_loss_coef": coef}).save(out / "plan.json"), out, 1, reference=True)[1])
+    assert max((params[0][k] - params[1][k]).abs().max().item() for k in params[0]) > 1e-3
+
+
+RESUMES = {
+    "ep2-to-ep1": (dict(ep=2, dp=2), dict(ep=1, dp=2)),
+    "ep1-to-ep2": (dict(ep=1, dp=2), dict(ep=2, dp=2)),
+    "ep2-zero3-to-ep1": (dict(ep=2, dp=2, zero=3), dict(ep=1, dp=2)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(RESUMES))
+def test_resume_across_ep_degrees_matches_reference(case, tmp_path):
+    a, b = RESUMES[case]
+    check_resume_matches_reference(moe_plan(**a), moe_plan(**b), tmp_path)
