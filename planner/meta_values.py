@@ -178,7 +178,13 @@ class KnownValues(TorchDispatchMode):
 
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # The ops this mode runs itself (shadows, samples, copies) are its own business: a
+        # TorchFunctionMode above it (the pipeline's tracer, runtime/pp_flow.py) must not see
+        # them as the model's code, or a traced run would number more tensors than a real one.
+        with torch._C.DisableTorchFunction():
+            return self._dispatch(func, args, kwargs or {})
+
+    def _dispatch(self, func, args, kwargs):
         flat = tree_flatten((args, kwargs))[0]
         metas = [x for x in flat if _is_meta(x)]
         makes_meta = any(isinstance(x, torch.device) and x.type == "meta" for x in flat)

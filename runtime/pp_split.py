@@ -243,7 +243,8 @@ def _stage_forward(self: nn.Module, *args):
         inputs = spec.placeholders
     if spec.hooks is None:  # first call: after TP, FSDP and recompute wrapped the units
         spec.hooks = UnitHooks(self, layout.units)
-    flow = Flow(layout, spec.stage, received)
+    device = next((t.device for t in args if isinstance(t, torch.Tensor) and not t.is_meta), None)
+    flow = Flow(layout, spec.stage, received, device=device)
     inputs = flow.produce(tuple(inputs), INPUT)
     output = None
     try:
@@ -258,9 +259,15 @@ def _stage_forward(self: nn.Module, *args):
     assert not missing, f"stage {spec.stage} did not make crossing tensors {missing}"
     # A tensor only passed on is already a fresh autograd node (`_received`), so the schedule's
     # backward (autograd.grad w.r.t. the stage inputs) routes its gradient straight back.
-    # Contiguous: p2p sends need it (a no-op for almost every activation).
-    return tuple(ScatterToGroup.apply(flow.values[k], spec.scatter_group) if spec.sliced(k) else flow.values[k].contiguous()
+    return tuple(_sendable(ScatterToGroup.apply(flow.values[k], spec.scatter_group) if spec.sliced(k) else flow.values[k])
                  for k in spec.out_keys)
+
+
+def _sendable(t: torch.Tensor) -> torch.Tensor:
+    """A stage output as torch's schedules need it: contiguous (p2p sends), and not a view
+    (the zero-bubble schedules `detach_()` a stage's outputs after its input-gradient pass,
+    which autograd refuses on a view). A copy only for those that are not (few activations)."""
+    return t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
 
 
 _TENSOR = object()  # marks a tensor leaf in StageSpec.output_tree
