@@ -151,6 +151,19 @@ class PipelineRunner:
         return torch.stack([loss.detach() for loss in losses]).mean()
 
 
+class _PipelineStage(PipelineStage):
+    """torch's stage, telling the stage module when torch runs it to infer shapes (runtime/pp_split.py
+    `StageSpec.shape_inference`): it then runs on uninitialised tensors, which glue must not read."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        spec = self.submod._pp_stage
+        spec.shape_inference = True
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            spec.shape_inference = False
+
+
 def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, device, loss_fn,
                    example_microbatch: tuple) -> PipelineRunner:
     """PipelineStages for this rank's chunks and the plan's schedule over them.
@@ -163,7 +176,7 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, de
     num_microbatches = plan.batch.num_microbatches
     for _, module in stages:
         set_example_microbatch(module, example_microbatch)
-    pipeline_stages = [PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stages]
+    pipeline_stages = [_PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stages]
     last = [module for index, module in stages if index == num_stages - 1]
     if last:  # the loss sees the model's own output object, not the tensors torch's stage passes around
         user_loss_fn = loss_fn

@@ -65,6 +65,9 @@ class CutLayout:
     """dtype and shape (at the trace's batch size) of every crossing tensor."""
     late: list[Key] = field(default_factory=list)
     """Keys of tensors no visible op made, in the order the trace assigned them (module docstring)."""
+    known: dict[Key, torch.Tensor] = field(default_factory=dict)
+    """Exact values (cpu) of the crossing tensors the trace could know (position ids, masks made
+    from the batch's shape): a stage fed placeholders gives them to its glue (runtime/pp_split.py)."""
 
     def stage_of(self, position: float) -> int:
         """The stage that runs code at `position`; glue after unit i runs with unit i + 1."""
@@ -199,6 +202,13 @@ class Flow(TorchFunctionMode):
                 )
             key = self.late[self.late_index]
             self.late_index += 1
+            if key in self.values:  # this call made more tensors before it than the trace did
+                raise PlannerError(
+                    f"Pipeline stage {self.stage}: the model's forward made different tensors at {model_line()} on this "
+                    "call than in the planner's trace (code that caches tensors across calls does this), so the "
+                    "stage cannot tell which tensors to send.",
+                    "Run this model without pipeline parallelism (--pp 1).",
+                )
         self.ordinals[key[0]] = max(self.ordinals[key[0]], key[1] + 1)
         self.keys[id(t)] = key
         self._alive.append(t)
@@ -346,6 +356,8 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
             if layout.stage_of(key[0]) <= k < max(layout.stage_of(u) for u in users)
         ))
     layout.late = flow.late
+    layout.known = {key: values.values[flow.values[key]] for keys in layout.crossings for key in keys
+                    if flow.values[key] in values.values and flow.values[key] not in values.sampled}
     layout.traced = {key: (flow.values[key].dtype, tuple(flow.values[key].shape)) for keys in layout.crossings for key in keys}
     return layout
 

@@ -188,6 +188,9 @@ class StageSpec:
     scatter_group: object = None
     """Tensor-parallel process group whose ranks send crossing tensors as slices
     (runtime/pp_scatter.py), or None: every rank sends them whole."""
+    shape_inference: bool = False
+    """True while torch's pipeline infers the shapes crossing each cut by running the stage on
+    uninitialised tensors (runtime/apply_pp.py): `_stage_forward` gives them sane values first."""
 
     def sliced(self, key: Key) -> bool:
         """Whether crossing tensor `key` travels as this group's slices."""
@@ -238,6 +241,8 @@ def _stage_forward(self: nn.Module, *args):
     else:
         if len(args) != len(spec.in_keys):
             raise RuntimeError(f"stage {spec.stage} got {len(args)} tensors, expected {len(spec.in_keys)}")
+        if spec.shape_inference:
+            _fill_placeholders(spec, args)
         received = {k: _received(GatherFromGroup.apply(t, spec.scatter_group) if spec.sliced(k) else t)
                     for k, t in zip(spec.in_keys, args, strict=False)}
         inputs = spec.placeholders
@@ -271,6 +276,27 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
 
 
 _TENSOR = object()  # marks a tensor leaf in StageSpec.output_tree
+
+
+def _fill_placeholders(spec: StageSpec, args: tuple) -> None:
+    """Values for the uninitialised tensors torch's shape inference feeds a later stage.
+
+    Glue that reads a received tensor (a check for packed position ids, an embedding lookup of
+    position ids) would otherwise branch, or index, on whatever memory held: a different path
+    on each run and rank, or an index out of range. Each gets the value the trace knew for it
+    (same shape), else zeros, so the inference takes the real run's path where it can and a
+    deterministic one where it cannot. In place: torch keeps these tensors as the leaves it
+    differentiates for the backward's shapes.
+    """
+    with torch.no_grad():
+        for key, t in zip(spec.in_keys, args, strict=False):
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            known = spec.layout.known.get(key)
+            if known is not None and tuple(known.shape) == tuple(t.shape):
+                t.copy_(known)
+            else:
+                t.zero_()
 
 
 def _flatten_output(spec: StageSpec, output):
