@@ -154,6 +154,63 @@ class Prediction(_Model):
     parts. None: not recorded (plans predicted before overlap was modelled)."""
 
 
+class Alternative(BaseModel):
+    """A runner-up configuration the search priced, and why it lost to the plan (unknown keys
+    are ignored on load, as in `SearchReport`)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="ignore")
+
+    layout: Layout
+    micro_batch_size: int
+    num_microbatches: int
+    stage_units: list[int]
+    """Units per stage, in stage order."""
+    recompute: list[Recompute]
+    """Recomputation per stage."""
+    iteration_time_s: float
+    peak_memory_bytes: list[int]
+    """Predicted peak per stage."""
+    why_lost: str
+    """How much slower, and the breakdown terms that grew the most."""
+
+
+class SearchReport(BaseModel):
+    """What `planner solve` did to find the plan: how many configurations it considered, priced
+    and pruned, where its time went, and the runners-up. Keys this version does not know (from
+    other versions of the solver) are ignored on load: the section informs, nothing runs from it."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="ignore")
+
+    solve_time_s: float = 0.0
+    """Wall time of the search (the plan file's writing excluded)."""
+    candidates: int | None = None
+    """Configurations the pins allow (None: not recorded, plans from before it was)."""
+    candidates_evaluated: int = 0
+    """Configurations priced by the inter-op DP."""
+    pruned_by_memory_bound: int = 0
+    """Configurations whose model states alone overflow memory (never priced)."""
+    pruned_by_time_bound: int | None = None
+    """Configurations whose time lower bound could not enter the top k (never priced)."""
+    phase_times_s: dict[str, float] | None = None
+    """Seconds per phase of the search (planner/solver/solve.py `SearchResult.phase_times_s`)."""
+    stage_forward_s: list[float] | None = None
+    """The plan's predicted forward time per stage and micro-batch (the Gantt chart's input)."""
+    stage_backward_s: list[float] | None = None
+    """The plan's predicted backward time per stage and micro-batch."""
+    alternatives: list[Alternative] = []
+    """The next best configurations, fastest first."""
+
+    def get(self, key: str, default=None):
+        """Dict-style read for callers written when this section was a plain dict."""
+        value = getattr(self, key, None)
+        return default if value is None else value
+
+    def __getitem__(self, key: str):
+        if key not in type(self).model_fields:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
 class Plan(_Model):
     schema_version: int = PLAN_SCHEMA_VERSION
     model: ModelRef
@@ -166,8 +223,8 @@ class Plan(_Model):
     stages: list[Stage]
     prediction: Prediction | None = None
     """Absent in hand-written plans."""
-    search: dict | None = None
-    """Solver statistics and alternatives."""
+    search: SearchReport | None = None
+    """Solver statistics and alternatives (absent in hand-written plans)."""
     device_mismatch: str | None = None
     """Set when the profile's times come from another device than the cluster's GPU (solved with
     --allow-device-mismatch): which device's times the prediction used. None: they agree."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from planner.plan import Plan
+from planner.plan import Plan, SearchReport
 from planner.report import _bytes, _time
 
 
@@ -78,19 +78,31 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for term, value in pred.breakdown_s.items():
         breakdown.add_row(term, _time(value), f"{value / total:.1%}")
     console.print(breakdown)
-    alternatives = (plan.search or {}).get("alternatives", [])
-    if alternatives:
-        alt = Table(title=f"Alternatives (solved in {plan.search.get('solve_time_s', 0):.2f} s, "
-                          f"{plan.search.get('candidates_evaluated', 0)} configurations priced)")
+    search = plan.search
+    if search is not None and search.alternatives:
+        alt = Table(title=f"Alternatives (solved in {search.solve_time_s:.2f} s, {search.candidates_evaluated} configurations priced)")
         for col in ("layout", "micro-batch", "iteration", "why it lost"):
             alt.add_column(col)
-        for a in alternatives:
-            lay_a = a["layout"]
-            desc = (f"pp{lay_a['pp_degree']} dp{lay_a['dp_degree']} tp{lay_a['tp_degree']}"
-                    f"{' +sp' if lay_a['sequence_parallel'] else ''} zero{lay_a['zero_stage']} {lay_a['schedule']}"
-                    f"{' v' + str(lay_a['virtual_stages']) if lay_a['virtual_stages'] > 1 else ''}")
-            alt.add_row(desc, f"{a['micro_batch_size']} x {a['num_microbatches']}", _time(a["iteration_time_s"]), a["why_lost"])
+        for a in search.alternatives:
+            lay_a = a.layout
+            desc = (f"pp{lay_a.pp_degree} dp{lay_a.dp_degree} tp{lay_a.tp_degree}"
+                    f"{' +sp' if lay_a.sequence_parallel else ''} zero{lay_a.zero_stage} {lay_a.schedule}"
+                    f"{' v' + str(lay_a.virtual_stages) if lay_a.virtual_stages > 1 else ''}")
+            alt.add_row(desc, f"{a.micro_batch_size} x {a.num_microbatches}", _time(a.iteration_time_s), a.why_lost)
         console.print(alt)
+    if search is not None and search.phase_times_s:
+        print_search(search, console)
+
+
+def print_search(search: SearchReport, console: Console) -> None:
+    """The search's counts (considered, pruned by each bound, priced) and its time per phase."""
+    table = Table(title=f"Search ({search.solve_time_s:.3f} s)")
+    for col in ("configurations", "pruned: memory", "pruned: time bound", "priced", *search.phase_times_s):
+        table.add_column(col, justify="right")
+    count = lambda n: "-" if n is None else str(n)  # noqa: E731
+    table.add_row(count(search.candidates), count(search.pruned_by_memory_bound), count(search.pruned_by_time_bound),
+                  count(search.candidates_evaluated), *(_time(t) for t in search.phase_times_s.values()))
+    console.print(table)
 
 
 def simulated_timeline(plan: Plan):
@@ -98,8 +110,7 @@ def simulated_timeline(plan: Plan):
     from planner.cost.simulator import simulate
     from planner.errors import PlannerError
 
-    search = plan.search or {}
-    fwd, bwd = search.get("stage_forward_s"), search.get("stage_backward_s")
+    fwd, bwd = (plan.search.stage_forward_s, plan.search.stage_backward_s) if plan.search else (None, None)
     if not fwd or not bwd:
         raise PlannerError("This plan has no predicted stage times to simulate.", "Draw Gantt charts of plans written by `planner solve`.")
     lay = plan.layout

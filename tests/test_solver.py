@@ -37,10 +37,13 @@ def test_free_search_gives_a_valid_fast_plan(gpt_profile):
     pred = plan.prediction
     assert pred.iteration_time_s > 0 and 0 < pred.mfu < 1
     assert pred.tokens_per_s == pytest.approx(pred.samples_per_s * 1024)
-    assert plan.search["candidates_evaluated"] > 10
-    alts = plan.search["alternatives"]
-    assert alts and all(a["iteration_time_s"] >= pred.iteration_time_s for a in alts)
-    assert all("slower" in a["why_lost"] for a in alts)
+    search = plan.search
+    assert search.candidates_evaluated > 10
+    assert search.candidates == search.pruned_by_memory_bound + search.pruned_by_time_bound + search.candidates_evaluated
+    assert set(search.phase_times_s) == {"intra_op", "bounds", "inter_op"}
+    alts = search.alternatives
+    assert alts and all(a.iteration_time_s >= pred.iteration_time_s for a in alts)
+    assert all("slower" in a.why_lost for a in alts)
     assert max(pred.peak_memory_bytes) <= 80 * 1024**3
 
 
@@ -53,7 +56,7 @@ def test_all_pins_evaluate_exactly_that_configuration(gpt_profile):
     assert (lay.schedule, lay.virtual_stages, lay.sequence_parallel) == ("interleaved-1f1b", 2, True)
     assert plan.batch.micro_batch_size == 2 and plan.batch.num_microbatches == 8
     assert len(plan.stages) == 4 and all(s.recompute == "full" for s in plan.stages)
-    assert plan.search["candidates_evaluated"] == 1
+    assert plan.search.candidates_evaluated == 1
     _covers_all_units(plan, gpt_profile)
 
 

@@ -22,7 +22,8 @@ best[S][U] + (m - 1) * t_max. Cuts with bottleneck t take at least max(m t, leas
 once that bound passes the best T seen. The min-sum cuts over all ranges are the first
 incumbent; candidates are solved in growing batches (1, 2, 4, up to `BATCH`). The minimum over candidates is the
 optimum of T: the optimal cuts appear when t_max equals their own bottleneck. Each
-candidate costs O(S U^2) (vectorised over i and j with numpy).
+candidate costs O(S (U - S + 1)^2): stage k can only start in [k, U - S + k] (`_band`),
+vectorised over i and j with numpy. Stages with equal costs share one row (`SharedRows`).
 
 Forbidden cuts. `solve_cuts` can be told where no stage may end (`allowed_cuts`, e.g. inside
 a group of units that must share a stage): ranges starting or ending at a forbidden cut cost
@@ -57,6 +58,23 @@ def pipeline_time(stage_times: list[float] | tuple[float, ...], num_microbatches
     return float(sum(stage_times) + (num_microbatches - 1) * max(stage_times))
 
 
+class SharedRows:
+    """A stage cost table whose stages share rows: cost[k, i, j] = rows[row_of_stage[k], i, j].
+    Stages with the same memory limit see the same costs (zero bubble: all of them), so the
+    table is held once per distinct row instead of once per stage."""
+
+    def __init__(self, rows: np.ndarray, row_of_stage: np.ndarray):
+        self.rows, self.row_of_stage = rows, row_of_stage
+        self.shape = (len(row_of_stage), *rows.shape[1:])
+
+    def __getitem__(self, key):
+        stage, *rest = key if isinstance(key, tuple) else (key,)
+        return self.rows[(self.row_of_stage[stage], *rest)]
+
+    def dense(self) -> np.ndarray:
+        return self.rows[self.row_of_stage]
+
+
 def allowed_cuts(num_units: int, tied_groups: list[list[int]]) -> np.ndarray:
     """allowed[c]: whether a stage may end after unit c (c = 0 .. U-2). False from the first to
     just before the last unit of every group of units sharing a parameter."""
@@ -88,20 +106,32 @@ def forbid_cuts(cost: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
     return np.where(range_allowed(start, end, allowed)[None], cost, np.inf)
 
 
-def _least_bottleneck(cost: np.ndarray) -> float:
+def _band(stage: int, num_stages: int, num_units: int) -> tuple[slice, slice]:
+    """Where stage `stage` (0 = first) of `num_stages` non-empty contiguous stages can start and
+    end: after at least `stage` units and leaving at least one unit per later stage, so
+    start i in [stage, U - S + stage] and end j in [stage + 1, U - S + stage + 1]. The DPs
+    below fill only this band of width U - S + 1 (ranges outside it belong to no cuts)."""
+    width = num_units - num_stages + 1
+    return slice(stage, stage + width), slice(stage + 1, stage + 1 + width)
+
+
+def _least_bottleneck(cost: np.ndarray | SharedRows) -> float:
     """The smallest t_max any cuts achieve (inf if none fit): a min-max DP,
-    `worst[j] = min_i max(worst_before[i], cost[k, i, j])` over stages k."""
+    `worst[k + 1, j] = min_i max(worst[k, i], cost[k, i, j])` over stages k (inside `_band`)."""
     num_stages, size, _ = cost.shape
-    worst = np.full(size, np.inf)
-    worst[0] = 0.0
+    worst = np.full((num_stages + 1, size), np.inf)  # worst[k, j]: units [0, j) in k stages
+    worst[0, 0] = 0.0
     for k in range(num_stages):
-        worst = np.maximum(worst[:, None], cost[k]).min(axis=0)
-    return float(worst[size - 1])
+        starts, ends = _band(k, num_stages, size - 1)
+        worst[k + 1, ends] = np.maximum(worst[k, starts, None], cost[k, starts, ends]).min(axis=0)
+    return float(worst[num_stages, size - 1])
 
 
-def solve_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray | None = None) -> StageCuts:
+def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed: np.ndarray | None = None,
+               candidates: np.ndarray | None = None) -> StageCuts:
     """Optimal contiguous cuts for `cost[stage, start, end]` (shape S x (U+1) x (U+1)), cutting only
-    where `cut_allowed` (`allowed_cuts`; None: anywhere) permits."""
+    where `cut_allowed` (`allowed_cuts`; None: anywhere) permits. `candidates`: the distinct finite
+    values of `cost`, ascending, where the caller has them cheaper (stages sharing cost rows)."""
     num_stages, size, _ = cost.shape
     num_units = size - 1
     if num_stages > num_units:
@@ -109,8 +139,11 @@ def solve_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray 
     if cut_allowed is not None and num_stages > max_stages(cut_allowed):
         raise PlannerError(f"{num_stages} pipeline stages need {num_stages - 1} cuts; units sharing a parameter leave "
                            f"{max_stages(cut_allowed) - 1}.", "Use fewer stages.")
-    cost = forbid_cuts(cost, cut_allowed)
-    candidates = np.unique(cost[np.isfinite(cost)])
+    if not (cut_allowed is None or cut_allowed.all()):
+        cost, candidates = forbid_cuts(cost.dense() if isinstance(cost, SharedRows) else cost, cut_allowed), None
+    if candidates is None:
+        values = cost.rows if isinstance(cost, SharedRows) else cost
+        candidates = np.unique(values[np.isfinite(values)])
     least = _least_bottleneck(cost)
     if not np.isfinite(least):
         raise PlannerError("No way to cut the model into stages that each fit in memory.", "Add GPUs, recomputation or ZeRO.")
@@ -120,7 +153,7 @@ def solve_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray 
     # found, no later (larger) candidate can win. Exact, and much tighter than m t alone
     # when there are many stages.
     # The min-sum cuts over every feasible range are also a solution: they start the incumbent.
-    best_cuts = _min_sum_cuts(cost[None], candidates[-1:])[0]
+    best_cuts = _min_sum_cuts(cost, candidates[-1:])[0]
     stage_costs = [float(cost[k, i, j]) for k, (i, j) in enumerate(best_cuts)]
     least_sum, best_total = sum(stage_costs), pipeline_time(stage_costs, num_microbatches)
     pending, first, batch_size = candidates[lo:], 0, 1
@@ -130,7 +163,7 @@ def solve_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray 
         batch = batch[(least_sum + (num_microbatches - 1) * batch < best_total) & (num_microbatches * batch < best_total)]
         if batch.size == 0:
             break
-        for cuts in _min_sum_cuts(cost[None], batch):
+        for cuts in _min_sum_cuts(cost, batch):
             if cuts is None:
                 continue
             total = pipeline_time([cost[k, i, j] for k, (i, j) in enumerate(cuts)], num_microbatches)
@@ -140,23 +173,25 @@ def solve_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray 
     return StageCuts(tuple(best_cuts), times, float(best_total))
 
 
-def _min_sum_cuts(cost: np.ndarray, t_max: np.ndarray) -> list[list[tuple[int, int]] | None]:
+def _min_sum_cuts(cost: np.ndarray | SharedRows, t_max: np.ndarray) -> list[list[tuple[int, int]] | None]:
     """Per bottleneck t in `t_max`: cuts minimising the sum of stage costs over ranges costing
     at most t (None where none fit). Vectorised over the bottlenecks (axis c below)."""
-    _, num_stages, size, _ = cost.shape
+    num_stages, size, _ = cost.shape
     count = t_max.size
-    masked = cost if count == 1 and t_max[0] >= cost[np.isfinite(cost)].max(initial=0.0) else \
-        np.where(cost <= t_max[:, None, None, None], cost, np.inf)  # [c, stage, start, end]
-    rows, ends = np.arange(count)[:, None], np.arange(size)[None, :]
+    rows, ends_in_band = np.arange(count)[:, None], np.arange(size - num_stages)[None, :]
     # best[c, k, j]: least summed cost of placing units [0, j) in the first k stages.
     best = np.full((count, num_stages + 1, size), np.inf)
     best[:, 0, 0] = 0.0
     # start[c, k, j]: the first unit of stage k-1 in that optimum.
     start = np.zeros((count, num_stages + 1, size), dtype=int)
     for k in range(1, num_stages + 1):
-        totals = best[:, k - 1, :, None] + masked[:, k - 1]  # [c, start i, end j]
-        start[:, k] = np.argmin(totals, axis=1)
-        best[:, k] = totals[rows, start[:, k], ends]
+        starts, ends = _band(k - 1, num_stages, size - 1)
+        stage = cost[k - 1, starts, ends]  # [start i, end j]; ranges above the bottleneck c cost inf
+        masked = np.where(stage[None] <= t_max[:, None, None], stage[None], np.inf)
+        totals = best[:, k - 1, starts, None] + masked  # [c, start i, end j]
+        chosen = np.argmin(totals, axis=1)
+        start[:, k, ends] = chosen + starts.start
+        best[:, k, ends] = totals[rows, chosen, ends_in_band]
     out: list[list[tuple[int, int]] | None] = []
     for c in range(count):
         if not np.isfinite(best[c, num_stages, size - 1]):

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from planner.cluster import Cluster
 from planner.plan import (
+    Alternative,
     Batch,
     ClusterRef,
     Layout,
     ModelRef,
     Plan,
     Prediction,
+    SearchReport,
     Stage,
     Training,
     stage_ranks,
@@ -68,17 +70,17 @@ def device_mismatch(profile: Profile, cluster: Cluster) -> str | None:
             f"the cluster's GPU is {gpu}: the prediction uses {times}'s times")
 
 
-def _alternative(e: Evaluation, winner: Evaluation) -> dict:
-    return {
-        "layout": _layout(e).model_dump(),
-        "micro_batch_size": e.config.micro_batch_size,
-        "num_microbatches": e.config.num_microbatches,
-        "stage_units": [j - i for i, j in e.bounds],
-        "recompute": list(e.stage_recompute),
-        "iteration_time_s": e.iteration_time_s,
-        "peak_memory_bytes": [int(m) for m in e.peak_memory_bytes],
-        "why_lost": why_lost(e, winner) if e is not winner else "best",
-    }
+def _alternative(e: Evaluation, winner: Evaluation) -> Alternative:
+    return Alternative(
+        layout=_layout(e),
+        micro_batch_size=e.config.micro_batch_size,
+        num_microbatches=e.config.num_microbatches,
+        stage_units=[j - i for i, j in e.bounds],
+        recompute=list(e.stage_recompute),
+        iteration_time_s=e.iteration_time_s,
+        peak_memory_bytes=[int(m) for m in e.peak_memory_bytes],
+        why_lost=why_lost(e, winner) if e is not winner else "best",
+    )
 
 
 def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, result, top_k: int, dtype: str,
@@ -125,13 +127,16 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         layout=layout,
         stages=stages,
         prediction=prediction,
-        search={
-            "solve_time_s": result.solve_time_s,
-            "candidates_evaluated": result.evaluated,
-            "pruned_by_memory_bound": result.pruned,
-            "stage_forward_s": list(best.stage_forward_s),
-            "stage_backward_s": list(best.stage_backward_s),
-            "alternatives": alternatives,
-        },
+        search=SearchReport(
+            solve_time_s=result.solve_time_s,
+            candidates=result.candidates,
+            candidates_evaluated=result.evaluated,
+            pruned_by_memory_bound=result.pruned,
+            pruned_by_time_bound=result.pruned_by_time,
+            phase_times_s=dict(result.phase_times_s),
+            stage_forward_s=list(best.stage_forward_s),
+            stage_backward_s=list(best.stage_backward_s),
+            alternatives=alternatives,
+        ),
         device_mismatch=device_mismatch(profile, cluster),
     )

@@ -59,7 +59,7 @@ from planner.cost.schedules import in_flight_microbatches, iteration_time_s
 from planner.errors import PlannerError
 from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
-from planner.solver.inter_op import solve_cuts
+from planner.solver.inter_op import SharedRows, solve_cuts
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class Environment:
     """Which communication hides behind compute (planner/cost/overlap.py)."""
 
 
-def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
+def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     """Per recompute mode: time per unit per micro-batch (prefix-summable) and the start term of
     a range (`zero_unit_s`); model states per unit; and the ZeRO part of both (for the breakdown)."""
     base = table.forward_s + table.backward_s + tp_comm_s(table, cfg, env)
@@ -151,7 +151,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     num_chunks = cfg.pp * cfg.virtual_stages
     if num_chunks > num_units:
         return Evaluation(cfg, False, f"{num_chunks} stages but only {num_units} units")
-    times, first, states, zero = _stage_arrays(table, cfg, env)
+    times, first, states, zero = stage_arrays(table, cfg, env)
     size = num_units + 1
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
     start, end = np.triu_indices(size, k=1)
@@ -165,37 +165,37 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     p_states = prefix(states)
     # Copies of tied weights a range holds (linear in parameters, like `states`).
     copy_states = model_state_bytes(table.copy_parameters(start, end), env.dtype, cfg.zero_stage, cfg.dp).total
-    # Stage p2p: send activations across the cut at its end and receive their gradients.
-    same_node = cfg.dp * cfg.tp < env.gpus_per_node
-    sliced = scatter_gather(cfg, same_node)
-    hops = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
-    hops[-1] = 0.0
-    # Overlapped p2p leaves the stage times; the fill and drain pay it in `_price`.
-    p2p = np.zeros_like(hops) if env.overlap.pipeline_p2p else hops.copy()
-    if cfg.pp > 1:  # every chunk, the last included, pays the schedule's per-micro-batch bookkeeping
-        p2p += env.pipeline_overhead_s
+    hops, p2p, sliced = p2p_arrays(table, cfg, env)
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
+    # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more). Stage
+    # positions holding as many share one row of the cost table (zero bubble: all of them).
     in_flight = np.array([in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
-                          for k in range(num_chunks)])[:, None]
+                          for k in range(num_chunks)])
+    levels, row_of_stage = np.unique(in_flight, return_inverse=True)
     buffers = 2 * table.cut_bytes[end - 1]
-    per_mode = []  # (time per range, memory per [stage position, range]) per recompute mode
+    per_mode = []  # (time per range, memory per [in-flight level, range]) per recompute mode
     for r in env.allowed_recompute:
         p_time, p_act = prefix(times[r]), prefix(table.activations[r])
         fixed = p_states[end] - p_states[start] + copy_states + buffers + (_range_max(table.transient[r])[start, end] if r == "full" else 0.0)
         per_mode.append((p_time[end] - p_time[start] + first[r][start] + p2p[end - 1],
-                         fixed[None, :] + in_flight * (p_act[end] - p_act[start])[None, :]))
+                         fixed[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]))
     min_needed = min(float(memory.min()) for _, memory in per_mode)
 
     def stage_costs(limit: float):
-        """cost[k, i, j] (inf where the range does not fit `limit`) and the recompute mode chosen."""
-        cost = np.full((num_chunks, size, size), np.inf)
-        choice = np.full((num_chunks, size, size), -1, dtype=int)
+        """cost[k, i, j] (inf where the range does not fit `limit`), the recompute mode chosen
+        (per in-flight level, `row_of_stage` maps stage k to its level), and the distinct finite
+        costs ascending (the DP's bottleneck candidates)."""
+        level_cost = np.full((len(levels), start.size), np.inf)
+        level_choice = np.full((len(levels), start.size), -1)
         for ri, (t, memory) in enumerate(per_mode):
-            current = cost[:, start, end]
-            better = (memory <= limit) & (np.broadcast_to(t, memory.shape) < current)
-            cost[:, start, end] = np.where(better, t, current)
-            choice[:, start, end] = np.where(better, ri, choice[:, start, end])
-        return cost, choice
+            better = (memory <= limit) & (t[None, :] < level_cost)
+            level_cost = np.where(better, t[None, :], level_cost)
+            level_choice = np.where(better, ri, level_choice)
+        cost = np.full((len(levels), size, size), np.inf)
+        choice = np.full((len(levels), size, size), -1)
+        cost[:, start, end], choice[:, start, end] = level_cost, level_choice
+        values = np.unique(level_cost[np.isfinite(level_cost)])
+        return SharedRows(cost, row_of_stage), choice, values
 
     # A rank's v chunks share its memory, a constraint that couples stages the DP places
     # independently. First each chunk may use what the other v - 1 leave at the least (a
@@ -204,7 +204,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     limits = [env.usable_memory_bytes] if cfg.virtual_stages == 1 else \
         [env.usable_memory_bytes - (cfg.virtual_stages - 1) * min_needed, env.usable_memory_bytes / cfg.virtual_stages]
     for attempt, limit in enumerate(limits):
-        cost, choice = stage_costs(limit)
+        cost, choice, candidates = stage_costs(limit)
         if fixed_bounds is not None:
             if len(fixed_bounds) != num_chunks or not all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(fixed_bounds)):
                 if attempt + 1 < len(limits):
@@ -213,18 +213,34 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             bounds = tuple(fixed_bounds)
         else:
             try:
-                bounds = solve_cuts(cost, cfg.num_microbatches).bounds
+                bounds = solve_cuts(cost, cfg.num_microbatches, candidates=candidates).bounds
             except PlannerError:
                 dominated = math.isfinite(time_cap_s)
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
                                   min_memory_bytes=math.inf if dominated else min_needed)
-        evaluation = _price(table, cfg, env, bounds, [int(choice[k, i, j]) for k, (i, j) in enumerate(bounds)],
+        evaluation = _price(table, cfg, env, bounds, [int(choice[row_of_stage[k], i, j]) for k, (i, j) in enumerate(bounds)],
                             times, first, states, zero, p2p, hops)
         if evaluation.feasible or attempt + 1 == len(limits):
             break
     evaluation.p2p_scatter_gather = sliced
     evaluation.overlap = tuple(env.overlap.names())
     return evaluation
+
+
+def p2p_arrays(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Per cut position u (after unit u): `hops[u]`, seconds to send the activations across it and
+    receive their gradients back (0 after the last unit); `p2p[u]`, what a stage ending there
+    pays per micro-batch inside its time (the hops unless overlapped, plus the schedule's
+    bookkeeping when pp > 1); and whether activations travel as TP slices (`scatter_gather`)."""
+    same_node = cfg.dp * cfg.tp < env.gpus_per_node
+    sliced = scatter_gather(cfg, same_node)
+    hops = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
+    hops[-1] = 0.0
+    # Overlapped p2p leaves the stage times; the fill and drain pay it in `_price`.
+    p2p = np.zeros_like(hops) if env.overlap.pipeline_p2p else hops.copy()
+    if cfg.pp > 1:  # every chunk, the last included, pays the schedule's per-micro-batch bookkeeping
+        p2p += env.pipeline_overhead_s
+    return hops, p2p, sliced
 
 
 def scatter_gather(cfg: Config, same_node: bool) -> bool:

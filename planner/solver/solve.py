@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from planner.cluster import Cluster
@@ -26,6 +26,7 @@ from planner.plan import (
     Plan,
 )
 from planner.profile_schema import Profile
+from planner.solver.bounds import TimeBound, memory_lower_bound
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
 from planner.solver.intra_op import shardable_ops, tp_obstacles
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config
@@ -35,7 +36,6 @@ GIB = 1024**3
 # cuBLAS workspaces and allocator fragmentation (PyTorch's caching allocator typically
 # loses 5-10% to fragmentation on long runs).
 MEMORY_FRACTION = 0.9
-INTERLEAVE_CHOICES = (2, 4)  # other v only when pinned
 MAX_MICRO_BATCH = 32  # larger micro-batches only when pinned
 
 
@@ -156,24 +156,28 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
 
 
 def _schedules(pins: Pins, pp: int, m: int, num_units: int):
+    """(schedule, virtual stages) pairs for pp ranks and m micro-batches: every v with pp x v
+    chunks of at least one unit each (interleaved 1F1B: v > 1 and m % pp == 0, Megatron's rule).
+    The bounds (planner/solver/bounds.py) discard the hopeless ones before the DP."""
     if pp == 1:
         if pins.schedule in (None, "1f1b", "gpipe"):
             yield (pins.schedule or "1f1b"), 1
         return
     # GPipe runs as fast as 1F1B in this model and holds more activations: searched only when pinned.
     names = [pins.schedule] if pins.schedule else ["1f1b", "interleaved-1f1b", "zero-bubble"]
+    most = num_units // pp
     for name in names:
         if not torch_builds(name, pp, m):
             continue
         if name == "interleaved-1f1b":
-            choices = [pins.virtual_stages] if pins.virtual_stages else INTERLEAVE_CHOICES
+            choices = [pins.virtual_stages] if pins.virtual_stages else range(2, most + 1)
             for v in choices:
                 if v > 1 and pp * v <= num_units and m % pp == 0:
                     yield name, v
         elif name == "zero-bubble":
-            v = pins.virtual_stages or 1  # interleaved zero bubble only when pinned
-            if pp * v <= num_units:
-                yield name, v
+            for v in [pins.virtual_stages] if pins.virtual_stages else range(1, most + 1):
+                if pp * v <= num_units:
+                    yield name, v
         else:
             yield name, 1
 
@@ -233,12 +237,26 @@ class SearchResult:
     solve_time_s: float
     costs: UnitCosts
     """Per-unit cost tables (and TP plans) the evaluations were priced with."""
+    candidates: int = 0
+    """Configurations the pins allow."""
+    pruned_by_time: int = 0
+    """Configurations skipped because their time lower bound could not enter the top k."""
+    phase_times_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the search: `intra_op` (TP ILPs and per-unit cost tables), `bounds`,
+    `inter_op` (the DPs over stage cuts and the pricing of their cuts)."""
 
 
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
            memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False) -> SearchResult:
-    """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline)."""
+    """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline).
+
+    Branch and bound: configurations whose model states alone overflow memory are pruned
+    (`memory_lower_bound`); the rest are priced in order of a lower bound on their iteration
+    time (`TimeBound`, planner/solver/bounds.py) until that bound reaches the k-th best
+    time found. Both bounds are exact, so the top k are those of pricing every configuration
+    (up to the DP's own cap, `evaluate_config`'s `time_cap_s`)."""
     started = time.perf_counter()
+    phases = dict.fromkeys(("intra_op", "bounds", "inter_op"), 0.0)
     dtype = dtype or profile.dtype
     check_pins(pins, cluster, global_batch_size, len(profile.units))
     check_model_pins(pins, profile)
@@ -250,36 +268,45 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                       require_sharding=bool(pins.tp and pins.tp > 1))
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = _environment(cluster, compute, dtype, pins, memory_fraction)
-    # Branch and bound: price the groups in order of a lower bound on their iteration time
-    # (perfectly balanced stages, no bubble, no communication) and stop once that bound
-    # exceeds the k-th best time found; feasibility is not monotone, so nothing else is cut.
-    groups = []
-    for zero_variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units), profile.micro_batch_sizes,
-                                           tp_degrees):
-        cfg = zero_variants[0]
-        table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
-        groups.append((time_lower_bound(table, cfg, env), zero_variants))
-    groups.sort(key=lambda g: g[0])
-    ranked, evaluated, pruned, least = [], 0, 0, math.inf
-    for bound_s, zero_variants in groups:
-        if len(ranked) >= keep and bound_s >= sorted(e.iteration_time_s for e in ranked)[keep - 1]:
+    configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
+                                                     profile.micro_batch_sizes, tp_degrees) for cfg in variants]
+    tick = time.perf_counter()
+    tables = {}
+    for cfg in configs:
+        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+        if key not in tables:
+            tables[key] = costs.table(*key)
+    phases["intra_op"] = time.perf_counter() - tick
+    tick = time.perf_counter()
+    time_lower_bound = TimeBound(env)
+    queue, pruned, least = [], 0, math.inf
+    for cfg in configs:
+        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)]
+        memory = memory_lower_bound(table, cfg, env)
+        if memory > env.usable_memory_bytes:
+            pruned, least = pruned + 1, min(least, memory)
+            continue
+        queue.append((time_lower_bound(table, cfg), len(queue), cfg, table))
+    queue.sort(key=lambda q: q[:2])
+    phases["bounds"] = time.perf_counter() - tick
+    tick = time.perf_counter()
+    ranked, evaluated, cap = [], 0, math.inf
+    for bound_s, _, cfg, table in queue:
+        if bound_s >= cap:
             break
-        for cfg in zero_variants:
-            table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
-            bound = env_lower_bound(table, cfg, env)
-            if bound > env.usable_memory_bytes:
-                pruned, least = pruned + 1, min(least, bound)
-                continue
-            evaluated += 1
-            bounds = uniform_bounds(len(profile.units), cfg.pp * cfg.virtual_stages) if uniform_cuts else None
-            cap = sorted(e.iteration_time_s for e in ranked)[keep - 1] if len(ranked) >= keep else math.inf
-            result = evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
-            if result.feasible:
-                ranked.append(result)
-            else:
-                least = min(least, result.min_memory_bytes)
+        evaluated += 1
+        bounds = uniform_bounds(len(profile.units), cfg.pp * cfg.virtual_stages) if uniform_cuts else None
+        result = evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
+        if result.feasible:
+            ranked.append(result)
+            if len(ranked) >= keep:
+                cap = sorted(e.iteration_time_s for e in ranked)[keep - 1]
+        else:
+            least = min(least, result.min_memory_bytes)
+    phases["inter_op"] = time.perf_counter() - tick
     ranked.sort(key=lambda e: e.iteration_time_s)
-    return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs)
+    return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs,
+                        candidates=len(configs), pruned_by_time=len(queue) - evaluated, phase_times_s=phases)
 
 
 def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
@@ -288,31 +315,6 @@ def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
         return None
     edges = [round(k * num_units / num_stages) for k in range(num_stages + 1)]
     return tuple(zip(edges[:-1], edges[1:], strict=False))
-
-
-def time_lower_bound(table, cfg: Config, env: Environment) -> float:
-    """A bound no configuration of the group can beat, from W = the cheapest work per micro-batch
-    (compute, TP collectives, the cheapest recomputation allowed).
-
-    Stage times add up to at least W and the slowest is at least W / pp, so GPipe and 1F1B
-    take at least W + (m - 1) W / pp; interleaving at least (m + (pp - 1) / v) W / pp; zero
-    bubble at least m W / pp.
-    """
-    extra = min(float(table.recompute_s[r].sum()) for r in env.allowed_recompute)
-    work = float((table.forward_s + table.backward_s + table.tp_comm_s).sum()) + extra
-    m, p, v = cfg.num_microbatches, cfg.pp, cfg.virtual_stages
-    if cfg.schedule == "interleaved-1f1b":
-        return (m + (p - 1) / v) * work / p
-    if cfg.schedule == "zero-bubble":
-        return m * work / p
-    return work + (m - 1) * work / p
-
-
-def env_lower_bound(table, cfg: Config, env: Environment) -> float:
-    """Model states per GPU if the stages split them perfectly evenly (no activations)."""
-    from planner.cost.memory import model_state_bytes
-
-    return model_state_bytes(float(table.parameters.sum()) / cfg.pp, env.dtype, cfg.zero_stage, cfg.dp).total
 
 
 def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), **kw) -> Plan:
