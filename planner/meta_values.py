@@ -60,9 +60,9 @@ _PLANNER_DIRS = (Path(__file__).parent, Path(__file__).parent.parent / "runtime"
 
 
 _UNINITIALISED = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+"""Factories whose values are whatever memory held: their outputs are not known, but sampled."""
 _OVERWRITES = {aten.fill_, aten.zero_, aten.copy_}
 """In-place ops that replace every value of their `self` without reading it."""
-"""Factories whose values are whatever memory held: their outputs are not known, but sampled."""
 
 
 class DataDependentError(PlannerError):
