@@ -19,6 +19,7 @@ to the stage of unit c+1 (it runs right before it).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -26,8 +27,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import PlannerError
 
@@ -139,78 +142,208 @@ class UnitTrace:
         return out
 
 
-class _FlowMode(TorchFunctionMode):
-    """Records producers and consumers of tensors touched outside units."""
+Key = tuple[float, int]
+"""A tensor's name in the data flow: (position, ordinal). Position -1 is the model input, i the
+output of unit i, i + 0.5 the glue after unit i; the ordinal counts the tensors made there."""
 
-    def __init__(self, trace: "_Tracer"):
+
+class DataFlow(TorchFunctionMode):
+    """Numbers every tensor made outside units by (position, ordinal) and records its consumers.
+
+    The one tracer of the planner: the profiler's unit trace (`trace_units`) and the pipeline
+    runtime's cut layout and stage replay (runtime/pp_flow.py `Flow`, a subclass that replays)
+    number tensors with this class, so their keys agree by construction.
+
+    Tensors no visible op made. Some glue makes tensors below the reach of a function mode:
+    `torch.vmap` returns its result by unwrapping a batched tensor in C++ (transformers 4.x builds
+    its attention masks so), and a tensor may come from module state. Such a tensor is keyed when
+    glue or a unit first consumes it ("late"), at the position where it was really made: the
+    recording watches every aten op under a dispatch mode (`StorageBirths`) and takes the position
+    of the op that made the tensor's storage (the glue position of that consumption if none did).
+    `late` lists those keys in the order they were assigned; a replay running the same code
+    assigns the same keys in the same order (`_next_late_key`).
+    """
+
+    def __init__(self):
         super().__init__()
-        self.trace = trace
+        self.depth = 0
+        """Unit calls in progress: inside one, ops are the unit's own business."""
+        self.glue: float = -0.5
+        """Position of the glue now running: i + 0.5 after unit i."""
+        self.keys: dict[int, Key] = {}
+        self.values: dict[Key, torch.Tensor] = {}
+        """Every keyed tensor (this also keeps the objects alive, so ids stay unique)."""
+        self.ordinals: Counter = Counter()
+        self.consumers: dict[Key, set[float]] = defaultdict(set)
+        self.late: list[Key] = []
+        self.received: dict[Key, torch.Tensor] = {}
+        """Replay only: tensors that stand in for their keys (runtime/pp_flow.py)."""
+        self.stand_ins: dict[int, torch.Tensor] = {}
+        """id of a late tensor's stand-in -> the received tensor that replaces it."""
+        self.births: dict[StorageWeakRef, float] = {}
+        """Recording: storage -> glue position of the aten op that made it (`StorageBirths`)."""
+        self._alive: list[torch.Tensor] = []
+        """Tensors whose ids or storages are keys above: kept alive so no new object reuses them."""
+
+    @property
+    def recording(self) -> bool:
+        return True
+
+    def produce(self, obj, position: float):
+        """Key the new tensors in `obj`; a received tensor replaces its stand-in (a replay's)."""
+        if isinstance(obj, torch.Tensor):  # the common case, without pytree's cost
+            return self.produce((obj,), position)[0]
+        flat, spec = tree_flatten(obj)
+        changed = False
+        for i, t in enumerate(flat):
+            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in self.keys:
+                key = (position, self.ordinals[position])
+                self.ordinals[position] += 1
+                if key in self.received:
+                    t = flat[i] = self.received[key]
+                    changed = True
+                self.keys[id(t)] = key
+                self.values[key] = t
+        return tree_unflatten(flat, spec) if changed else obj
+
+    def consume(self, obj, position: float) -> None:
+        for t in tree_flatten(obj)[0]:
+            key = self.keys.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if key is not None:
+                self.consumers[key].add(position)
+
+    def key_late(self, obj, own: bool = False):
+        """`obj` with its late tensors keyed and received ones in place of their stand-ins.
+        `own`: the replayed stage's own code consumes `obj` (runtime/pp_flow.py `Flow`)."""
+        with torch._C.DisableTorchFunction():  # reading `t.is_meta` here is not the model's code
+            flat, spec = tree_flatten(obj)
+            changed = False
+            for i, t in enumerate(flat):
+                if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
+                    continue
+                if id(t) in self.stand_ins:
+                    flat[i], changed = self.stand_ins[id(t)], True
+                elif id(t) not in self.keys:
+                    flat[i] = self._key_late(t)
+                    changed = changed or flat[i] is not t
+                if own:
+                    real = self._own(flat[i])
+                    if real is not flat[i]:
+                        flat[i], changed = real, True
+            return tree_unflatten(flat, spec) if changed else obj
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor the replayed stage's own code consumes (recording: every tensor is as made)."""
+        return t
+
+    def _key_late(self, t: torch.Tensor) -> torch.Tensor:
+        if self.recording:
+            try:
+                position = self.births.get(StorageWeakRef(t.untyped_storage()), self.glue)
+            except (RuntimeError, NotImplementedError):  # no storage (a vmap batched tensor's wrapper)
+                position = self.glue
+            key = (position, self.ordinals[position])
+            self.late.append(key)
+        else:
+            key = self._next_late_key()
+        self.ordinals[key[0]] = max(self.ordinals[key[0]], key[1] + 1)
+        self.keys[id(t)] = key
+        self._alive.append(t)
+        if key in self.received:
+            self.stand_ins[id(t)] = t = self.received[key]
+            self.keys[id(t)] = key
+        self.values[key] = t
+        return t
+
+    def _next_late_key(self) -> Key:
+        raise NotImplementedError("only a replay takes late keys from a recording")
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tracer = self.trace
-        if tracer.depth > 0:  # inside a unit: its internals are the unit's business
+        if self.depth > 0:  # inside a unit: its internals are the unit's business
             return func(*args, **kwargs)
-        tracer.consume((args, kwargs), tracer.glue_position)
-        out = func(*args, **kwargs)
-        tracer.produce(out, tracer.glue_position)
+        args, kwargs = self.key_late((args, kwargs))
+        self.consume((args, kwargs), self.glue)
+        return self.produce(func(*args, **kwargs), self.glue)
+
+    def enter(self, position: float, args, kwargs):
+        """A unit at `position` is called (recording): its inputs are consumed there. Replacement
+        (args, kwargs), or None to keep them."""
+        new = None
+        if self.depth == 0:
+            new = self.key_late((args, kwargs))
+            self.consume(new, position)
+        self.depth += 1
+        return new if new is not None and new is not (args, kwargs) else None
+
+    def leave(self, position: float, output):
+        """The unit at `position` returned `output`; a replacement output, or None to keep it."""
+        self.depth -= 1
+        if self.depth == 0:
+            self.glue = position + 0.5
+            new = self.produce(output, position)
+            return new if new is not output else None
+        return None
+
+    def recorded(self) -> contextlib.AbstractContextManager:
+        """Enter to record: this mode and the dispatch mode that dates storages (`StorageBirths`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(StorageBirths(self))
+        stack.enter_context(self)
+        return stack
+
+
+class StorageBirths(TorchDispatchMode):
+    """Records, while `flow` records, the glue position at which each storage was made."""
+
+    def __init__(self, flow: DataFlow):
+        super().__init__()
+        self.flow = flow
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunction():  # its own work, not the model's code (meta_values.py)
+            out = func(*args, **(kwargs or {}))
+            if self.flow.depth == 0:
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor) and t.is_meta:
+                        self.flow.births.setdefault(StorageWeakRef(t.untyped_storage()), self.flow.glue)
+                        self.flow._alive.append(t)
         return out
 
 
 class _Tracer:
-    def __init__(self, model: nn.Module, unit_names: list[str]):
-        self.model = model
+    """The profiler's unit hooks over a `DataFlow`: units get positions in the order of their
+    first call; a unit called again (weight sharing) consumes and produces at that position."""
+
+    def __init__(self, unit_names: list[str]):
+        self.flow = DataFlow()
         self.unit_names = unit_names
         self.order: list[str] = []
         self.calls: Counter = Counter()
-        self.depth = 0
-        self.glue_position = -0.5
-        self.records: dict[int, TracedTensor] = {}
-        self.alive: list[torch.Tensor] = []  # keep ids unique while tracing
-        self.ordinals: Counter = Counter()
         self.unit_inputs: dict[str, tuple] = {}
-        self.positions: dict[str, int] = {}
-
-    def produce(self, obj, position: float) -> None:
-        for t in tree_flatten(obj)[0]:
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in self.records:
-                self.records[id(t)] = TracedTensor(
-                    producer=position,
-                    ordinal=self.ordinals[position],
-                    shape=list(t.shape),
-                    dtype=str(t.dtype).removeprefix("torch."),
-                    bytes=t.numel() * t.element_size(),
-                )
-                self.ordinals[position] += 1
-                self.alive.append(t)
-
-    def consume(self, obj, position: float) -> None:
-        for t in tree_flatten(obj)[0]:
-            record = self.records.get(id(t)) if isinstance(t, torch.Tensor) else None
-            if record is not None:
-                record.consumers.add(position)
+        self.positions: dict[str, float] = {}
 
     def pre_hook(self, name: str):
         def hook(module, args, kwargs):
             self.calls[name] += 1
-            if self.depth == 0 and name not in self.positions:
-                self.positions[name] = len(self.order)
+            if self.flow.depth == 0 and name not in self.positions:
+                self.positions[name] = float(len(self.order))
                 self.order.append(name)
                 self.unit_inputs[name] = (args, kwargs)
-            if self.depth == 0:
-                self.consume((args, kwargs), self.positions[name])
-            self.depth += 1
+            return self.flow.enter(self.positions.get(name, -1.0), args, kwargs)
 
         return hook
 
     def post_hook(self, name: str):
         def hook(module, args, kwargs, output):
-            self.depth -= 1
-            if self.depth == 0:
-                self.produce(output, self.positions[name])
-                self.glue_position = self.positions[name] + 0.5
+            return self.flow.leave(self.positions.get(name, -1.0), output)
 
         return hook
+
+    def tensors(self) -> list[TracedTensor]:
+        return [TracedTensor(producer=key[0], ordinal=key[1], shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+                             bytes=t.numel() * t.element_size(), consumers=set(self.flow.consumers.get(key, ())))
+                for key, t in self.flow.values.items()]
 
 
 def trace_units(model: nn.Module, inputs: tuple) -> UnitTrace:
@@ -244,14 +377,14 @@ def trace_on_meta(model: nn.Module, inputs: tuple, values: KnownValues | None = 
 
 def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
     modules = dict(model.named_modules())
-    tracer = _Tracer(model, names)
+    tracer = _Tracer(names)
     handles = []
     for name in names:
         handles.append(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True))
         handles.append(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True))
-    tracer.produce(inputs, -1)
+    tracer.flow.produce(inputs, -1.0)
     try:
-        with _FlowMode(tracer):
+        with tracer.flow.recorded():
             output = model(*inputs)
     finally:
         for h in handles:
@@ -260,7 +393,7 @@ def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
     del output
     return UnitTrace(
         units=tracer.order,
-        tensors=list(tracer.records.values()),
+        tensors=tracer.tensors(),
         unused=[n for n in names if n not in tracer.positions],
         repeated_calls=[n for n, c in tracer.calls.items() if c > 1 and n in tracer.positions],
         unit_inputs=tracer.unit_inputs,

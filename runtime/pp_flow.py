@@ -1,25 +1,19 @@
-"""Tensor data flow between units, keyed the way planner/units.py keys it, for pipeline cuts.
+"""Pipeline cuts over the planner's data flow: which tensors cross each cut, and stage replay.
 
-A tensor made outside a unit's internals gets a key (position, ordinal): position -1 is the
-model input, i the output of unit i, i + 0.5 the glue code after unit i (which runs in the
-stage of unit i + 1); the ordinal counts new tensors made at that position. `Flow` is one
-`TorchFunctionMode` with two uses: recording consumers on a meta run (`trace_layout`, which
+planner/units.py `DataFlow` numbers every tensor made outside a unit's internals by (position,
+ordinal): position -1 is the model input, i the output of unit i, i + 0.5 the glue code after
+unit i (which runs in the stage of unit i + 1). The profiler traces units with it; here `Flow`
+extends it to the pipeline's two uses: recording consumers on a meta run (`trace_layout`, which
 gives every cut's crossing set) and replaying one stage (runtime/pp_split.py), where the same
 code makes the same keys in the same order, so a received tensor can stand in for its key.
 
-Tensors no visible op made. Some glue makes tensors below the reach of a function mode:
-`torch.vmap` returns its result by unwrapping a batched tensor in C++ (transformers 4.x builds
-its attention masks so), and a tensor may come from module state. Such a tensor is keyed
-when glue or a unit first consumes it ("late"), at the position where it was really made: the
-meta trace watches every aten op under a dispatch mode (`_Births`) and takes the position of
-the op that made the tensor's storage (the glue position of that consumption if none did).
-The trace lists late keys in the order it assigned them (`CutLayout.late`); a replay, running
-the same code, assigns the same keys in the same order. A late tensor a stage receives is a
-meta stand-in in its replay that the model's own variables still hold, so the received
-tensor replaces it at every consumption (`Flow.stand_ins`). A meta tensor that reaches the
-stage's own code anyway (torch's shape inference runs a stage on uninitialised tensors, and
-glue that reads them may take another path) is replaced by its exact value when the replay
-knows it, and refused otherwise: real code must never compute on memory that does not exist.
+Tensors no visible op made (a `torch.vmap` result, module state) are keyed when first consumed
+(`DataFlow` explains how). A late tensor a stage receives is a meta stand-in in its replay that
+the model's own variables still hold, so the received tensor replaces it at every consumption
+(`stand_ins`). A meta tensor that reaches the stage's own code anyway (torch's shape inference
+runs a stage on uninitialised tensors, and glue that reads them may take another path) is
+replaced by its exact value when the replay knows it, and refused otherwise: real code must
+never compute on memory that does not exist.
 """
 
 from __future__ import annotations
@@ -27,22 +21,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import PlannerError
 from planner.meta_values import KnownValues, model_line
 from planner.plan import Plan
+from planner.units import DataFlow, Key, StorageBirths
 
-Key = tuple[float, int]
-"""(position, ordinal): position -1 model input, i unit i's output, i + 0.5 glue after unit i."""
 INPUT = -1.0
 
 
@@ -81,34 +69,23 @@ def to_meta(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_meta else t.detach().to("meta")
 
 
-class Flow(TorchFunctionMode):
-    """Numbers tensors made outside units (as planner/units.py's tracer does) and either
-    records their consumers (`stage` None) or replays stage `stage` of `layout`."""
+class Flow(DataFlow):
+    """The pipeline's `DataFlow` (planner/units.py: the profiler numbers tensors with the same
+    class): records the cut layout (`stage` None) or replays stage `stage` of `layout`."""
 
     def __init__(self, layout: CutLayout | None = None, stage: int | None = None, received: dict[Key, torch.Tensor] | None = None,
                  device: torch.device | None = None):
         super().__init__()
-        self.layout, self.stage, self.received = layout, stage, received or {}
+        self.layout, self.stage = layout, stage
+        self.received = received or {}
         self.device = device
         """Where this stage computes; None: on meta (torch's shape inference may run a stage so)."""
-        self.depth = 0
         self.suspended = False
         """True while a unit runs: the mode is off the stack, so the unit's ops run at full speed."""
-        self.glue = -0.5
-        self.keys: dict[int, Key] = {}
-        self.values: dict[Key, torch.Tensor] = {}
-        self.ordinals: Counter = Counter()
-        self.consumers: dict[Key, set[float]] = defaultdict(set)
         self.order: list[int] = []
         self._known_values: KnownValues | None = None
-        self.stand_ins: dict[int, torch.Tensor] = {}
-        """id of a late tensor's meta stand-in -> the received tensor that replaces it."""
-        self.late: list[Key] = layout.late if layout is not None and not self.recording else []
+        self.late = list(layout.late) if layout is not None and not self.recording else []
         self.late_index = 0
-        self.births: dict[StorageWeakRef, float] = {}
-        """Recording: storage -> glue position of the aten op that made it (`_Births`)."""
-        self._alive: list[torch.Tensor] = []
-        """Tensors whose ids or storages are keys above: kept alive so no new object reuses them."""
 
     @property
     def known_values(self) -> KnownValues:
@@ -124,50 +101,8 @@ class Flow(TorchFunctionMode):
     def recording(self) -> bool:
         return self.stage is None
 
-    def produce(self, obj, position: float):
-        """Key the new tensors in `obj`; a received crossing tensor replaces its stand-in."""
-        if isinstance(obj, torch.Tensor):  # the common case, without pytree's cost
-            return self.produce((obj,), position)[0]
-        flat, spec = tree_flatten(obj)
-        changed = False
-        for i, t in enumerate(flat):
-            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and id(t) not in self.keys:
-                key = (position, self.ordinals[position])
-                self.ordinals[position] += 1
-                if key in self.received:
-                    t = flat[i] = self.received[key]
-                    changed = True
-                self.keys[id(t)] = key
-                self.values[key] = t  # also keeps the object alive, so ids stay unique
-        return tree_unflatten(flat, spec) if changed else obj
-
-    def consume(self, obj, position: float) -> None:
-        for t in tree_flatten(obj)[0]:
-            key = self.keys.get(id(t)) if isinstance(t, torch.Tensor) else None
-            if key is not None:
-                self.consumers[key].add(position)
-
-    def key_late(self, obj, own: bool):
-        """`obj` with its late tensors keyed and received ones in place of their stand-ins
-        (module docstring). `own`: code of the stage being replayed consumes `obj`, so a meta
-        tensor in it must become a real one (`_materialise`)."""
-        with torch._C.DisableTorchFunction():  # reading `t.is_meta` here is not the model's code
-            return self._key_late_in(obj, own)
-
-    def _key_late_in(self, obj, own: bool):
-        flat, spec = tree_flatten(obj)
-        changed = False
-        for i, t in enumerate(flat):
-            if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
-                continue
-            if id(t) in self.stand_ins:
-                flat[i], changed = self.stand_ins[id(t)], True
-            elif id(t) not in self.keys:
-                flat[i] = self._key_late(t)
-                changed = changed or flat[i] is not t
-            if own and self.device is not None and flat[i].is_meta:
-                flat[i], changed = self._materialise(flat[i]), True
-        return tree_unflatten(flat, spec) if changed else obj
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        return self._materialise(t) if self.device is not None and t.is_meta else t
 
     def _materialise(self, t: torch.Tensor) -> torch.Tensor:
         """A meta tensor this stage's own code consumes: an earlier stage's glue made it in this
@@ -185,59 +120,40 @@ class Flow(TorchFunctionMode):
         self._alive.append(t)
         return real
 
-    def _key_late(self, t: torch.Tensor) -> torch.Tensor:
-        if self.recording:
-            try:
-                position = self.births.get(StorageWeakRef(t.untyped_storage()), self.glue)
-            except (RuntimeError, NotImplementedError):  # no storage (a vmap batched tensor's wrapper)
-                position = self.glue
-            key = (position, self.ordinals[position])
-            self.late.append(key)
-        else:
-            if self.late_index >= len(self.late):
-                raise PlannerError(
-                    f"Pipeline stage {self.stage}'s forward used more tensors made outside the tracer's view than the "
-                    "meta trace did: the forward does not run the same code on every call.",
-                    "Run this model without pipeline parallelism (--pp 1).",
-                )
-            key = self.late[self.late_index]
-            self.late_index += 1
-            if key in self.values:  # this call made more tensors before it than the trace did
-                raise PlannerError(
-                    f"Pipeline stage {self.stage}: the model's forward made different tensors at {model_line()} on this "
-                    "call than in the planner's trace (code that caches tensors across calls does this), so the "
-                    "stage cannot tell which tensors to send.",
-                    "Run this model without pipeline parallelism (--pp 1).",
-                )
-        self.ordinals[key[0]] = max(self.ordinals[key[0]], key[1] + 1)
-        self.keys[id(t)] = key
-        self._alive.append(t)
-        if key in self.received:
-            self.stand_ins[id(t)] = t = self.received[key]
-            self.keys[id(t)] = key
-        self.values[key] = t
-        return t
+    def _next_late_key(self) -> Key:
+        if self.late_index >= len(self.late):
+            raise PlannerError(
+                f"Pipeline stage {self.stage}'s forward used more tensors made outside the tracer's view than the "
+                "meta trace did: the forward does not run the same code on every call.",
+                "Run this model without pipeline parallelism (--pp 1).",
+            )
+        key = self.late[self.late_index]
+        self.late_index += 1
+        if key in self.values:  # this call made more tensors before it than the trace did
+            raise PlannerError(
+                f"Pipeline stage {self.stage}: the model's forward made different tensors at {model_line()} on this "
+                "call than in the planner's trace (code that caches tensors across calls does this), so the "
+                "stage cannot tell which tensors to send.",
+                "Run this model without pipeline parallelism (--pp 1).",
+            )
+        return key
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.recording or self.depth > 0:
+            return super().__torch_function__(func, types, args, kwargs)
         kwargs = kwargs or {}
-        if self.depth > 0:  # inside a unit: its internals are the unit's business
-            return func(*args, **kwargs)
         position = self.glue
-        if self.recording:
-            args, kwargs = self.key_late((args, kwargs), own=False)
-            self.consume((args, kwargs), position)
-        else:
-            stage = self.layout.stage_of(position)
-            args, kwargs = self.key_late((args, kwargs), own=stage == self.stage)
-            if stage > self.stage:
-                raise StopStage
-            if stage < self.stage:  # an earlier stage's glue: shapes only, the values arrive by p2p
-                # On meta, but with the values it can know (received tensors such as position
-                # ids, and what follows from them): glue may read them, as mask code does.
-                values = self.known_values
-                args, kwargs = values.to_meta((args, kwargs))
-                with values:
-                    return self.produce(func(*args, **kwargs), position)
+        stage = self.layout.stage_of(position)
+        args, kwargs = self.key_late((args, kwargs), own=stage == self.stage)
+        if stage > self.stage:
+            raise StopStage
+        if stage < self.stage:  # an earlier stage's glue: shapes only, the values arrive by p2p
+            # On meta, but with the values it can know (received tensors such as position
+            # ids, and what follows from them): glue may read them, as mask code does.
+            values = self.known_values
+            args, kwargs = values.to_meta((args, kwargs))
+            with values:
+                return self.produce(func(*args, **kwargs), position)
         return self.produce(func(*args, **kwargs), position)
 
     # A unit's internals are not numbered, so while one runs the mode steps off torch's
@@ -259,32 +175,27 @@ class Flow(TorchFunctionMode):
         return super().__exit__(exc_type, exc_value, traceback)
 
     def enter_unit(self, index: int, args, kwargs):
-        """Unit `index` is called (its pre-hook, runtime/pp_flow.py's UnitHooks); replacement
-        (args, kwargs) when a received tensor stands in for one of them, else None."""
+        """Unit `index` is called (its pre-hook, `UnitHooks`); replacement (args, kwargs) when a
+        received tensor stands in for one of them, else None."""
+        if self.recording:
+            if self.depth == 0:
+                self.order.append(index)
+            return self.enter(float(index), args, kwargs)
         new = None
         if self.depth == 0:
-            if self.recording:
-                self.order.append(index)
-                new = self.key_late((args, kwargs), own=False)
-                self.consume(new, float(index))
-            else:
-                stage = self.layout.unit_stage[index]
-                new = self.key_late((args, kwargs), own=stage == self.stage)
-                if stage > self.stage:
-                    raise StopStage
+            stage = self.layout.unit_stage[index]
+            new = self.key_late((args, kwargs), own=stage == self.stage)
+            if stage > self.stage:
+                raise StopStage
             self._suspend()
         self.depth += 1
         return new if new is not None and new is not (args, kwargs) else None
 
     def leave_unit(self, index: int, output):
         """Unit `index` returned `output`; a replacement output, or None to keep it."""
-        self.depth -= 1
-        if self.depth == 0:
+        if self.depth == 1:
             self._resume()
-            self.glue = index + 0.5
-            new = self.produce(output, float(index))
-            return new if new is not output else None
-        return None
+        return self.leave(float(index), output)
 
 
 class UnitHooks:
@@ -339,7 +250,7 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
     inputs = flow.produce(values.to_meta(tuple(example_inputs)), INPUT)
     hooks = UnitHooks(meta_model, units)
     try:
-        with values, _Births(flow), hooks.active(flow), torch.no_grad():
+        with values, StorageBirths(flow), hooks.active(flow), torch.no_grad():
             meta_model(*inputs)
     finally:
         hooks.remove()
@@ -360,21 +271,3 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
                     if flow.values[key] in values.values and flow.values[key] not in values.sampled}
     layout.traced = {key: (flow.values[key].dtype, tuple(flow.values[key].shape)) for keys in layout.crossings for key in keys}
     return layout
-
-
-class _Births(TorchDispatchMode):
-    """Records, for the meta trace, the glue position at which each storage was made."""
-
-    def __init__(self, flow: Flow):
-        super().__init__()
-        self.flow = flow
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunction():  # its own work, not the model's code (meta_values.py)
-            out = func(*args, **(kwargs or {}))
-            if self.flow.depth == 0:
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor) and t.is_meta:
-                        self.flow.births.setdefault(StorageWeakRef(t.untyped_storage()), self.flow.glue)
-                        self.flow._alive.append(t)
-        return out
