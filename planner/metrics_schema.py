@@ -6,8 +6,8 @@ here, not in runtime/, so that `planner validate` reads it without importing the
 code. Times are seconds, memory bytes. `planner schema metrics` prints its JSON schema.
 
 Files written before `schema_version` existed are version 1; fields added since (the plan
-fingerprint, the pipeline timeline, the CPU thread count, per-stage times) default to "not
-recorded", so those files still load.
+fingerprint, the pipeline timeline, the CPU thread count, per-stage times, the tensor peak)
+default to "not recorded", so those files still load.
 """
 
 from __future__ import annotations
@@ -77,11 +77,18 @@ class Metrics(_Model):
     step_times_s: list[float]
     """Wall time of every step, seconds (rank 0's)."""
     median_iteration_time_s: float
-    """Median step time after the warm-up step (runtime/metrics.py WARMUP_STEPS), seconds."""
+    """Median step time after the warm-up step (runtime/metrics.py WARMUP_STEPS) and, on CPU when
+    later steps follow it, the step whose tensor peak was measured under the profiler, seconds."""
     samples_per_s: float
     """global_batch_size / median_iteration_time_s."""
     peak_memory_bytes: list[int]
     """Per rank: CUDA's max_memory_allocated, or on CPU the process's resident set (interpreter included)."""
+    peak_tensor_bytes: list[int] | None = None
+    """Per rank: peak bytes of the rank's tensors during the first step after the warm-up, the
+    quantity the plan's memory model predicts (runtime/metrics.py `TensorPeakMeter`: CUDA's
+    max_memory_allocated over that step; on CPU torch's profiler memory events over it plus the
+    bytes live at its start). None when not measured (turned off with runtime/train.py
+    `train(..., measure_tensor_peak=False)`, a run of fewer than two steps, or an older run)."""
     stage_times_s: dict[int, StageTime] = {}
     """Per stage index (JSON keys are strings): the slowest of the ranks holding it. Empty in runs
     older than per-stage timing."""

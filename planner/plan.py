@@ -141,8 +141,15 @@ class Prediction(_Model):
     mfu: float
     """Model FLOPs utilisation against the GPU's dense peak."""
     bubble_fraction: float
+    """Bubble seconds of the busiest pipeline rank over the whole iteration (optimizer step and
+    gradient reduction included). Not what `planner validate` compares: that is the idle share
+    of the pipeline's makespan, simulated from the stage times (planner/validate.py `predicted_bubble`)."""
     peak_memory_bytes: list[int]
-    """Per stage."""
+    """Per stage: peak bytes of tensors per GPU (planner/cost/memory.py `StageMemory.tensor_bytes`)."""
+    memory_terms_bytes: list[dict[str, int]] | None = None
+    """Per stage, the peak's terms by name in bytes (planner/cost/memory.py `StageMemory.terms`:
+    parameters, gradients, optimizer_state, activations, transient, communication, fragmentation);
+    all but fragmentation sum to `peak_memory_bytes`. None: not recorded (older plans)."""
     stage_time_s: list[float] = []
     """Forward+backward time of one micro-batch per stage."""
     breakdown_s: dict[str, float]

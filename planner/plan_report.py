@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.plan import Plan, SearchReport
-from planner.report import _bytes, _time
+from planner.report import _bytes, _time, memory_terms_table
 
 
 def _units_summary(units: list[str]) -> str:
@@ -60,6 +60,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         m = _bytes(pred.peak_memory_bytes[k]) if pred and k < len(pred.peak_memory_bytes) else "-"
         stages.add_row(str(k), _units_summary(s.units), ",".join(map(str, s.ranks)), s.recompute, str(len(s.tp_plan)), t, m)
     console.print(stages)
+    if (memory := memory_terms_table(plan)) is not None:
+        console.print(memory)
     if pred is None:
         console.print("no prediction (hand-written plan)")
         return

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from planner.errors import PlannerError
 
@@ -94,12 +94,24 @@ class Unit(_Model):
     """Parameters owned by the unit (shared parameters counted in the first unit using them)."""
     parameter_bytes: int
     """Bytes of those parameters in the profiled dtype."""
+    trainable_parameter_bytes: int | None = None
+    """Bytes (profiled dtype) of those parameters that train: requires_grad as the model file
+    builds them. Only these hold gradients and optimizer state, and only their gradients are
+    reduced over data parallelism; the rest (`parameter_bytes - trainable_parameter_bytes`, e.g. a
+    LoRA model's frozen base weights) are held, gathered and sent like any weight but never
+    updated. Absent in profiles written before it: read as `parameter_bytes` (all train)."""
     buffer_bytes: int = 0
     """Bytes of registered buffers."""
     costs: dict[int, UnitCosts]
     """Costs per micro-batch size."""
     ops: list[OpNode] = []
     """Matmul-like ops and their data flow, for the intra-op solver."""
+
+    @model_validator(mode="after")
+    def _all_trainable_when_absent(self) -> Unit:
+        if self.trainable_parameter_bytes is None:
+            self.trainable_parameter_bytes = self.parameter_bytes
+        return self
 
 
 class CrossingTensor(_Model):
@@ -154,10 +166,19 @@ class ModelInfo(_Model):
     """All parameters, shared ones once."""
     parameter_bytes: int
     """All parameter bytes in the profiled dtype."""
+    trainable_parameter_bytes: int | None = None
+    """The trainable ones among them (the units' `trainable_parameter_bytes` summed); absent in
+    profiles written before it: read as `parameter_bytes`."""
     sequence_length: int | None = None
     """Tokens per sample when the input is a (batch, sequence) token tensor."""
     tied_parameters: list[list[str]] = []
     """Groups of units sharing a parameter (e.g. tied embeddings)."""
+
+    @model_validator(mode="after")
+    def _all_trainable_when_absent(self) -> ModelInfo:
+        if self.trainable_parameter_bytes is None:
+            self.trainable_parameter_bytes = self.parameter_bytes
+        return self
 
 
 class Profile(_Model):

@@ -1,14 +1,17 @@
-"""Human views of profile files: a per-unit table and a CSV export."""
+"""Human views of profile files (a per-unit table and a CSV export) and of a plan's memory terms."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
 from planner.profile_schema import Profile
+
+if TYPE_CHECKING:  # pandas costs half a second to import: only the profile table needs it
+    import pandas as pd
 
 
 def _si(value: float, unit: str) -> str:
@@ -60,6 +63,8 @@ def profile_frame(profile: Profile, micro_batch_size: int | None = None) -> pd.D
                 peak_memory_bytes=c.peak_memory_bytes,
             )
         )
+    import pandas as pd
+
     frame = pd.DataFrame(rows)
     total = frame.forward_s + frame.backward_s
     frame["time_share"] = total / total.sum() if total.sum() else 0.0
@@ -101,3 +106,25 @@ def print_profile(profile: Profile, micro_batch_size: int | None = None, console
         )
     for note in profile.notes:
         console.print(f"note: {note}")
+
+
+MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "fragmentation")
+"""planner/cost/memory.py `StageMemory.terms`, in the order `memory_terms_table` shows them."""
+
+
+def memory_terms_table(plan) -> Table | None:
+    """Per stage, the predicted peak memory term by term (`Prediction.memory_terms_bytes`), or
+    None when the plan does not carry the terms (a hand-written or older plan)."""
+    pred = plan.prediction
+    terms = pred.memory_terms_bytes if pred else None
+    if not terms:
+        return None
+    table = Table(title="Predicted peak memory per GPU, by term (planner/cost/memory.py)", title_justify="left")
+    table.add_column("stage", justify="right")
+    for name in MEMORY_TERMS:
+        table.add_column(name.replace("_", " "), justify="right")
+    table.add_column("tensors", justify="right")
+    for k, stage in enumerate(terms):
+        tensors = sum(v for name, v in stage.items() if name != "fragmentation")
+        table.add_row(str(k), *(_bytes(stage[name]) if name in stage else "-" for name in MEMORY_TERMS), _bytes(tensors))
+    return table

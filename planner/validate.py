@@ -1,4 +1,17 @@
-"""Predicted (the plan) against measured (a run's metrics JSON), term by term."""
+"""Predicted (the plan) against measured (a run's metrics JSON), term by term.
+
+Each row compares one quantity computed the same way on both sides:
+- peak memory: the plan's per-stage tensor peak (planner/cost/memory.py `StageMemory.tensor_bytes`)
+  against the run's tensor peak (`Metrics.peak_tensor_bytes`, runtime/metrics.py
+  `TensorPeakMeter`), both the maximum over ranks; a run without it (older, or measured
+  with the profiler off) shows its process peak instead (RSS on CPU), marked as not comparable.
+- pipeline bubble: the idle share of the pipeline's makespan, 1 - mean busy time of the
+  pipeline ranks / makespan (planner/cost/simulator.py `Timeline.bubble_fraction`), for the
+  prediction the plan's schedule simulated on its predicted stage times (`predicted_bubble`),
+  for the run its measured last step (`timeline_from_metrics`). `Prediction.bubble_fraction`
+  is another quantity (bubble seconds over the whole iteration, optimizer and gradient
+  reduction included) and is not compared.
+"""
 
 from __future__ import annotations
 
@@ -55,12 +68,15 @@ def compare(plan: Plan, metrics_path: str | Path, plan_path: str | Path = "the p
     pred = plan.prediction
     rows = [("iteration time", pred.iteration_time_s if pred else None, metrics.median_iteration_time_s, "time"),
             ("samples/s", pred.samples_per_s if pred else None, metrics.samples_per_s, "rate")]
-    peaks = [p for p in metrics.peak_memory_bytes if p]
-    if peaks:
-        rows.append(("peak memory (max over ranks)", max(pred.peak_memory_bytes) if pred else None, max(peaks), "bytes"))
+    predicted_peak = max(pred.peak_memory_bytes) if pred and pred.peak_memory_bytes else None
+    if metrics.peak_tensor_bytes:
+        rows.append(("peak tensor memory (max over ranks)", predicted_peak, max(metrics.peak_tensor_bytes), "bytes"))
+    elif peaks := [p for p in metrics.peak_memory_bytes if p]:
+        what = "process peak memory (RSS)" if metrics.cpu_threads is not None else "peak memory (max allocated)"
+        rows.append((f"{what}, max over ranks", predicted_peak, max(peaks), "bytes"))
     measured_timeline = timeline_from_metrics(metrics)
     if measured_timeline is not None:
-        rows.append(("bubble fraction (last step)", pred.bubble_fraction if pred else None, measured_timeline.bubble_fraction(), "share"))
+        rows.append(("pipeline bubble (idle share of makespan)", predicted_bubble(plan), measured_timeline.bubble_fraction(), "share"))
     measured_stages = metrics.stage_times_s
     predicted_stages = pred.stage_time_s if pred else []
     for k in range(max(len(predicted_stages), len(measured_stages))):
@@ -88,8 +104,25 @@ def print_comparison(rows, console: Console | None = None) -> None:
     if any(term.startswith("stage 1 ") for term, *_ in rows):
         console.print("A predicted stage time includes the stage's p2p and the pipeline's per-micro-batch overhead "
                       "(the cluster's pipeline_overhead_s); a run shows those as gaps between its actions, in the bubble.")
-    console.print("Peak memory on CPU is the process's resident set (interpreter and torch included), "
-                  "so it is not comparable with the prediction's tensors-only figure.")
+    if any(term.startswith("process peak memory") for term, *_ in rows):
+        console.print("This run recorded no tensor peak: its peak memory on CPU is the process's resident set "
+                      "(interpreter and torch included), not comparable with the prediction's tensors-only figure.")
+
+
+def predicted_bubble(plan: Plan) -> float | None:
+    """The plan's pipeline bubble as `planner validate` measures a run's: the idle share of the
+    pipeline's makespan (`Timeline.bubble_fraction`), from the plan's schedule simulated on its
+    predicted per-stage times (which hold the stage's p2p and per-micro-batch overhead, so they
+    are not idle time here; a run shows those as gaps). None without predicted stage times
+    (a hand-written plan, or one solved before they were recorded)."""
+    from planner.cost.simulator import simulate
+
+    search = plan.search
+    forward, backward = (search.stage_forward_s, search.stage_backward_s) if search else (None, None)
+    if plan.prediction is None or not forward or not backward:
+        return None
+    lay = plan.layout
+    return simulate(lay.schedule, forward, backward, plan.batch.num_microbatches, lay.virtual_stages).bubble_fraction()
 
 
 def timeline_from_metrics(metrics: Metrics):

@@ -1,5 +1,10 @@
 """Data parallelism: replicated parameters with gradient averaging (ZeRO 0) or FSDP2.
 
+Frozen parameters (requires_grad=False) have no gradient: never reduced (`trained`); FSDP2
+shards them with the trainable ones of their unit and reduce-scatters only the gradients
+that exist (its post-backward skips parameters without one), so a LoRA layer's frozen base
+weight and its adapters share one FSDP group.
+
 ZeRO 0 averages gradients over the dp group (expert parameters over expert-dp, with the
 same divisor: `average_gradients`) after the step's last backward (one
 all-reduce of a flat bucket; written by hand because DDP does not
@@ -63,9 +68,18 @@ def average_gradients(modules: list[nn.Module], dp_group, expert_params=(), expe
     if size == 1:
         return
     experts = {id(p) for p in expert_params}
-    grads = [_local(p.grad) for module in modules for p in module.parameters() if p.grad is not None and id(p) not in experts]
+    grads = [_local(p.grad) for module in modules for p in trained(module.parameters()) if id(p) not in experts]
     _sum_and_divide(grads, dp_group, size)
-    _sum_and_divide([_local(p.grad) for p in expert_params if p.grad is not None], expert_dp_group, size)
+    _sum_and_divide([_local(p.grad) for p in trained(expert_params)], expert_dp_group, size)
+
+
+def trained(params) -> list[nn.Parameter]:
+    """The parameters among `params` that train and hold a gradient. A frozen parameter
+    (requires_grad=False, as the model file built it: a LoRA model's base weights) has no
+    gradient and no optimizer state (runtime/train.py), so it is never reduced or clipped;
+    every rank freezes the same parameters, so every rank reduces the same list. A trainable
+    parameter no micro-batch reached has no gradient either, on every replica alike."""
+    return [p for p in params if p.requires_grad and p.grad is not None]
 
 
 def scale_gradients(params, factor: float) -> None:
@@ -105,8 +119,8 @@ def sum_tied_gradients(copies: list[list[nn.Parameter]], groups: list) -> None:
     alike on its mesh (same dp shard, tied units are not TP-sharded), so local shards add."""
     for params, group in zip(copies, groups, strict=True):
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        if not params or (not grads and group is None):
-            continue
+        if not params or (not grads and group is None) or not params[0].requires_grad:
+            continue  # a frozen tied weight (every copy on every stage alike) takes no step
         total = torch.zeros_like(_local(params[0]).detach()) if not grads else grads[0].clone()
         for g in grads[1:]:
             total += g

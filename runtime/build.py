@@ -11,7 +11,11 @@ rank should not have to hold the whole model. Two ways, chosen per model (`init_
   its stage.
 - `full` (anything else, e.g. Hugging Face layers with hand-written init): every rank
   builds the whole model on the CPU under `torch.manual_seed(seed)` and copies the tensors
-  it holds by name; this needs host memory for the whole model once.
+  it holds by name; this needs host memory for the whole model once. Also every model with
+  a frozen parameter (requires_grad=False): frozen weights are what the model file made them
+  (pretrained values it loaded, a base model under adapters), and the trainable ones beside
+  them are often initialised by their wrapper, not by their own layer (peft's LoRA: lora_B
+  zeros, so the wrapped model starts as the base model), which per-module resets would undo.
 
 A weight tied across pipeline stages (runtime/pp_split.py `CrossStageTie`) is one object in
 the reference, reset by every module holding it, so it ends with the value of the last of
@@ -71,6 +75,8 @@ def check_fingerprint(plan: Plan, model: nn.Module, model_file: ModelFile):
 
 
 def init_mode(model: nn.Module) -> str:
+    if any(not p.requires_grad for p in model.parameters()):
+        return "full"  # frozen weights keep what the model file gave them (module docstring)
     for module in model.modules():
         owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
         if owns and not hasattr(module, "reset_parameters"):

@@ -37,7 +37,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -84,10 +86,17 @@ def has_content(directory: str | Path) -> bool:
 
 
 def _state(modules: list, optimizers: list) -> dict:
-    """{"model": ..., "optim": ...} over this rank's chunks, keyed by parameter names."""
+    """{"model": ..., "optim": ...} over this rank's chunks, keyed by parameter names.
+
+    Frozen parameters (requires_grad=False: a LoRA model's base weights) are saved with the
+    model, so a resumed run holds exactly what was saved, but they have no optimizer state
+    (runtime/train.py gives the optimizer trainable parameters only); a chunk of frozen
+    weights alone has no optimizer (None) and saves its model state only."""
     model_sd, optim_sd = {}, {}
     for module, optimizer in zip(modules, optimizers, strict=True):
-        if optimizer is None:  # a chunk without parameters (runtime/train.py): nothing to keep
+        if optimizer is None:
+            if any(True for _ in module.parameters()):  # a chunk without parameters keeps nothing, as before
+                model_sd.update(get_model_state_dict(module, options=OPTIONS))
             continue
         m, o = get_state_dict(module, optimizer, options=OPTIONS)
         model_sd.update(m)
@@ -212,5 +221,7 @@ def load(directory: str | Path, modules: list, optimizers: list) -> None:
     options = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)  # each chunk takes its own keys
     for module, optimizer in zip(modules, optimizers, strict=True):
         if optimizer is None:
+            if any(True for _ in module.parameters()):
+                set_model_state_dict(module, state["model"], options=options)
             continue
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)

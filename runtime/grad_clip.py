@@ -26,7 +26,7 @@ def clip_grad_norm(modules: list[nn.Module], max_norm: float, pp_group=None, unc
     """Scale every gradient so the global L2 norm is at most `max_norm`; returns the norm before clipping.
     `uncounted`: parameters whose gradient another copy already counts (weights tied across stages)."""
     skip = {id(p) for p in uncounted}
-    params = [p for m in modules for p in m.parameters() if p.grad is not None]
+    params = [p for m in modules for p in m.parameters() if p.requires_grad and p.grad is not None]  # frozen: no gradient
     grads = [p.grad for p in params]
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:

@@ -1,5 +1,10 @@
 """What a run measures: step times, per-stage forward/backward times, peak memory.
 
+Two peaks are kept. `peak_memory` is what the process costs the machine (CUDA's
+max_memory_allocated, on CPU the resident set, interpreter and torch included);
+`TensorPeakMeter` is the peak of the tensors alone over one step, which is what the plan's
+memory model predicts, so that is what `planner validate` holds against it.
+
 Per-stage times are what `planner validate` holds against the plan's `stage_time_s`
 (forward + backward of one micro-batch per stage). A pipelined stage is timed by the
 PipelineRunner (runtime/apply_pp.py) around torch's forward/backward chunk calls, so the
@@ -14,8 +19,10 @@ the final parameters travel beside it in memory (`RunResult`), never in the file
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -48,8 +55,10 @@ def timeline_of(per_rank_events: list[list[tuple]], schedule: str, num_ranks: in
 class StageTimer:
     """Seconds per micro-batch of each stage's forward and backward, after warm-up steps."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, warmup_steps: int = WARMUP_STEPS) -> None:
         self.device = device
+        self.warmup_steps = warmup_steps
+        """Steps left out of the means (`TensorPeakMeter.timing_warmup_steps`)."""
         self.step = 0
         self._seconds: dict[tuple[int, str], float] = defaultdict(float)
         self._forwards: dict[int, int] = defaultdict(int)
@@ -66,13 +75,13 @@ class StageTimer:
             yield
         finally:
             self._sync()
-            if self.step >= WARMUP_STEPS:
+            if self.step >= self.warmup_steps:
                 self._seconds[(stage, kind)] += time.perf_counter() - start
                 self._forwards[stage] += kind == "forward"
 
     def record(self, stage_times: dict[int, dict[str, float]], num_microbatches: int) -> None:
         """Add one step's per-stage sums over its micro-batches (a PipelineRunner's `stage_times`)."""
-        if self.step < WARMUP_STEPS:
+        if self.step < self.warmup_steps:
             return
         for stage, t in stage_times.items():
             self._seconds[(stage, "forward")] += t["forward_s"]
@@ -106,6 +115,154 @@ def peak_memory() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+class TensorPeakMeter:
+    """Peak bytes of this rank's tensors during one step (the first after the warm-up).
+
+    On CUDA: the caching allocator's max_memory_allocated since `start` (reset there), which
+    counts every live tensor, the ones from before the step included.
+
+    On CPU torch keeps no allocator statistics, so the warm-up and the measured step run under
+    torch's own profiler with `profile_memory=True`: every allocation and free of the CPU
+    allocator is an event with a signed size and a timestamp, and their running sum in time
+    order is the live bytes above the profile's start. The peak is the bytes live at the
+    profile's start plus the largest running sum inside the measured step (from a marker event
+    `start` records). (Chosen over a TorchDispatchMode counting storages: the profiler sees the
+    allocator itself, so it also counts what autograd, the optimizer and collectives allocate
+    inside C++ kernels, and it costs far less per op.) The bytes live at the start are the
+    storages of every tensor the Python heap reaches (parameters, buffers, pipeline receive
+    buffers, the batch), deduplicated, after a garbage collection. The profile starts a step
+    early because a block allocated before it has no free event (the profiler does not know its
+    size): the previous step's outputs and gradients, freed early in the measured step, would
+    otherwise stay counted. Only what was live before the warm-up and is freed in the measured
+    step (the warm-up's batch) is counted too long. Frees on threads the profiler does not
+    watch (gloo's workers sometimes release a collective's buffer) are handled in `running_peak`.
+
+    `start` and `stop` bracket a step's work after `zero_grad`. On CPU the profiler slows a step
+    of examples/gpt.py (4 layers, d_model 64) by about a fifth (10.7 -> 12.6 ms in one process;
+    benchmarks/results/memory_cpu.csv has the noisier figure of whole runs), and `stop` takes
+    a quarter of a second after the step's timing; so when later steps follow, the measured
+    step is left out of the timings like the warm-up (`timing_warmup_steps`), and
+    `train(..., measure_tensor_peak=False)` turns the measurement off.
+    """
+
+    MARKER = "TensorPeakMeter.measured_step"
+
+    def __init__(self, device: torch.device, num_steps: int, enabled: bool = True, step: int = WARMUP_STEPS) -> None:
+        self.device = device
+        self.step = step
+        """Which step (0-based, counted from the run's first) is measured."""
+        self.enabled = enabled and num_steps > step
+        self.peak_bytes: int | None = None
+        """The measured peak, None until the measured step stops (or when disabled)."""
+        self._num_steps = num_steps
+        self._profiler = None
+        self._base_bytes = 0
+
+    def timing_warmup_steps(self) -> int:
+        """Leading steps the timings skip: the warm-up, and on CPU the measured step when steps
+        follow it (a run of WARMUP_STEPS + 1 steps has no other step to time)."""
+        measured = self.enabled and self.device.type == "cpu" and self._num_steps > self.step + 1
+        return self.step + 1 if measured else WARMUP_STEPS
+
+    def start(self, step: int) -> None:
+        if not self.enabled:
+            return
+        if self.device.type == "cuda":
+            if step == self.step:
+                synchronize(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        if step == max(self.step - 1, 0) and self._profiler is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            gc.collect()  # cyclic garbage (a module built for initialisation) is no tensor of the model
+            self._base_bytes = live_tensor_bytes(self.device)
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()
+        if step == self.step:
+            with torch.profiler.record_function(self.MARKER):
+                pass
+
+    def stop(self, step: int) -> None:
+        if not self.enabled or step != self.step:
+            return
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            return
+        prof, self._profiler = self._profiler, None
+        prof.__exit__(None, None, None)
+        gc.collect()
+        self.peak_bytes = int(self._base_bytes + running_peak(prof, self.MARKER, live_storages(self.device)))
+
+
+def running_peak(prof, marker: str, reachable: set[int]) -> int:
+    """The most bytes allocated during a profile and live at once, from the start of the event
+    named `marker` on: the running sum of its allocation events (frees negative) in time order.
+
+    The CPU allocator reports only the threads the profiler watches. A block freed on another
+    thread (gloo's workers release a collective's tensors) has no free event: a block with none
+    that no Python object reaches after the step (`reachable`: storage addresses) is such a
+    short-lived buffer and is left out; a block whose address a later allocation reuses was
+    freed before that allocation."""
+    from torch._C._profiler import _EventType
+
+    events, since, stack = [], None, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name == marker:
+            since = node.start_time_ns if since is None else min(since, node.start_time_ns)
+    events.sort()
+    open_blocks: dict[int, int] = {}  # address -> index of its live allocation
+    for k, (_, ptr, nbytes) in enumerate(events):
+        open_blocks.pop(ptr, None)  # freed by this event, or before this reuse of its address
+        if nbytes > 0:
+            open_blocks[ptr] = k
+    leaked = {k for ptr, k in open_blocks.items() if ptr not in reachable}
+    live, peak, sizes, open_blocks = 0, None, {}, {}
+    for k, (start_ns, ptr, nbytes) in enumerate(events):
+        if since is not None and start_ns >= since and peak is None:
+            peak = live  # the bytes live when the measured step began
+        if ptr in open_blocks:  # freed (by an event, or before this reuse of its address)
+            live -= sizes.pop(open_blocks.pop(ptr))
+        if nbytes > 0 and k not in leaked:
+            open_blocks[ptr], sizes[k] = k, nbytes
+            live += nbytes
+        if peak is not None:
+            peak = max(peak, live)
+    return live if peak is None else peak
+
+
+def live_storages(device: torch.device) -> set[int]:
+    """Addresses of the storages of every tensor on `device` that Python objects reach."""
+    return set(_storages(device))
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of the distinct storages of every tensor on `device` that Python objects reach."""
+    return sum(_storages(device).values())
+
+
+def _storages(device: torch.device) -> dict[int, int]:
+    storages: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance on deprecated torch aliases warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if not isinstance(obj, torch.Tensor) or obj.device.type != device.type:
+                continue
+            try:  # wrapper subclasses (DTensor) have no storage; their local tensor is counted itself
+                storage = obj.untyped_storage()
+                address, nbytes = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if address:
+                storages[address] = max(storages.get(address, 0), nbytes)
+    return storages
+
+
 @dataclass
 class RunResult:
     """What a run returns: its metrics (the file's content) and, beside them, its final parameters."""
@@ -118,11 +275,13 @@ class RunResult:
 
 
 def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: int,
-                  timeline: MeasuredTimeline | None = None) -> RunResult:
-    """The run's Metrics from what every rank measured, with the final `params` carried beside them."""
+                  timeline: MeasuredTimeline | None = None, peak_tensor_bytes: list[int | None] | None = None,
+                  warmup_steps: int = WARMUP_STEPS) -> RunResult:
+    """The run's Metrics from what every rank measured, with the final `params` carried beside them;
+    the median step time skips the first `warmup_steps` (`TensorPeakMeter.timing_warmup_steps`)."""
     from planner.validate import plan_digest
 
-    after = times[WARMUP_STEPS:] or times
+    after = times[warmup_steps:] or times[WARMUP_STEPS:] or times
     median = statistics.median(after) if after else float("nan")
     metrics = Metrics(
         losses=losses,
@@ -130,6 +289,7 @@ def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: i
         median_iteration_time_s=median,
         samples_per_s=plan.batch.global_batch_size / median,
         peak_memory_bytes=peaks,
+        peak_tensor_bytes=peak_tensor_bytes if peak_tensor_bytes and None not in peak_tensor_bytes else None,
         stage_times_s=stage_times,
         timeline=timeline,
         world_size=world_size,

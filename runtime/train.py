@@ -62,6 +62,7 @@ from runtime.build import (
 from runtime.grad_clip import clip_grad_norm
 from runtime.metrics import (
     StageTimer,
+    TensorPeakMeter,
     build_metrics,
     merge_stage_times,
     peak_memory,
@@ -158,21 +159,29 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
             first_step, resume_from = saved["step"], saved["directory"]
             if dist.get_rank() == 0:
                 print(f"resuming from step {first_step} ({resume_from})", flush=True)
-        return _train_parallel(plan, mf, steps, seed, lr, device, checkpoint_dir, resume_from, first_step, fingerprint)
+        return _train_parallel(plan, mf, steps, seed, lr, device, checkpoint_dir, resume_from, first_step, fingerprint,
+                               measure_tensor_peak)
     finally:
         dist.destroy_process_group()
 
 
+def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer | None:
+    """AdamW over `module`'s trainable parameters (requires_grad, as the model file built them:
+    a LoRA model's frozen base weights get no optimizer state); None when it has none."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
+
+
 def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> dict:
     model = materialize(meta, seed, torch.device("cpu"), init_mode(meta), mf)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=plan.training.weight_decay)
+    optimizer = make_optimizer(model, lr, plan.training.weight_decay)
     losses, times = [], []
     timer = StageTimer(torch.device("cpu"))
     for step in range(steps):
         timer.step = step
         inputs, targets = batch_for_step(mf, plan.batch.global_batch_size, seed, step)
         start = time.perf_counter()
-        optimizer.zero_grad()
+        model.zero_grad()
         with timer.time(0, "forward"), _autocast(plan, torch.device("cpu")):
             out = model(*inputs)
             loss = mf.loss(_fp32(out), targets)
@@ -180,7 +189,8 @@ def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> 
             loss.backward()
         if plan.training.grad_clip:
             clip_grad_norm([model], plan.training.grad_clip)
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -188,7 +198,7 @@ def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> 
 
 
 def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume_from=None,
-                    first_step: int = 0, fingerprint: str = "") -> dict:
+                    first_step: int = 0, fingerprint: str = "", measure_tensor_peak: bool = True) -> dict:
     from runtime.mesh import build_ep_mesh, build_mesh, build_tie_groups
 
     lay, batch = plan.layout, plan.batch
@@ -220,9 +230,9 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     uncounted = [p for t, copies in zip(ties, tie_copies, strict=False) for s, p in copies if s != t.stages[0]]
     # One optimizer per chunk (AdamW is per parameter, so this is the same update): each
     # chunk's optimizer state is then keyed by its own parameter names (runtime/checkpoint.py).
-    # A chunk without parameters (a stage of rotary embeddings alone) has none.
-    optimizers = [torch.optim.AdamW(params, lr=lr, weight_decay=plan.training.weight_decay) if (params := list(m.parameters())) else None
-                  for m in modules]
+    # A chunk without trainable parameters (a stage of rotary embeddings alone, or of frozen
+    # weights only) has none.
+    optimizers = [make_optimizer(m, lr, plan.training.weight_decay) for m in modules]
     stepping = [o for o in optimizers if o is not None]
     loss_fn = lambda out, tgt: mf.loss(_fp32(out), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
     runner = None
@@ -230,7 +240,9 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         example, _ = _local_batch(mf, plan, seed, first_step, dp_rank, device)
         example_microbatch = tuple(_slice(x, 0, batch.micro_batch_size) for x in example)
         runner = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn, example_microbatch)
-    timer = StageTimer(device)
+    tensor_peak = TensorPeakMeter(device, steps, enabled=measure_tensor_peak)
+    warmup_steps = tensor_peak.timing_warmup_steps()  # the measured step is not timed when others follow
+    timer = StageTimer(device, warmup_steps)
     if resume_from:
         _check_tied_resume(resume_from, ties)
         checkpoint.load(resume_from, modules, optimizers)
@@ -242,6 +254,7 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
         start = time.perf_counter()
         for optimizer in stepping:
             optimizer.zero_grad()
+        tensor_peak.start(step - first_step)  # after zero_grad: the gradients it frees are not the step's
         if runner is not None:
             mean_loss = runner.step(inputs, targets)  # the last stage's mean over micro-batches, else None
             local_loss = mean_loss.float() if mean_loss is not None else torch.zeros((), device=device)
@@ -284,6 +297,7 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
             optimizer.step()
         synchronize(device)  # the step's kernels are done, not just queued
         times.append(time.perf_counter() - start)
+        tensor_peak.stop(step - first_step)
         # One copy per data-parallel replica reports (last stage, tp rank 0); the mean over replicas is the global mean.
         reports.append(local_loss.detach().to(device) if (has_last and tp_rank == 0) else torch.zeros((), device=device))
     # Summed once after the loop: a collective per step would add a synchronisation of all
@@ -298,6 +312,8 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     params = _full_parameters(modules, keep=dp_rank == 0 and tp_rank == 0, aliases=aliases)
     peaks, stage_times = [None] * dist.get_world_size(), [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak_memory())
+    tensor_peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(tensor_peaks, tensor_peak.peak_bytes)
     dist.all_gather_object(stage_times, timer.summary())
     timeline = None
     if runner is not None:  # the last step's actions of one pipeline (dp and tp rank 0), for a measured Gantt
@@ -308,7 +324,7 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     # process whose peer closed a connection it still reads from).
     dist.barrier()
     return build_metrics(plan, losses, times, peaks, merge_stage_times(stage_times), params, world_size=dist.get_world_size(),
-                         timeline=timeline)
+                         timeline=timeline, peak_tensor_bytes=tensor_peaks, warmup_steps=warmup_steps)
 
 
 def _check_tied_resume(directory, ties) -> None:

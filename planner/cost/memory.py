@@ -27,6 +27,34 @@ with selective recomputation and SP, and 2sbh with full recomputation. A fused a
 kernel (scaled_dot_product_attention's flash / memory-efficient paths) keeps no scores, so
 the profiled A of our examples has no 5as²b term and selective recomputation saves nothing
 there, as it should. A unit the TP plan leaves replicated keeps all of A on every GPU.
+
+A stage's peak (`stage_memory`) names every term. The bytes held at the moment of the peak are
+the model states plus one of two phases, whichever is larger:
+
+    forward/backward:  parameters + gradients held + optimizer state
+                       + in-flight micro-batches x stored activations
+                       + transient (full recomputation rebuilding one unit)
+                       + communication (the pipeline's receive buffers, one per micro-batch
+                         for the input activations and for the output gradients, as torch's
+                         PipelineStage allocates them once and keeps them;
+                         FSDP2's gathered parameters: ZeRO 3 two consecutive units' whole parameters and
+                         one unit's unsharded gradients, ZeRO 1-2 the sharded copy beside the
+                         gathered parameters; on a pipeline's last stage the outputs torch's
+                         schedule keeps for `return_outputs`, m x the model output)
+    optimizer step:    parameters + gradients + optimizer state
+                       + transient (AdamW's temporaries, `optimizer_transient_bytes`), or, if
+                         larger, communication (ZeRO 0 with dp > 1: the flat bucket the gradients are
+                         all-reduced in, runtime/apply_dp.py, one gradient-sized copy; the
+                         receive buffers and kept outputs above; FSDP2 has resharded)
+
+Gradients are held at the activation peak only when some micro-batch's backward ran before the
+last forward of the peak (more micro-batches than in flight, as in 1F1B's steady state or
+gradient accumulation); zero_grad frees them at the step's start, so with all forwards before
+the first backward (GPipe, or m <= in-flight) the activation peak has none. Fragmentation is
+the caching allocator's loss above the tensors (PyTorch's allocator typically loses 5-10%):
+`FRAGMENTATION_ALLOWANCE` of the tensor bytes on GPUs, none on CPU where the measured peak
+counts tensors only. `StageMemory.tensor_bytes` (without it) is what a run's measured tensor
+peak is held against; `total` (with it) is what must fit on the device.
 """
 
 from __future__ import annotations
@@ -36,6 +64,9 @@ from dataclasses import dataclass
 # Korthikanti et al. 2022, section 4.1: five boundary-shaped 16-bit tensors (10·s·b·h bytes)
 # of a transformer layer stay replicated under tensor parallelism without SP.
 REPLICATED_BOUNDARY_COPIES = 5
+# Share of the tensor bytes the caching allocator loses to fragmentation (a stated allowance,
+# the upper end of the 5-10% PyTorch's allocator typically loses on long runs).
+FRAGMENTATION_ALLOWANCE = 0.10
 # Bytes of model state per parameter for Adam: (weights, gradients, optimizer state).
 STATE_BYTES = {
     "mixed": (2, 2, 12),  # 16-bit weights and grads; fp32 master, m, v
@@ -111,3 +142,120 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     if recompute == "selective":
         return sbh * 34 / t if sp else sbh * (10 + 24 / t)
     return sbh * (34 + scores) / t if sp else sbh * (10 + 24 / t + scores / t)
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One stage's (or pipeline rank's) peak bytes per GPU, term by term (module docstring)."""
+
+    parameters: float
+    """Parameter bytes held (after TP and ZeRO-3 sharding)."""
+    gradients: float
+    """Gradient bytes held at the peak (0 when the peak comes before any backward)."""
+    optimizer_state: float
+    """Optimizer state bytes (master weights and Adam moments, after ZeRO sharding)."""
+    activations: float
+    """In-flight micro-batches x stored activation bytes of one micro-batch (0 when the
+    optimizer step's phase is the peak)."""
+    transient: float
+    """Bytes needed briefly at the peak: full recomputation rebuilding one unit's activations, or
+    the optimizer step's temporaries when that phase is the peak."""
+    communication: float
+    """Communication buffers at the peak: pipeline receive buffers and kept outputs, FSDP's gathered
+    parameters and unsharded gradients, or ZeRO 0's gradient bucket."""
+    fragmentation: float
+    """The allocator's stated allowance above the tensors (`FRAGMENTATION_ALLOWANCE`; 0 on CPU)."""
+
+    @property
+    def tensor_bytes(self) -> float:
+        """The tensors alone: what a run's measured tensor peak is held against."""
+        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.transient + self.communication
+
+    @property
+    def total(self) -> float:
+        """What must fit on the device: the tensors and the fragmentation allowance."""
+        return self.tensor_bytes + self.fragmentation
+
+    def terms(self) -> dict[str, int]:
+        """Every term by name, in bytes (the plan's `Prediction.memory_terms_bytes` entry)."""
+        names = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "fragmentation")
+        return {name: int(round(getattr(self, name))) for name in names}
+
+
+def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: int, activation_bytes: float,
+                 in_flight: float, num_microbatches: int, transient_bytes: float = 0.0, p2p_bytes: float = 0.0,
+                 largest_unit_parameters: float = 0.0, largest_unit_pair_parameters: float = 0.0,
+                 kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
+                 device: str = "gpu") -> StageMemory:
+    """Peak memory of one stage on one GPU (module docstring), every term named.
+
+    `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
+    of one micro-batch (`unit_activation_bytes(...).stored` summed over the stage's units);
+    `in_flight`: peak micro-batches held (planner/cost/schedules.py `in_flight_microbatches`);
+    `transient_bytes`: the largest `unit_activation_bytes(...).transient` of the stage;
+    `p2p_bytes`: the pipeline's receive buffers the stage holds: torch's schedule keeps one per
+    micro-batch for the stage's input activations (all but the first stage) and one for its
+    output gradients (all but the last), m x (incoming + outgoing cut bytes) (`p2p_buffer_bytes`);
+    `largest_unit_parameters`: the stage's largest unit (per GPU after TP), whose gradients FSDP
+    holds unsharded before its reduce-scatter; `largest_unit_pair_parameters`: the largest sum
+    of two consecutive units, gathered at once (a unit and the one FSDP prefetches);
+    `kept_output_bytes`: pipeline outputs the schedule keeps to the step's
+    end (torch's `return_outputs`, on the last stage: m x the model output's bytes);
+    `largest_parameter`: elements of the stage's largest parameter tensor per GPU (the CPU
+    optimizer's transient, `optimizer_transient_bytes`);
+    `device`: "cpu" leaves the fragmentation allowance out and steps AdamW tensor by tensor.
+    """
+    states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
+    weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
+    sharded = zero_stage >= 1 and dp_degree > 1  # the runtime runs ZeRO 1-3 as FSDP2
+    if sharded and zero_stage == 3:
+        # FSDP2 gathers a unit's parameters before its forward and backward and prefetches the
+        # next unit's (two consecutive units gathered), and reduce-scatters a unit's unsharded gradients.
+        gathered = weight_bytes * max(largest_unit_pair_parameters, largest_unit_parameters) + grad_bytes * largest_unit_parameters
+    elif sharded:
+        # ZeRO 1-2 keep the gathered parameters through forward and backward (counted in
+        # `parameters`; runtime/train.py reshards after the last backward) and FSDP2 keeps the
+        # sharded copy beside them.
+        gathered = weight_bytes * num_parameters / dp_degree
+    else:
+        gathered = 0.0
+    # ZeRO 0's flat all-reduce bucket (runtime/apply_dp.py), held in the optimizer step's phase.
+    bucket = states.gradients if zero_stage == 0 and dp_degree > 1 else 0.0
+    grads_at_peak = states.gradients if num_microbatches > in_flight else 0.0
+    communication = p2p_bytes + gathered + kept_output_bytes
+    forward_backward = grads_at_peak + in_flight * activation_bytes + transient_bytes + communication
+    # The bucket is copied back and freed before the optimizer runs: the larger of the two.
+    step_transient = optimizer_transient_bytes(num_parameters, zero_stage, dp_degree, largest_parameter, device)
+    step_extra = max(bucket, step_transient)
+    # FSDP has resharded after the last backward: no gathered parameters in this phase.
+    optimizer_step = states.gradients + step_extra + p2p_bytes + kept_output_bytes
+    if forward_backward >= optimizer_step:
+        gradients, activations, transient = grads_at_peak, in_flight * activation_bytes, transient_bytes
+    else:
+        gradients, activations = states.gradients, 0.0
+        transient = step_transient if step_transient >= bucket else 0.0
+        communication = (bucket if bucket > step_transient else 0.0) + p2p_bytes + kept_output_bytes
+    tensors = states.weights + states.optimizer + gradients + activations + transient + communication
+    return StageMemory(parameters=states.weights, gradients=gradients, optimizer_state=states.optimizer,
+                       activations=activations, transient=transient, communication=communication,
+                       fragmentation=0.0 if device == "cpu" else FRAGMENTATION_ALLOWANCE * tensors)
+
+
+def p2p_buffer_bytes(num_microbatches: int, incoming_cut_bytes: float, outgoing_cut_bytes: float) -> float:
+    """Receive buffers of one pipeline stage: torch.distributed.pipelining's PipelineStage makes one
+    per micro-batch for its input activations (`_setup_forward_recv_info`) and one for its output
+    gradients (`_create_grad_recv_info` per micro-batch) and keeps them across steps. Pass 0 for
+    the cut the stage lacks (the first stage's input, the last stage's output)."""
+    return num_microbatches * (incoming_cut_bytes + outgoing_cut_bytes)
+
+
+def optimizer_transient_bytes(num_parameters: float, zero_stage: int, dp_degree: int, largest_parameter: float,
+                              device: str = "gpu") -> float:
+    """Temporaries of one AdamW step (torch.optim.AdamW, fp32 state). On GPUs torch steps all
+    parameters at once (foreach): `_foreach_sqrt` of the second moments is one fp32 copy of the
+    parameters the rank updates. On CPU it steps tensor by tensor: `exp_avg_sq.sqrt() / c` holds
+    two temporaries of the largest parameter at once."""
+    updated = num_parameters / (dp_degree if zero_stage >= 1 else 1)
+    if device == "cpu":
+        return 2 * 4 * largest_parameter / (dp_degree if zero_stage >= 1 else 1)
+    return 4 * updated

@@ -178,6 +178,9 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     fingerprints = unit_fingerprints(meta_model, units)
     owned = owned_parameters(meta_model, units)
     total_params = sum(p.numel() for ps in owned.values() for _, p in ps)
+    # Frozen parameters (requires_grad=False as built: LoRA's base weights) have no gradient or
+    # optimizer state; the cost model needs the trainable share (profile_schema.Unit).
+    trainable = {name: sum(p.numel() for _, p in ps if p.requires_grad) for name, ps in owned.items()}
 
     modules = dict(model.named_modules())
     with values:
@@ -204,6 +207,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
             fingerprint=fingerprints[name],
             num_parameters=sum(p.numel() for _, p in owned.get(name, [])),
             parameter_bytes=sum(p.numel() for _, p in owned.get(name, [])) * element,
+            trainable_parameter_bytes=trainable.get(name, 0) * element,
             buffer_bytes=sum(b.numel() * b.element_size() for b in modules[name].buffers()),
             costs=costs[name],
             ops=op_graphs[fingerprints[name]],
@@ -226,6 +230,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
             source_sha256=mf.source_sha256(),
             num_parameters=total_params,
             parameter_bytes=total_params * element,
+            trainable_parameter_bytes=sum(trainable.values()) * element,
             sequence_length=seq_len,
             tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         ),

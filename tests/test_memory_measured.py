@@ -1,0 +1,195 @@
+"""Predicted peak tensor memory (planner/cost/memory.py `stage_memory`) against the peak a run
+measures (runtime/metrics.py `TensorPeakMeter`), per example and layout, on CPU float32.
+
+The prediction is composed here the way the solver should compose it (planner/solver/search.py
+`_price`): its per-unit tables (parameters after TP, stored activations, transients, cut bytes)
+into `stage_memory`. Tolerance 10%: the model counts tensors by formula (activations from the
+profile's saved bytes), while a run also holds what no formula lists (autograd's small
+temporaries, a loss, a batch), a few percent of these small models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from planner.cluster import make_cluster
+from planner.cost.compute import interpolate
+from planner.cost.memory import StageMemory, p2p_buffer_bytes, stage_memory
+from planner.cost.schedules import in_flight_microbatches
+from planner.profiler import profile_model
+from planner.solver.plan_builder import build_plan
+from planner.solver.solve import Pins, search
+from tests.conftest import EXAMPLES, ROOT
+
+TOLERANCE = 0.10
+GPT_SMALL = dict(n_layers=4, d_model=64, n_heads=4, d_ff=256, vocab_size=128, seq_len=32)
+LLAMA_SMALL = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=128, seq_len=32)
+CNN_SMALL: dict = {}
+GLOBAL_BATCH = 8
+
+
+def predict(model: str, args: dict, world: int, pins: Pins):
+    """(plan with `memory_terms_bytes` filled, the stages' `StageMemory`) for the pinned layout."""
+    profile = profile_model(str(EXAMPLES / f"{model}.py"), args, [1, 2], device="meta", gpu="a100-80gb")
+    cluster = make_cluster(world, gpu="cpu")
+    result = search(profile, cluster, GLOBAL_BATCH, pins, keep=1)
+    best = result.ranked[0]
+    cfg = best.config
+    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+    last = profile.units[-1].costs
+    output_bytes = interpolate({b: c.output_bytes for b, c in last.items()}, cfg.micro_batch_size)
+    stages = []
+    for k, ((i, j), r) in enumerate(zip(best.bounds, best.stage_recompute, strict=True)):
+        stages.append(stage_memory(
+            num_parameters=float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]),
+            dtype=profile.dtype, zero_stage=cfg.zero_stage, dp_degree=cfg.dp,
+            activation_bytes=float(table.activations[r][i:j].sum()),
+            in_flight=in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages),
+            num_microbatches=cfg.num_microbatches,
+            transient_bytes=float(table.transient[r][i:j].max()) if r == "full" else 0.0,
+            p2p_bytes=p2p_buffer_bytes(cfg.num_microbatches, float(table.cut_bytes[i - 1]) if i > 0 else 0.0,
+                                       float(table.cut_bytes[j - 1])) if cfg.pp > 1 else 0.0,
+            largest_unit_parameters=float(table.parameters[i:j].max()),
+            largest_unit_pair_parameters=float((table.parameters[i:j - 1] + table.parameters[i + 1:j]).max()) if j - i > 1 else 0.0,
+            # torch's schedule keeps the last stage's outputs for `return_outputs` (runtime/apply_pp.py)
+            kept_output_bytes=cfg.num_microbatches * output_bytes if (cfg.pp > 1 and k == len(best.bounds) - 1) else 0.0,
+            largest_parameter=max(_largest_parameter(u, cfg.tp) for u in profile.units[i:j]),
+            device="cpu"))
+    plan = build_plan(profile, cluster, GLOBAL_BATCH, result, 1, profile.dtype, None)
+    plan.prediction.memory_terms_bytes = [s.terms() for s in stages]
+    return plan, stages
+
+
+def _largest_parameter(unit, tp_degree: int) -> float:
+    """Elements of the unit's largest weight (its ops' weight shapes), divided by TP where the unit shards."""
+    sizes = [math.prod(op.weight_shape) for op in unit.ops if op.weight_shape]
+    return max(sizes) / tp_degree if sizes else 0.0
+
+
+def run_measured(plan, tmp_path, steps: int = 2) -> list[int]:
+    path, out = tmp_path / "plan.json", tmp_path / "metrics.json"
+    plan.save(path)
+    ran = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(steps), "--output", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    return json.loads(out.read_text())["peak_tensor_bytes"]
+
+
+def rank_peaks(plan, stages: list[StageMemory]) -> list[float]:
+    """Predicted tensor peak of every rank: the stages it holds, summed (interleaving)."""
+    peaks = [0.0] * plan.world_size
+    for stage, memory in zip(plan.stages, stages, strict=True):
+        for rank in stage.ranks:
+            peaks[rank] += memory.tensor_bytes
+    return peaks
+
+
+# (example, its small arguments, world size, pinned layout)
+CASES = {
+    "gpt-dp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
+    "gpt-pp2-1f1b": ("gpt", GPT_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="1f1b", recompute="none")),
+    "gpt-tp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=1, tp=2, micro_batch_size=2, zero_stage=0, recompute="none",
+                                          sequence_parallel=False)),
+    "gpt-zero3": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),
+    "llama-dp2": ("llama", LLAMA_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
+    "llama-pp2-1f1b": ("llama", LLAMA_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="1f1b", recompute="none")),
+    "cnn-dp2": ("cnn", CNN_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
+    "cnn-zero3": ("cnn", CNN_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),
+}
+XFAIL = {
+    # Measured 5.60 MiB on rank 0 and 6.10 MiB on rank 1 against 5.43 MiB predicted (-3%, -11%):
+    # FSDP2 over gloo gathers a unit into a flat buffer and copies it out into the unsharded
+    # parameters (two copies of the classifier's 1 MiB for a moment), which the model counts
+    # once, and which rank's gloo worker frees those buffers (uncounted) differs from run to run.
+    "cnn-zero3": "FSDP2's all-gather copy-out buffers are not modelled; the two ranks measure 0.5 MiB apart",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_predicted_peak_matches_measured_tensor_peak(case, tmp_path, request):
+    if case in XFAIL:
+        request.applymarker(pytest.mark.xfail(reason=XFAIL[case], strict=False))
+    model, args, world, pins = CASES[case]
+    plan, stages = predict(model, args, world, pins)
+    measured = run_measured(plan, tmp_path)
+    predicted = rank_peaks(plan, stages)
+    errors = [p / m - 1 for p, m in zip(predicted, measured, strict=True)]
+    assert all(abs(e) <= TOLERANCE for e in errors), f"predicted {predicted}, measured {measured}, errors {errors}"
+
+
+def test_tensor_peak_meter_counts_a_known_allocation_pattern():
+    # In one process: the warm-up step leaves 1 MiB that the measured step frees first; then
+    # 1 MiB and 2 MiB live together and are freed. The peak is the base plus 3 MiB (exact: the
+    # CPU allocator reports sizes), the warm-up's leftover not counted again.
+    import threading
+
+    import torch
+
+    from runtime.metrics import TensorPeakMeter, live_tensor_bytes
+
+    keep = torch.zeros(1 << 18)  # 1 MiB held through both steps: part of the base
+    meter = TensorPeakMeter(torch.device("cpu"), num_steps=3)
+    assert meter.timing_warmup_steps() == 2
+    meter.start(0)
+    base = live_tensor_bytes(torch.device("cpu"))
+    leftover = torch.ones(1 << 18)
+    meter.stop(0)
+    assert meter.peak_bytes is None
+    meter.start(1)
+    del leftover
+    a = torch.ones(1 << 18)
+    b = torch.ones(1 << 19)
+    del a, b
+    # A block released on a thread the profiler does not watch (as gloo's workers release a
+    # collective's buffers) has no free event; it must not stay counted as live.
+    elsewhere = [torch.ones(1 << 20)]
+    worker = threading.Thread(target=elsewhere.clear)
+    worker.start()
+    worker.join()
+    meter.stop(1)
+    assert meter.peak_bytes == base + 3 * 2**20  # not 4 MiB: the thread-freed block is left out
+    assert keep.numel()
+    assert TensorPeakMeter(torch.device("cpu"), num_steps=1).enabled is False  # no step after the warm-up
+
+
+def test_stage_memory_names_every_term_and_picks_the_larger_phase():
+    mib = 2**20
+    # Gradient accumulation (m > in flight): gradients are held when the last micro-batch's activations are.
+    accumulating = stage_memory(mib, "float32", 0, 1, activation_bytes=8 * mib, in_flight=1, num_microbatches=2, device="cpu")
+    assert accumulating.terms() == dict(parameters=4 * mib, gradients=4 * mib, optimizer_state=8 * mib, activations=8 * mib,
+                                        transient=0, communication=0, fragmentation=0)
+    # All forwards before the first backward: no gradient yet at the activation peak.
+    assert stage_memory(mib, "float32", 0, 1, 8 * mib, in_flight=2, num_microbatches=2).gradients == 0
+    # ZeRO 0 with dp > 1 and small activations: the optimizer step's all-reduce bucket is the peak.
+    bucket = stage_memory(mib, "float32", 0, 2, activation_bytes=mib, in_flight=1, num_microbatches=1, device="cpu")
+    assert (bucket.gradients, bucket.activations, bucket.communication) == (4 * mib, 0, 4 * mib)
+    # Fragmentation is an allowance on GPUs only, outside the tensor bytes a run measures.
+    gpu = stage_memory(mib, "float32", 0, 1, 8 * mib, 1, 2)
+    assert gpu.fragmentation == pytest.approx(0.10 * gpu.tensor_bytes) and gpu.total == gpu.tensor_bytes + gpu.fragmentation
+    assert sum(v for k, v in gpu.terms().items() if k != "fragmentation") == pytest.approx(gpu.tensor_bytes, abs=8)
+
+
+def test_plan_show_table_lists_the_terms_per_stage():
+    from rich.console import Console
+
+    from planner.plan import Prediction
+    from planner.report import MEMORY_TERMS, memory_terms_table
+    from tests.runtime_plans import make_plan
+
+    plan = make_plan("gpt", pp=2)
+    assert memory_terms_table(plan) is None  # hand-written: no prediction
+    stages = [stage_memory(1e5, "float32", 0, 1, 2e5, in_flight=2 - k, num_microbatches=2, p2p_bytes=2e4, device="cpu")
+              for k in range(2)]
+    plan.prediction = Prediction(iteration_time_s=1, samples_per_s=1, tflops_per_gpu=1, hw_tflops_per_gpu=1, mfu=0.1,
+                                 bubble_fraction=0.1, peak_memory_bytes=[int(s.tensor_bytes) for s in stages], breakdown_s={},
+                                 memory_terms_bytes=[s.terms() for s in stages])
+    console = Console(width=200, record=True)
+    console.print(memory_terms_table(plan))
+    text = console.export_text()
+    assert all(name.replace("_", " ") in text for name in MEMORY_TERMS) and "tensors" in text
