@@ -173,6 +173,10 @@ class ModelInfo(_Model):
     """Tokens per sample when the input is a (batch, sequence) token tensor."""
     tied_parameters: list[list[str]] = []
     """Groups of units sharing a parameter (e.g. tied embeddings)."""
+    unsplit_units: list[list[str]] = []
+    """Runs of units [first, last] that no pipeline cut may split: a tensor made where the tracer
+    cannot see it (a `torch.vmap` result) is sent by the stage that first uses it
+    (planner/units.py `joined_units`)."""
 
     @model_validator(mode="after")
     def _all_trainable_when_absent(self) -> ModelInfo:

@@ -117,6 +117,8 @@ class UnitTrace:
     """Units called more than once (weight sharing); their first call fixes their position."""
     unit_inputs: dict[str, tuple] = field(default_factory=dict)
     """Per unit: (args, kwargs) of its first call, meta tensors (for per-unit profiling)."""
+    joined: list[tuple[str, str]] = field(default_factory=list)
+    """Runs of units (first, last) no pipeline cut may split (`joined_units`)."""
 
     def stage_of(self, position: float) -> int:
         """The unit whose stage runs code at `position` (see module docstring)."""
@@ -176,6 +178,8 @@ class DataFlow(TorchFunctionMode):
         self.ordinals: Counter = Counter()
         self.consumers: dict[Key, set[float]] = defaultdict(set)
         self.late: list[Key] = []
+        self.late_reach: list[float] = []
+        """Recording: the glue position where each late tensor was first consumed (`joined_units`)."""
         self.received: dict[Key, torch.Tensor] = {}
         """Replay only: tensors that stand in for their keys (runtime/pp_flow.py)."""
         self.stand_ins: dict[int, torch.Tensor] = {}
@@ -244,6 +248,7 @@ class DataFlow(TorchFunctionMode):
                 position = self.glue
             key = (position, self.ordinals[position])
             self.late.append(key)
+            self.late_reach.append(self.glue)
         else:
             key = self._next_late_key()
         self.ordinals[key[0]] = max(self.ordinals[key[0]], key[1] + 1)
@@ -291,6 +296,17 @@ class DataFlow(TorchFunctionMode):
         stack.enter_context(StorageBirths(self))
         stack.enter_context(self)
         return stack
+
+
+def joined_units(late: list[Key], reach: list[float]) -> list[tuple[int, int]]:
+    """Runs of units (first, last index) that one pipeline stage must hold together.
+
+    A late tensor (`DataFlow`) made in the glue at position b and first consumed at glue
+    position g is keyed only where it is consumed, so the stage that makes it must run on to
+    that point: units int(b + 0.5) .. int(g + 0.5) share a stage. (transformers 4.57's GPT-2
+    builds its mask after `wpe` and first uses it in `h.0`, so no cut between `drop` and `h.0`.)"""
+    runs = {(int(b + 0.5), int(g + 0.5)) for (b, _), g in zip(late, reach, strict=True)}
+    return sorted(run for run in runs if run[1] > run[0])
 
 
 class StorageBirths(TorchDispatchMode):
@@ -397,6 +413,8 @@ def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
         unused=[n for n in names if n not in tracer.positions],
         repeated_calls=[n for n, c in tracer.calls.items() if c > 1 and n in tracer.positions],
         unit_inputs=tracer.unit_inputs,
+        joined=[(tracer.order[a], tracer.order[b]) for a, b in joined_units(tracer.flow.late, tracer.flow.late_reach)
+                if b < len(tracer.order)],
     )
 
 

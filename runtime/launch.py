@@ -59,9 +59,12 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
     check_tp_plan(plan, meta)
     check_ep(plan, meta)
     if plan.layout.pp_degree > 1:
+        from runtime.pp_flow import trace_layout
         from runtime.pp_split import check_splittable
+        from runtime.train import meta_inputs
 
         check_splittable(meta, plan)
+        trace_layout(meta, plan, meta_inputs(mf, plan.batch.micro_batch_size))  # refuses a cut no stage can send across
     return plan, path
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from planner.errors import PlannerError
 from planner.meta_values import KnownValues, model_line
 from planner.plan import Plan
-from planner.units import DataFlow, Key, StorageBirths
+from planner.units import DataFlow, Key, StorageBirths, joined_units
 
 INPUT = -1.0
 
@@ -267,7 +267,20 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
             if layout.stage_of(key[0]) <= k < max(layout.stage_of(u) for u in users)
         ))
     layout.late = flow.late
+    check_unsplit(layout, joined_units(flow.late, flow.late_reach))
     layout.known = {key: values.values[flow.values[key]] for keys in layout.crossings for key in keys
                     if flow.values[key] in values.values and flow.values[key] not in values.sampled}
     layout.traced = {key: (flow.values[key].dtype, tuple(flow.values[key].shape)) for keys in layout.crossings for key in keys}
     return layout
+
+
+def check_unsplit(layout: CutLayout, runs: list[tuple[int, int]]) -> None:
+    """Refuse a cut inside a run of units one stage must hold (planner/units.py `joined_units`)."""
+    for first, last in runs:
+        if len({layout.unit_stage[i] for i in range(first, min(last, len(layout.units) - 1) + 1)}) > 1:
+            raise PlannerError(
+                f"The plan cuts the pipeline between {layout.units[first]} and {layout.units[min(last, len(layout.units) - 1)]}, "
+                "but the model makes a tensor there that no tracer sees being made (a torch.vmap result, such as "
+                "transformers 4.x's attention mask), which only the stage that first uses it can send.",
+                "Re-profile and re-solve (the solver keeps those units in one stage), or move the cut.",
+            )

@@ -118,7 +118,7 @@ def _local_batch(mf, plan: Plan, seed: int, step: int, dp_rank: int, device):
     return inputs, _to(_slice(targets, dp_rank * local, (dp_rank + 1) * local), device)
 
 
-def _meta_inputs(mf, batch_size: int) -> tuple:
+def meta_inputs(mf, batch_size: int) -> tuple:
     """A micro-batch on the meta device, to trace which tensors cross each cut. Of the plan's
     micro-batch size: glue may branch on the batch size (transformers 4.57 expands position ids
     when it is above 1), and every stage must number its tensors as the trace did."""
@@ -211,7 +211,7 @@ def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, ch
     if lay.pp_degree > 1:
         # torch's schedule calls the stage modules itself: autocast goes inside their forward.
         scatter = mesh["tp"].get_group() if (lay.p2p_scatter_gather and lay.tp_degree > 1) else None
-        chunks = build_stage_modules(meta, plan, pp_rank, _meta_inputs(mf, batch.micro_batch_size), forward_context=lambda: _autocast(plan, device),
+        chunks = build_stage_modules(meta, plan, pp_rank, meta_inputs(mf, batch.micro_batch_size), forward_context=lambda: _autocast(plan, device),
                                      scatter_group=scatter)
     else:
         chunks = [(0, meta)]

@@ -233,6 +233,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
             trainable_parameter_bytes=sum(trainable.values()) * element,
             sequence_length=seq_len,
             tied_parameters=[list(g) for g in tied_units(meta_model, units)],
+            unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
         ),
         micro_batch_sizes=sizes,
         units=unit_records,

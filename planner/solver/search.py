@@ -59,7 +59,7 @@ from planner.cost.schedules import in_flight_microbatches, iteration_time_s
 from planner.errors import PlannerError
 from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
-from planner.solver.inter_op import SharedRows, solve_cuts
+from planner.solver.inter_op import SharedRows, range_allowed, solve_cuts
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,9 @@ class Environment:
     tied weight's gradient among its copies (None: free)."""
     overlap: Overlap = Overlap()
     """Which communication hides behind compute (planner/cost/overlap.py)."""
+    cut_allowed: tuple[bool, ...] | None = None
+    """Whether a stage may end after unit c (planner/solver/inter_op.py `allowed_cuts`: runs of
+    units the profile says no cut may split); None: anywhere."""
 
 
 def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
@@ -191,6 +194,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             better = (memory <= limit) & (t[None, :] < level_cost)
             level_cost = np.where(better, t[None, :], level_cost)
             level_choice = np.where(better, ri, level_choice)
+        if env.cut_allowed is not None:
+            level_cost[:, ~range_allowed(start, end, np.array(env.cut_allowed))] = np.inf
         cost = np.full((len(levels), size, size), np.inf)
         choice = np.full((len(levels), size, size), -1)
         cost[:, start, end], choice[:, start, end] = level_cost, level_choice

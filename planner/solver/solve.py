@@ -11,6 +11,7 @@ lost. When nothing fits it says what does not fit and by how much.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from planner.plan import (
 from planner.profile_schema import Profile
 from planner.solver.bounds import TimeBound, memory_lower_bound
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
+from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config
 
@@ -193,6 +195,13 @@ def torch_builds(schedule: str, pp: int, num_microbatches: int) -> bool:
     return True
 
 
+def _cut_allowed(profile: Profile) -> tuple[bool, ...] | None:
+    """Where a stage may end, from the runs of units the profile says no cut may split."""
+    index = {u.name: u.index for u in profile.units}
+    runs = [[index[a], index[b]] for a, b in profile.model.unsplit_units if a in index and b in index]
+    return tuple(allowed_cuts(len(profile.units), runs).tolist()) if runs else None
+
+
 def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
     from planner.cost.overlap import SERIAL, Overlap
 
@@ -267,7 +276,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       require_sharding=bool(pins.tp and pins.tp > 1))
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
-    env = _environment(cluster, compute, dtype, pins, memory_fraction)
+    env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
                                                      profile.micro_batch_sizes, tp_degrees) for cfg in variants]
     tick = time.perf_counter()
