@@ -45,6 +45,7 @@ from runtime.pp_flow import trace_layout
 from runtime.pp_split import (
     check_splittable,
     make_stage,
+    needs_full_backward,
     restore_output,
     set_example_microbatch,
 )
@@ -151,6 +152,10 @@ class PipelineRunner:
         return torch.stack([loss.detach() for loss in losses]).mean()
 
 
+def _NO_SEPARATE_WEIGHT_PASS():  # noqa: N802  (torch's dw_builder: the W action's runner)
+    return lambda: None
+
+
 class _PipelineStage(PipelineStage):
     """torch's stage, telling the stage module when torch runs it to infer shapes (runtime/pp_split.py
     `StageSpec.shape_inference`): it then runs on uninitialised tensors, which glue must not read."""
@@ -176,7 +181,11 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, de
     num_microbatches = plan.batch.num_microbatches
     for _, module in stages:
         set_example_microbatch(module, example_microbatch)
-    pipeline_stages = [_PipelineStage(module, index, num_stages, device, group=pp_group) for index, module in stages]
+    # A stage whose weights its inputs' graph does not reach runs its whole backward at once
+    # (pp_split.needs_full_backward): torch takes a dw_builder as that request.
+    pipeline_stages = [_PipelineStage(module, index, num_stages, device, group=pp_group,
+                                      dw_builder=_NO_SEPARATE_WEIGHT_PASS if needs_full_backward(module) else None)
+                       for index, module in stages]
     last = [module for index, module in stages if index == num_stages - 1]
     if last:  # the loss sees the model's own output object, not the tensors torch's stage passes around
         user_loss_fn = loss_fn

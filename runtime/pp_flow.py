@@ -53,6 +53,10 @@ class CutLayout:
     """dtype and shape (at the trace's batch size) of every crossing tensor."""
     late: list[Key] = field(default_factory=list)
     """Keys of tensors no visible op made, in the order the trace assigned them (module docstring)."""
+    float_fed: set[int] = field(default_factory=set)
+    """Units that consume a floating-point tensor (an embedding of token ids does not)."""
+    trained: set[int] = field(default_factory=set)
+    """Units holding a parameter that requires grad."""
     known: dict[Key, torch.Tensor] = field(default_factory=dict)
     """Exact values (cpu) of the crossing tensors the trace could know (position ids, masks made
     from the batch's shape): a stage fed placeholders gives them to its glue (runtime/pp_split.py)."""
@@ -267,6 +271,9 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
             if layout.stage_of(key[0]) <= k < max(layout.stage_of(u) for u in users)
         ))
     layout.late = flow.late
+    layout.float_fed = {int(u) for key, users in flow.consumers.items() if flow.values[key].is_floating_point()
+                        for u in users if u % 1 == 0 and u >= 0}
+    layout.trained = {i for i, name in enumerate(units) if any(p.requires_grad for p in meta_model.get_submodule(name).parameters())}
     check_unsplit(layout, joined_units(flow.late, flow.late_reach))
     layout.known = {key: values.values[flow.values[key]] for keys in layout.crossings for key in keys
                     if flow.values[key] in values.values and flow.values[key] not in values.sampled}

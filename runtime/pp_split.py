@@ -278,6 +278,24 @@ def _sendable(t: torch.Tensor) -> torch.Tensor:
 _TENSOR = object()  # marks a tensor leaf in StageSpec.output_tree
 
 
+def needs_full_backward(module: nn.Module) -> bool:
+    """Whether this stage's backward must compute weight gradients together with input gradients.
+
+    torch's zero-bubble schedules split a stage's backward into input gradients (B) and weight
+    gradients (W), and find the weights for W through the autograd graph of the stage's inputs.
+    A weight that graph does not reach gets no gradient: in a unit fed no floating-point tensor
+    (GPT-2's position embedding in a stage of its own), or in any stage whose inputs carry no
+    gradient (every earlier stage frozen). Such a stage runs its whole backward at B (correct, it
+    only loses the split's scheduling freedom). The first stage is exempt: torch already runs it so."""
+    spec: StageSpec = module._pp_stage
+    layout = spec.layout
+    if spec.stage == 0:
+        return False
+    mine = [i for i, s in enumerate(layout.unit_stage) if s == spec.stage]
+    earlier_trained = any(layout.unit_stage[i] < spec.stage for i in layout.trained)
+    return not earlier_trained or any(i in layout.trained and i not in layout.float_fed for i in mine)
+
+
 def _fill_placeholders(spec: StageSpec, args: tuple) -> None:
     """Values for the uninitialised tensors torch's shape inference feeds a later stage.
 

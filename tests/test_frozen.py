@@ -170,10 +170,6 @@ def test_lora_trains_only_adapters_like_one_process(case, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "torch's split backward (zero-bubble's B/W) finds a stage's weights through its inputs' autograd graph; "
-    "a stage after a frozen-only stage receives inputs that do not require grad, so its adapters get no "
-    "gradient. Needs the runtime to mark such inputs as requiring grad (runtime/pp_split.py)."))
 def test_zero_bubble_after_a_frozen_only_stage(tmp_path):
     from tests.test_runtime_parity import LOSS_RTOL, run
 
