@@ -124,3 +124,14 @@ def test_training_turns_the_kv_cache_off():
 
     model = load_model_file(hf.__file__, args_of("llama3-8b")).build_model()
     assert model.config.use_cache is False
+
+
+@pytest.mark.parametrize("layout", ["pp2-1f1b", "fsdp2"])
+def test_mixture_of_experts_model_solves(layout):
+    """The unmodified Qwen3-MoE model, profiled on meta, gets a plan for each pinned layout
+    (expert parallelism itself is examples/moe.py's and runtime/apply_ep.py's)."""
+    profile = profile_model(hf.__file__, args_of("qwen3-30b-a3b"), [1, 2], device="meta", gpu="h100-80gb")
+    world, pins = LAYOUTS[layout]
+    plan = solve(profile, make_cluster(world, gpu="h100-80gb"), 4, pins)
+    assert plan.world_size == world and plan.prediction.iteration_time_s > 0
+    assert [u for s in plan.stages for u in s.units] == [u.name for u in profile.units]
