@@ -146,7 +146,7 @@ def predict(case: dict) -> dict:
         "predicted_hw_tflops_per_gpu": pred.hw_tflops_per_gpu, "predicted_model_tflops_per_gpu": pred.tflops_per_gpu,
         **{f"{k}_s": v_ for k, v_ in pred.breakdown_s.items()},
         "overlap": ",".join(p.overlap.names()) or "none",
-        "profile_s": profiled, "solve_s": plan.search["solve_time_s"], "note": "",
+        "profile_s": profiled, "solve_s": plan.search.solve_time_s, "note": "",
     }
 
 

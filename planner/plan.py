@@ -207,16 +207,6 @@ class SearchReport(BaseModel):
     alternatives: list[Alternative] = []
     """The next best configurations, fastest first."""
 
-    def get(self, key: str, default=None):
-        """Dict-style read for callers written when this section was a plain dict."""
-        value = getattr(self, key, None)
-        return default if value is None else value
-
-    def __getitem__(self, key: str):
-        if key not in type(self).model_fields:
-            raise KeyError(key)
-        return getattr(self, key)
-
 
 class Plan(_Model):
     schema_version: int = PLAN_SCHEMA_VERSION

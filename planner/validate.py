@@ -150,7 +150,7 @@ def draw_validation_gantt(plan: Plan, metrics_path: str | Path, path: str | Path
     lay = plan.layout
     what = f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}"
     panels = [(measured, f"measured, last step ({what}): makespan {measured.makespan_s:.4g} s, bubble {measured.bubble_fraction():.1%}")]
-    if (plan.search or {}).get("stage_forward_s"):  # a hand-written plan has no predicted stage times
+    if plan.search is not None and plan.search.stage_forward_s:  # a hand-written plan has no predicted stage times
         simulated = simulated_timeline(plan)
         panels.insert(0, (simulated, f"predicted: makespan {simulated.makespan_s:.4g} s, bubble {simulated.bubble_fraction():.1%}"))
     return draw_gantts(panels, path)

@@ -111,7 +111,7 @@ def test_search_report_counts_and_old_plans_load(profiles):
                      "stage_forward_s": [1.0], "stage_backward_s": [2.0], "alternatives": [], "retired_key": 3}
     loaded = parse_plan(old).search
     assert isinstance(loaded, SearchReport) and loaded.candidates_evaluated == 7 and loaded.candidates is None
-    assert loaded["solve_time_s"] == 1.5 and loaded.get("phase_times_s") is None
+    assert loaded.solve_time_s == 1.5 and loaded.phase_times_s is None
 
 
 @pytest.mark.slow
