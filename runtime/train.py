@@ -61,6 +61,7 @@ from runtime.build import (
 )
 from runtime.grad_clip import clip_grad_norm
 from runtime.metrics import (
+    RunResult,
     StageTimer,
     TensorPeakMeter,
     build_metrics,
@@ -127,7 +128,7 @@ def meta_inputs(mf, batch_size: int) -> tuple:
 
 
 def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | None, reference: bool,
-          checkpoint_dir: str | None = None, resume: bool = False, measure_tensor_peak: bool = True) -> dict:
+          checkpoint_dir: str | None = None, resume: bool = False, measure_tensor_peak: bool = True) -> RunResult:
     mf = load_model_file(model_file_path, plan.model.args)
     meta = build_meta_model(mf)
     traced = check_fingerprint(plan, meta, mf)
@@ -172,7 +173,7 @@ def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float) -> t
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay) if params else None
 
 
-def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> dict:
+def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> RunResult:
     model = materialize(meta, seed, torch.device("cpu"), init_mode(meta), mf)
     optimizer = make_optimizer(model, lr, plan.training.weight_decay)
     losses, times = [], []
@@ -198,7 +199,7 @@ def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> 
 
 
 def _train_parallel(plan: Plan, mf, steps: int, seed: int, lr: float, device, checkpoint_dir=None, resume_from=None,
-                    first_step: int = 0, fingerprint: str = "", measure_tensor_peak: bool = True) -> dict:
+                    first_step: int = 0, fingerprint: str = "", measure_tensor_peak: bool = True) -> RunResult:
     from runtime.mesh import build_ep_mesh, build_mesh, build_tie_groups
 
     lay, batch = plan.layout, plan.batch
