@@ -1,12 +1,15 @@
-"""How long `planner solve` takes: GPT-3 175B on 8 to 12,288 A100-80GB GPUs, 24 to 192 layers, and
-Megatron-Turing NLG 530B on 2,240.
+"""How long `planner solve` takes: GPT-3 175B on 8 to 12,288 A100-80GB GPUs, 24 to 192 layers,
+Megatron-Turing NLG 530B on 2,240, and the Qwen3-235B-A22B mixture of experts on 256 H100s
+(expert parallelism in the space).
 
-Profiles are analytic (meta device, A100-80GB roofline, bf16, micro-batch sizes 1, 2, 4), made
+Profiles are analytic (meta device, A100-80GB roofline, bf16, micro-batch sizes 1, 2, 4; the MoE
+from its Hugging Face config on an H100 roofline at micro-batch 1, sequence 4096), made
 once and written to a temporary folder; each row times the whole `planner solve` process
 (start-up, loading the profile, the search, writing and printing the plan), the median of
 `REPEATS` runs, and records the search's own time, counts and phases from the plan's `search`
 section. Goals (issue #17, on the project's 2-core machine): 175B on 64 GPUs under 1 s, on 1024
-under 2 s, 530B on 2240 under 5 s, 192 layers on 512 under 10 s.
+under 2 s, 530B on 2240 under 5 s, 192 layers on 512 under 10 s, the 235B MoE on 256 H100s under
+10 s.
 Writes benchmarks/results/solve_scaling.{csv,png}.
 
     python benchmarks/solve_scaling.py [--rows 96x64,192x512]
@@ -31,26 +34,38 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 GPT3 = dict(d_model=12288, n_heads=96, d_ff=49152, vocab_size=51200, seq_len=2048)
 MT_NLG = dict(n_layers=105, d_model=20480, n_heads=128, d_ff=81920, vocab_size=51200, seq_len=2048)  # Smith et al. 2022
+QWEN3_MOE = dict(n_layers=94, config=str(ROOT / "examples" / "hf" / "qwen3-235b-a22b.json"), seq_len=4096)
 REPEATS = 3
 # (name, model args, GPUs, global batch)
 CASES = [(f"gpt3-{n}l", dict(GPT3, n_layers=n), gpus, 1536) for n, gpus in
          [(96, 8), (96, 64), (96, 512), (96, 1024), (24, 512), (192, 512)]] + [
     ("mt-nlg-530b", MT_NLG, 2240, 1920),
     ("gpt3-96l", dict(GPT3, n_layers=96), 12288, 6144),
+    ("qwen3-235b-a22b-moe", QWEN3_MOE, 256, 2048),
 ]
+
+
+def _profile(name: str, args: dict):
+    """(profile, GPU preset) of a row's model."""
+    if "config" in args:  # a Hugging Face config (planner profile --hf-config)
+        import planner.hf_config_model as hf
+
+        model_args = {k: v for k, v in args.items() if k != "n_layers"}
+        return profile_model(hf.__file__, model_args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16"), "h100-80gb"
+    return profile_model("examples/gpt.py", args, [1, 2, 4], device="meta", gpu="a100-80gb", dtype="bfloat16"), "a100-80gb"
 
 
 def run(name: str, args: dict, gpus: int, batch: int, profiles: dict, folder: Path) -> dict:
     key = (name, args["n_layers"])
     if key not in profiles:
         started = time.perf_counter()
-        prof = profile_model("examples/gpt.py", args, [1, 2, 4], device="meta", gpu="a100-80gb", dtype="bfloat16")
+        prof, gpu = _profile(name, args)
         path = folder / f"{name}-{args['n_layers']}.json"
         path.write_text(prof.model_dump_json())
-        profiles[key] = (path, time.perf_counter() - started)
-    path, profile_s = profiles[key]
+        profiles[key] = (path, gpu, time.perf_counter() - started)
+    path, gpu, profile_s = profiles[key]
     plan_path = folder / "plan.json"
-    command = [str(Path(sys.executable).parent / "planner"), "solve", "-p", str(path), "--gpus", str(gpus), "--gpu", "a100-80gb",
+    command = [str(Path(sys.executable).parent / "planner"), "solve", "-p", str(path), "--gpus", str(gpus), "--gpu", gpu,
                "-b", str(batch), "-o", str(plan_path)]
     walls, failed = [], None
     for _ in range(REPEATS):
@@ -73,6 +88,7 @@ def run(name: str, args: dict, gpus: int, batch: int, profiles: dict, folder: Pa
         candidates=search.candidates, pruned_by_memory=search.pruned_by_memory_bound,
         pruned_by_time=search.pruned_by_time_bound, candidates_evaluated=search.candidates_evaluated,
         layout=f"pp{lay.pp_degree} dp{lay.dp_degree} tp{lay.tp_degree}{' sp' if lay.sequence_parallel else ''} "
+               f"{f'ep{lay.ep_degree} ' if lay.ep_degree > 1 else ''}"
                f"zero{lay.zero_stage} {lay.schedule} v{lay.virtual_stages} mbs{plan.batch.micro_batch_size}",
         recompute=",".join(sorted({s.recompute for s in plan.stages})),
         iteration_s=plan.prediction.iteration_time_s, mfu=plan.prediction.mfu,

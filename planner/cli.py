@@ -215,6 +215,9 @@ def solve(
     recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin: none, selective, full."),
     zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3)."),
     sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel", help="Pin sequence parallelism."),
+    ep: Optional[int] = typer.Option(None, "--ep", help="Pin the expert-parallel degree (MoE models; divides the experts and dp)."),
+    moe_imbalance: float = typer.Option(1.0, "--moe-imbalance", help="MoE routing: the busiest EP rank's tokens over the "
+                                        "balanced share (1.0 = balanced; the profile reports the measured spread)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
     top: int = typer.Option(3, "--top", help="Keep the K best configurations in the plan."),
     output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="Where to write the plan."),
@@ -242,9 +245,10 @@ def solve(
                            f"the profile's device (--gpu {_profile_gpu(prof)}), or pass --allow-device-mismatch to accept it.")
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PlannerError(f"Unknown --dtype {dtype!r}.", "Use float32, bfloat16 or float16.")
-    pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel)
+    pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep)
     with err_console.status("solving"):
-        plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file))
+        plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
+                          moe_imbalance=moe_imbalance)
     plan.save(output)
     print_plan(plan, console=console)
     console.print(f"wrote {output}")

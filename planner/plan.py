@@ -128,6 +128,10 @@ class Stage(_Model):
     """Activation recomputation for this stage's units."""
     tp_plan: dict[str, TPStyle] = {}
     """Module FQN (from the model root) -> tensor-parallel style."""
+    experts: dict[str, int] = {}
+    """With ep_degree > 1: each MoE experts module of the stage (FQN from the model root) -> the
+    experts one EP rank holds, E / ep_degree: EP rank i of a group holds experts
+    [i E/ep, (i+1) E/ep), in every expert-dp replica alike (runtime/apply_ep.py)."""
 
 
 class Prediction(_Model):

@@ -79,6 +79,71 @@ class OpNode(_Model):
     """Ops whose outputs flow into this op's inputs (through non-matmul ops); `input` for the unit's input."""
 
 
+class MoECosts(_Model):
+    """One MoE layer's experts at one micro-batch size, under balanced routing: the experts
+    module run alone (planner/profiler/moe.py) on the tokens it received in the unit's forward,
+    with a routing that sends every expert the same number of token copies (planner/moe.py
+    `balanced_routing`), so each number is what the cost model's balanced case assumes. They are
+    a part of the unit's `UnitCosts`, not an addition to them."""
+
+    tokens: int
+    """T, the tokens entering the layer in one micro-batch (the experts' `hidden_states` rows)."""
+    expert_forward_flops: int
+    """FLOPs of the experts' forward for T*top_k token copies (FlopCounterMode: multiply-add = 2).
+    For SwiGLU experts, 3 matmuls of model_dim x expert_hidden_dim per copy: 6*D*F*T*k."""
+    expert_backward_flops: int
+    """FLOPs of the experts' backward (input, routing-weight and expert-weight gradients)."""
+    expert_forward_time_s: float
+    """Seconds of the unit's forward spent in the experts module: the experts alone, timed the way
+    units are (trimmed mean of round-robin repeats, planner/profiler/measure.py) in measured
+    profiles; the roofline sum over their ops on the target GPU in analytic ones."""
+    expert_backward_time_s: float
+    """Seconds of the experts' backward, same method."""
+    expert_saved_bytes: int
+    """Bytes the experts module saves for backward (saved-tensor hooks; parameters excluded)."""
+    dispatch_bytes: int
+    """Bytes of the token copies one all-to-all dispatch moves if every copy leaves its rank:
+    T * top_k * model_dim * bytes per element of the hidden states. The combine moves as many."""
+
+
+class MoELayer(_Model):
+    """A mixture-of-experts layer inside a unit, recognised by structure and data flow
+    (planner/moe.py). The unit's own totals (`num_parameters`, `costs`) include it; this record
+    says which part of them is the experts'."""
+
+    experts: str
+    """Path of the experts module relative to the unit, e.g. `mlp.experts`: the module holding
+    every expert's weights batched along a leading expert dim (planner/moe.py `find_experts`)."""
+    router: str | None
+    """Path relative to the unit of the router (gate) producing the per-expert logits [T, E] the
+    experts' top_k_index comes from; None when no module qualifies (e.g. a router weight held by
+    the layer itself)."""
+    shared_experts: list[str] = []
+    """Paths relative to the unit of the shared (always-on) experts: dense MLPs beside the experts
+    whose output is added to theirs (DeepSeekMoE, Qwen2/3-MoE)."""
+    num_experts: int
+    """E, the number of routed experts."""
+    top_k: int
+    """k, experts per token (the last dim of the experts' top_k_index [T, k])."""
+    model_dim: int
+    """D, the width of the tokens entering the experts (hidden size)."""
+    expert_hidden_dim: int
+    """F, the width of one expert's intermediate layer (planner/moe.py `expert_hidden_dim`)."""
+    expert_parameters: int
+    """Parameters (elements) of all E experts together."""
+    expert_parameter_bytes: int
+    """Bytes of those parameters in the profiled dtype."""
+    expert_trainable_parameter_bytes: int
+    """Bytes (profiled dtype) of those that train (requires_grad as built)."""
+    costs: dict[int, MoECosts]
+    """The experts' costs per micro-batch size, like `Unit.costs`."""
+    routing_spread: float | None = None
+    """Measured profiles: max over experts of the token copies it received / the mean over experts,
+    in the profiled forward at the largest micro-batch size (1.0 = perfectly balanced; the
+    freshly initialised router's, not a trained one's). None in analytic profiles, whose routing
+    is sampled (planner/meta_values.py)."""
+
+
 class Unit(_Model):
     """A pipeline unit: a module where a stage may begin or end."""
 
@@ -106,6 +171,9 @@ class Unit(_Model):
     """Costs per micro-batch size."""
     ops: list[OpNode] = []
     """Matmul-like ops and their data flow, for the intra-op solver."""
+    moe: list[MoELayer] = []
+    """The mixture-of-experts layers inside the unit, in the order of their experts modules;
+    empty for a dense unit (and in profiles written before MoE layers were recorded)."""
 
     @model_validator(mode="after")
     def _all_trainable_when_absent(self) -> Unit:

@@ -104,8 +104,30 @@ def print_profile(profile: Profile, micro_batch_size: int | None = None, console
             f"whole model forward+backward: {_time(whole.forward_backward_time_s)}; sum of units "
             f"{_time(whole.sum_of_units_time_s)}; ratio {whole.ratio:.2f}"
         )
+    _print_moe(profile, b, console)
     for note in profile.notes:
         console.print(f"note: {note}")
+
+
+def _print_moe(profile: Profile, b: int, console: Console) -> None:
+    """One line per kind of MoE unit (same unit kind and layer shape): where its experts are,
+    how many, top-k, widths, and their share of the unit's forward at micro-batch `b`."""
+    kinds: dict[tuple, list[str]] = {}
+    for unit in profile.units:
+        for layer in unit.moe:
+            kinds.setdefault((unit.kind, layer.experts, layer.num_experts, layer.top_k, layer.model_dim,
+                              layer.expert_hidden_dim, bool(layer.shared_experts)), []).append(unit.name)
+    for (kind, experts, e, k, d, f, shared), names in kinds.items():
+        unit = next(u for u in profile.units if u.name == names[0])
+        layer = next(m for m in unit.moe if m.experts == experts)
+        costs = layer.costs.get(b)
+        share = f", {costs.expert_forward_time_s / unit.costs[b].forward_time_s:.0%} of its forward" if (
+            costs and unit.costs[b].forward_time_s) else ""
+        spread = f", routing spread {layer.routing_spread:.2f}" if layer.routing_spread is not None else ""
+        console.print(
+            f"MoE {kind} x{len(names)}: {experts}: {e} experts, top-{k}, model dim {d}, expert width {f}"
+            f"{', shared expert' if shared else ''}, router {layer.router or 'not found'}{share}{spread}"
+        )
 
 
 MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "fragmentation")

@@ -1,6 +1,6 @@
 """Expert parallelism: each rank keeps 1/ep of every MoE layer's experts; tokens travel to them.
 
-Experts modules are found by structure, never by class name (`find_experts`). The contract,
+Experts modules are found by structure, never by class name (planner/moe.py `find_experts`). The contract,
 which Hugging Face transformers 5.x's `Qwen3MoeExperts` / `MixtralExperts` and
 examples/moe.py's `Experts` meet:
 - the module owns all its parameters (no submodule has any), at least one, and every one has
@@ -43,7 +43,6 @@ Gradients over expert-dp: runtime/apply_dp.py `average_gradients` (ZeRO 0) and `
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -53,32 +52,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from planner.errors import PlannerError
+from planner.moe import find_experts, num_experts
 from planner.plan import Plan
-
-
-def find_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """FQN -> experts module, by the structure the module docstring states."""
-    found = {}
-    for name, module in model.named_modules():
-        own = list(module.parameters(recurse=False))
-        if not own or len(own) != len(list(module.parameters())):
-            continue
-        leading = {p.shape[0] if p.dim() >= 2 else None for p in own}
-        if len(leading) != 1 or None in leading or next(iter(leading)) < 2:
-            continue
-        try:
-            params = inspect.signature(type(module).forward).parameters.values()
-        except (TypeError, ValueError):
-            continue
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]  # past self
-        required = [p for p in positional if p.default is p.empty]
-        if len(positional) == 3 and len(required) == 3:
-            found[name] = module
-    return found
-
-
-def num_experts(module: nn.Module) -> int:
-    return next(module.parameters()).shape[0]
 
 
 def check_ep(plan: Plan, model: nn.Module) -> None:

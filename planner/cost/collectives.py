@@ -18,6 +18,8 @@ ring and tree):
     broadcast      pipelined ring           (n-1) alpha + M / beta
                    binomial tree            lg (alpha + M / beta)
     all-to-all     pairwise exchange        (n-1) alpha + (n-1)/n^2 M / beta
+                   across nodes (nccl_p2p)  (n-1) alpha_net + max((g-1)/n^2 M / beta_nvl,
+                                                               (n-g)/n^2 M / beta_net)
     p2p                                     alpha + M / beta
 
 M is the full (unsharded) tensor: the all-gather's output, the reduce-scatter's input, the
@@ -151,7 +153,13 @@ def nccl_times(kind: str, group: Group, nbytes: float, intra: Link, inter: Link)
         return {"nccl_ring": (n - 1) * a + (n - 1) / n * nbytes / bandwidth}
     if kind == "broadcast":
         return {"nccl_ring": (n - 1) * a + nbytes / bandwidth}
-    return {}
+    # all-to-all: grouped sends to every peer at once (NCCL runs it as send/recv pairs,
+    # nccl-tests alltoall_perf). Each rank holds M/n and keeps 1/n of it; of the rest, the
+    # share bound for its node's g - 1 other ranks crosses NVLink, the share bound for the
+    # n - g remote ranks leaves through the GPU's own NIC, both at once.
+    per_rank = nbytes / n
+    return {"nccl_p2p": (n - 1) * a + max((g - 1) / n * per_rank / intra.bandwidth_bytes_per_s,
+                                         (n - g) / n * per_rank / inter.bandwidth_bytes_per_s)}
 
 
 class CollectiveModel:

@@ -11,6 +11,10 @@ input shapes) are counted once in analytic mode, which is what lets a 96-layer 1
 profile in seconds; measured mode times every unit, since real units differ by noise and
 placement.
 
+A unit holding a mixture-of-experts layer also gets its record (`Unit.moe`): the experts,
+router and shared experts found by structure, and the experts' own costs under balanced
+routing (planner/profiler/moe.py).
+
 On CPU the profile runs with `threads` torch threads (default 1) and records the number; the
 plan carries it to the run, whose every process computes with as many (runtime/train.py), so
 the times the solver used and the times the run sees come from the same kernels.
@@ -47,6 +51,7 @@ from planner.profiler.measure import (
     unit_costs,
     whole_model_job,
 )
+from planner.profiler.moe import MoECount, count_moe, moe_records
 from planner.profiler.opgraph import record_op_graph
 from planner.units import (
     UnitTrace,
@@ -185,10 +190,12 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     modules = dict(model.named_modules())
     with values:
         costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress)
+        moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
     if device != "meta":
-        whole = _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress)
+        whole = _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress,
+                            extra_jobs=list(moe.jobs.values()))
         optimizer_s = optimizer_step_time(model)
 
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
@@ -211,6 +218,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
             buffer_bytes=sum(b.numel() * b.element_size() for b in modules[name].buffers()),
             costs=costs[name],
             ops=op_graphs[fingerprints[name]],
+            moe=moe_records(moe, name, element),
         )
         for i, name in enumerate(units)
     ]
@@ -355,12 +363,27 @@ def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dt
     return costs, jobs
 
 
-def _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress) -> dict[int, WholeModel]:
-    """Time every unit and the whole model round-robin (fills `costs` in place); the whole-model records."""
+def _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values) -> MoECount:
+    """Every unit's mixture-of-experts layers, counted (planner/profiler/moe.py)."""
+    try:
+        return count_moe(modules, units, fingerprints, unit_inputs, _signature, analytic_gpu=analytic_gpu, dtype=dtype,
+                         fusion=fusion, values=values)
+    except torch.OutOfMemoryError as exc:
+        raise PlannerError("Out of memory counting the experts of the MoE layers.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
+    except PlannerError:
+        raise
+    except Exception as exc:
+        raise user_code_error(mf.path, "running the experts of an MoE layer alone", exc) from exc
+
+
+def _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress,
+                extra_jobs=()) -> dict[int, WholeModel]:
+    """Time every unit, the `extra_jobs` (the MoE layers' experts) and the whole model round-robin
+    (fills `costs` in place); the whole-model records."""
     wholes = {b: whole_model_job(model, _to(_as_tuple(batch[0]), device, torch_dtype), _to(batch[1], device, torch_dtype), mf.loss)
               for b, batch in batches.items()}
     try:
-        time_round_robin([*jobs.values(), *wholes.values()], warmup, repeats,
+        time_round_robin([*jobs.values(), *extra_jobs, *wholes.values()], warmup, repeats,
                          progress=(lambda i, n: progress(f"timing pass {i}/{n}", i, n)) if progress else None)
     except torch.OutOfMemoryError as exc:
         raise PlannerError(f"Out of memory timing the units on {device}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc

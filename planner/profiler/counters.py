@@ -1,9 +1,10 @@
 """Counting what a piece of model code does: FLOPs, memory traffic, saved bytes.
 
 - FLOPs come from torch's `FlopCounterMode` and its formula registry (a multiply-add is 2
-  FLOPs). Two gaps in that registry are filled with torch's own attention formulas
-  (`sdpa_flop_count`, `sdpa_backward_flop_count`): the CPU flash-attention kernels, which
-  the registry does not list, so that CPU, CUDA and meta profiles count the same FLOPs.
+  FLOPs). Gaps in that registry are filled: the CPU flash-attention kernels with torch's own
+  attention formulas (`sdpa_flop_count`, `sdpa_backward_flop_count`), so that CPU, CUDA and
+  meta profiles count the same FLOPs; `torch._grouped_mm` (the grouped GEMM of a mixture of
+  experts, Hugging Face's default experts implementation) with its GEMM count.
 - Memory traffic is the bytes each aten op reads and writes (inputs + outputs), counted per
   op as if nothing were fused (eager PyTorch); views and allocations are free. With
   `fusion="elementwise"` chains of pointwise and row-wise ops count as fused kernels, as
@@ -21,6 +22,7 @@ whose meta implementation and FLOP formula torch provides.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -50,7 +52,18 @@ def _cpu_flash_backward_flops(grad_out, query, key, value, *args, out_shape=None
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """`torch._grouped_mm` (torch.nn.functional.grouped_mm: Hugging Face's MoE experts), which the
+    registry does not list. With [M, K] x [G, K, N] each of the M rows is multiplied by one
+    group's matrix, 2*M*K*N; 3-d operands give 2 * out.numel() * K likewise. [K, M] x [M, N] ->
+    [G, K, N] (the weight gradient) splits the contraction M among the groups: 2*K*M*N."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
 EXTRA_FLOP_FORMULAS = {
+    aten._grouped_mm: _grouped_mm_flops,
     aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward_flops,
 }
@@ -72,7 +85,7 @@ FREE_OPS = {
 
 
 def flop_counter() -> FlopCounterMode:
-    """torch's FlopCounterMode with the missing CPU attention formulas added."""
+    """torch's FlopCounterMode with the missing formulas (CPU attention, grouped GEMM) added."""
     return FlopCounterMode(display=False, custom_mapping=dict(EXTRA_FLOP_FORMULAS))
 
 

@@ -33,7 +33,8 @@ busiest pipeline rank (v chunks) at least W / p. The schedules' closed forms
 
 plus the overlapped p2p's fill, at least (S - 1) x the cheapest hop, plus the once-per-step
 tail, at least the optimizer step of the mean pipeline rank:
-sum(parameters) / p / (dp under ZeRO >= 1) x optimizer seconds per parameter.
+the parameters a rank updates (`updated_parameters`: under ZeRO >= 1 dense ones / dp and
+experts' / expert-dp) / p x optimizer seconds per parameter.
 
 Memory (`memory_lower_bound`): model states per GPU if the chunks split the model's
 parameters perfectly evenly over the p ranks (no activations, no tied copies).
@@ -49,7 +50,7 @@ import numpy as np
 from planner.cost.memory import model_state_bytes
 from planner.cost.schedules import in_flight_microbatches
 from planner.solver.costs import UnitCostTable
-from planner.solver.search import Config, Environment, p2p_arrays, stage_arrays
+from planner.solver.search import Config, Environment, p2p_arrays, stage_arrays, updated_parameters
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class TimeBound:
         else:
             pipeline = work + (m - 1) * work / chunks
         fill = (chunks - 1) * min_hop_s if env.overlap.pipeline_p2p else 0.0
-        optimizer = float(table.parameters.sum()) / p / (cfg.dp if cfg.zero_stage >= 1 else 1) * env.optimizer_s_per_param
+        optimizer = updated_parameters(table, cfg, 0, len(table.parameters)) / p * env.optimizer_s_per_param
         return pipeline + fill + optimizer
 
 
@@ -156,4 +157,8 @@ def _in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: in
 
 def memory_lower_bound(table: UnitCostTable, cfg: Config, env: Environment) -> float:
     """Bytes per GPU no plan of `cfg` can go below (module docstring)."""
-    return model_state_bytes(float(table.parameters.sum()) / cfg.pp, env.dtype, cfg.zero_stage, cfg.dp).total
+    # `state_bytes` is linear in the parameters: the states of the sums are the sum of the states.
+    dense = model_state_bytes(float(table.dense_parameters().sum()), env.dtype, cfg.zero_stage, cfg.dp).total
+    experts = 0.0 if table.expert_parameters is None else \
+        model_state_bytes(float(table.expert_parameters.sum()), env.dtype, cfg.zero_stage, cfg.expert_dp).total
+    return (dense + experts) / cfg.pp

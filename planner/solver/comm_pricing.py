@@ -46,9 +46,8 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     if cfg.zero_stage < 2 or cfg.dp == 1:
         return {r: (nothing, nothing) for r in env.allowed_recompute}
     grad_bytes = 4 if env.dtype == "float32" else 2
-    scatter = np.array([env.dp_reduce_scatter_s(p * grad_bytes, cfg.dp, cfg.tp) for p in table.parameters])
-    gather = nothing if cfg.zero_stage < 3 else \
-        np.array([env.dp_all_gather_s(p * env.dtype_bytes, cfg.dp, cfg.tp) for p in table.parameters])
+    scatter = _over_dp(env.dp_reduce_scatter_s, table, cfg, grad_bytes)
+    gather = nothing if cfg.zero_stage < 3 else _over_dp(env.dp_all_gather_s, table, cfg, env.dtype_bytes)
     hide_gather, hide_scatter = env.overlap.param_gather, env.overlap.grad_reduce
     previous = lambda a: np.concatenate([[0.0], a[:-1]])  # noqa: E731
     forward = np.maximum(gather - previous(table.forward_s), 0.0) if hide_gather else gather
@@ -64,6 +63,16 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
         start = (gather - forward if hide_gather else 0.0) + (scatter if hide_scatter else 0.0) - backward_hidden
         out[r] = (per_unit, np.broadcast_to(start, (num_units,)).astype(float))
     return out
+
+
+def _over_dp(collective, table: UnitCostTable, cfg: Config, bytes_per_param: int) -> np.ndarray:
+    """Per unit: `collective` of its dense parameters over dp, then of its experts' over
+    expert-dp (planner/cost/moe.py; two collectives on different groups, one after the other)."""
+    dense = np.array([collective(p * bytes_per_param, cfg.dp, cfg.tp) for p in table.dense_parameters()])
+    if table.expert_parameters is None:
+        return dense
+    return dense + np.array([collective(p * bytes_per_param, cfg.expert_dp, cfg.expert_dp_stride)
+                             for p in table.expert_parameters])
 
 
 MEGATRON_BUCKET_PARAMS = 40_000_000
@@ -94,20 +103,26 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[
     for rank in range(cfg.pp):
         chunks = [k for k in range(len(bounds)) if k % cfg.pp == rank]
         params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in (bounds[k] for k in chunks))
+        experts = 0.0 if table.expert_parameters is None else \
+            sum(float(table.expert_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
+        # (parameters, group size, group stride): dense over dp, experts over expert-dp.
+        groups = [(params - experts, cfg.dp, cfg.tp)] + ([(experts, cfg.expert_dp, cfg.expert_dp_stride)] if experts else [])
         buckets = max(1, math.ceil(params / max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)))
         window = sum(backward[k] for k in chunks)
         forward = sum(float(table.forward_s[i:j].sum()) for i, j in (bounds[k] for k in chunks))
+
+        def seconds(collective, bytes_per_param: int, pieces: int, groups=groups) -> float:
+            return sum(pieces * collective(p * bytes_per_param / pieces, size, stride) for p, size, stride in groups)
+
         if cfg.zero_stage <= 1:
             collective = env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s
             if overlap.grad_reduce:
-                total = buckets * collective(params * grad_bytes / buckets, cfg.dp, cfg.tp)
-                grad_s[rank] = grad_reduce_tail_s([total], [window], [slack[rank]], buckets)
+                grad_s[rank] = grad_reduce_tail_s([seconds(collective, grad_bytes, buckets)], [window], [slack[rank]], buckets)
             else:  # one flat buffer after the backward (the runtime's ZeRO 0, Megatron-LM 2021)
-                grad_s[rank] = collective(params * grad_bytes, cfg.dp, cfg.tp)
+                grad_s[rank] = seconds(collective, grad_bytes, 1)
         if cfg.zero_stage in (1, 2):
             if overlap.param_gather:
-                total = buckets * env.dp_all_gather_s(params * env.dtype_bytes / buckets, cfg.dp, cfg.tp)
-                gather_s[rank] = exposed_s(total, forward, buckets)
+                gather_s[rank] = exposed_s(seconds(env.dp_all_gather_s, env.dtype_bytes, buckets), forward, buckets)
             else:
-                gather_s[rank] = env.dp_all_gather_s(params * env.dtype_bytes, cfg.dp, cfg.tp)
+                gather_s[rank] = seconds(env.dp_all_gather_s, env.dtype_bytes, 1)
     return grad_s, gather_s

@@ -20,6 +20,13 @@ from planner.cost.compute import (
     tp_time_s,
 )
 from planner.cost.memory import unit_activation_bytes
+from planner.cost.moe import (
+    ALL_TO_ALLS_PER_STEP,
+    dispatch_bytes_per_rank,
+    expert_time_ratio,
+    moe_shapes,
+    permutation_s,
+)
 from planner.profile_schema import Profile, Unit
 from planner.solver.intra_op import (
     SHARDED,
@@ -75,6 +82,24 @@ class UnitCostTable:
     tied: tuple[TiedWeight, ...] = ()
     """Parameters shared by several units (tied embeddings). `parameters` counts each in its
     first unit; a stage holding another of its units holds a copy too (`copy_parameters`)."""
+    expert_parameters: np.ndarray | None = None
+    """The part of `parameters` that are MoE experts' (after EP: 1/ep of them): their gradients
+    and optimizer state are sharded and reduced over expert data parallelism, not dp
+    (planner/cost/moe.py). None: a dense model."""
+    expert_forward_s: np.ndarray | None = None
+    """The part of `forward_s` spent in the experts' GEMMs (at this table's EP degree)."""
+    expert_backward_s: np.ndarray | None = None
+    """The part of `backward_s` spent in the experts' GEMMs."""
+    ep_comm_s: np.ndarray | None = None
+    """EP all-to-alls per micro-batch (dispatch and combine, forward and backward); None: no EP."""
+    recompute_ep_comm_s: np.ndarray | None = None
+    """The all-to-alls inside `recompute_s["full"]` (the replayed forward's dispatch and combine)."""
+    ep_degree: int = 1
+    """Expert-parallel degree the table is priced at."""
+
+    def dense_parameters(self) -> np.ndarray:
+        """`parameters` less the experts': what ZeRO shards and dp reduces."""
+        return self.parameters if self.expert_parameters is None else self.parameters - self.expert_parameters
 
     def copy_parameters(self, start, end) -> np.ndarray:
         """Parameters of unit range(s) [start, end) beyond `parameters`: the copies of tied weights
@@ -117,18 +142,32 @@ def _attention_flop_share(unit: Unit) -> float:
 class UnitCosts:
     """Builds `UnitCostTable`s, caching ILP solutions per (fingerprint, t, sp)."""
 
-    def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str, require_sharding: bool = False):
+    def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str, require_sharding: bool = False,
+                 ep_all_to_all_s=None, imbalance: float = 1.0):
         self.profile, self.compute, self.dtype = profile, compute, dtype
         self.require_sharding = require_sharding  # TP pinned: each unit shards a weight where it can
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
+        self.ep_all_to_all_s = ep_all_to_all_s  # (bytes one rank sends, ep, tp, folded) -> s
+        self.imbalance = imbalance  # MoE routing: busiest rank's load over the balanced one
         self._ilp: dict[tuple, IntraOpSolution] = {}
         self._tables: dict[tuple, UnitCostTable] = {}
+        self._layer_seconds: dict[tuple, dict[int, list[tuple[float, float]]]] = {}  # per (t, sp, b), from `_build`
         self.base_mbs = min(profile.micro_batch_sizes)
+
+    @staticmethod
+    def moe_ops(unit: Unit) -> frozenset[str]:
+        """The unit's ops the TP ILP keeps replicated for its MoE layers. Experts are not
+        tensor-parallel (expert TP off, Megatron-Core's default ETP 1), and a router must see
+        every expert's logit to pick the top k."""
+        modules = tuple(m for layer in unit.moe for m in (layer.experts, layer.router) if m)
+        return frozenset(op.name for op in unit.ops if op.module is not None and any(
+            op.module == m or op.module.startswith(m + ".") for m in modules))
 
     def _problem(self, unit: Unit, t: int, sp: bool, b: float) -> IntraOpProblem:
         return IntraOpProblem(
             ops=tuple(unit.ops),
+            replicated_ops=self.moe_ops(unit),
             tp_degree=t,
             dtype_bytes=self.dtype_bytes,
             seconds_per_flop=1.0 / self.compute.gpu.achievable_flops(self.dtype),
@@ -149,11 +188,78 @@ class UnitCosts:
             self._ilp[(*key, b)] = evaluate(self._problem(unit, t, sp, b), self._ilp[key].strategies)
         return self._ilp[(*key, b)]
 
-    def table(self, t: int, sp: bool, b: int) -> UnitCostTable:
-        key = (t, sp, b)
+    def table(self, t: int, sp: bool, b: int, ep: int = 1) -> UnitCostTable:
+        key = (t, sp, b, ep)
         if key not in self._tables:
-            self._tables[key] = self._build(t, sp, b)
+            self._tables[key] = self._build(t, sp, b) if ep == 1 else self._with_ep(self.table(t, sp, b), t, sp, b, ep)
         return self._tables[key]
+
+    def _expert_shares(self, unit: Unit, b: int) -> list[tuple[float, float]]:
+        """Per MoE layer of the unit: the share of the unit's (forward, backward) time its experts
+        take in the profile. Applied to the time the cost model uses, so a roofline re-target or
+        a whole-model ratio applies to the experts alike."""
+        costs = unit.costs
+        fwd = interpolate({k: c.forward_time_s for k, c in costs.items()}, b)
+        bwd = interpolate({k: c.backward_time_s for k, c in costs.items()}, b)
+        shares = []
+        for layer in unit.moe:
+            lf = interpolate({k: c.expert_forward_time_s for k, c in layer.costs.items()}, b)
+            lb = interpolate({k: c.expert_backward_time_s for k, c in layer.costs.items()}, b)
+            shares.append((min(lf / fwd, 1.0) if fwd > 0 else 0.0, min(lb / bwd, 1.0) if bwd > 0 else 0.0))
+        return shares
+
+    def _unit_seconds(self, unit: Unit, t: int, sp: bool, b: int, sharded_ops: set[str]) -> tuple[float, float, list]:
+        """(forward, backward) seconds per GPU under the TP plan, and per MoE layer its experts'
+        part of them. Experts are never TP-sharded: their time is whole, or / tp under sequence
+        parallelism (each TP rank routes its slice of the sequence); the rest of the unit scales
+        with the share of its (non-expert) FLOPs the plan shards (`tp_time_s`)."""
+        time = self.compute.unit_time(unit, b)
+        shares = self._expert_shares(unit, b)
+        if not sharded_ops:
+            return time.forward_s, time.backward_s, [(time.forward_s * f, time.backward_s * bk) for f, bk in shares]
+        smallest = min(unit.costs)
+        unit_flops = max(unit.costs[smallest].forward_flops, sum(op.forward_flops for op in unit.ops), 1)
+        expert_flops = sum(layer.costs[min(layer.costs)].expert_forward_flops for layer in unit.moe)
+        dense = max(unit_flops - expert_flops, 1)
+        fraction = min(sharded_flop_fraction(unit, sharded_ops) * unit_flops / dense, 1.0)
+        split = t if sp else 1
+        layers = [(time.forward_s * f / split, time.backward_s * bk / split) for f, bk in shares]
+        ef, eb = sum(f for f, _ in shares), sum(bk for _, bk in shares)
+        return (tp_time_s(time.forward_s * (1 - ef), fraction, t, sp) + sum(f for f, _ in layers),
+                tp_time_s(time.backward_s * (1 - eb), fraction, t, sp) + sum(bk for _, bk in layers), layers)
+
+    def _with_ep(self, base: UnitCostTable, t: int, sp: bool, b: int, ep: int) -> UnitCostTable:
+        """`base` (ep 1) with the experts spread over ep ranks (planner/cost/moe.py): experts'
+        GEMM time rescaled, permutation and all-to-alls added, experts' parameters / ep."""
+        if self.ep_all_to_all_s is None:
+            raise ValueError("UnitCosts needs ep_all_to_all_s to price expert parallelism")
+        n = len(self.profile.units)
+        fwd, bwd = base.forward_s.copy(), base.backward_s.copy()
+        exp_fwd, exp_bwd = np.zeros(n), np.zeros(n)
+        comm, rec_comm = np.zeros(n), np.zeros(n)
+        rec = {m: v.copy() for m, v in base.recompute_s.items()}
+        gpu = self.compute.gpu
+        flops_per_s, bytes_per_s = gpu.achievable_flops(self.dtype), gpu.achievable_bandwidth
+        folded = sp and t > 1
+        for u in self.profile.units:
+            i = u.index
+            for (f, bk), shape in zip(self._layer_seconds[(t, sp, b)].get(i, []),
+                                      moe_shapes(u, b, self.dtype_bytes, t if sp else 1), strict=True):
+                ratio = expert_time_ratio(shape, ep, flops_per_s, bytes_per_s, self.imbalance)
+                perm = permutation_s(shape, ep, bytes_per_s, self.imbalance) * self.compute.slowdown
+                a2a = self.ep_all_to_all_s(dispatch_bytes_per_rank(shape, ep, self.imbalance), ep, t, folded)
+                exp_fwd[i] += f * ratio
+                exp_bwd[i] += bk * ratio
+                fwd[i] += f * (ratio - 1) + perm
+                bwd[i] += bk * (ratio - 1) + perm
+                rec["full"][i] += f * (ratio - 1) + perm + 2 * a2a
+                rec_comm[i] += 2 * a2a
+                comm[i] += ALL_TO_ALLS_PER_STEP * a2a
+        experts = base.expert_parameters / ep
+        return replace(base, forward_s=fwd, backward_s=bwd, recompute_s=rec,
+                       parameters=base.parameters - base.expert_parameters + experts, expert_parameters=experts,
+                       expert_forward_s=exp_fwd, expert_backward_s=exp_bwd, ep_comm_s=comm,
+                       recompute_ep_comm_s=rec_comm, ep_degree=ep)
 
     def _build(self, t: int, sp: bool, b: int) -> UnitCostTable:
         units = self.profile.units
@@ -164,6 +270,8 @@ class UnitCosts:
         act = {m: np.zeros(n) for m in RECOMPUTE_MODES}
         transient = {m: np.zeros(n) for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = []
+        layer_seconds: dict[int, list[tuple[float, float]]] = {}  # unit -> its MoE layers' experts' (fwd, bwd) s
+        self._layer_seconds[(t, sp, b)] = layer_seconds
         scale = b / self.base_mbs
         tied = tied_unit_indices(self.profile)
         for u in units:
@@ -173,10 +281,9 @@ class UnitCosts:
             sol = self.tp_solution(u, t, sp, b) if (t > 1 and u.ops and i not in tied) else None
             sharded_ops = {name for name, s in sol.strategies.items() if s in SHARDED} if sol else set()
             is_sharded = bool(sharded_ops)
-            fraction = sharded_flop_fraction(u, sharded_ops) if is_sharded else 0.0
-            time = self.compute.unit_time(u, b)
-            fwd[i] = tp_time_s(time.forward_s, fraction, t, sp) if is_sharded else time.forward_s
-            bwd[i] = tp_time_s(time.backward_s, fraction, t, sp) if is_sharded else time.backward_s
+            fwd[i], bwd[i], layers = self._unit_seconds(u, t, sp, b, sharded_ops)
+            if layers:
+                layer_seconds[i] = layers
             comm[i] = sol.comm_time_s if sol else 0.0
             plans.append(dict(sol.tp_plan) if (sol and is_sharded) else {})
             op_weight = sum(math.prod(op.weight_shape) for op in u.ops if op.weight_shape)
@@ -199,8 +306,14 @@ class UnitCosts:
         cut = np.zeros(n)
         for c in self.profile.cuts:
             cut[c.after_index] = interpolate({k: float(v) for k, v in c.bytes.items()}, b) / (t if sp else 1)
-        return UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans,
-                             tied_weights(self.profile))
+        table = UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans,
+                              tied_weights(self.profile))
+        if not layer_seconds:
+            return table
+        seconds = [layer_seconds.get(u.index, []) for u in units]
+        return replace(table, expert_parameters=np.array([float(sum(layer.expert_parameters for layer in u.moe)) for u in units]),
+                       expert_forward_s=np.array([sum(f for f, _ in ts) for ts in seconds]),
+                       expert_backward_s=np.array([sum(bk for _, bk in ts) for ts in seconds]))
 
 
 def tied_groups(profile: Profile) -> list[list[int]]:

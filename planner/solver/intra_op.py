@@ -121,6 +121,8 @@ class IntraOpProblem:
     """The user pinned the TP degree: shard at least one weight of the unit where any can be
     (constraint `pinned_tp`), rather than replicate everything when collectives cost more than
     the compute they split."""
+    replicated_ops: frozenset[str] = frozenset()
+    """Ops kept replicated whatever the cost (a MoE layer's router and experts: planner/solver/costs.py)."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +252,7 @@ def _build_graph(problem: IntraOpProblem) -> _Graph:
     ops, tp, scale = problem.ops, problem.tp_degree, problem.activation_scale
     boundary = "S" if problem.sequence_parallel else "R"
     heads_of = _heads_of(ops)
-    replicated = frozenset(_fused_attention(ops))
+    replicated = frozenset(_fused_attention(ops)) | problem.replicated_ops
     if problem.sequence_parallel and _sequence_parallel_blocked(ops):
         replicated = frozenset(op.name for op in ops)
     nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}

@@ -25,7 +25,7 @@ def _layout(e: Evaluation) -> Layout:
     return Layout(
         pp_degree=c.pp, dp_degree=c.dp, tp_degree=c.tp, zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel, schedule=c.schedule, virtual_stages=c.virtual_stages,
-        p2p_scatter_gather=e.p2p_scatter_gather,
+        p2p_scatter_gather=e.p2p_scatter_gather, ep_degree=c.ep,
     )
 
 
@@ -88,7 +88,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     best = result.ranked[0]
     cfg = best.config
     layout = _layout(best)
-    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)
     names = profile.unit_names()
     stages = []
     for k, ((i, j), recompute) in enumerate(zip(best.bounds, best.stage_recompute, strict=False)):
@@ -96,7 +96,10 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         if cfg.tp > 1:
             for u in range(i, j):
                 tp_plan.update({module_fqn(names[u], module): style for module, style in table.tp_plans[u].items()})
-        stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute, tp_plan=tp_plan))
+        experts = {module_fqn(names[u], layer.experts): layer.num_experts // cfg.ep
+                   for u in range(i, j) for layer in profile.units[u].moe} if cfg.ep > 1 else {}
+        stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute, tp_plan=tp_plan,
+                            experts=experts))
     n = cluster.world_size
     t = best.iteration_time_s
     samples = global_batch_size / t

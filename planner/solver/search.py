@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.cost.memory import model_state_bytes
+from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
 from planner.cost.schedules import in_flight_microbatches, iteration_time_s
 from planner.errors import PlannerError
@@ -73,10 +74,29 @@ class Config:
     schedule: str
     virtual_stages: int
     zero_stage: int
+    ep: int = 1
+    """Expert-parallel degree (planner/cost/moe.py); folded onto the data-parallel ranks."""
+
+    @property
+    def ep_folded(self) -> bool:
+        """EP groups span TP ranks too (sequence parallelism gives each TP rank its own tokens:
+        Megatron-Core's parallel folding); else they are ep data-parallel ranks, tp apart."""
+        return self.ep > 1 and self.sequence_parallel and self.tp > 1
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts: ZeRO shards and the gradient reduction run over them."""
+        return expert_dp_degree(self.dp, self.tp, self.ep, self.ep_folded)
+
+    @property
+    def expert_dp_stride(self) -> int:
+        """Rank distance between neighbours of an expert-dp group (ep is innermost)."""
+        return self.ep if self.ep_folded else self.tp * self.ep
 
     def describe(self) -> str:
         sched = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{' +sp' if self.sequence_parallel else ''}, "
+        return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{' +sp' if self.sequence_parallel else ''}"
+                f"{f' ep{self.ep}' if self.ep > 1 else ''}, "
                 f"mbs {self.micro_batch_size} x {self.num_microbatches}, {sched}, zero {self.zero_stage}")
 
 
@@ -135,11 +155,31 @@ def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     """Per recompute mode: time per unit per micro-batch (prefix-summable) and the start term of
     a range (`zero_unit_s`); model states per unit; and the ZeRO part of both (for the breakdown)."""
     base = table.forward_s + table.backward_s + tp_comm_s(table, cfg, env)
+    if table.ep_comm_s is not None:
+        base = base + table.ep_comm_s
     zero = zero_unit_s(table, cfg, env)
     times = {r: base + table.recompute_s[r] + zero[r][0] for r in env.allowed_recompute}
     first = {r: zero[r][1] for r in env.allowed_recompute}
-    states = model_state_bytes(table.parameters, env.dtype, cfg.zero_stage, cfg.dp).total  # linear: vectorised
-    return times, first, states, zero
+    return times, first, state_bytes(table, cfg, env), zero
+
+
+def state_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
+    """Model states per unit and GPU: dense parameters under ZeRO over dp, experts' over
+    expert-dp (`model_state_bytes` is linear in the parameters, so this is vectorised)."""
+    states = model_state_bytes(table.dense_parameters(), env.dtype, cfg.zero_stage, cfg.dp).total
+    if table.expert_parameters is None:
+        return states
+    return states + model_state_bytes(table.expert_parameters, env.dtype, cfg.zero_stage, cfg.expert_dp).total
+
+
+def updated_parameters(table: UnitCostTable, cfg: Config, start: int, end: int) -> float:
+    """Parameters a rank's optimizer updates for units [start, end): its shard under ZeRO >= 1
+    (dense over dp, experts over expert-dp), all it holds under ZeRO 0."""
+    held = float(table.parameters[start:end].sum() + table.copy_parameters(start, end)[0])
+    if cfg.zero_stage == 0:
+        return held
+    experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters[start:end].sum())
+    return (held - experts) / cfg.dp + experts / cfg.expert_dp
 
 
 def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None,
@@ -282,7 +322,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
         f = float(table.forward_s[i:j].sum() + table.recompute_s[r][i:j].sum())
         total = float(times[r][i:j].sum() + first[r][i] + p2p[j - 1])
         fwd.append(f + p2p[j - 1] / 2)
-        bwd.append(total - f - p2p[j - 1] / 2)
+        bwd.append(max(total - f - p2p[j - 1] / 2, 0.0))  # a unit without backward (rotary) can round below 0
         in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
         transient = float(table.transient[r][i:j].max()) if r == "full" else 0.0
         copies = float(table.copy_parameters(i, j)[0])
@@ -304,9 +344,8 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     tie_s = _tie_all_reduce_s(table, cfg, env, bounds)
     opt_s = []
     for rank in range(cfg.pp):
-        params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0])
-                     for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
-        opt_s.append(params / (cfg.dp if cfg.zero_stage >= 1 else 1) * env.optimizer_s_per_param)
+        params = sum(updated_parameters(table, cfg, i, j) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
+        opt_s.append(params * env.optimizer_s_per_param)
     tails = [d + g + t + o for d, g, t, o in zip(grad_s, gather_s, tie_s, opt_s, strict=False)]
     tail = max(tails)
     slowest = int(np.argmax(tails))
@@ -317,6 +356,11 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     # Full recomputation replays the forward's TP collectives: communication, not compute.
     replayed = m * sum(float(table.recompute_tp_comm_s[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
     compute -= replayed
+    ep_comm = 0.0
+    if table.ep_comm_s is not None:  # the all-to-alls, and their replay under full recomputation
+        ep_replayed = m * sum(float(table.recompute_ep_comm_s[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
+        compute -= ep_replayed
+        ep_comm = ep_replayed + m * sum(float(table.ep_comm_s[i:j].sum()) for _, (i, j), _r in on_busiest)
     tp_exposed = tp_comm_s(table, cfg, env)
     tp_comm = replayed + m * sum(float(tp_exposed[i:j].sum()) for _, (i, j), _r in on_busiest)
     p2p_total = m * sum(float(p2p[j - 1]) for _, (i, j), _r in on_busiest) + fill_s
@@ -335,6 +379,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
         breakdown_s={
             "compute": compute,
             "tp_comm": tp_comm,
+            **({"ep_comm": ep_comm} if table.ep_comm_s is not None else {}),
             "p2p": p2p_total,
             "bubble": bubble,
             "dp_comm": grad_s[slowest] + gather_s[slowest] + zero_total,

@@ -54,6 +54,8 @@ class Pins:
     recompute: str | None = None
     zero_stage: int | None = None
     sequence_parallel: bool | None = None
+    ep: int | None = None
+    """Expert-parallel degree (MoE models only)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -63,7 +65,7 @@ def _divisors(n: int) -> list[int]:
 def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int) -> None:
     n, gpn = cluster.world_size, cluster.gpus_per_node
     problems = []
-    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages"):
+    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages", "ep"):
         value = getattr(pins, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be positive (got {value})")
@@ -88,6 +90,11 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         problems.append("--sequence-parallel needs --tp > 1")
     if pins.dp and global_batch_size % pins.dp:
         problems.append(f"--global-batch {global_batch_size} is not divisible by --dp {pins.dp}")
+    if pins.ep and pins.dp and pins.dp % pins.ep:
+        problems.append(f"--ep {pins.ep} does not divide --dp {pins.dp} (expert parallelism is folded onto the "
+                        "data-parallel ranks)")
+    if pins.ep and pins.ep > 1 and pins.sequence_parallel:
+        problems.append("--ep with --sequence-parallel: the runtime's router sees whole sequences only")
     if problems:
         raise PlannerError("Invalid pins: " + "; ".join(problems) + ".", "Change the pinned values (see `planner solve --help`).")
 
@@ -126,15 +133,38 @@ def check_model_pins(pins: Pins, profile: Profile) -> None:
         why = tp_refusal(profile, pins.tp)
         if why:
             problems.append(f"--tp {pins.tp}: {why}")
+    if pins.ep and pins.ep > 1:
+        counts = expert_counts(profile)
+        if not counts:
+            problems.append(f"--ep {pins.ep}: the model has no mixture-of-experts layer (the profile records none)")
+        elif any(c % pins.ep for c in counts):
+            problems.append(f"--ep {pins.ep} does not divide the number of experts ({', '.join(map(str, sorted(counts)))}): "
+                            f"each EP rank must hold a whole share of every layer's experts")
     if problems:
         raise PlannerError("The model cannot honour the pins: " + "; ".join(problems) + ".",
                            "Pin a degree the model allows, or leave that dimension to the search.")
 
 
+def expert_counts(profile: Profile) -> set[int]:
+    """Numbers of experts of the profile's MoE layers (empty for a dense model)."""
+    return {layer.num_experts for u in profile.units for layer in u.moe}
+
+
+def ep_degrees(pins: Pins, experts: set[int], dp: int, sp: bool) -> list[int]:
+    """EP degrees to try with dp data-parallel ranks: divisors of every layer's number of experts
+    that divide dp (the runtime folds EP onto the dp ranks, without sequence parallelism:
+    runtime/apply_ep.py)."""
+    if not experts:
+        return [1]
+    common = math.gcd(*experts)
+    choices = [pins.ep] if pins.ep else _divisors(common)
+    return [e for e in choices if common % e == 0 and dp % e == 0 and (e == 1 or not sp)]
+
+
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
-                      tp_degrees: set[int] | None = None):
+                      tp_degrees: set[int] | None = None, experts: set[int] = frozenset()):
     """Configurations the pins allow; `num_units` bounds the pipeline chunks, `tp_degrees` are the
-    TP degrees the model can honour (None: any)."""
+    TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts."""
     n, gpn = cluster.world_size, cluster.gpus_per_node
     for tp in [pins.tp] if pins.tp else [t for t in _divisors(min(n, gpn)) if tp_degrees is None or t in tp_degrees]:
         for pp in [pins.pp] if pins.pp else [p for p in _divisors(n // tp) if p <= num_units]:
@@ -154,7 +184,8 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
                         continue
                     for schedule, v in _schedules(pins, pp, m, num_units):
                         zeros = [pins.zero_stage] if pins.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z) for z in zeros]
+                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep)
+                               for ep in ep_degrees(pins, experts, dp, sp) for z in zeros]
 
 
 def _schedules(pins: Pins, pp: int, m: int, num_units: int):
@@ -256,14 +287,19 @@ class SearchResult:
 
 
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
-           memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False) -> SearchResult:
+           memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False,
+           moe_imbalance: float = 1.0) -> SearchResult:
     """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline).
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
     (`memory_lower_bound`); the rest are priced in order of a lower bound on their iteration
     time (`TimeBound`, planner/solver/bounds.py) until that bound reaches the k-th best
     time found. Both bounds are exact, so the top k are those of pricing every configuration
-    (up to the DP's own cap, `evaluate_config`'s `time_cap_s`)."""
+    (up to the DP's own cap, `evaluate_config`'s `time_cap_s`). `moe_imbalance` is the MoE
+    routing's busiest-rank load over the balanced one (planner/cost/moe.py)."""
+    if not moe_imbalance >= 1.0:
+        raise PlannerError(f"--moe-imbalance must be at least 1.0 (got {moe_imbalance}): it is the busiest EP rank's "
+                           "share of tokens over the balanced share.", "Pass 1.0 for balanced routing, or e.g. 1.2.")
     started = time.perf_counter()
     phases = dict.fromkeys(("intra_op", "bounds", "inter_op"), 0.0)
     dtype = dtype or profile.dtype
@@ -274,15 +310,17 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # A pinned TP degree is honoured: each unit shards a weight where it can, even where the
     # collectives cost more than the compute they split (the free search would pick dp instead).
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=bool(pins.tp and pins.tp > 1))
+                      require_sharding=bool(pins.tp and pins.tp > 1), ep_all_to_all_s=ep_all_to_all(cluster, coll),
+                      imbalance=moe_imbalance)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
-                                                     profile.micro_batch_sizes, tp_degrees) for cfg in variants]
+                                                     profile.micro_batch_sizes, tp_degrees, expert_counts(profile))
+               for cfg in variants]
     tick = time.perf_counter()
     tables = {}
     for cfg in configs:
-        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)
         if key not in tables:
             tables[key] = costs.table(*key)
     phases["intra_op"] = time.perf_counter() - tick
@@ -290,7 +328,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     time_lower_bound = TimeBound(env)
     queue, pruned, least = [], 0, math.inf
     for cfg in configs:
-        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)]
+        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)]
         memory = memory_lower_bound(table, cfg, env)
         if memory > env.usable_memory_bytes:
             pruned, least = pruned + 1, min(least, memory)
@@ -318,6 +356,29 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                         candidates=len(configs), pruned_by_time=len(queue) - evaluated, phase_times_s=phases)
 
 
+def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = Pins(), dtype: str | None = None,
+                 memory_fraction: float = MEMORY_FRACTION, moe_imbalance: float = 1.0) -> Evaluation:
+    """One configuration priced exactly as the search prices it (the DP chooses its cuts), including
+    layouts the search does not enumerate because the runtime does not run them (EP folded over
+    TP ranks, as Megatron-Core runs it): for benchmarks against published runs."""
+    dtype = dtype or profile.dtype
+    compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
+    coll = CollectiveModel(cluster)
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
+                      require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), imbalance=moe_imbalance)
+    env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
+    return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep), cfg, env)
+
+
+def ep_all_to_all(cluster: Cluster, coll: CollectiveModel):
+    """(bytes one rank sends, ep, tp, folded) -> seconds of one EP all-to-all. The group is ep
+    data-parallel ranks tp apart, or ep consecutive ranks when folded over the TP ranks."""
+    @lru_cache(maxsize=None)
+    def seconds(nbytes: float, ep: int, tp: int, folded: bool) -> float:
+        return coll.all_to_all_s(ep * nbytes, group_placement(cluster, ep, 1 if folded else tp))
+    return seconds
+
+
 def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
     """Units split as evenly as possible, in order (what hand-written pipelines do)."""
     if num_stages > num_units:
@@ -333,11 +394,12 @@ def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pi
 
 def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), top_k: int = 3,
           dtype: str | None = None, profile_path: str | None = None, memory_fraction: float = MEMORY_FRACTION,
-          uniform_cuts: bool = False) -> Plan:
+          uniform_cuts: bool = False, moe_imbalance: float = 1.0) -> Plan:
     """The best plan, or a PlannerError that says what does not fit and by how much."""
     if global_batch_size < 1:
         raise PlannerError(f"--global-batch must be positive (got {global_batch_size}).", "Pass the samples per optimizer step.")
-    result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1), uniform_cuts=uniform_cuts)
+    result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1),
+                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
         if result.evaluated == 0 and result.pruned == 0:
