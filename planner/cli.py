@@ -219,6 +219,8 @@ def solve(
     moe_imbalance: float = typer.Option(1.0, "--moe-imbalance", help="MoE routing: the busiest EP rank's tokens over the "
                                         "balanced share (1.0 = balanced; the profile reports the measured spread)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
+    fp8: bool = typer.Option(False, "--fp8", help="Run the linears in FP8 (torchao Float8 training, bf16 otherwise; "
+                             "H100/H200): priced at the FP8 rate and recorded in the plan."),
     top: int = typer.Option(3, "--top", help="Keep the K best configurations in the plan."),
     output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="Where to write the plan."),
     allow_device_mismatch: bool = typer.Option(False, "--allow-device-mismatch", help="Solve with a profile whose times "
@@ -248,7 +250,7 @@ def solve(
     pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep)
     with err_console.status("solving"):
         plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
-                          moe_imbalance=moe_imbalance)
+                          moe_imbalance=moe_imbalance, float8=fp8)
     plan.save(output)
     print_plan(plan, console=console)
     console.print(f"wrote {output}")

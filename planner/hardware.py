@@ -33,6 +33,24 @@ generation, the product of two factors:
 - `kernel_overhead_s` 5 us: launch and tail cost of one small kernel, so that a model made
   of tiny ops is not predicted to run in zero time.
 
+FP8 (`FP8_DTYPE`, "float8"): H100 SXM and H200 have 1979 TFLOP/s dense FP8 (E4M3/E5M2
+inputs, higher-precision accumulate; the same data sheets, "FP8 Tensor Core 3,958 TFLOP/s" with
+2:4 sparsity, halved), twice their bf16 peak; A100 has no FP8 tensor cores (compute capability
+8.0 < 8.9) and no `float8` entry, so asking it for FP8 raises a PlannerError.
+`GPUSpec.fp8_matmul_efficiency` = `matmul_efficiency` x `FP8_GEMM_RELATIVE_EFFICIENCY` (0.85): an FP8
+GEMM keeps 0.85 of the fraction of its peak that a bf16 GEMM of the same shape keeps, so a
+large linear's GEMMs run 2 x 0.85 = 1.7x faster in FP8. This factor is an *assumption*, not
+a measurement made here (no public FP8 MAMF table exists; stas00/ml-engineering's table is
+bf16 only), bracketed by published numbers:
+  - above by torchao's float8 README ("Derivation": the GEMM speedup is "approaching 2x as
+    M, K, N increase"; https://github.com/pytorch/ao/tree/main/torchao/float8);
+  - below by end-to-end results with casts included: torchao's README, Llama3-8B on 8 H100,
+    tensorwise scaling with FP8 all-gather, 1.25x tokens/s over bf16; PyTorch blog
+    "Supercharging training using float8 and FSDP2" (2024), Llama3 70B/405B on 128-512 H100,
+    1.43-1.51x. With linears 0.8-0.9 of a step's time, 1.5x end to end needs the linears
+    (GEMMs plus casts) about 1.6x faster, which a 1.7x GEMM leaves room for.
+  A measured FP8-vs-bf16 step on an H100 (issue #15) replaces this number.
+
 The `cpu` entry stands for one gloo process on a workstation core; its numbers are rough
 defaults only used when nothing was measured (a measured CPU profile is always preferred).
 """
@@ -73,6 +91,8 @@ class GPUSpec:
     """Fixed cost per kernel (launch, tail), seconds."""
 
     def achievable_flops(self, dtype: str) -> float:
+        if dtype == FP8_DTYPE:
+            return self.fp8_peak_flops() * self.fp8_matmul_efficiency
         if dtype not in self.peak_flops:
             raise PlannerError(
                 f"GPU {self.name} has no peak FLOP/s for dtype {dtype}.",
@@ -80,10 +100,40 @@ class GPUSpec:
             )
         return self.peak_flops[dtype] * self.matmul_efficiency
 
+    def fp8_peak_flops(self) -> float:
+        """Dense FP8 peak FLOP/s; a PlannerError for a GPU without FP8 tensor cores."""
+        if FP8_DTYPE not in self.peak_flops:
+            raise PlannerError(
+                f"GPU {self.name} has no FP8 tensor cores (FP8 training needs compute capability 8.9 or "
+                "newer: H100, H200), so an FP8 plan cannot be priced for it.",
+                "Plan in bfloat16 for this GPU, pick a GPU with FP8 (h100-80gb, h200), or give its dense "
+                "FP8 peak as `peak_flops: {float8: ...}` in the cluster file.",
+            )
+        return self.peak_flops[FP8_DTYPE]
+
+    @property
+    def supports_fp8(self) -> bool:
+        """Whether the spec has a dense FP8 peak to price FP8 linears with."""
+        return FP8_DTYPE in self.peak_flops
+
+    @property
+    def fp8_matmul_efficiency(self) -> float:
+        """Fraction of the dense FP8 peak a transformer block's FP8 GEMMs sustain:
+        `matmul_efficiency` x `FP8_GEMM_RELATIVE_EFFICIENCY` (module docstring). A property, not a
+        field, so that a calibrated or overridden bf16 efficiency carries over to FP8."""
+        return self.matmul_efficiency * FP8_GEMM_RELATIVE_EFFICIENCY
+
     @property
     def achievable_bandwidth(self) -> float:
         return self.memory_bandwidth_bytes_per_s * self.memory_efficiency
 
+
+FP8_DTYPE = "float8"
+"""Key of the dense FP8 peak in `GPUSpec.peak_flops`."""
+FP8_GEMM_RELATIVE_EFFICIENCY = 0.85
+"""FP8 GEMM's fraction of its peak over bf16's fraction of its peak, same shapes (assumed; module docstring)."""
+H100_FP8_DENSE_FLOPS = 1979 * TFLOPS
+"""H100 SXM / H200 dense FP8 peak (data sheets: 3,958 TFLOP/s with 2:4 sparsity, halved)."""
 
 BLOCK_GEMM_FACTOR = 0.838
 """Share of the best sustained GEMM rate a transformer block's products reach (module docstring)."""
@@ -124,7 +174,8 @@ GPUS: dict[str, GPUSpec] = {
         ),
         GPUSpec(
             name="h100-80gb",
-            peak_flops={"float32": 66.9 * TFLOPS, "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
+            peak_flops={"float32": 66.9 * TFLOPS, "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS,
+                        FP8_DTYPE: H100_FP8_DENSE_FLOPS},
             memory_bytes=80 * GIB,
             memory_bandwidth_bytes_per_s=3350 * GB,
             intra_node_bandwidth_bytes_per_s=450 * GB,
@@ -133,8 +184,9 @@ GPUS: dict[str, GPUSpec] = {
         ),
         GPUSpec(
             name="h200",
-            peak_flops={"float32": 66.9 * TFLOPS, "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS},
-            memory_bytes=141 * GB,
+            peak_flops={"float32": 66.9 * TFLOPS, "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS,
+                        FP8_DTYPE: H100_FP8_DENSE_FLOPS},
+            memory_bytes=int(141 * GB),
             memory_bandwidth_bytes_per_s=4800 * GB,
             intra_node_bandwidth_bytes_per_s=450 * GB,
             inter_node_bandwidth_bytes_per_s=50 * GB,

@@ -71,9 +71,17 @@ class Training(_Model):
     """AdamW weight decay."""
     grad_clip: float | None = None
     """Clip the global gradient norm to this value, or None."""
+    offload: Literal["none", "cpu"] = "none"
+    """"cpu": ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload", USENIX ATC): the sharded parameters,
+    gradients and optimizer state live in host memory and the optimizer step runs on the CPU;
+    parameters are copied to the device for each all-gather, gradients back after each
+    reduce-scatter (FSDP2 `CPUOffloadPolicy`, runtime/apply_dp.py). Needs zero_stage >= 1 (the
+    FSDP path), also with dp_degree 1."""
     cpu_threads: int | None = Field(None, gt=0)
     """On CPU, torch threads per process; solved plans take it from the profile, whose times were
     measured with as many. None: $OMP_NUM_THREADS (`planner run` sets 1 when it is unset)."""
+    float8: bool = False
+    """linears in FP8 via torchao Float8 training (dynamic scaling), only with dtype bfloat16"""
 
 
 class Batch(_Model):
@@ -143,7 +151,11 @@ class Prediction(_Model):
     hw_tflops_per_gpu: float
     """Hardware FLOPs (with recomputation) per second per GPU, in TFLOP/s."""
     mfu: float
-    """Model FLOPs utilisation against the GPU's dense peak."""
+    """Model FLOPs utilisation against the GPU's dense peak (of the training dtype: bf16 for FP8
+    plans too, torchtitan's convention)."""
+    mfu_fp8: float | None = None
+    """FP8 plans: FLOPs credited at the peak of the dtype they run in (FP8 linears at the FP8
+    peak, the rest at bf16's), the other convention in use (planner/cost/fp8.py)."""
     bubble_fraction: float
     """Bubble seconds of the busiest pipeline rank over the whole iteration (optimizer step and
     gradient reduction included). Not what `planner validate` compares: that is the idle share
@@ -276,6 +288,9 @@ def check_plan_consistency(plan: Plan) -> None:
     if lay.dp_degree % lay.ep_degree:
         problems.append(f"ep_degree {lay.ep_degree} does not divide dp_degree {lay.dp_degree} (expert parallelism is "
                         "folded onto the data-parallel ranks)")
+    if plan.training.float8 and plan.training.dtype != "bfloat16":
+        problems.append(f"training.float8 needs dtype bfloat16 (got {plan.training.dtype}): FP8 linears run inside "
+                        "bf16 mixed precision")
     if lay.p2p_scatter_gather and (lay.tp_degree == 1 or lay.sequence_parallel or lay.pp_degree == 1):
         problems.append("p2p_scatter_gather needs pp_degree > 1, tp_degree > 1 and no sequence parallelism")
     if lay.virtual_stages > 1 and lay.schedule not in ("interleaved-1f1b", "zero-bubble"):

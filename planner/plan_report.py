@@ -65,12 +65,15 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     if pred is None:
         console.print("no prediction (hand-written plan)")
         return
-    summary = Table(title="Prediction")
-    for col in ("iteration", "samples/s", "tokens/s", "TFLOP/s/GPU", "HW TFLOP/s/GPU", "MFU", "bubble"):
+    summary = Table(title="Prediction" + (" (FP8 linears)" if plan.training.float8 else ""))
+    fp8 = pred.mfu_fp8 is not None
+    for col in ("iteration", "samples/s", "tokens/s", "TFLOP/s/GPU", "HW TFLOP/s/GPU", "MFU (bf16 peak)" if fp8 else "MFU",
+                *(("MFU (FP8 peak)",) if fp8 else ()), "bubble"):
         summary.add_column(col, justify="right")
     summary.add_row(_time(pred.iteration_time_s), f"{pred.samples_per_s:.4g}",
                     f"{pred.tokens_per_s:.4g}" if pred.tokens_per_s else "-", f"{pred.tflops_per_gpu:.3g}",
-                    f"{pred.hw_tflops_per_gpu:.3g}", f"{pred.mfu:.1%}", f"{pred.bubble_fraction:.1%}")
+                    f"{pred.hw_tflops_per_gpu:.3g}", f"{pred.mfu:.1%}", *((f"{pred.mfu_fp8:.1%}",) if fp8 else ()),
+                    f"{pred.bubble_fraction:.1%}")
     console.print(summary)
     breakdown = Table(title="Breakdown of the busiest pipeline rank (per iteration)")
     breakdown.add_column("term")

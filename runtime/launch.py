@@ -45,6 +45,10 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
     from runtime.build import build_meta_model, check_fingerprint
 
     plan = load_plan(plan_path)
+    if plan.training.float8:  # FP8 GEMMs need CUDA with compute capability 8.9+ (runtime/apply_fp8.py)
+        from runtime.apply_fp8 import check_float8_device
+
+        check_float8_device(plan)
     path = resolve_model_file(plan, plan_path, model_file)
     mf = load_model_file(path, plan.model.args)
     meta = build_meta_model(mf)

@@ -47,7 +47,7 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
         return {r: (nothing, nothing) for r in env.allowed_recompute}
     grad_bytes = 4 if env.dtype == "float32" else 2
     scatter = _over_dp(env.dp_reduce_scatter_s, table, cfg, grad_bytes)
-    gather = nothing if cfg.zero_stage < 3 else _over_dp(env.dp_all_gather_s, table, cfg, env.dtype_bytes)
+    gather = nothing if cfg.zero_stage < 3 else _over_dp(env.dp_all_gather_s, table, cfg, env.dtype_bytes, gather=True)
     hide_gather, hide_scatter = env.overlap.param_gather, env.overlap.grad_reduce
     previous = lambda a: np.concatenate([[0.0], a[:-1]])  # noqa: E731
     forward = np.maximum(gather - previous(table.forward_s), 0.0) if hide_gather else gather
@@ -65,10 +65,21 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     return out
 
 
-def _over_dp(collective, table: UnitCostTable, cfg: Config, bytes_per_param: int) -> np.ndarray:
+def gathered_dense(table: UnitCostTable, bytes_per_param: int) -> np.ndarray:
+    """Dense parameters per unit as an all-gather moves them, in units of `bytes_per_param`:
+    FP8 linears' weights travel as 1 byte each (torchao's FSDP FP8 all-gather, planner/cost/fp8.py)."""
+    dense = table.dense_parameters()
+    if table.fp8_weight_parameters is None:
+        return dense
+    return dense - table.fp8_weight_parameters * (bytes_per_param - 1) / bytes_per_param
+
+
+def _over_dp(collective, table: UnitCostTable, cfg: Config, bytes_per_param: int, gather: bool = False) -> np.ndarray:
     """Per unit: `collective` of its dense parameters over dp, then of its experts' over
-    expert-dp (planner/cost/moe.py; two collectives on different groups, one after the other)."""
-    dense = np.array([collective(p * bytes_per_param, cfg.dp, cfg.tp) for p in table.dense_parameters()])
+    expert-dp (planner/cost/moe.py; two collectives on different groups, one after the other).
+    `gather`: an all-gather of parameters (FP8 weights move in FP8: `gathered_dense`)."""
+    params = gathered_dense(table, bytes_per_param) if gather else table.dense_parameters()
+    dense = np.array([collective(p * bytes_per_param, cfg.dp, cfg.tp) for p in params])
     if table.expert_parameters is None:
         return dense
     return dense + np.array([collective(p * bytes_per_param, cfg.expert_dp, cfg.expert_dp_stride)
@@ -107,6 +118,9 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[
             sum(float(table.expert_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
         # (parameters, group size, group stride): dense over dp, experts over expert-dp.
         groups = [(params - experts, cfg.dp, cfg.tp)] + ([(experts, cfg.expert_dp, cfg.expert_dp_stride)] if experts else [])
+        fp8 = 0.0 if table.fp8_weight_parameters is None else \
+            sum(float(table.fp8_weight_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
+        gathered = [(groups[0][0] - fp8 * (env.dtype_bytes - 1) / env.dtype_bytes, cfg.dp, cfg.tp), *groups[1:]]
         buckets = max(1, math.ceil(params / max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)))
         window = sum(backward[k] for k in chunks)
         forward = sum(float(table.forward_s[i:j].sum()) for i, j in (bounds[k] for k in chunks))
@@ -122,7 +136,7 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[
                 grad_s[rank] = seconds(collective, grad_bytes, 1)
         if cfg.zero_stage in (1, 2):
             if overlap.param_gather:
-                gather_s[rank] = exposed_s(seconds(env.dp_all_gather_s, env.dtype_bytes, buckets), forward, buckets)
+                gather_s[rank] = exposed_s(seconds(env.dp_all_gather_s, env.dtype_bytes, buckets, gathered), forward, buckets)
             else:
-                gather_s[rank] = seconds(env.dp_all_gather_s, env.dtype_bytes, 1)
+                gather_s[rank] = seconds(env.dp_all_gather_s, env.dtype_bytes, 1, gathered)
     return grad_s, gather_s

@@ -19,6 +19,7 @@ from planner.cost.compute import (
     sharded_flop_fraction,
     tp_time_s,
 )
+from planner.cost.fp8 import price_fp8_unit, skipped_units
 from planner.cost.memory import unit_activation_bytes
 from planner.cost.moe import (
     ALL_TO_ALLS_PER_STEP,
@@ -96,6 +97,11 @@ class UnitCostTable:
     """The all-to-alls inside `recompute_s["full"]` (the replayed forward's dispatch and combine)."""
     ep_degree: int = 1
     """Expert-parallel degree the table is priced at."""
+    fp8_weight_parameters: np.ndarray | None = None
+    """Per unit (per TP rank), weights of the linears running in FP8: FSDP all-gathers them in
+    FP8, 1 byte per element (planner/cost/fp8.py). None: no FP8."""
+    fp8_flops: np.ndarray | None = None
+    """Per unit, model FLOPs (forward + backward, one micro-batch, whole unit) done in FP8 linears."""
 
     def dense_parameters(self) -> np.ndarray:
         """`parameters` less the experts': what ZeRO shards and dp reduces."""
@@ -143,13 +149,15 @@ class UnitCosts:
     """Builds `UnitCostTable`s, caching ILP solutions per (fingerprint, t, sp)."""
 
     def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str, require_sharding: bool = False,
-                 ep_all_to_all_s=None, imbalance: float = 1.0):
+                 ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False):
         self.profile, self.compute, self.dtype = profile, compute, dtype
         self.require_sharding = require_sharding  # TP pinned: each unit shards a weight where it can
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
         self.ep_all_to_all_s = ep_all_to_all_s  # (bytes one rank sends, ep, tp, folded) -> s
         self.imbalance = imbalance  # MoE routing: busiest rank's load over the balanced one
+        self.float8 = float8  # linears in FP8 (planner/cost/fp8.py); the runtime's filter skips the same units
+        self.fp8_skip = skipped_units(profile) if float8 else ()
         self._ilp: dict[tuple, IntraOpSolution] = {}
         self._tables: dict[tuple, UnitCostTable] = {}
         self._layer_seconds: dict[tuple, dict[int, list[tuple[float, float]]]] = {}  # per (t, sp, b), from `_build`
@@ -270,6 +278,7 @@ class UnitCosts:
         act = {m: np.zeros(n) for m in RECOMPUTE_MODES}
         transient = {m: np.zeros(n) for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = []
+        fp8_weights, fp8_flops = np.zeros(n), np.zeros(n)
         layer_seconds: dict[int, list[tuple[float, float]]] = {}  # unit -> its MoE layers' experts' (fwd, bwd) s
         self._layer_seconds[(t, sp, b)] = layer_seconds
         scale = b / self.base_mbs
@@ -286,6 +295,16 @@ class UnitCosts:
                 layer_seconds[i] = layers
             comm[i] = sol.comm_time_s if sol else 0.0
             plans.append(dict(sol.tp_plan) if (sol and is_sharded) else {})
+            if self.float8:
+                fp8 = price_fp8_unit(u, b, self.compute.gpu, t, skip_fqns=self.fp8_skip,
+                                     tp_plan={f"{u.name}.{m}" if m else u.name: v for m, v in plans[-1].items()} if t > 1 else None)
+                # The saving is taken from the unit's time, which is never below zero (a unit
+                # whose roofline is memory-bound gains less than its GEMMs' difference).
+                fwd[i] = max(fwd[i] - fp8.forward_saved_s * self.compute.slowdown, 0.0)
+                bwd[i] = max(bwd[i] - fp8.backward_saved_s * self.compute.slowdown, 0.0)
+                fp8_weights[i] = fp8.fp8_weight_elements
+                converted = set(fp8.converted)
+                fp8_flops[i] = 3 * sum(op.forward_flops for op in u.ops if op.name in converted) * scale
             op_weight = sum(math.prod(op.weight_shape) for op in u.ops if op.weight_shape)
             op_weight_tp = sol.parameter_bytes / self.dtype_bytes if sol else op_weight
             params[i] = max(u.num_parameters - op_weight + op_weight_tp, 0)
@@ -308,6 +327,8 @@ class UnitCosts:
             cut[c.after_index] = interpolate({k: float(v) for k, v in c.bytes.items()}, b) / (t if sp else 1)
         table = UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans,
                               tied_weights(self.profile))
+        if self.float8:
+            table = replace(table, fp8_weight_parameters=fp8_weights, fp8_flops=fp8_flops)
         if not layer_seconds:
             return table
         seconds = [layer_seconds.get(u.index, []) for u in units]

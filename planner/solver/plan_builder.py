@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from planner.cluster import Cluster
+from planner.cost.fp8 import mfu_conventions
 from planner.plan import (
     Alternative,
     Batch,
@@ -83,6 +84,13 @@ def _alternative(e: Evaluation, winner: Evaluation) -> Alternative:
     )
 
 
+def _mfu_fp8(best: Evaluation, table, cluster: Cluster, iteration_s: float) -> float:
+    """The FP8 convention's MFU (planner/cost/fp8.py `mfu_conventions`), per GPU."""
+    cfg, n = best.config, cluster.world_size
+    fp8_flops = cfg.num_microbatches * cfg.dp * float(table.fp8_flops.sum())
+    return mfu_conventions(best.model_flops / n, min(fp8_flops, best.model_flops) / n, iteration_s, cluster.gpu).fp8
+
+
 def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, result, top_k: int, dtype: str,
                profile_path: str | None) -> Plan:
     best = result.ranked[0]
@@ -113,6 +121,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         tflops_per_gpu=tflops,
         hw_tflops_per_gpu=best.hardware_flops / t / n / 1e12,
         mfu=tflops * 1e12 / peak if peak else 0.0,
+        mfu_fp8=_mfu_fp8(best, table, cluster, t) if result.costs.float8 else None,
         bubble_fraction=best.bubble_fraction,
         peak_memory_bytes=[int(m) for m in best.peak_memory_bytes],
         stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s, strict=False)],
@@ -125,7 +134,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
                        source_sha256=profile.model.source_sha256),
         profile=profile_path,
         cluster=ClusterRef(**cluster.to_ref()),
-        training=Training(dtype=dtype, cpu_threads=profile.cpu_threads),
+        training=Training(dtype=dtype, cpu_threads=profile.cpu_threads, float8=result.costs.float8),
         batch=Batch(global_batch_size=global_batch_size, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches),
         layout=layout,
         stages=stages,

@@ -288,7 +288,7 @@ class SearchResult:
 
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
            memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False,
-           moe_imbalance: float = 1.0) -> SearchResult:
+           moe_imbalance: float = 1.0, float8: bool = False) -> SearchResult:
     """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline).
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
@@ -296,13 +296,16 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     time (`TimeBound`, planner/solver/bounds.py) until that bound reaches the k-th best
     time found. Both bounds are exact, so the top k are those of pricing every configuration
     (up to the DP's own cap, `evaluate_config`'s `time_cap_s`). `moe_imbalance` is the MoE
-    routing's busiest-rank load over the balanced one (planner/cost/moe.py)."""
+    routing's busiest-rank load over the balanced one (planner/cost/moe.py); `float8` runs the
+    linears in FP8 (planner/cost/fp8.py), a choice of numerics the user makes, not searched."""
     if not moe_imbalance >= 1.0:
         raise PlannerError(f"--moe-imbalance must be at least 1.0 (got {moe_imbalance}): it is the busiest EP rank's "
                            "share of tokens over the balanced share.", "Pass 1.0 for balanced routing, or e.g. 1.2.")
     started = time.perf_counter()
     phases = dict.fromkeys(("intra_op", "bounds", "inter_op"), 0.0)
     dtype = dtype or profile.dtype
+    if float8:
+        check_float8(cluster, dtype)
     check_pins(pins, cluster, global_batch_size, len(profile.units))
     check_model_pins(pins, profile)
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
@@ -311,7 +314,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # collectives cost more than the compute they split (the free search would pick dp instead).
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       require_sharding=bool(pins.tp and pins.tp > 1), ep_all_to_all_s=ep_all_to_all(cluster, coll),
-                      imbalance=moe_imbalance)
+                      imbalance=moe_imbalance, float8=float8)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
@@ -356,8 +359,18 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                         candidates=len(configs), pruned_by_time=len(queue) - evaluated, phase_times_s=phases)
 
 
+def check_float8(cluster: Cluster, dtype: str) -> None:
+    """Refuse FP8 where it cannot run: a GPU without FP8 tensor cores, or a dtype other than bf16."""
+    if not cluster.gpu.supports_fp8:
+        raise PlannerError(f"--fp8: {cluster.gpu.name} has no FP8 tensor cores (H100 and H200 do).",
+                           "Drop --fp8, or plan for an FP8 GPU (--gpu h100-80gb or h200).")
+    if dtype != "bfloat16":
+        raise PlannerError(f"--fp8 needs bfloat16 training (FP8 linears run inside bf16 mixed precision); the dtype is {dtype}.",
+                           "Pass --dtype bfloat16, or profile with --dtype bfloat16.")
+
+
 def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = Pins(), dtype: str | None = None,
-                 memory_fraction: float = MEMORY_FRACTION, moe_imbalance: float = 1.0) -> Evaluation:
+                 memory_fraction: float = MEMORY_FRACTION, moe_imbalance: float = 1.0, float8: bool = False) -> Evaluation:
     """One configuration priced exactly as the search prices it (the DP chooses its cuts), including
     layouts the search does not enumerate because the runtime does not run them (EP folded over
     TP ranks, as Megatron-Core runs it): for benchmarks against published runs."""
@@ -365,7 +378,8 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), imbalance=moe_imbalance)
+                      require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), imbalance=moe_imbalance,
+                      float8=float8)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep), cfg, env)
 
@@ -394,12 +408,12 @@ def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pi
 
 def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), top_k: int = 3,
           dtype: str | None = None, profile_path: str | None = None, memory_fraction: float = MEMORY_FRACTION,
-          uniform_cuts: bool = False, moe_imbalance: float = 1.0) -> Plan:
+          uniform_cuts: bool = False, moe_imbalance: float = 1.0, float8: bool = False) -> Plan:
     """The best plan, or a PlannerError that says what does not fit and by how much."""
     if global_batch_size < 1:
         raise PlannerError(f"--global-batch must be positive (got {global_batch_size}).", "Pass the samples per optimizer step.")
     result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1),
-                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance)
+                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance, float8=float8)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
         if result.evaluated == 0 and result.pruned == 0:
