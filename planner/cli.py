@@ -219,6 +219,11 @@ def solve(
     moe_imbalance: float = typer.Option(1.0, "--moe-imbalance", help="MoE routing: the busiest EP rank's tokens over the "
                                         "balanced share (1.0 = balanced; the profile reports the measured spread)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
+    shard_degree: Optional[int] = typer.Option(None, "--shard-degree", help="Pin hybrid sharding (HSDP): ZeRO states "
+                                               "sharded over groups of this many dp ranks, replicated across groups."),
+    offload: Optional[bool] = typer.Option(None, "--offload/--no-offload", help="--offload: let the search keep model "
+                                           "states in host memory and step the optimizer on the CPU (ZeRO-Offload) where "
+                                           "that fits or is faster; --no-offload (default) never."),
     fp8: bool = typer.Option(False, "--fp8", help="Run the linears in FP8 (torchao Float8 training, bf16 otherwise; "
                              "H100/H200): priced at the FP8 rate and recorded in the plan."),
     top: int = typer.Option(3, "--top", help="Keep the K best configurations in the plan."),
@@ -247,10 +252,10 @@ def solve(
                            f"the profile's device (--gpu {_profile_gpu(prof)}), or pass --allow-device-mismatch to accept it.")
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PlannerError(f"Unknown --dtype {dtype!r}.", "Use float32, bfloat16 or float16.")
-    pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep)
+    pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep, shard_degree)
     with err_console.status("solving"):
         plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
-                          moe_imbalance=moe_imbalance, float8=fp8)
+                          moe_imbalance=moe_imbalance, float8=fp8, allow_offload=bool(offload))
     plan.save(output)
     print_plan(plan, console=console)
     console.print(f"wrote {output}")

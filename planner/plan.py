@@ -110,6 +110,15 @@ class Layout(_Model):
     of experts."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded (FSDP)."""
+    shard_degree: int | None = Field(None, gt=0)
+    """Hybrid sharding (HSDP: Zhao et al. 2023, "PyTorch FSDP", VLDB, hybrid sharding; the idea
+    behind ZeRO++'s hierarchical partitioning hpZ, Wang et al. 2023, which keeps only a
+    secondary weight copy per node): with zero_stage >= 1, shard the ZeRO states over groups of this many
+    consecutive data-parallel ranks and replicate them across the dp_degree / shard_degree
+    groups (FSDP2 `fully_shard` on a 2D (replicate, shard) mesh, runtime/mesh.py
+    `build_hsdp_mesh`): gradients reduce-scatter inside a group and all-reduce their shard
+    across groups. Must divide dp_degree and be at least 2; None, or equal to dp_degree, shards
+    over all dp ranks (plain ZeRO/FSDP, accepted as such). Not combined with ep_degree > 1."""
     sequence_parallel: bool = False
     """Shard norms/dropout activations along the sequence inside TP groups (Korthikanti et al. 2022)."""
     schedule: Schedule = "1f1b"
@@ -312,8 +321,26 @@ def check_plan_consistency(plan: Plan) -> None:
             seen.add(unit)
     if lay.tp_degree == 1 and any(s.tp_plan for s in plan.stages):
         problems.append("a stage has a tp_plan but tp_degree is 1")
+    problems += _sharding_problems(lay, plan.training)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def _sharding_problems(lay: Layout, training: Training) -> list[str]:
+    """Hybrid sharding (`Layout.shard_degree`) and offload (`Training.offload`) need FSDP."""
+    problems = []
+    if lay.shard_degree is not None:
+        if lay.zero_stage == 0:
+            problems.append(f"shard_degree {lay.shard_degree} needs zero_stage >= 1 (hybrid sharding shards ZeRO states)")
+        if lay.shard_degree < 2 or lay.dp_degree % lay.shard_degree:
+            problems.append(f"shard_degree {lay.shard_degree} must be at least 2 and divide dp_degree {lay.dp_degree} "
+                            "(for replicas of whole states use zero_stage 0)")
+        if lay.ep_degree > 1 and lay.shard_degree != lay.dp_degree:
+            problems.append(f"shard_degree {lay.shard_degree} with ep_degree {lay.ep_degree} is not supported (expert "
+                            "parallelism folds its own (expert_dp, ep) view onto dp); drop one of them")
+    if training.offload != "none" and lay.zero_stage == 0:
+        problems.append(f"offload {training.offload!r} needs zero_stage >= 1 (FSDP2's CPUOffloadPolicy)")
+    return problems
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -43,8 +43,10 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for col in ("pp", "dp", "tp", "ep", "SP", "ZeRO", "schedule", "v", "p2p", "micro-batch", "micro-batches", "global batch", "dtype"):
         head.add_column(col)
     p2p = "-" if lay.pp_degree == 1 else ("tp slices" if lay.p2p_scatter_gather else "whole")
+    zero = (f"{lay.zero_stage}{f' hsdp {lay.shard_degree}' if lay.shard_degree else ''}"
+            f"{' +offload' if plan.training.offload != 'none' else ''}")
     head.add_row(str(lay.pp_degree), str(lay.dp_degree), str(lay.tp_degree), str(lay.ep_degree), "yes" if lay.sequence_parallel else "no",
-                 str(lay.zero_stage), lay.schedule, str(lay.virtual_stages), p2p, str(batch.micro_batch_size),
+                 zero, lay.schedule, str(lay.virtual_stages), p2p, str(batch.micro_batch_size),
                  str(batch.num_microbatches), str(batch.global_batch_size), plan.training.dtype)
     console.print(head)
     if plan.device_mismatch:
@@ -92,7 +94,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
             lay_a = a.layout
             desc = (f"pp{lay_a.pp_degree} dp{lay_a.dp_degree} tp{lay_a.tp_degree}"
                     f"{' +sp' if lay_a.sequence_parallel else ''}{f' ep{lay_a.ep_degree}' if lay_a.ep_degree > 1 else ''}"
-                    f" zero{lay_a.zero_stage} {lay_a.schedule}"
+                    f" zero{lay_a.zero_stage}{f' hsdp{lay_a.shard_degree}' if lay_a.shard_degree else ''} {lay_a.schedule}"
                     f"{' v' + str(lay_a.virtual_stages) if lay_a.virtual_stages > 1 else ''}")
             alt.add_row(desc, f"{a.micro_batch_size} x {a.num_microbatches}", _time(a.iteration_time_s), a.why_lost)
         console.print(alt)

@@ -189,3 +189,45 @@ def test_lora_resumes_under_another_plan(tmp_path):
 
     saving = lora_plan(pp=2, schedule="1f1b", m=2, mbs=4, cuts=[0, 2, len(LORA_UNITS)])
     check_resume_matches_reference(saving, lora_plan(dp=2, zero=3, m=2), tmp_path)  # the same global batch of 8
+
+
+# ---- the cost model: frozen weights hold no gradient or optimizer state and send nothing ----
+
+def test_frozen_parameters_are_priced_as_held_not_trained():
+    from planner.cluster import make_cluster
+    from planner.cost.memory import model_state_bytes
+    from planner.profiler import profile_model
+    from planner.solver.search import state_bytes, updated_parameters
+    from planner.solver.solve import Pins, _environment, search
+
+    profile = profile_model(str(LORA_FILE), LORA_ARGS, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    total, trained = profile.model.num_parameters, profile.model.trainable_parameter_bytes / 2  # bf16 bytes
+    assert 0 < trained < total / 10  # adapters only
+    cluster = make_cluster(4, 4, "h100-80gb")
+    result = search(profile, cluster, 8, Pins(pp=1, tp=1, dp=4, zero_stage=1))
+    cfg, table = result.ranked[0].config, result.costs.table(1, False, result.ranked[0].config.micro_batch_size)
+    assert table.frozen_parameters.sum() == pytest.approx(total - trained)
+    env = _environment(cluster, result.costs.compute, "bfloat16", Pins(), 0.9)
+    by_hand = model_state_bytes(trained, "bfloat16", 1, 4).total + model_state_bytes(total - trained, "bfloat16", 1, 4).weights
+    assert state_bytes(table, cfg, env).sum() == pytest.approx(by_hand)
+    assert updated_parameters(table, cfg, 0, len(table.parameters)) == pytest.approx(trained / 4)
+
+
+def test_lora_reduces_only_the_adapters_gradients():
+    from planner.cluster import make_cluster
+    from planner.profiler import profile_model
+    import planner.hf_config_model as hf
+    from planner.solver.solve import Pins, solve
+
+    # Wide enough that gradient bytes, not collective latency, make the reduction's time.
+    args = {**LORA_ARGS, "hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "vocab_size": 32000, "seq_len": 512}
+    base_args = {**args, "config": str(EXAMPLES / "hf" / "llama3-8b.json")}  # hf_lora.py's base model
+    lora = profile_model(str(LORA_FILE), args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    full = profile_model(hf.__file__, base_args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    pins = Pins(pp=1, tp=1, dp=8, zero_stage=0, micro_batch_size=1)
+    cluster = make_cluster(8, 4, "h100-80gb")
+    a, b = solve(lora, cluster, 8, pins), solve(full, cluster, 8, pins)
+    assert a.prediction.breakdown_s["dp_comm"] < b.prediction.breakdown_s["dp_comm"] / 5
+    assert a.prediction.breakdown_s["optimizer"] < b.prediction.breakdown_s["optimizer"] / 5
+    assert max(a.prediction.peak_memory_bytes) < max(b.prediction.peak_memory_bytes)

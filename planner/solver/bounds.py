@@ -50,7 +50,7 @@ import numpy as np
 from planner.cost.memory import model_state_bytes
 from planner.cost.schedules import in_flight_microbatches
 from planner.solver.costs import UnitCostTable
-from planner.solver.search import Config, Environment, p2p_arrays, stage_arrays, updated_parameters
+from planner.solver.search import Config, Environment, gpu_state_bytes, p2p_arrays, stage_arrays, updated_parameters
 
 
 @dataclass(frozen=True)
@@ -84,10 +84,10 @@ class TimeBound:
         """Seconds per iteration no plan of `cfg` can beat (module docstring)."""
         env = self.env
         sharded = cfg.zero_stage >= 2 and cfg.dp > 1  # `zero_unit_s` adds traffic per unit
-        units_key = (id(table), cfg.zero_stage if sharded else 0, cfg.dp if sharded else 1)
+        units_key = (id(table), cfg.zero_stage if sharded else 0, cfg.dp if sharded else 1, cfg.shard_degree if sharded else None)
         if units_key not in self._units:
             self._units[units_key] = _unit_terms(table, cfg, env)
-        states_key = (id(table), cfg.zero_stage, cfg.dp)
+        states_key = (id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload)
         if states_key not in self._states:
             self._states[states_key] = float(stage_arrays(table, cfg, env)[2].sum())
         p2p_key = (id(table), cfg.dp * cfg.tp < env.gpus_per_node, cfg.pp > 1)  # what `p2p_arrays` reads of cfg
@@ -105,6 +105,7 @@ class TimeBound:
         else:
             pipeline = work + (m - 1) * work / chunks
         fill = (chunks - 1) * min_hop_s if env.overlap.pipeline_p2p else 0.0
+        # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
         optimizer = updated_parameters(table, cfg, 0, len(table.parameters)) / p * env.optimizer_s_per_param
         return pipeline + fill + optimizer
 
@@ -158,7 +159,8 @@ def _in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: in
 def memory_lower_bound(table: UnitCostTable, cfg: Config, env: Environment) -> float:
     """Bytes per GPU no plan of `cfg` can go below (module docstring)."""
     # `state_bytes` is linear in the parameters: the states of the sums are the sum of the states.
-    dense = model_state_bytes(float(table.dense_parameters().sum()), env.dtype, cfg.zero_stage, cfg.dp).total
+    frozen = None if table.frozen_parameters is None else float(table.frozen_parameters.sum())
+    dense = gpu_state_bytes(float(table.dense_parameters().sum()), cfg, env, frozen)
     experts = 0.0 if table.expert_parameters is None else \
         model_state_bytes(float(table.expert_parameters.sum()), env.dtype, cfg.zero_stage, cfg.expert_dp).total
     return (dense + experts) / cfg.pp

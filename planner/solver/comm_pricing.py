@@ -46,7 +46,7 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     if cfg.zero_stage < 2 or cfg.dp == 1:
         return {r: (nothing, nothing) for r in env.allowed_recompute}
     grad_bytes = 4 if env.dtype == "float32" else 2
-    scatter = _over_dp(env.dp_reduce_scatter_s, table, cfg, grad_bytes)
+    scatter = _over_dp(env.dp_reduce_scatter_s, table, cfg, grad_bytes) + _across_replicas(table, cfg, env, grad_bytes)
     gather = nothing if cfg.zero_stage < 3 else _over_dp(env.dp_all_gather_s, table, cfg, env.dtype_bytes, gather=True)
     hide_gather, hide_scatter = env.overlap.param_gather, env.overlap.grad_reduce
     previous = lambda a: np.concatenate([[0.0], a[:-1]])  # noqa: E731
@@ -78,12 +78,22 @@ def _over_dp(collective, table: UnitCostTable, cfg: Config, bytes_per_param: int
     """Per unit: `collective` of its dense parameters over dp, then of its experts' over
     expert-dp (planner/cost/moe.py; two collectives on different groups, one after the other).
     `gather`: an all-gather of parameters (FP8 weights move in FP8: `gathered_dense`)."""
-    params = gathered_dense(table, bytes_per_param) if gather else table.dense_parameters()
-    dense = np.array([collective(p * bytes_per_param, cfg.dp, cfg.tp) for p in params])
+    params = gathered_dense(table, bytes_per_param) if gather else table.trained_dense_parameters()
+    dense = np.array([collective(p * bytes_per_param, cfg.zero_dp, cfg.tp) for p in params])
     if table.expert_parameters is None:
         return dense
     return dense + np.array([collective(p * bytes_per_param, cfg.expert_dp, cfg.expert_dp_stride)
                              for p in table.expert_parameters])
+
+
+def _across_replicas(table: UnitCostTable, cfg: Config, env: Environment, bytes_per_param: int) -> np.ndarray | float:
+    """Per unit, HSDP's all-reduce of each gradient shard across the replica groups (FSDP2 on a
+    (replicate, shard) mesh: reduce-scatter inside the shard group, then this; Zhao et al. 2023).
+    A replica group is the shard index's ranks in every group, tp x shard_degree ranks apart."""
+    if cfg.replicas == 1:
+        return 0.0
+    return np.array([env.dp_all_reduce_s(p * bytes_per_param / cfg.zero_dp, cfg.replicas, cfg.tp * cfg.zero_dp)
+                     for p in table.trained_dense_parameters()])
 
 
 MEGATRON_BUCKET_PARAMS = 40_000_000
@@ -116,11 +126,18 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[
         params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in (bounds[k] for k in chunks))
         experts = 0.0 if table.expert_parameters is None else \
             sum(float(table.expert_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
-        # (parameters, group size, group stride): dense over dp, experts over expert-dp.
-        groups = [(params - experts, cfg.dp, cfg.tp)] + ([(experts, cfg.expert_dp, cfg.expert_dp_stride)] if experts else [])
+        frozen = 0.0 if table.frozen_parameters is None else \
+            sum(float(table.frozen_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
+        # (parameters, group size, group stride): dense over dp, experts over expert-dp; the
+        # reductions carry trained parameters' gradients only, the gathers every weight.
+        dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
+        groups = [(params - experts - frozen, dense_dp, cfg.tp)] + ([(experts, cfg.expert_dp, cfg.expert_dp_stride)] if experts else [])
         fp8 = 0.0 if table.fp8_weight_parameters is None else \
             sum(float(table.fp8_weight_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
-        gathered = [(groups[0][0] - fp8 * (env.dtype_bytes - 1) / env.dtype_bytes, cfg.dp, cfg.tp), *groups[1:]]
+        gathered = [(params - experts - fp8 * (env.dtype_bytes - 1) / env.dtype_bytes, dense_dp, cfg.tp), *groups[1:]]
+        # HSDP: each reduce-scatter's shard is then all-reduced across the replica groups.
+        replicas = [] if cfg.replicas == 1 else \
+            [((params - experts - frozen) / cfg.zero_dp, cfg.replicas, cfg.tp * cfg.zero_dp)]
         buckets = max(1, math.ceil(params / max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)))
         window = sum(backward[k] for k in chunks)
         forward = sum(float(table.forward_s[i:j].sum()) for i, j in (bounds[k] for k in chunks))
@@ -131,9 +148,10 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[
         if cfg.zero_stage <= 1:
             collective = env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s
             if overlap.grad_reduce:
-                grad_s[rank] = grad_reduce_tail_s([seconds(collective, grad_bytes, buckets)], [window], [slack[rank]], buckets)
+                total = seconds(collective, grad_bytes, buckets) + seconds(env.dp_all_reduce_s, grad_bytes, buckets, replicas)
+                grad_s[rank] = grad_reduce_tail_s([total], [window], [slack[rank]], buckets)
             else:  # one flat buffer after the backward (the runtime's ZeRO 0, Megatron-LM 2021)
-                grad_s[rank] = seconds(collective, grad_bytes, 1)
+                grad_s[rank] = seconds(collective, grad_bytes, 1) + seconds(env.dp_all_reduce_s, grad_bytes, 1, replicas)
         if cfg.zero_stage in (1, 2):
             if overlap.param_gather:
                 gather_s[rank] = exposed_s(seconds(env.dp_all_gather_s, env.dtype_bytes, buckets, gathered), forward, buckets)

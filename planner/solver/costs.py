@@ -103,9 +103,20 @@ class UnitCostTable:
     fp8_flops: np.ndarray | None = None
     """Per unit, model FLOPs (forward + backward, one micro-batch, whole unit) done in FP8 linears."""
 
+    frozen_parameters: np.ndarray | None = None
+    """The part of `parameters` that does not train (requires_grad False: a LoRA model's base
+    weights): held and gathered like any weight, but without gradients, optimizer state,
+    gradient reduction or optimizer step. Their missing weight-gradient GEMMs are already
+    absent from the profiled backward (the profiler runs the model as built). None: all train."""
+
     def dense_parameters(self) -> np.ndarray:
-        """`parameters` less the experts': what ZeRO shards and dp reduces."""
+        """`parameters` less the experts': what ZeRO shards and dp gathers."""
         return self.parameters if self.expert_parameters is None else self.parameters - self.expert_parameters
+
+    def trained_dense_parameters(self) -> np.ndarray:
+        """`dense_parameters` less the frozen ones: what holds gradients and dp reduces."""
+        dense = self.dense_parameters()
+        return dense if self.frozen_parameters is None else dense - self.frozen_parameters
 
     def copy_parameters(self, start, end) -> np.ndarray:
         """Parameters of unit range(s) [start, end) beyond `parameters`: the copies of tied weights
@@ -329,6 +340,10 @@ class UnitCosts:
                               tied_weights(self.profile))
         if self.float8:
             table = replace(table, fp8_weight_parameters=fp8_weights, fp8_flops=fp8_flops)
+        frozen = np.array([params[u.index] * (1 - u.trainable_parameter_bytes / u.parameter_bytes) if u.parameter_bytes else 0.0
+                           for u in units])
+        if frozen.any():  # the share of each unit's parameters that is frozen, after TP alike
+            table = replace(table, frozen_parameters=frozen)
         if not layer_seconds:
             return table
         seconds = [layer_seconds.get(u.index, []) for u in units]

@@ -57,6 +57,7 @@ from planner.cost.memory import model_state_bytes
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
 from planner.cost.schedules import in_flight_microbatches, iteration_time_s
+from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
@@ -76,6 +77,22 @@ class Config:
     zero_stage: int
     ep: int = 1
     """Expert-parallel degree (planner/cost/moe.py); folded onto the data-parallel ranks."""
+    shard_degree: int | None = None
+    """Hybrid sharding: ZeRO shards over groups of this many dp ranks, replicated across the
+    dp / shard_degree groups (planner/cost/sharding.py); None: over all dp ranks."""
+    offload: bool = False
+    """Model states in host memory and the optimizer step on the CPU (ZeRO-Offload, FSDP2's
+    CPUOffloadPolicy; planner/cost/sharding.py)."""
+
+    @property
+    def zero_dp(self) -> int:
+        """Ranks the dense parameters' ZeRO states are sharded over."""
+        return self.shard_degree or self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the sharded states (HSDP's replica groups; 1 without HSDP)."""
+        return self.dp // self.zero_dp
 
     @property
     def ep_folded(self) -> bool:
@@ -96,7 +113,8 @@ class Config:
     def describe(self) -> str:
         sched = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{' +sp' if self.sequence_parallel else ''}"
-                f"{f' ep{self.ep}' if self.ep > 1 else ''}, "
+                f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' hsdp{self.shard_degree}' if self.shard_degree else ''}"
+                f"{' offload' if self.offload else ''}, "
                 f"mbs {self.micro_batch_size} x {self.num_microbatches}, {sched}, zero {self.zero_stage}")
 
 
@@ -166,20 +184,37 @@ def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
 def state_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
     """Model states per unit and GPU: dense parameters under ZeRO over dp, experts' over
     expert-dp (`model_state_bytes` is linear in the parameters, so this is vectorised)."""
-    states = model_state_bytes(table.dense_parameters(), env.dtype, cfg.zero_stage, cfg.dp).total
+    states = gpu_state_bytes(table.dense_parameters(), cfg, env, table.frozen_parameters)
     if table.expert_parameters is None:
         return states
     return states + model_state_bytes(table.expert_parameters, env.dtype, cfg.zero_stage, cfg.expert_dp).total
+
+
+def gpu_state_bytes(num_parameters, cfg: Config, env: Environment, frozen=None):
+    """Dense model states on the GPU: ZeRO over `zero_dp`, less what offload keeps on the host;
+    `frozen` of the parameters hold weights only (no gradient, no optimizer state)."""
+    trained = num_parameters if frozen is None else num_parameters - frozen
+    states = model_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp).total
+    if frozen is not None:
+        states = states + model_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp).weights
+    if not cfg.offload:
+        return states
+    states = states - offloaded_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp).total
+    if frozen is not None:
+        states = states - offloaded_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp).weights
+    return states
 
 
 def updated_parameters(table: UnitCostTable, cfg: Config, start: int, end: int) -> float:
     """Parameters a rank's optimizer updates for units [start, end): its shard under ZeRO >= 1
     (dense over dp, experts over expert-dp), all it holds under ZeRO 0."""
     held = float(table.parameters[start:end].sum() + table.copy_parameters(start, end)[0])
+    if table.frozen_parameters is not None:
+        held -= float(table.frozen_parameters[start:end].sum())
     if cfg.zero_stage == 0:
         return held
     experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters[start:end].sum())
-    return (held - experts) / cfg.dp + experts / cfg.expert_dp
+    return (held - experts) / cfg.zero_dp + experts / cfg.expert_dp
 
 
 def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None,
@@ -207,7 +242,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             return Evaluation(cfg, False, "dominated: every stage range is slower than the best plans allow")
     p_states = prefix(states)
     # Copies of tied weights a range holds (linear in parameters, like `states`).
-    copy_states = model_state_bytes(table.copy_parameters(start, end), env.dtype, cfg.zero_stage, cfg.dp).total
+    copy_states = gpu_state_bytes(table.copy_parameters(start, end), cfg, env)
     hops, p2p, sliced = p2p_arrays(table, cfg, env)
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more). Stage
@@ -326,7 +361,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
         in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
         transient = float(table.transient[r][i:j].max()) if r == "full" else 0.0
         copies = float(table.copy_parameters(i, j)[0])
-        copy_states = model_state_bytes(copies, env.dtype, cfg.zero_stage, cfg.dp).total
+        copy_states = gpu_state_bytes(copies, cfg, env)
         mem.append(float(states[i:j].sum() + copy_states + in_flight * table.activations[r][i:j].sum() + transient + 2 * table.cut_bytes[j - 1]))
     # Memory per pipeline rank: its chunks together (interleaving puts v chunks on one rank).
     rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
@@ -342,11 +377,21 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     # all-reduce and the optimizer step, per pipeline rank.
     grad_s, gather_s = dp_tail_s(table, cfg, env, bounds, recompute)
     tie_s = _tie_all_reduce_s(table, cfg, env, bounds)
-    opt_s = []
+    opt_s, pcie_s = [], []
     for rank in range(cfg.pp):
-        params = sum(updated_parameters(table, cfg, i, j) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank)
-        opt_s.append(params * env.optimizer_s_per_param)
-    tails = [d + g + t + o for d, g, t, o in zip(grad_s, gather_s, tie_s, opt_s, strict=False)]
+        chunks = [(i, j) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank]
+        if cfg.offload:  # the AdamW step on the host CPU, and the shards' copies over PCIe
+            held = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in chunks)
+            trained = sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * cfg.zero_dp  # before ZeRO
+            cost = offload_step_cost(held, env.dtype, cfg.zero_stage, cfg.zero_dp,
+                                     *fsdp_collective_counts(cfg.zero_stage, m), gpus_per_host=env.gpus_per_node)
+            share = trained / held if held else 0.0  # frozen weights are copied in, never stepped or reduced
+            opt_s.append(cost.cpu_optimizer_s * share)
+            pcie_s.append(cost.host_to_device_s + cost.device_to_host_s * share)
+        else:
+            opt_s.append(sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * env.optimizer_s_per_param)
+            pcie_s.append(0.0)
+    tails = [d + g + t + o + c for d, g, t, o, c in zip(grad_s, gather_s, tie_s, opt_s, pcie_s, strict=True)]
     tail = max(tails)
     slowest = int(np.argmax(tails))
     busiest = int(np.argmax(rank_work))
@@ -385,6 +430,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
             "dp_comm": grad_s[slowest] + gather_s[slowest] + zero_total,
             "tie_comm": tie_s[slowest],
             "optimizer": opt_s[slowest],
+            **({"offload_pcie": pcie_s[slowest]} if cfg.offload else {}),
         },
         bubble_fraction=bubble / (pipeline_s + tail) if pipeline_s + tail > 0 else 0.0,
         model_flops=model_flops,
@@ -404,7 +450,7 @@ def _tie_all_reduce_s(table, cfg: Config, env: Environment, bounds) -> list[floa
     for tie in table.tied:
         ranks = sorted({k % cfg.pp for k, (i, j) in enumerate(bounds) if any(i <= u < j for u in tie.units)})
         if len(ranks) > 1:
-            nbytes = tie.num_parameters * grad_bytes / (cfg.dp if cfg.zero_stage >= 1 else 1)
+            nbytes = tie.num_parameters * grad_bytes / (cfg.zero_dp if cfg.zero_stage >= 1 else 1)
             seconds = env.tie_all_reduce_s(nbytes, tuple(ranks), cfg.dp * cfg.tp)
             for rank in ranks:
                 out[rank] += seconds

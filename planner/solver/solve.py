@@ -56,6 +56,11 @@ class Pins:
     sequence_parallel: bool | None = None
     ep: int | None = None
     """Expert-parallel degree (MoE models only)."""
+    shard_degree: int | None = None
+    """Hybrid sharding's shard group size (ZeRO >= 1); None: searched (planner/cost/sharding.py)."""
+    offload: bool | None = None
+    """CPU offload: True pins it, False forbids it, None (default) forbids it unless the search is
+    allowed it (`allow_offload`): it trades speed for memory, so it is offered, not assumed."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -65,7 +70,7 @@ def _divisors(n: int) -> list[int]:
 def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int) -> None:
     n, gpn = cluster.world_size, cluster.gpus_per_node
     problems = []
-    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages", "ep"):
+    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages", "ep", "shard_degree"):
         value = getattr(pins, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be positive (got {value})")
@@ -93,6 +98,14 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
     if pins.ep and pins.dp and pins.dp % pins.ep:
         problems.append(f"--ep {pins.ep} does not divide --dp {pins.dp} (expert parallelism is folded onto the "
                         "data-parallel ranks)")
+    if pins.shard_degree and pins.dp and (pins.dp % pins.shard_degree or pins.shard_degree < 2):
+        problems.append(f"--shard-degree {pins.shard_degree} must be at least 2 and divide --dp {pins.dp}")
+    if pins.shard_degree and pins.zero_stage == 0:
+        problems.append("--shard-degree needs ZeRO >= 1 (hybrid sharding shards ZeRO states)")
+    if pins.offload and pins.zero_stage == 0:
+        problems.append("--offload needs ZeRO >= 1 (FSDP2's CPUOffloadPolicy)")
+    if (pins.shard_degree or pins.offload) and pins.ep and pins.ep > 1:
+        problems.append("--shard-degree/--offload with --ep: expert parallelism folds its own groups onto dp")
     if pins.ep and pins.ep > 1 and pins.sequence_parallel:
         problems.append("--ep with --sequence-parallel: the runtime's router sees whole sequences only")
     if problems:
@@ -161,8 +174,31 @@ def ep_degrees(pins: Pins, experts: set[int], dp: int, sp: bool) -> list[int]:
     return [e for e in choices if common % e == 0 and dp % e == 0 and (e == 1 or not sp)]
 
 
+def _shard_degrees(pins: Pins, zero_stage: int, dp: int, tp: int, gpus_per_node: int, ep: int) -> list[int | None]:
+    """Hybrid sharding's group sizes to try: a pinned one, else plain sharding and, when the dp
+    group spans several nodes, the node (ZeRO states sharded over a node's ranks, replicated
+    across nodes: FSDP's usual HSDP layout, ZeRO++'s hierarchical partitioning)."""
+    if zero_stage == 0 or ep > 1:
+        return [None]
+    if pins.shard_degree:
+        return [pins.shard_degree] if dp % pins.shard_degree == 0 and pins.shard_degree < dp else []
+    node = gpus_per_node // tp
+    return [None] + ([node] if dp * tp > gpus_per_node and 1 < node < dp and dp % node == 0 else [])
+
+
+def _offloads(pins: Pins, zero_stage: int, dp: int, ep: int, allow_offload: bool) -> list[bool]:
+    """Offload choices: it needs FSDP (ZeRO >= 1) and no EP; on one data-parallel rank ZeRO
+    exists only to offload."""
+    can = zero_stage >= 1 and ep == 1
+    if pins.offload is not None:
+        return [pins.offload] if (can or not pins.offload) and (pins.offload or dp > 1 or zero_stage == 0) else []
+    if dp == 1 and zero_stage >= 1:
+        return [True] if allow_offload and can else []
+    return [False, True] if allow_offload and can else [False]
+
+
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
-                      tp_degrees: set[int] | None = None, experts: set[int] = frozenset()):
+                      tp_degrees: set[int] | None = None, experts: set[int] = frozenset(), allow_offload: bool = False):
     """Configurations the pins allow; `num_units` bounds the pipeline chunks, `tp_degrees` are the
     TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts."""
     n, gpn = cluster.world_size, cluster.gpus_per_node
@@ -183,9 +219,14 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
                     if sp and tp == 1:
                         continue
                     for schedule, v in _schedules(pins, pp, m, num_units):
-                        zeros = [pins.zero_stage] if pins.zero_stage is not None else ([0, 1, 2, 3] if dp > 1 else [0])
-                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep)
-                               for ep in ep_degrees(pins, experts, dp, sp) for z in zeros]
+                        # One data-parallel rank shards nothing: ZeRO only to offload (FSDP2 on one GPU).
+                        offloading = allow_offload or bool(pins.offload)
+                        zeros = [pins.zero_stage] if pins.zero_stage is not None else \
+                            ([0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
+                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload)
+                               for ep in ep_degrees(pins, experts, dp, sp) for z in zeros
+                               for shard in _shard_degrees(pins, z, dp, tp, gpn, ep)
+                               for offload in _offloads(pins, z, dp, ep, allow_offload)]
 
 
 def _schedules(pins: Pins, pp: int, m: int, num_units: int):
@@ -288,7 +329,7 @@ class SearchResult:
 
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
            memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False,
-           moe_imbalance: float = 1.0, float8: bool = False) -> SearchResult:
+           moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False) -> SearchResult:
     """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline).
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
@@ -297,7 +338,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     time found. Both bounds are exact, so the top k are those of pricing every configuration
     (up to the DP's own cap, `evaluate_config`'s `time_cap_s`). `moe_imbalance` is the MoE
     routing's busiest-rank load over the balanced one (planner/cost/moe.py); `float8` runs the
-    linears in FP8 (planner/cost/fp8.py), a choice of numerics the user makes, not searched."""
+    linears in FP8 (planner/cost/fp8.py), a choice of numerics the user makes, not searched;
+    `allow_offload` lets the search keep model states in host memory (`Pins.offload`)."""
     if not moe_imbalance >= 1.0:
         raise PlannerError(f"--moe-imbalance must be at least 1.0 (got {moe_imbalance}): it is the busiest EP rank's "
                            "share of tokens over the balanced share.", "Pass 1.0 for balanced routing, or e.g. 1.2.")
@@ -318,8 +360,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
-                                                     profile.micro_batch_sizes, tp_degrees, expert_counts(profile))
-               for cfg in variants]
+                                                     profile.micro_batch_sizes, tp_degrees, expert_counts(profile),
+                                                     allow_offload) for cfg in variants]
     tick = time.perf_counter()
     tables = {}
     for cfg in configs:
@@ -408,12 +450,12 @@ def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pi
 
 def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), top_k: int = 3,
           dtype: str | None = None, profile_path: str | None = None, memory_fraction: float = MEMORY_FRACTION,
-          uniform_cuts: bool = False, moe_imbalance: float = 1.0, float8: bool = False) -> Plan:
+          uniform_cuts: bool = False, moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False) -> Plan:
     """The best plan, or a PlannerError that says what does not fit and by how much."""
     if global_batch_size < 1:
         raise PlannerError(f"--global-batch must be positive (got {global_batch_size}).", "Pass the samples per optimizer step.")
     result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1),
-                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance, float8=float8)
+                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance, float8=float8, allow_offload=allow_offload)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
         if result.evaluated == 0 and result.pruned == 0:
@@ -425,7 +467,8 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
             f"The model does not fit: the smallest per-GPU memory any configuration needs is "
             f"{result.min_memory_bytes / GIB:.2f} GiB, but {cluster.gpu.name} offers {usable / GIB:.2f} GiB usable "
             f"({memory_fraction:.0%} of {cluster.gpu.memory_bytes / GIB:.1f} GiB).",
-            "Use more GPUs, a GPU with more memory, or allow recomputation and ZeRO (unpin --recompute/--zero).",
+            "Use more GPUs, a GPU with more memory, allow recomputation and ZeRO (unpin --recompute/--zero)"
+            + (", or let model states live in host memory (--offload)." if not allow_offload else "."),
         )
     from planner.solver.plan_builder import build_plan
 
