@@ -78,7 +78,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     terms = [c for c in frame.columns if c.endswith("_s") and c not in ("predicted_s", "published_s", "solve_s")]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(10, 4))
     left = [0.0] * len(frame)
     for term in terms:
         values = frame[term].fillna(0.0).tolist()
@@ -87,7 +87,7 @@ def plot(frame: pd.DataFrame, path: Path) -> None:
     ax.axvline(frame["published_s"].iloc[0], color="k", ls="--", label="published (24.2 s)")
     ax.set_xlabel("seconds per step (busiest pipeline rank)")
     ax.set_title("Qwen3-235B-A22B on 256 H100s: published vs predicted")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

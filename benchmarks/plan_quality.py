@@ -18,6 +18,17 @@ The free choice must never be predicted slower than the published configuration 
 searches a superset); where it is faster the CSV says how its layout differs.
 Writes benchmarks/results/plan_quality.{csv,png}.
 
+Seed rows (`seed_rows`, issue #16: cases where one of PipeDream's and ZeRO's ideas alone makes a
+model fit or run fastest), each solved with and without that idea, the plan's first
+alternative giving the reason (H100-80GB, bf16, analytic profiles of the public configs in
+examples/hf/):
+- LoRA: Llama 3 70B fine-tuned with peft adapters on 8 GPUs (examples/hf_lora.py) against
+  the same model fully trained;
+- offload: a 13B Llama-shaped model fully trained on one GPU, with and without `--offload`;
+- HSDP: Llama 3 70B on 1024 GPUs with FSDP (pp = tp = 1, ZeRO-3), sharding over all ranks
+  against hybrid sharding (`Layout.shard_degree`).
+Written to benchmarks/results/plan_quality_seed_rows.csv.
+
     python benchmarks/plan_quality.py
 """
 
@@ -117,5 +128,65 @@ def main() -> None:
     fig.savefig(RESULTS / "plan_quality.png", dpi=120)
 
 
+HF = ROOT / "examples" / "hf"
+LLAMA_13B = dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
+                 num_key_value_heads=40)  # Llama 2 13B's shape on the Llama 3 8B config
+
+
+def _hf_profile(model_file: str, config: Path, seq_len: int, **overrides):
+    return profile_model(model_file, {"config": str(config), "seq_len": seq_len, **overrides}, [1], device="meta",
+                         gpu="h100-80gb", dtype="bfloat16")
+
+
+def seed_rows() -> pd.DataFrame:
+    import planner.hf_config_model as hf
+
+    lora_file = str(ROOT / "examples" / "hf_lora.py")
+    cases = [
+        ("LoRA: Llama 3 70B fine-tune, 8 GPUs", 8, 32,
+         lambda: _hf_profile(hf.__file__, HF / "llama3-70b.json", 4096), {},
+         lambda: _hf_profile(lora_file, HF / "llama3-70b.json", 4096), {}),
+        ("offload: 13B full train, 1 GPU", 1, 8,
+         lambda: _hf_profile(hf.__file__, HF / "llama3-8b.json", 2048, **LLAMA_13B), {},
+         None, {"allow_offload": True}),
+        ("HSDP: Llama 3 70B FSDP, 1024 GPUs", 1024, 1024,
+         lambda: _hf_profile(hf.__file__, HF / "llama3-70b.json", 2048), {"pins": Pins(pp=1, tp=1, zero_stage=3, shard_degree=None)},
+         None, {"pins": Pins(pp=1, tp=1, zero_stage=3)}),
+    ]
+    rows = []
+    for name, gpus, batch, base, base_kw, variant, variant_kw in cases:
+        cluster = make_cluster(gpus, min(gpus, 8), "h100-80gb")
+        prof = base()
+        without = _seed_solve(prof, cluster, batch, **{**base_kw, **({"allow_offload": False} if "allow_offload" in variant_kw else {})})
+        with_ = _seed_solve(variant() if variant else prof, cluster, batch, **variant_kw)
+        rows.append({"case": name, "gpus": gpus, "global_batch": batch, **{f"without_{k}": v for k, v in without.items()},
+                     **{f"with_{k}": v for k, v in with_.items()}})
+        print(f"{name}: without {without['layout']} {without['s']} | with {with_['layout']} {with_['s']} ({with_['why']})", flush=True)
+    frame = pd.DataFrame(rows)
+    frame.to_csv(RESULTS / "plan_quality_seed_rows.csv", index=False)
+    return frame
+
+
+def _seed_solve(prof, cluster, batch, pins: Pins = Pins(), **kw) -> dict:
+    """The best plan's time and layout, and why its runner-up lost (the plan's alternatives)."""
+    try:
+        plan = solve(prof, cluster, batch, pins, top_k=2, **kw)
+    except PlannerError as exc:
+        return {"s": float("nan"), "layout": f"no plan: {exc.message[:120]}", "why": ""}
+    lay = plan.layout
+    layout = (_describe(plan) + (f" hsdp{lay.shard_degree}" if lay.shard_degree else "")
+              + (" offload" if plan.training.offload != "none" else ""))
+    alts = plan.search.alternatives if plan.search else []
+    why = f"runner-up {alts[0].why_lost}" if alts else "only configuration that fits"
+    return {"s": plan.prediction.iteration_time_s, "layout": layout, "why": why,
+            "peak_memory_gib": max(plan.prediction.peak_memory_bytes) / 2**30}
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["--seed-rows"]:
+        seed_rows()
+    else:
+        main()
+        seed_rows()
