@@ -169,3 +169,21 @@ def test_solver_ep_plan_runs_with_parity(tmp_path):
     plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=2, dp=2, pp=1))
     assert plan.layout.ep_degree == 2 and plan.stages[0].experts
     check_parity(plan, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_solver_ep_plan_runs_the_unmodified_hugging_face_moe(tmp_path):
+    # Qwen3-MoE from its public config, shrunk by overrides: profiled (measured), solved with EP, run with parity.
+    pytest.importorskip("transformers")
+    import planner.hf_config_model as hf
+    from tests.test_runtime_parity import check_parity
+
+    args = dict(config=str(EXAMPLES / "hf" / "qwen3-30b-a3b.json"), seq_len=16, num_hidden_layers=2, hidden_size=32,
+                intermediate_size=64, moe_intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                num_experts=4, num_experts_per_tok=2, vocab_size=128)
+    profile = profile_model(hf.__file__, args, [1, 2], device="cpu", repeats=2)
+    assert [layer.num_experts for u in profile.units for layer in u.moe] == [4, 4]
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=2, dp=2, pp=1))
+    assert plan.layout.ep_degree == 2 and len(plan.stages[0].experts) == 2
+    check_parity(plan, tmp_path)
