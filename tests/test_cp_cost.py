@@ -1,0 +1,57 @@
+"""Context parallelism's cost terms (planner/cost/cp.py) against their closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cost.cp import (
+    all_gather_cp_s,
+    attention_shapes,
+    cp_degrees,
+    cp_refusal,
+    gathered_kv_bytes,
+    kv_bytes,
+    ring_cp_s,
+)
+from planner.profiler import profile_model
+from tests.conftest import EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def llama():
+    # Grouped-query attention: 8 query heads, 2 key/value heads of dim 16.
+    args = dict(n_layers=2, d_model=128, n_heads=8, n_kv_heads=2, vocab_size=256, seq_len=64)
+    return profile_model(str(EXAMPLES / "llama.py"), args, [1, 2], device="meta", gpu="h100-80gb", dtype="bfloat16")
+
+
+def test_kv_bytes_read_the_key_value_width(llama):
+    block = next(u for u in llama.units if u.name == "layers.0")
+    (shape,) = attention_shapes(block, 2)
+    assert shape.kv_features == 2 * 16 and shape.tokens == 2 * 64
+    assert kv_bytes(block, 2, 2) == 2 * (2 * 64) * 32 * 2  # K and V, b x T x d_kv, bf16
+    assert kv_bytes(next(u for u in llama.units if u.name == "embed"), 2, 2) == 0
+
+
+def test_all_gather_cp_is_one_gather_and_one_reduce_scatter():
+    gather = lambda n: 1e-6 + n / 1e11  # noqa: E731
+    scatter = lambda n: 2e-6 + n / 1e11  # noqa: E731
+    assert all_gather_cp_s(1e8, 4, gather, scatter) == (gather(1e8), scatter(1e8))
+    assert all_gather_cp_s(1e8, 1, gather, scatter) == (0.0, 0.0)
+
+
+def test_ring_hides_blocks_behind_attention():
+    p2p = lambda n: n / 1e10  # noqa: E731
+    kv, cp = 4e8, 4  # a block is 1e8 bytes: 10 ms to send
+    # Attention of 80 ms (20 ms a block) hides every send; of 20 ms (5 ms a block) leaves 5 ms a step.
+    assert ring_cp_s(kv, cp, p2p, 0.08, 0.16) == (0.0, 0.0)
+    forward, backward = ring_cp_s(kv, cp, p2p, 0.02, 0.04)
+    assert forward == pytest.approx(3 * (0.01 - 0.005))
+    assert backward == pytest.approx(3 * (0.02 - 0.01))  # K/V and their gradients: twice the bytes
+
+
+def test_gathered_kv_and_refusals():
+    assert gathered_kv_bytes(8.0, 4, "all-gather") == 6.0 and gathered_kv_bytes(8.0, 4, "ring") == 4.0
+    assert cp_refusal(4096, 8) is None
+    assert "does not split into 2 x 3 = 6 equal chunks" in cp_refusal(4096, 3)
+    assert "no sequence length" in cp_refusal(None, 2)
+    assert cp_degrees(131072, 8) == [1, 2, 4, 8] and cp_degrees(6, 8) == [1]
