@@ -1,16 +1,9 @@
 """Expert parallelism: each rank keeps 1/ep of every MoE layer's experts; tokens travel to them.
 
-Experts modules are found by structure, never by class name (planner/moe.py `find_experts`). The contract,
-which Hugging Face transformers 5.x's `Qwen3MoeExperts` / `MixtralExperts` and
-examples/moe.py's `Experts` meet:
-- the module owns all its parameters (no submodule has any), at least one, and every one has
-  the same leading dim E >= 2, the number of experts: expert e's weights are `p[e]` for every
-  parameter p;
-- `forward(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k]) -> [T, D]`, each
-  token's output the `top_k_weights`-weighted sum of its experts' outputs, expert e computed
-  from the slices `p[e]` alone (so a module over a slice of the experts computes those);
-- an integer attribute `num_experts`, if it has one, is E (it is set to the local count on the
-  module that runs the local experts).
+Experts modules are found by structure, never by class name: planner/moe.py `find_experts`, whose
+docstring states the contract (batched expert weights with a leading expert dim, a forward of
+(hidden_states, top_k_index, top_k_weights)). An integer attribute `num_experts` is set to the
+local count on the module that runs the local experts.
 
 The EP groups. EP is folded onto the data-parallel ranks (planner/plan.py `Layout.ep_degree`,
 Megatron-Core's "parallel folding", torchtitan): the dp axis of the (pp, dp, tp) mesh is viewed
