@@ -2,7 +2,13 @@
 
     planner profile MODEL_FILE   -> profile.json
     planner solve --profile P --gpus N --global-batch B   -> plan.json
+    planner run PLAN -o M        -> metrics.json (torchrun; --reference: one process)
+    planner validate PLAN M      predicted against measured, term by term
     planner show FILE            tables for a profile or a plan (--gantt for a plan's schedule)
+    planner profile-cluster      -> cluster.yaml (collectives measured on this node)
+    planner export PLAN          a plan as Megatron-LM, torchtitan, DeepSpeed or Accelerate configuration
+    planner price                an engine's configuration priced beside the best plan
+    planner schema KIND          the JSON schema of a plan, profile, metrics or cluster file
 
 Every verb is a thin layer over a Python function. User mistakes raise PlannerError, which
 is printed as one paragraph with a non-zero exit; `--debug` shows the traceback instead.
@@ -22,7 +28,47 @@ from rich.console import Console
 
 from planner.errors import PlannerError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for PyTorch.")
+
+def _hide_flag_types(params) -> None:
+    """typer 0.29's rich help prints every option's type, a flag's too (`--resume <bool>`, as if
+    it took a value): `TyperOption.display_type_rich` shows the metavar when one is set, else
+    `<type>`. An empty metavar on each flag shows nothing; click never prints a flag's metavar."""
+    for param in params:
+        if isinstance(param, typer.core.TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+
+
+class _FlagHelpMixin:
+    """A command or group whose flags, `--help` included, show no type in `--help`."""
+
+    params: list  # click's Command sets it
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _hide_flag_types(self.params)
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)  # made on first use (and cached) by click
+        _hide_flag_types([option])
+        return option
+
+
+class _Command(_FlagHelpMixin, typer.core.TyperCommand):
+    """A verb (`planner VERB`)."""
+
+
+class _Group(_FlagHelpMixin, typer.core.TyperGroup):
+    """The `planner` command itself, holding the verbs."""
+
+
+class _Typer(typer.Typer):
+    """Every verb a `_Command` unless it names its own class."""
+
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _Typer(cls=_Group, add_completion=False, no_args_is_help=True, help="Auto-parallelism planner for PyTorch.")
 # Off a terminal rich assumes 80 columns, which folds every table; logs and CI get room.
 _WIDTH = None if sys.stdout.isatty() else 160
 console = Console(width=_WIDTH)
@@ -84,9 +130,10 @@ def default_profile_path(model_file: str, device: str, gpu: str | None, dtype: s
 def _model_source(model_file: str | None, args: dict, hf_config: Path | None, seq_len: int | None) -> tuple[str, dict]:
     """The model file and its arguments: the user's, or planner/hf_config_model.py for --hf-config."""
     if (model_file is None) == (hf_config is None):
-        raise PlannerError("Give a model file or --hf-config, not " + ("both." if model_file else "neither."),
+        raise PlannerError("Give a model file or --hf-config" + (", not both." if model_file else "."),
                            "e.g. planner profile examples/gpt.py, or planner profile --hf-config examples/hf/llama3-8b.json")
     if hf_config is None:
+        assert model_file is not None, "exactly one of the two (checked above)"
         if seq_len is not None:
             raise PlannerError("--seq-len goes with --hf-config.", "For a model file, pass its own argument (-a seq_len=N).")
         return model_file, args
@@ -326,12 +373,14 @@ def schema(
     """Print the JSON schema of plan, profile, metrics or cluster files (published in schemas/)."""
     import json
 
+    from pydantic import BaseModel
+
     from planner.cluster_schema import ClusterFile
     from planner.metrics_schema import Metrics
     from planner.plan import Plan
     from planner.profile_schema import Profile
 
-    models = {"plan": Plan, "profile": Profile, "metrics": Metrics, "cluster": ClusterFile}
+    models: dict[str, type[BaseModel]] = {"plan": Plan, "profile": Profile, "metrics": Metrics, "cluster": ClusterFile}
     if kind not in models:
         raise PlannerError(f"Unknown schema {kind!r}.", f"Use `planner schema KIND` with KIND one of {', '.join(models)}.")
     text = json.dumps(models[kind].model_json_schema(), indent=1) + "\n"
@@ -438,12 +487,11 @@ def main() -> None:
         err_console.print("aborted")
         sys.exit(130)
     except Exception as exc:  # click usage errors are handled below; anything else is a bug
-        import click
-
-        # typer >= 0.20 raises its own copy of click's usage errors (typer._click), not click's.
-        if isinstance(exc, click.ClickException) or (callable(getattr(exc, "show", None)) and hasattr(exc, "exit_code")):
-            exc.show()
-            sys.exit(exc.exit_code)
+        # A click usage error: click's, or typer's own copy of them (typer >= 0.20, typer._click).
+        show, exit_code = getattr(exc, "show", None), getattr(exc, "exit_code", None)
+        if callable(show) and isinstance(exit_code, int):
+            show()
+            sys.exit(exit_code)
         if debug:
             raise
         from rich.markup import escape

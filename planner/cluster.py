@@ -167,6 +167,7 @@ def parse_cluster(data, source: str = "cluster") -> Cluster:
     if form.nodes is not None:
         gpu, num_nodes, gpus_per_node = _one_node_type(form.nodes, source)
     else:
+        assert form.gpu is not None, "ClusterFile._one_form refuses a file with neither gpu nor nodes"
         gpu, num_nodes, gpus_per_node = _gpu_spec(form.gpu), form.num_nodes, form.gpus_per_node
     intra, inter = default_links(gpu)  # overridden GPU bandwidths carry into the default links
     return Cluster(

@@ -227,14 +227,18 @@ def _model_at(loc) -> type[BaseModel] | None:
     def is_model(tp):
         return isinstance(tp, type) and issubclass(tp, BaseModel)
 
+    def model_in(tp) -> type[BaseModel] | None:
+        found = _unwrap(tp, is_model)
+        return found if isinstance(found, type) and issubclass(found, BaseModel) else None
+
     tp: object = ClusterFile
     for key in loc:
-        model = _unwrap(tp, is_model)
+        model = model_in(tp)
         if model is not None and key in model.model_fields:
             tp = model.model_fields[key].annotation
         elif key not in _TAGS:  # a key of a mapping or an index of a list
             tp = get_args(_unwrap(tp, lambda t: get_origin(t) in (dict, list)))[-1]
-    return _unwrap(tp, is_model)
+    return model_in(tp)
 
 
 def _explain(exc: ValidationError, source: str) -> PlannerError:
@@ -244,7 +248,8 @@ def _explain(exc: ValidationError, source: str) -> PlannerError:
     unknown: dict[tuple, list[str]] = {}
     for err in exc.errors():
         loc, kind = tuple(err["loc"]), err["type"]
-        where, last = _where(loc), next((k for k in reversed(loc) if k not in _TAGS), None)
+        where = _where(loc)
+        last = str(next((k for k in reversed(loc) if k not in _TAGS), ""))  # the field's name, for _SHAPES
         if kind == "extra_forbidden":
             unknown.setdefault(loc[:-1], []).append(str(loc[-1]))
             continue

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -294,7 +295,7 @@ class KnownValues(TorchDispatchMode):
         with torch.no_grad():
             return func(*real_args, **real_kwargs)
 
-    def _bind_outputs(self, out, real, sampled: bool, mutated: list[torch.Tensor] = ()) -> None:
+    def _bind_outputs(self, out, real, sampled: bool, mutated: Sequence[torch.Tensor] = ()) -> None:
         written = {id(t) for t in mutated}
         for t, r in zip(tree_flatten(out)[0], tree_flatten(real)[0], strict=False):
             if _is_meta(t) and isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape):

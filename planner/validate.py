@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
@@ -26,6 +27,13 @@ from planner.errors import PlannerError
 from planner.metrics_schema import Metrics, load_metrics
 from planner.plan import Plan
 from planner.report import _bytes, _time
+
+if TYPE_CHECKING:
+    from planner.cost.gantt import Panel
+    from planner.cost.simulator import Timeline
+
+Row = tuple[str, float | None, float | None, str]
+"""A row of `compare`: (term, predicted, measured, kind of quantity)."""
 
 
 def plan_digest(plan: Plan) -> str:
@@ -61,12 +69,12 @@ def _same_numbers(a, b) -> bool:
     return a == b
 
 
-def compare(plan: Plan, metrics_path: str | Path, plan_path: str | Path = "the plan") -> list[tuple[str, float | None, float | None, str]]:
+def compare(plan: Plan, metrics_path: str | Path, plan_path: str | Path = "the plan") -> list[Row]:
     """Rows (term, predicted, measured, kind) for what both sides have; another plan's metrics are refused."""
     metrics = load_metrics(metrics_path)
     check_metrics_match(plan, metrics, metrics_path, plan_path)
     pred = plan.prediction
-    rows = [("iteration time", pred.iteration_time_s if pred else None, metrics.median_iteration_time_s, "time"),
+    rows: list[Row] = [("iteration time", pred.iteration_time_s if pred else None, metrics.median_iteration_time_s, "time"),
             ("samples/s", pred.samples_per_s if pred else None, metrics.samples_per_s, "rate")]
     predicted_peak = max(pred.peak_memory_bytes) if pred and pred.peak_memory_bytes else None
     if metrics.peak_tensor_bytes:
@@ -149,7 +157,7 @@ def draw_validation_gantt(plan: Plan, metrics_path: str | Path, path: str | Path
                            "Draw a measured Gantt chart of a plan with pp_degree > 1, run by this version.")
     lay = plan.layout
     what = f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}"
-    panels = [(measured, f"measured, last step ({what}): makespan {measured.makespan_s:.4g} s, bubble {measured.bubble_fraction():.1%}")]
+    panels: list[Panel | tuple[Timeline, str]] = [(measured, f"measured, last step ({what}): makespan {measured.makespan_s:.4g} s, bubble {measured.bubble_fraction():.1%}")]
     if plan.search is not None and plan.search.stage_forward_s:  # a hand-written plan has no predicted stage times
         simulated = simulated_timeline(plan)
         panels.insert(0, (simulated, f"predicted: makespan {simulated.makespan_s:.4g} s, bubble {simulated.bubble_fraction():.1%}"))

@@ -44,10 +44,10 @@ def main(argv=None) -> None:
         model_file = resolve_model_file(plan, args.plan, args.model_file)
         # Every rank checks before the process group exists; no rank writes there before a save's barrier.
         check_checkpoint_dir(args.checkpoint_dir, args.resume, args.overwrite, args.reference)
-        result = train(plan, model_file, args.steps, args.seed, args.lr, args.reference, args.checkpoint_dir, args.resume)
+        result = train(plan, model_file, args.steps, args.seed, args.lr, args.reference,
+                       checkpoint_dir=args.checkpoint_dir, resume=args.resume)
     except PlannerError as exc:
-        rank = os.environ.get("RANK", "0")
-        print(f"error (rank {rank}): {exc.message}\n{exc.hint or ''}", file=sys.stderr)
+        print(f"error (rank {os.environ.get('RANK', '0')}): {exc.message}\n{exc.hint or ''}", file=sys.stderr)
         sys.exit(1)
     rank = int(os.environ.get("RANK", 0))
     if args.save_params and result.params:

@@ -13,6 +13,31 @@ FSDP2 `fully_shard` on every unit and on the stage: ZeRO-3 reshards parameters a
 forward; ZeRO-1/2 keep them gathered between forward and backward
 (`reshard_after_forward=False`), which is the closest FSDP2 offers (it shards gradients
 and optimizer state in both).
+
+Hybrid sharding (planner/plan.py `Layout.shard_degree`): the same calls on the 2D
+(dp_replicate, dp_shard) mesh of runtime/mesh.py `build_fsdp_mesh`. FSDP2 then shards over
+dim 1 and replicates over dim 0: each gradient is reduce-scattered inside the shard group and
+its shard all-reduced across the replica groups, each divided by its group's size, so the
+result is the mean over all dp ranks, as with plain sharding; parameters are all-gathered
+inside the shard group only. Gradients and parameters are DTensors placed (Replicate,
+Shard(0)) on that mesh: DTensor reduces their norm over it (runtime/grad_clip.py groups by
+mesh), `full_tensor` gathers them, and DCP saves one copy of each shard (the replicas'
+copies are deduplicated), so a checkpoint saved under HSDP loads under any other sharding.
+
+Offload (planner/plan.py `Training.offload`): FSDP2's `CPUOffloadPolicy` on every
+`fully_shard` call. On a GPU it keeps the sharded parameters, their gradients and hence the
+AdamW state (created from those parameters, runtime/train.py `make_optimizer`) in pinned
+host memory: parameters go host-to-device before each all-gather, gradients device-to-host
+after each reduce-scatter, and the optimizer step runs on the CPU. The parameters and
+gradients are then host tensors on a GPU mesh, so whatever reduces or gathers them as DTensors
+(runtime/grad_clip.py's norm, `full_tensor`, DCP) needs a CPU backend in the process group
+beside NCCL ("cuda:nccl,cpu:gloo", as torchtitan's `_get_distributed_backend` picks with
+CPU offload; runtime/train.py chooses the backend). On CPU processes (gloo)
+every tensor already lives in host memory: FSDP2's copies to and from `cpu` return the same
+tensor, and pinning is off (it needs an accelerator: `pin_memory()` raises without one). A CPU
+run therefore checks the wiring (the policy is accepted by every `fully_shard`, the optimizer
+steps the offloaded shards, training matches the reference) but not the transfers, their
+overlap with compute, nor the device memory saved; those show only on a GPU.
 """
 
 from __future__ import annotations
@@ -21,15 +46,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from planner.units import tied_units
 
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_stage: int,
-               expert_dp_mesh: DeviceMesh | None = None) -> None:
+               expert_dp_mesh: DeviceMesh | None = None, offload: str = "none") -> None:
     """`fully_shard` each unit, then the stage. Units that share a parameter (tied embeddings)
     form one FSDP group, as FSDP2 requires of a shared parameter.
+
+    `dp_mesh`: the dp mesh, or for hybrid sharding the 2D (replicate, shard) mesh
+    (runtime/mesh.py `build_fsdp_mesh`). `offload`: "cpu" for `CPUOffloadPolicy` (module docstring).
 
     Expert parallelism (runtime/apply_ep.py): each experts module is sharded first, on its own,
     over `expert_dp_mesh` (the ranks holding the same experts; torchtitan's dp_mod_ep), so the
@@ -40,16 +68,29 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_st
     set_gradient_divide_factor reduces with PREMUL_SUM, which gloo lacks.)"""
     present = dict(module.named_modules())
     reshard = zero_stage >= 3
+    policy = offload_policy(offload, dp_mesh.device_type)
     if expert_dp_mesh is not None:
         for experts in getattr(module, "_ep_modules", ()):
-            fully_shard(experts, mesh=expert_dp_mesh, reshard_after_forward=reshard)
+            fully_shard(experts, mesh=expert_dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
     held = [name for name in units if name in present and any(True for _ in present[name].parameters())]
     tied = [group for group in tied_units(module, held)]
     grouped = {name for group in tied for name in group}
     for group in [*tied, *([name] for name in held if name not in grouped)]:
         targets = [present[name] for name in group]
-        fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=reshard,
+                    offload_policy=policy)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+
+
+def offload_policy(offload: str, device_type: str) -> OffloadPolicy:
+    """FSDP2's policy for planner/plan.py `Training.offload`: `CPUOffloadPolicy` for "cpu", pinned
+    only on an accelerator (pinning needs one; on CPU processes the policy is wiring only, module
+    docstring); the default `OffloadPolicy` (nothing offloaded) for "none"."""
+    if offload == "cpu":
+        return CPUOffloadPolicy(pin_memory=device_type != "cpu")
+    if offload != "none":
+        raise ValueError(f"unknown offload {offload!r}; the plan schema allows 'none' and 'cpu'")
+    return OffloadPolicy()
 
 
 def average_gradients(modules: list[nn.Module], dp_group, expert_params=(), expert_dp_group=None) -> None:

@@ -32,14 +32,18 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    _PipelineSchedule,
 )
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.plan import Plan, Schedule
 from runtime.metrics import synchronize
 from runtime.pp_flow import trace_layout
 from runtime.pp_split import (
@@ -48,11 +52,15 @@ from runtime.pp_split import (
     needs_full_backward,
     restore_output,
     set_example_microbatch,
+    stage_spec,
 )
 
-SINGLE_STAGE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# Keyed by the plan's schedule names (planner/plan.py `Schedule`), so a name the plan does not
+# define is a type error here.
+SINGLE_STAGE: dict[Schedule, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 """Schedules that hold one stage per rank."""
-MULTI_STAGE = {"interleaved-1f1b": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
+MULTI_STAGE: dict[Schedule, type[PipelineScheduleMulti]] = {"interleaved-1f1b": ScheduleInterleaved1F1B,
+                                                            "zero-bubble": ScheduleInterleavedZeroBubble}
 """Schedules that take a list of (looping-placed) stages per rank."""
 
 
@@ -94,13 +102,13 @@ class PipelineRunner:
     would overlap: a measurement of the stages, not of the step).
     """
 
-    def __init__(self, schedule, stages: list[PipelineStage], num_stages: int):
+    def __init__(self, schedule, stages: list[PipelineStage], num_chunks: int):
         self.schedule = schedule
         """torch's schedule object (ScheduleGPipe, ...)."""
         self.stages = stages
         """This rank's PipelineStages."""
         self.has_first = any(s.stage_index == 0 for s in stages)
-        self.has_last = any(s.stage_index == num_stages - 1 for s in stages)
+        self.has_last = any(s.stage_index == num_chunks - 1 for s in stages)
         self.stage_times: dict[int, dict[str, float]] = {}
         """Per stage index: forward_s, backward_s of the last step, summed over its micro-batches
         (wall time on this rank; backward_s includes zero-bubble's deferred weight passes)."""
@@ -161,7 +169,7 @@ class _PipelineStage(PipelineStage):
     `StageSpec.shape_inference`): it then runs on uninitialised tensors, which glue must not read."""
 
     def _forward_metadata_inference(self, *args, **kwargs):
-        spec = self.submod._pp_stage
+        spec = stage_spec(self.submod)
         spec.shape_inference = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
@@ -177,22 +185,25 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, de
     shape arithmetic of the model's forward on it. Shapes crossing each cut are inferred by
     torch on the first step (dynamic metadata inference), so TP/SP-local shapes just work.
     """
-    num_stages = len(plan.stages)
+    # The plan's stages are chunks: pp_degree x virtual_stages of them over all ranks (torch's
+    # `num_stages`; planner/cost/schedules.py counts pipeline ranks instead).
+    num_chunks = len(plan.stages)
     num_microbatches = plan.batch.num_microbatches
     for _, module in stages:
         set_example_microbatch(module, example_microbatch)
     # A stage whose weights its inputs' graph does not reach runs its whole backward at once
     # (pp_split.needs_full_backward): torch takes a dw_builder as that request.
-    pipeline_stages = [_PipelineStage(module, index, num_stages, device, group=pp_group,
+    pipeline_stages: list[PipelineStage] = [_PipelineStage(module, index, num_chunks, device, group=pp_group,
                                       dw_builder=_NO_SEPARATE_WEIGHT_PASS if needs_full_backward(module) else None)
                        for index, module in stages]
-    last = [module for index, module in stages if index == num_stages - 1]
+    last = [module for index, module in stages if index == num_chunks - 1]
     if last:  # the loss sees the model's own output object, not the tensors torch's stage passes around
         user_loss_fn = loss_fn
 
         def loss_fn(output, target):
             return user_loss_fn(restore_output(last[0], output), target)
     name = plan.layout.schedule
+    schedule: _PipelineSchedule  # torch's base class of both kinds (private name, public role)
     try:
         if name in SINGLE_STAGE:
             if len(pipeline_stages) != 1:
@@ -200,10 +211,11 @@ def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, de
                                    "Use interleaved-1f1b or zero-bubble for virtual_stages > 1.")
             schedule = SINGLE_STAGE[name](pipeline_stages[0], num_microbatches, loss_fn=loss_fn)
         elif name in MULTI_STAGE:
-            schedule = MULTI_STAGE[name](pipeline_stages, num_microbatches, loss_fn=loss_fn)
+            multi: list[_PipelineStageBase] = list(pipeline_stages)  # the base class torch's signature names
+            schedule = MULTI_STAGE[name](multi, num_microbatches, loss_fn=loss_fn)
         else:
             raise PlannerError(f"Unknown pipeline schedule {name}.", "Use one of gpipe, 1f1b, interleaved-1f1b, zero-bubble.")
     except ValueError as exc:  # torch's own constraints, e.g. micro-batches a multiple of the rounds
         raise PlannerError(f"torch cannot build schedule {name} for this plan: {exc}",
                            "Change num_microbatches (a multiple of pp_degree is always accepted).") from exc
-    return PipelineRunner(schedule, pipeline_stages, num_stages)
+    return PipelineRunner(schedule, pipeline_stages, num_chunks)

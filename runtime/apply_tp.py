@@ -30,6 +30,7 @@ examples and Hugging Face's Llama do: the owner of a pair sees the full sequence
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -44,6 +45,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -64,7 +66,7 @@ def _in_unit(name: str, unit: str) -> bool:
     return name == unit or name.startswith(unit + ".")
 
 
-def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], sequence_parallel: bool,
+def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str], sequence_parallel: bool,
              units: list[str] | None = None) -> None:
     """Shard `module` (a whole model or one stage of it) over `tp_mesh` as `tp_plan` says.
 
@@ -84,7 +86,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], se
         region = [u for u in units if u in present and any(_in_unit(n, u) for n in pairs | _explicit_sp(tp_plan))]
     else:
         region = []
-    styles = {}
+    styles: dict[str, ParallelStyle] = {}
     for name, style in tp_plan.items():
         in_region = any(_in_unit(name, u) for u in region)
         paired = _parent(name) in pairs
@@ -108,12 +110,13 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: dict[str, str], se
     parallelize_module(module, tp_mesh, styles)
     if any(getattr(m, "inplace", False) is True for m in module.modules()):
         _copy_local_outputs(present, [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))])
-    module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs)
+    # Read by sum_partial_gradients. (torch types nn.Module.__setattr__ for tensors and modules only.)
+    module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs)  # type: ignore[assignment]
     if region:
         for owner in sorted(pairs):
             if any(_in_unit(owner, u) for u in region):
                 _gather_first_input(present[owner], tp_mesh)
-        _mark_region_boundaries(present, [u for u in units if u in present], set(region), tp_mesh)
+        _mark_region_boundaries(present, [u for u in units or () if u in present], set(region), tp_mesh)
 
 
 def _copy_local_outputs(present: dict, names: list[str]) -> None:
@@ -127,7 +130,7 @@ def _copy_local_outputs(present: dict, names: list[str]) -> None:
         present[name].register_forward_hook(copy)
 
 
-def _sandwiched_parameters(present: dict, tp_plan: dict[str, str], pairs: set[str]) -> list[str]:
+def _sandwiched_parameters(present: dict, tp_plan: Mapping[str, str], pairs: set[str]) -> list[str]:
     """FQNs of parameters inside a column/row pair that the plan does not shard (Qwen3's q_norm
     and k_norm, RMSNorms over each head of the colwise q and k projections).
 
@@ -148,11 +151,11 @@ def _sandwiched_parameters(present: dict, tp_plan: dict[str, str], pairs: set[st
     return found
 
 
-def _check_sandwich_order(present: dict, owner: str, tp_plan: dict[str, str], inside: list) -> None:
+def _check_sandwich_order(present: dict, owner: str, tp_plan: Mapping[str, str], inside: list) -> None:
     """At the first forward: every module of `inside` ran after a colwise and before a rowwise module."""
     sharded = [n for n in sorted(present) if n.startswith(owner + ".") and tp_plan.get(n) in ("colwise", "rowwise")]
     seen: list[str] = []
-    handles = []
+    handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def note(name):
         def hook(mod, args):
@@ -234,6 +237,7 @@ def _out_dim(module: nn.Module) -> int:
 
 def _shard_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement, src_data_rank) -> None:
     param = module._parameters[name]
+    assert param is not None, f"{name} is a declared parameter of {type(module).__name__}"
     module.register_parameter(name, nn.Parameter(distribute_tensor(param, mesh, [placement], src_data_rank=src_data_rank),
                                                  requires_grad=param.requires_grad))
 
@@ -268,7 +272,7 @@ class _StructuralRowwise(RowwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
-def _paired_owners(plan: dict[str, str], units: list[str] | None = None) -> set[str]:
+def _paired_owners(plan: Mapping[str, str], units: list[str] | None = None) -> set[str]:
     """Modules whose children include both a colwise and a rowwise module (a Megatron sandwich).
 
     The owner must lie inside a unit: units that are themselves Linears or Embeddings (GPT's
@@ -282,11 +286,11 @@ def _paired_owners(plan: dict[str, str], units: list[str] | None = None) -> set[
     return {owner for owner, styles in styles_under.items() if {"colwise", "rowwise"} <= styles and inside(owner)}
 
 
-def _explicit_sp(plan: dict[str, str]) -> set[str]:
+def _explicit_sp(plan: Mapping[str, str]) -> set[str]:
     return {n for n, s in plan.items() if s == "sequence_parallel"}
 
 
-def _implicit_sequence_parallel(present: dict, region: list[str], plan: dict[str, str], pairs: set[str]) -> dict:
+def _implicit_sequence_parallel(present: dict, region: list[str], plan: Mapping[str, str], pairs: set[str]) -> dict:
     """SequenceParallel for every other parameter-owning module in the region (the norms)."""
     covered = set(plan) | pairs
     out = {}

@@ -149,6 +149,7 @@ def _reset_tied_copies(model: nn.Module, seed: int, device: torch.device, model_
             continue  # not held here, or reset by its last module here already
         module = copy.deepcopy(whole.get_submodule(owner)).to_empty(device=device)
         torch.manual_seed(_seed_for(seed, owner))
-        module.reset_parameters()
+        # `last` holds modules with reset_parameters only; torch types nn.Module.__getattr__ as Tensor | Module.
+        module.reset_parameters()  # type: ignore[operator]
         for n in here:
             held[n].copy_(getattr(module, attr))

@@ -26,12 +26,12 @@ def clip_grad_norm(modules: list[nn.Module], max_norm: float, pp_group=None, unc
     """Scale every gradient so the global L2 norm is at most `max_norm`; returns the norm before clipping.
     `uncounted`: parameters whose gradient another copy already counts (weights tied across stages)."""
     skip = {id(p) for p in uncounted}
-    params = [p for m in modules for p in m.parameters() if p.requires_grad and p.grad is not None]  # frozen: no gradient
-    grads = [p.grad for p in params]
+    # (parameter, gradient) of every trained parameter; a frozen one has no gradient.
+    trained = [(p, p.grad) for m in modules for p in m.parameters() if p.requires_grad and p.grad is not None]
+    grads = [g for _, g in trained]
     groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
+    for p, g in trained:
         if id(p) not in skip:
-            g = p.grad
             groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     squared = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for group in groups.values():

@@ -1,5 +1,6 @@
 """The (pp, dp, tp) device mesh and the process groups beside it, built once. tp is innermost,
-as planner/plan.py's rank_of says. Expert layers see dp as (edp, ep) (`build_ep_mesh`)."""
+as planner/plan.py's rank_of says. Expert layers see dp as (edp, ep) (`build_ep_mesh`); hybrid
+sharding sees it as (dp_replicate, dp_shard) (`build_fsdp_mesh`)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,21 @@ def build_ep_mesh(mesh: DeviceMesh, ep_degree: int) -> DeviceMesh | None:
         return None
     dp_degree = mesh["dp"].size()
     return mesh._unflatten("dp", (dp_degree // ep_degree, ep_degree), ("edp", "ep"))
+
+
+def build_fsdp_mesh(mesh: DeviceMesh, shard_degree: int | None) -> DeviceMesh:
+    """The mesh FSDP2 shards over (planner/plan.py `Layout.shard_degree`): the 1D dp mesh, or for
+    hybrid sharding (1 < shard_degree < dp) the 2D (dp_replicate, dp_shard) view of dp with the
+    shard axis innermost, so a shard group is `shard_degree` consecutive dp indices (the nearest
+    ranks: one node when shard_degree x tp fits in it) and the replica groups run across them.
+    `fully_shard` reads a 2D mesh as (replicate on dim 0, shard on dim 1): HSDP
+    (https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html, `mesh`).
+    Same ranks as `mesh`; build it once (new process groups) and pass it to every stage chunk."""
+    dp_degree = mesh["dp"].size()
+    if shard_degree is None or shard_degree == dp_degree:
+        return mesh["dp"]
+    hsdp = mesh._unflatten("dp", (dp_degree // shard_degree, shard_degree), ("dp_replicate", "dp_shard"))
+    return hsdp["dp_replicate", "dp_shard"]
 
 
 def build_tie_groups(mesh: DeviceMesh, pp_ranks_per_tie: list[tuple[int, ...]]) -> list[object]:

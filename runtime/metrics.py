@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from planner.metrics_schema import MeasuredTimeline, Metrics, StageTime, TimelineEvent
+from planner.plan import Schedule
 
 WARMUP_STEPS = 1
 
@@ -39,7 +40,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timeline_of(per_rank_events: list[list[tuple]], schedule: str, num_ranks: int) -> MeasuredTimeline:
+def timeline_of(per_rank_events: list[list[tuple]], schedule: Schedule, num_ranks: int) -> MeasuredTimeline:
     """The last step's pipeline actions of every pipeline rank as one timeline.
 
     `per_rank_events[r]`: PipelineRunner.events of pipeline rank r. Times become seconds from
@@ -155,7 +156,7 @@ class TensorPeakMeter:
         self.peak_bytes: int | None = None
         """The measured peak, None until the measured step stops (or when disabled)."""
         self._num_steps = num_steps
-        self._profiler = None
+        self._profiler: torch.profiler.profile | None = None
         self._base_bytes = 0
 
     def timing_warmup_steps(self) -> int:
@@ -191,6 +192,7 @@ class TensorPeakMeter:
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return
         prof, self._profiler = self._profiler, None
+        assert prof is not None, "start() opened the profiler at the step before the measured one"
         prof.__exit__(None, None, None)
         gc.collect()
         self.peak_bytes = int(self._base_bytes + running_peak(prof, self.MARKER, live_storages(self.device)))
@@ -222,7 +224,8 @@ def running_peak(prof, marker: str, reachable: set[int]) -> int:
         if nbytes > 0:
             open_blocks[ptr] = k
     leaked = {k for ptr, k in open_blocks.items() if ptr not in reachable}
-    live, peak, sizes, open_blocks = 0, None, {}, {}
+    live, peak, open_blocks = 0, None, {}
+    sizes: dict[int, int] = {}  # event index -> bytes of the allocation still live
     for k, (start_ns, ptr, nbytes) in enumerate(events):
         if since is not None and start_ns >= since and peak is None:
             peak = live  # the bytes live when the measured step began
@@ -283,13 +286,14 @@ def build_metrics(plan, losses, times, peaks, stage_times, params, world_size: i
 
     after = times[warmup_steps:] or times[WARMUP_STEPS:] or times
     median = statistics.median(after) if after else float("nan")
+    measured = [b for b in peak_tensor_bytes or () if b is not None]  # every rank's, or none
     metrics = Metrics(
         losses=losses,
         step_times_s=times,
         median_iteration_time_s=median,
         samples_per_s=plan.batch.global_batch_size / median,
         peak_memory_bytes=peaks,
-        peak_tensor_bytes=peak_tensor_bytes if peak_tensor_bytes and None not in peak_tensor_bytes else None,
+        peak_tensor_bytes=measured if peak_tensor_bytes and len(measured) == len(peak_tensor_bytes) else None,
         stage_times_s=stage_times,
         timeline=timeline,
         world_size=world_size,

@@ -113,8 +113,9 @@ class Flow(DataFlow):
         replay and the trace saw no crossing for it (torch's shape inference feeds a stage
         uninitialised tensors, and glue reading them, such as a check for packed position ids,
         may make a tensor the real run does not). Its exact value, when the replay knows it."""
-        value = self._known_values.values.get(t) if self._known_values is not None else None
-        if value is None or t in self._known_values.sampled:
+        known = self._known_values
+        value = known.values.get(t) if known is not None else None
+        if known is None or value is None or t in known.sampled:
             raise PlannerError(
                 f"Pipeline stage {self.stage}'s code at {model_line()} uses a tensor of shape {tuple(t.shape)} that "
                 "an earlier stage's code made where the tracer could not see it, so its value is unknown here.",
@@ -187,6 +188,7 @@ class Flow(DataFlow):
             return self.enter(float(index), args, kwargs)
         new = None
         if self.depth == 0:
+            assert self.layout is not None and self.stage is not None, "a replay has a layout and a stage"
             stage = self.layout.unit_stage[index]
             new = self.key_late((args, kwargs), own=stage == self.stage)
             if stage > self.stage:

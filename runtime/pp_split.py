@@ -54,6 +54,7 @@ import copy
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -167,6 +168,9 @@ def cross_stage_ties(model: nn.Module, plan: Plan) -> list[CrossStageTie]:
             ties.append(CrossStageTie(tuple(group), tuple(stages), tuple(sorted({s % pp for s in stages}))))
     return ties
 
+STAGE_SPEC = "_pp_stage"
+"""The attribute of a stage module holding its StageSpec (`stage_spec`)."""
+
 
 @dataclass
 class StageSpec:
@@ -174,7 +178,7 @@ class StageSpec:
 
     layout: CutLayout
     stage: int
-    forward: types.FunctionType
+    forward: Callable[..., Any]
     """The model class's own forward (unbound)."""
     placeholders: tuple
     """Meta stand-ins for the model inputs (stages > 0), shaped like one micro-batch."""
@@ -185,7 +189,7 @@ class StageSpec:
     non-tensor leaves, to rebuild it for the loss (torch's stages pass tensors only)."""
     hooks: UnitHooks | None = None
     """Installed on the first forward (runtime/pp_flow.py)."""
-    scatter_group: object = None
+    scatter_group: dist.ProcessGroup | None = None
     """Tensor-parallel process group whose ranks send crossing tensors as slices
     (runtime/pp_scatter.py), or None: every rank sends them whole."""
     shape_inference: bool = False
@@ -233,8 +237,15 @@ def _received(t):
     return _ContiguousGrad.apply(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
 
 
+def stage_spec(module: nn.Module) -> StageSpec:
+    """The StageSpec `make_stage` gave a stage module (kept when FSDP2 swaps the module's class)."""
+    spec = getattr(module, STAGE_SPEC, None)
+    assert isinstance(spec, StageSpec), f"{type(module).__name__} is not a stage module (runtime/pp_split.py make_stage)"
+    return spec
+
+
 def _stage_forward(self: nn.Module, *args):
-    spec: StageSpec = self._pp_stage
+    spec = stage_spec(self)
     layout = spec.layout
     if spec.stage == 0:
         received, inputs = {}, args
@@ -287,7 +298,7 @@ def needs_full_backward(module: nn.Module) -> bool:
     (GPT-2's position embedding in a stage of its own), or in any stage whose inputs carry no
     gradient (every earlier stage frozen). Such a stage runs its whole backward at B (correct, it
     only loses the split's scheduling freedom). The first stage is exempt: torch already runs it so."""
-    spec: StageSpec = module._pp_stage
+    spec = stage_spec(module)
     layout = spec.layout
     if spec.stage == 0:
         return False
@@ -327,7 +338,7 @@ def _flatten_output(spec: StageSpec, output):
 
 def restore_output(module: nn.Module, output):
     """The model's own output object from what the last stage module returned (for the loss)."""
-    spec: StageSpec = module._pp_stage
+    spec = stage_spec(module)
     if spec.output_tree is None:
         return output
     tree, template = spec.output_tree
@@ -350,11 +361,12 @@ def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tu
         else:
             setattr(parent, child, stub)
     # The original class's forward, fetched before anything (FSDP2) swaps the class.
-    chunk._pp_stage = StageSpec(layout, stage, type(model).forward, placeholders, forward_context, scatter_group=scatter_group)
+    spec = StageSpec(layout, stage, type(model).forward, placeholders, forward_context, scatter_group=scatter_group)
+    setattr(chunk, STAGE_SPEC, spec)  # by name: torch types nn.Module.__setattr__ for tensors and modules only
     chunk.forward = types.MethodType(_stage_forward, chunk)
     return chunk
 
 
 def set_example_microbatch(module: nn.Module, example_microbatch: tuple) -> None:
     """Placeholders shaped like one micro-batch (see the module docstring: Python shapes)."""
-    module._pp_stage.placeholders = tree_map_only(torch.Tensor, to_meta, tuple(example_microbatch))
+    stage_spec(module).placeholders = tree_map_only(torch.Tensor, to_meta, tuple(example_microbatch))

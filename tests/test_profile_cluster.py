@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from planner.cluster import load_cluster
-from planner.cluster_probe import _launch, _operation, failure_summary, fit, fit_cluster, reduce_scatter_by_all_to_all
+from planner.cluster_fit import fit, fit_cluster
+from planner.cluster_probe import _launch, failure_summary
+from planner.cluster_worker import _operation, reduce_scatter_by_all_to_all
 from planner.cost.collectives import CollectiveModel, Group
 from planner.errors import PlannerError
 
@@ -65,7 +67,7 @@ def test_fit_cluster_keeps_the_measured_compute_slowdown(measured, kept):
 def test_pipeline_overhead_inverts_the_cost_models_price_of_the_probe():
     # The probe's 1F1B step (m micro-batches, stages computing ~nothing) is priced as 2 m p2p
     # hops of stage 0 plus (m + 1) overheads; the overhead is what makes the two equal.
-    from planner.cluster_probe import overhead_from_step
+    from planner.cluster_fit import overhead_from_step
 
     assert overhead_from_step(0.01, 1e-4, 8) == pytest.approx((0.01 - 16e-4) / 9)
     assert overhead_from_step(1e-3, 1e-4, 8) == 0.0  # hops alone exceed the step: never below zero

@@ -35,7 +35,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
                        + (f", micro-batch {plan.batch.micro_batch_size} -> {mbs}" if mbs != plan.batch.micro_batch_size else ""))
         mapped = replace(mapped, pp_degree=1, tp_degree=1, dp_degree=world, sequence_parallel=False, schedule="1f1b",
                          virtual_stages=1, micro_batch_size=mbs, split=Split("even"))
-    if mapped.zero_stage == 1 and mapped.dp_degree > 1:
+    if mapped.zero_stage == 1 and mapped.dp > 1:
         changes.append("ZeRO 1 -> 2 (FSDP2 without resharding shards gradients too)")
         mapped = replace(mapped, zero_stage=2)
     mode = mapped.recompute if mapped.recompute != "mixed" else strongest_recompute(plan)
@@ -49,11 +49,11 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
 def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
     import yaml
 
-    m = mapped.global_batch_size // (mapped.dp_degree * mapped.micro_batch_size)
-    config = {
+    m = mapped.num_microbatches
+    config: dict[str, object] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP" if mapped.zero_stage >= 1 else "MULTI_GPU",
-        "mixed_precision": {"bfloat16": "bf16", "float16": "fp16"}.get(mapped.dtype, "no"),
+        "mixed_precision": {"bfloat16": "bf16", "float16": "fp16"}.get(mapped.dtype or "", "no"),
         "num_machines": plan.cluster.num_nodes,
         "num_processes": mapped.dp_degree,
         "machine_rank": 0,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.cluster import Cluster, make_cluster
 from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.plan import Plan, Prediction
 from planner.profile_schema import Profile
 
 GIB = 1024**3
@@ -64,6 +64,31 @@ class EngineLayout:
     grad_clip: float | None = None
     notes: tuple[str, ...] = ()
     """What the engine's file says that the planner does not model (prices leave it out)."""
+
+    # The sizes of a resolved layout (`plan_layout`, or pricing.py `resolve` for a read one),
+    # where the engines' files are written and configurations priced.
+    @property
+    def dp(self) -> int:
+        """`dp_degree`, resolved."""
+        assert self.dp_degree is not None, "a layout read from a file is resolved first (pricing.resolve)"
+        return self.dp_degree
+
+    @property
+    def micro_batch(self) -> int:
+        """`micro_batch_size`, resolved."""
+        assert self.micro_batch_size is not None, "a layout read from a file is resolved first (pricing.resolve)"
+        return self.micro_batch_size
+
+    @property
+    def global_batch(self) -> int:
+        """`global_batch_size`, resolved."""
+        assert self.global_batch_size is not None, "a layout read from a file is resolved first (pricing.resolve)"
+        return self.global_batch_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per data-parallel rank and step: global batch / (dp x micro-batch)."""
+        return self.global_batch // (self.dp * self.micro_batch)
 
 
 def model_parts(names: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -224,9 +249,17 @@ def differences(a: EngineLayout, b: EngineLayout, bounds_a=None, bounds_b=None) 
     return out
 
 
+def prediction(plan: Plan) -> Prediction:
+    """A solved or priced plan's prediction (a hand-written plan may have none)."""
+    if plan.prediction is None:
+        raise PlannerError("The plan has no prediction (a hand-written plan?), so it cannot be compared.",
+                           "Price it first: `planner solve` with every dimension pinned, or `planner price`.")
+    return plan.prediction
+
+
 def summary(plan: Plan, usable_bytes: float | None = None) -> str:
     """`12.3 ms, peak 41.2 GiB` (with `does not fit` when over the usable memory)."""
-    pred = plan.prediction
+    pred = prediction(plan)
     peak = max(pred.peak_memory_bytes)
     fits = "" if usable_bytes is None or peak <= usable_bytes else f" (does not fit: {usable_bytes / GIB:.1f} GiB usable)"
     return f"{seconds(pred.iteration_time_s)}, peak {peak / GIB:.2f} GiB{fits}"

@@ -67,12 +67,12 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
 
 
 def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
-    m = mapped.global_batch_size // (mapped.dp_degree * mapped.micro_batch_size)
+    m = mapped.num_microbatches
     config: dict = {
         "train_batch_size": mapped.global_batch_size,
         "train_micro_batch_size_per_gpu": mapped.micro_batch_size,
         "gradient_accumulation_steps": m,
-        "zero_optimization": {"stage": mapped.zero_stage, "overlap_comm": mapped.dp_degree > 1, "contiguous_gradients": True},
+        "zero_optimization": {"stage": mapped.zero_stage, "overlap_comm": mapped.dp > 1, "contiguous_gradients": True},
     }
     if mapped.dtype == "bfloat16":
         config["bf16"] = {"enabled": True}

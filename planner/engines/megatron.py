@@ -49,7 +49,8 @@ FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-r
 
 def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]]:
     """What Megatron-LM will run, and each change from the plan."""
-    lay, mapped, changes = plan.layout, plan_layout(plan), []
+    lay, mapped = plan.layout, plan_layout(plan)
+    changes: list[str] = []
     mapped = one_recompute_mode(plan, mapped, changes, "--recompute-granularity is one setting")
     if lay.pp_degree > 1:
         megatron = "interleaved-1f1b" if lay.virtual_stages > 1 else "1f1b"
@@ -98,7 +99,7 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     elif mapped.recompute == "selective":
         args.append("--recompute-granularity selective")
-    if mapped.dp_degree > 1:
+    if mapped.dp > 1:
         args += {0: ["--overlap-grad-reduce"],
                  1: ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
                  2: ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"],
@@ -106,7 +107,7 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
     args += [f"--micro-batch-size {mapped.micro_batch_size}", f"--global-batch-size {mapped.global_batch_size}"]
     if seq_len:
         args.append(f"--seq-length {seq_len}")
-    args += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(mapped.dtype, [])
+    args += {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(mapped.dtype or "", [])
     args.append(f"--clip-grad {mapped.grad_clip if mapped.grad_clip is not None else 0.0}")
     return "\n".join(args) + "\n"
 
@@ -146,8 +147,13 @@ def layout_counts(layout: str, source: str) -> list[int]:
     return [stage.count("t") for stage in stages]
 
 
-def _int(args: dict, name: str, default: int | None, source: str) -> int | None:
-    value = args.get(name, default)
+def _int(args: dict, name: str, default: int, source: str) -> int:
+    value = _optional_int(args, name, source)
+    return default if value is None else value
+
+
+def _optional_int(args: dict, name: str, source: str) -> int | None:
+    value = args.get(name)
     if value is None or isinstance(value, int):
         return value
     try:
@@ -161,13 +167,14 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
     args = tokens(text)
     if not any(k.startswith("--") for k in args):
         raise PlannerError(f"{source} holds no --arguments.", "Pass Megatron-LM arguments, one per line or as a command line.")
-    num = lambda name, default=None: _int(args, name, default, source)  # noqa: E731
+    num = lambda name, default: _int(args, name, default, source)  # noqa: E731
+    optional = lambda name: _optional_int(args, name, source)  # noqa: E731
     for name in ("--context-parallel-size", "--expert-model-parallel-size"):
         if num(name, 1) != 1:
             raise PlannerError(f"{source}: {name} {args[name]}; the planner does not model it yet.", f"Price it with {name} 1.")
-    tp, pp, layers = num("--tensor-model-parallel-size", 1), num("--pipeline-model-parallel-size", 1), num("--num-layers")
-    v = num("--num-virtual-stages-per-pipeline-rank") or num("--virtual-pipeline-model-parallel-size") or 1
-    per_vstage = num("--num-layers-per-virtual-pipeline-stage")
+    tp, pp, layers = num("--tensor-model-parallel-size", 1), num("--pipeline-model-parallel-size", 1), optional("--num-layers")
+    v = optional("--num-virtual-stages-per-pipeline-rank") or optional("--virtual-pipeline-model-parallel-size") or 1
+    per_vstage = optional("--num-layers-per-virtual-pipeline-stage")
     notes = []
     if per_vstage:
         if layers is None:
@@ -182,7 +189,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         if layers is None or v > 1:
             raise PlannerError(f"{source}: first/last stage layers need --num-layers and no virtual stages here.",
                                "Add --num-layers, or give --pipeline-model-parallel-layout.")
-        first, last = num("--decoder-first-pipeline-num-layers"), num("--decoder-last-pipeline-num-layers")
+        first, last = optional("--decoder-first-pipeline-num-layers"), optional("--decoder-last-pipeline-num-layers")
         rest = pp - (first is not None) - (last is not None)
         left = layers - (first or 0) - (last or 0)
         if rest < 0 or (rest and left % rest):
@@ -203,7 +210,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         zero = 2 if args.get("--torch-fsdp2-no-reshard-after-forward") else 3
     if args.get("--use-custom-fsdp") or args.get("--use-megatron-fsdp"):
         zero = {"no_shard": 0, "optim": 1, "optim_grads": 2}.get(str(args.get("--data-parallel-sharding-strategy", "")), 3)
-    mbs, glob = num("--micro-batch-size", 1), num("--global-batch-size")
+    mbs, glob = num("--micro-batch-size", 1), optional("--global-batch-size")
     clip = float(args.get("--clip-grad", 1.0))
     return EngineLayout(
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),

@@ -17,6 +17,7 @@ from planner.engines.common import (
     EngineLayout,
     differences,
     plan_layout,
+    prediction,
     seconds,
     stage_bounds,
     summary,
@@ -84,8 +85,8 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       require_sharding=layout.tp_degree > 1)
     env = _environment(cluster, compute, dtype, pins, UNBOUNDED_MEMORY_FRACTION)
-    m = batch // (layout.dp_degree * layout.micro_batch_size)
-    cfg = Config(layout.tp_degree, layout.sequence_parallel, layout.pp_degree, layout.dp_degree, layout.micro_batch_size, m,
+    m = batch // (layout.dp * layout.micro_batch)
+    cfg = Config(layout.tp_degree, layout.sequence_parallel, layout.pp_degree, layout.dp, layout.micro_batch, m,
                  layout.schedule, layout.virtual_stages, layout.zero_stage)
     table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
     evaluation = evaluate_config(table, cfg, env, bounds)
@@ -112,7 +113,7 @@ class Comparison:
         if self.best is None:
             return out + ["best plan: no configuration fits this cluster"]
         out.append(f"best plan:          {summary(self.best, self.usable_bytes)}")
-        t0, t1 = self.theirs.prediction.iteration_time_s, self.best.prediction.iteration_time_s
+        t0, t1 = prediction(self.theirs).iteration_time_s, prediction(self.best).iteration_time_s
         if self.changes:
             out.append(f"change: {', '.join(self.changes)}: {seconds(t0)} -> {seconds(t1)} ({t1 / t0 - 1:+.1%})")
         else:
@@ -130,7 +131,8 @@ def compare(profile: Profile, cluster: Cluster, layout: EngineLayout, global_bat
         best = solve(profile, cluster, theirs.batch.global_batch_size, dtype=theirs.training.dtype, profile_path=profile_path)
     except PlannerError:
         return Comparison(theirs, None, [], usable)
-    if best.prediction.iteration_time_s > theirs.prediction.iteration_time_s and max(theirs.prediction.peak_memory_bytes) <= usable:
+    mine, ours = prediction(theirs), prediction(best)
+    if ours.iteration_time_s > mine.iteration_time_s and max(mine.peak_memory_bytes) <= usable:
         best = theirs  # the search's own pruning never beats an exact price of a fitting layout
     a, b = plan_layout(theirs), plan_layout(best)
     bounds = lambda p: tuple((sum(len(s.units) for s in p.stages[:k]), sum(len(s.units) for s in p.stages[:k + 1]))  # noqa: E731
@@ -146,6 +148,7 @@ def reprice_warning(what: str, plan: Plan, mapped: EngineLayout, profile: Profil
         priced = price(profile, cluster, mapped, plan.batch.global_batch_size)
     except PlannerError as exc:
         return f"{what} (not re-priced: {exc.message})"
-    t0, t1 = plan.prediction.iteration_time_s, priced.prediction.iteration_time_s
-    m0, m1 = max(plan.prediction.peak_memory_bytes) / 2**30, max(priced.prediction.peak_memory_bytes) / 2**30
+    before, after = prediction(plan), prediction(priced)
+    t0, t1 = before.iteration_time_s, after.iteration_time_s
+    m0, m1 = max(before.peak_memory_bytes) / 2**30, max(after.peak_memory_bytes) / 2**30
     return f"{what}; by the cost model {seconds(t0)} -> {seconds(t1)} ({t1 / t0 - 1:+.1%}), peak memory {m0:.2f} -> {m1:.2f} GiB"

@@ -41,7 +41,8 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     """What torchtitan will run, and each change from the plan."""
     from planner.engines.common import plan_layout
 
-    lay, mapped, changes = plan.layout, plan_layout(plan), []
+    lay, mapped = plan.layout, plan_layout(plan)
+    changes: list[str] = []
     mapped = one_recompute_mode(plan, mapped, changes, "[activation_checkpoint] mode is one setting")
     if lay.tp_degree > 1 and not lay.sequence_parallel:
         changes.append("sequence parallelism off -> on (torchtitan's TP plans shard norms along the sequence)")
@@ -71,10 +72,10 @@ def _float8(plan: Plan) -> dict | None:
 
 
 def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
-    dp = mapped.dp_degree
+    dp = mapped.dp
     sharded = mapped.zero_stage >= 1 and dp > 1
-    m = mapped.global_batch_size // (dp * mapped.micro_batch_size)
-    parallelism = {
+    m = mapped.num_microbatches
+    parallelism: dict[str, object] = {
         "data_parallel_replicate_degree": 1 if sharded else dp,
         "data_parallel_shard_degree": dp if sharded else 1,
         "fsdp_reshard_after_forward": "always" if mapped.zero_stage == 3 else "never",
@@ -88,19 +89,20 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         parallelism["pipeline_parallel_microbatch_size"] = mapped.micro_batch_size
         parallelism["module_fqns_per_model_part"] = [list(s) for s in mapped.split.units]
     # With pp the step's micro-batches are one pipeline flush; without, they are gradient accumulation.
-    local = mapped.micro_batch_size * (m if mapped.pp_degree > 1 else 1)
-    training = {"local_batch_size": local, "global_batch_size": mapped.global_batch_size,
+    local = mapped.micro_batch * (m if mapped.pp_degree > 1 else 1)
+    training: dict[str, object] = {"local_batch_size": local, "global_batch_size": mapped.global_batch_size,
                 "mixed_precision_param": "float32" if mapped.dtype == "float32" else "bfloat16"}
     if seq_len:
         training["seq_len"] = seq_len
     if mapped.grad_clip is not None:
         training["max_norm"] = mapped.grad_clip
-    ac = {"mode": mapped.recompute}
+    ac: dict[str, object] = {"mode": mapped.recompute}
     if mapped.recompute == "selective":
         ac["selective_ac_option"] = "op"  # per-op SAC: nearest to recomputing attention's core (Korthikanti et al. 2022)
-    sections = {"training": training, "parallelism": parallelism, "activation_checkpoint": ac}
-    if _float8(plan):
-        sections["float8"] = _float8(plan)
+    sections: dict[str, dict] = {"training": training, "parallelism": parallelism, "activation_checkpoint": ac}
+    float8 = _float8(plan)
+    if float8:
+        sections["float8"] = float8
     lines = [f"# torchtitan job file written by `planner export` from a plan for {plan.world_size} GPUs",
              "# (torchtitan/config/job_config.py names; launch with NGPU=" + str(plan.world_size) + ")"]
     for name, body in sections.items():
