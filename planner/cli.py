@@ -77,8 +77,32 @@ _state = {"debug": False}
 
 
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks on errors.")) -> None:
+def _main(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks on errors, and debug logs.")) -> None:
     _state["debug"] = debug
+    _configure_logging(debug)
+
+
+def _configure_logging(debug: bool) -> None:
+    """Python logging for the CLI. `--debug`: the planner's and runtime's DEBUG lines (profiling
+    step times, launch commands, torchrun's own lines) on stderr. Otherwise logging keeps Python's
+    default (WARNING and above, bare messages), so nothing the CLI prints changes."""
+    import logging
+
+    if not debug:
+        # transformers imports torchao when it is installed; torchao then logs "Failed to load
+        # .../torchao/_C_mxfp8..." for kernels built for another Python or CUDA, and torch's
+        # _pytree logs two Enum-registration deprecations: harmless import-time messages of an
+        # optional package, printed on every `planner profile --hf-config`. --debug keeps them.
+        for name in ("torchao", "torch.utils._pytree"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("planner", "runtime"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        if not logger.handlers:  # once per process: tests run the app many times in one
+            logger.addHandler(handler)
 
 
 def _int_list(text: str) -> list[int]:

@@ -19,8 +19,10 @@ exception (type and message) and the last lines it wrote.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -32,6 +34,8 @@ from pathlib import Path
 import psutil
 
 from planner.errors import PlannerError
+
+log = logging.getLogger(__name__)
 
 GRACE_S = 5.0
 """Seconds between SIGTERM and SIGKILL when stopping a job (the whole stop stays under 10 s)."""
@@ -75,6 +79,7 @@ def launch(command: list[str], env: dict, timeout_s: float, *, what: str, log_di
         handlers = {s: signal.signal(s, lambda signum, _: received.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     start = time.monotonic()
     tracked: dict[int, psutil.Process] = {}
+    log.debug("%s: starting %s (time limit %.0f s)", what, shlex.join(command), timeout_s)
     try:
         proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, errors="replace",
                                 start_new_session=True)
@@ -92,6 +97,7 @@ def launch(command: list[str], env: dict, timeout_s: float, *, what: str, log_di
         if (received and proc.poll() != 0) or proc.poll() is None:
             _track(proc.pid, tracked)
             num_stopped = _stop(proc, tracked.values())
+            log.debug("%s: stopped %d processes (signals received: %s)", what, num_stopped, received)
             reader.join(timeout=2)
             ended = f"{num_stopped} process{'es' if num_stopped != 1 else ''} ended"
             left = kept()
@@ -102,6 +108,7 @@ def launch(command: list[str], env: dict, timeout_s: float, *, what: str, log_di
             raise LaunchStopped(f"{what} did not finish within {timeout_s:.0f} s{progress()} and was stopped ({ended}).",
                                 "\n".join(x for x in (timeout_hint, left) if x), 124)
         reader.join(timeout=5)
+        log.debug("%s: exit code %s after %.1f s", what, proc.returncode, time.monotonic() - start)
         if proc.returncode != 0:
             raise PlannerError(*describe_failure("".join(lines), proc.returncode, log_dir, stopped))
     finally:
@@ -117,6 +124,8 @@ def _read(stream, lines: collections.deque, show_all: bool) -> None:
         if show_all or RANK_LINE.match(line):
             sys.stderr.write(line)
             sys.stderr.flush()
+        else:  # torchrun's own lines: kept for the failure summary, shown only under --debug
+            log.debug("torchrun: %s", line.rstrip())
 
 
 def _track(pid: int, tracked: dict[int, psutil.Process]) -> None:
@@ -182,6 +191,8 @@ def _stop(proc: subprocess.Popen | None, tracked, grace_s: float = GRACE_S) -> i
 def describe_failure(stderr: str, code: int, log_dir: Path | None, stopped: str) -> tuple[str, str]:
     """(message, hint) for a failed job: the first failing rank, its error, and its last lines of stderr."""
     rank = primary_rank(stderr, log_dir)
+    log.debug("failure: torchrun's root cause is rank %s, the first rank with an error of its own %s",
+              root_cause(stderr)[0], rank)
     own = rank_stderr(log_dir, rank) if rank is not None else None
     own = RANK_PREFIX.sub("", own) if own else own
     message = failure_summary(stderr, code, stopped, own, rank)

@@ -52,8 +52,7 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
         own = list(module.parameters(recurse=False))
         if not own or len(own) != len(list(module.parameters())):
             continue
-        leading = {p.shape[0] if p.dim() >= 2 else None for p in own}
-        if len(leading) != 1 or None in leading or next(iter(leading)) < 2:
+        if any(p.dim() < 2 for p in own) or len({p.shape[0] for p in own}) != 1 or own[0].shape[0] < 2:
             continue
         positional = _forward_arguments(module)
         if positional is None:
@@ -192,7 +191,7 @@ def _watch(module: nn.Module, experts: dict[str, nn.Module], seen: _Seen) -> lis
 
         handles.append(sub.register_forward_hook(after))
     for name, sub in experts.items():
-        names = [p.name for p in _forward_arguments(sub)]
+        names = [p.name for p in _forward_arguments(sub) or []]  # find_experts kept only modules with a signature
 
         def before(_m, args, kwargs, name=name, names=names):
             bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}

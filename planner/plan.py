@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,7 +29,8 @@ PLAN_SCHEMA_VERSION = 1
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 Recompute = Literal["none", "selective", "full"]
 TPStyle = Literal["colwise", "rowwise", "sequence_parallel", "replicate"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
+"""Schedule names accepted everywhere (planner/cost/schedules.py prices them)."""
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 
 

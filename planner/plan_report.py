@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.plan import Plan, SearchReport
-from planner.report import _bytes, _time, memory_terms_table
+from planner.report import format_bytes, format_time, memory_terms_table
 
 
 def _units_summary(units: list[str]) -> str:
@@ -58,8 +58,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for col in ("stage", "units", "ranks", "recompute", "TP modules", "time / micro-batch", "peak memory"):
         stages.add_column(col, justify="left" if col in ("units", "ranks") else "right")
     for k, s in enumerate(plan.stages):
-        t = _time(pred.stage_time_s[k]) if pred and k < len(pred.stage_time_s) else "-"
-        m = _bytes(pred.peak_memory_bytes[k]) if pred and k < len(pred.peak_memory_bytes) else "-"
+        t = format_time(pred.stage_time_s[k]) if pred and k < len(pred.stage_time_s) else "-"
+        m = format_bytes(pred.peak_memory_bytes[k]) if pred and k < len(pred.peak_memory_bytes) else "-"
         stages.add_row(str(k), _units_summary(s.units), ",".join(map(str, s.ranks)), s.recompute, str(len(s.tp_plan)), t, m)
     console.print(stages)
     if (memory := memory_terms_table(plan)) is not None:
@@ -72,7 +72,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for col in ("iteration", "samples/s", "tokens/s", "TFLOP/s/GPU", "HW TFLOP/s/GPU", "MFU (bf16 peak)" if fp8 else "MFU",
                 *(("MFU (FP8 peak)",) if fp8 else ()), "bubble"):
         summary.add_column(col, justify="right")
-    summary.add_row(_time(pred.iteration_time_s), f"{pred.samples_per_s:.4g}",
+    summary.add_row(format_time(pred.iteration_time_s), f"{pred.samples_per_s:.4g}",
                     f"{pred.tokens_per_s:.4g}" if pred.tokens_per_s else "-", f"{pred.tflops_per_gpu:.3g}",
                     f"{pred.hw_tflops_per_gpu:.3g}", f"{pred.mfu:.1%}", *((f"{pred.mfu_fp8:.1%}",) if fp8 else ()),
                     f"{pred.bubble_fraction:.1%}")
@@ -83,7 +83,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     breakdown.add_column("share", justify="right")
     total = sum(pred.breakdown_s.values()) or 1.0
     for term, value in pred.breakdown_s.items():
-        breakdown.add_row(term, _time(value), f"{value / total:.1%}")
+        breakdown.add_row(term, format_time(value), f"{value / total:.1%}")
     console.print(breakdown)
     search = plan.search
     if search is not None and search.alternatives:
@@ -96,7 +96,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
                     f"{' +sp' if lay_a.sequence_parallel else ''}{f' ep{lay_a.ep_degree}' if lay_a.ep_degree > 1 else ''}"
                     f" zero{lay_a.zero_stage}{f' hsdp{lay_a.shard_degree}' if lay_a.shard_degree else ''} {lay_a.schedule}"
                     f"{' v' + str(lay_a.virtual_stages) if lay_a.virtual_stages > 1 else ''}")
-            alt.add_row(desc, f"{a.micro_batch_size} x {a.num_microbatches}", _time(a.iteration_time_s), a.why_lost)
+            alt.add_row(desc, f"{a.micro_batch_size} x {a.num_microbatches}", format_time(a.iteration_time_s), a.why_lost)
         console.print(alt)
     if search is not None and search.phase_times_s:
         print_search(search, console)
@@ -104,12 +104,13 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
 
 def print_search(search: SearchReport, console: Console) -> None:
     """The search's counts (considered, pruned by each bound, priced) and its time per phase."""
+    phases = search.phase_times_s or {}
     table = Table(title=f"Search ({search.solve_time_s:.3f} s)")
-    for col in ("configurations", "pruned: memory", "pruned: time bound", "priced", *search.phase_times_s):
+    for col in ("configurations", "pruned: memory", "pruned: time bound", "priced", *phases):
         table.add_column(col, justify="right")
     count = lambda n: "-" if n is None else str(n)  # noqa: E731
     table.add_row(count(search.candidates), count(search.pruned_by_memory_bound), count(search.pruned_by_time_bound),
-                  count(search.candidates_evaluated), *(_time(t) for t in search.phase_times_s.values()))
+                  count(search.candidates_evaluated), *(format_time(t) for t in phases.values()))
     console.print(table)
 
 
@@ -161,6 +162,8 @@ def after_schedule_terms(plan: Plan, makespan_s: float) -> tuple[tuple[str, floa
     drawn after it, so the segments end at the predicted iteration time.
     """
     pred = plan.prediction
+    if pred is None:  # a hand-written plan predicts no terms
+        return ()
     terms = [(t, v) for t, v in pred.breakdown_s.items() if t not in SCHEDULE_TERMS]
     if plan.layout.zero_stage >= 1:
         others = sum(v for t, v in terms if t != "dp_comm")
@@ -180,8 +183,8 @@ def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
     if pred is None:
         return draw_gantt(timeline, path, title=title, row_labels=gantt_row_labels(plan))
     after = after_schedule_terms(plan, timeline.makespan_s)
-    inside = ", ".join(f"{t} {_time(pred.breakdown_s[t])}" for t in SCHEDULE_TERMS if t in pred.breakdown_s)
-    once = ", ".join(f"{t} {_time(v)}" for t, v in after)
-    title += (f"\nsimulated schedule {_time(timeline.makespan_s)} + once per step ({once}) = predicted iteration "
-              f"{_time(pred.iteration_time_s)}\nschedule terms on the busiest rank: {inside}")
+    inside = ", ".join(f"{t} {format_time(pred.breakdown_s[t])}" for t in SCHEDULE_TERMS if t in pred.breakdown_s)
+    once = ", ".join(f"{t} {format_time(v)}" for t, v in after)
+    title += (f"\nsimulated schedule {format_time(timeline.makespan_s)} + once per step ({once}) = predicted iteration "
+              f"{format_time(pred.iteration_time_s)}\nschedule terms on the busiest rank: {inside}")
     return draw_gantt(timeline, path, title=title, row_labels=gantt_row_labels(plan), after=after, end_s=pred.iteration_time_s)

@@ -21,7 +21,8 @@ def _si(value: float, unit: str) -> str:
     return f"{value:.0f} {unit}"
 
 
-def _time(seconds: float) -> str:
+def format_time(seconds: float) -> str:
+    """Seconds for a table: s, ms or us with 3-4 significant digits."""
     if seconds >= 1:
         return f"{seconds:.3f} s"
     if seconds >= 1e-3:
@@ -29,7 +30,8 @@ def _time(seconds: float) -> str:
     return f"{seconds * 1e6:.1f} us"
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """Bytes for a table, in binary units (KiB = 2**10 B ... TiB)."""
     for factor, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(n) >= factor:
             return f"{n / factor:.2f} {unit}"
@@ -87,22 +89,22 @@ def print_profile(profile: Profile, micro_batch_size: int | None = None, console
         table.add_column(col, justify="left" if col in ("unit", "kind") else "right")
     for r in frame.itertuples():
         table.add_row(
-            str(r.index), r.unit, r.kind, _si(r.params, ""), _time(r.forward_s), _time(r.backward_s),
-            _si(r.forward_flops, ""), _bytes(r.saved_bytes), _bytes(r.output_bytes),
-            _bytes(r.cut_bytes) if r.index < len(profile.cuts) else "", f"{r.time_share:.1%}",
+            str(r.index), r.unit, r.kind, _si(r.params, ""), format_time(r.forward_s), format_time(r.backward_s),
+            _si(r.forward_flops, ""), format_bytes(r.saved_bytes), format_bytes(r.output_bytes),
+            format_bytes(r.cut_bytes) if r.index < len(profile.cuts) else "", f"{r.time_share:.1%}",
         )
     table.add_section()
     table.add_row(
-        "", "total", "", _si(profile.model.num_parameters, ""), _time(frame.forward_s.sum()),
-        _time(frame.backward_s.sum()), _si(frame.forward_flops.sum(), ""), _bytes(frame.saved_bytes.sum()),
+        "", "total", "", _si(profile.model.num_parameters, ""), format_time(frame.forward_s.sum()),
+        format_time(frame.backward_s.sum()), _si(frame.forward_flops.sum(), ""), format_bytes(frame.saved_bytes.sum()),
         "", "", "100%",
     )
     console.print(table)
     whole = profile.whole_model.get(b)
     if whole:
         console.print(
-            f"whole model forward+backward: {_time(whole.forward_backward_time_s)}; sum of units "
-            f"{_time(whole.sum_of_units_time_s)}; ratio {whole.ratio:.2f}"
+            f"whole model forward+backward: {format_time(whole.forward_backward_time_s)}; sum of units "
+            f"{format_time(whole.sum_of_units_time_s)}; ratio {whole.ratio:.2f}"
         )
     _print_moe(profile, b, console)
     for note in profile.notes:
@@ -148,5 +150,5 @@ def memory_terms_table(plan) -> Table | None:
     table.add_column("tensors", justify="right")
     for k, stage in enumerate(terms):
         tensors = sum(v for name, v in stage.items() if name != "fragmentation")
-        table.add_row(str(k), *(_bytes(stage[name]) if name in stage else "-" for name in MEMORY_TERMS), _bytes(tensors))
+        table.add_row(str(k), *(format_bytes(stage[name]) if name in stage else "-" for name in MEMORY_TERMS), format_bytes(tensors))
     return table

@@ -56,7 +56,7 @@ def candidate_units(model: nn.Module) -> list[str]:
     """Unit FQNs in definition order (execution order comes from `trace_units`)."""
     if isinstance(model, (nn.Sequential, nn.ModuleList)):
         return [name for name, _ in model.named_children()]
-    lists = []
+    lists: list[str] = []
     for name, module in model.named_modules():
         if name and _is_repeated_list(module) and not any(name.startswith(outer + ".") for outer in lists):
             lists.append(name)
@@ -120,8 +120,9 @@ class UnitTrace:
     joined: list[tuple[str, str]] = field(default_factory=list)
     """Runs of units (first, last) no pipeline cut may split (`joined_units`)."""
 
-    def stage_of(self, position: float) -> int:
-        """The unit whose stage runs code at `position` (see module docstring)."""
+    def unit_at(self, position: float) -> int:
+        """The index of the unit whose stage runs code at `position` (see module docstring):
+        glue after unit i runs with unit i + 1, the model's inputs with unit 0."""
         if position < 0:
             return 0
         return min(int(position + 0.5), len(self.units) - 1) if position % 1 else int(position)
@@ -139,7 +140,7 @@ class UnitTrace:
         for t in self.tensors:
             if not t.consumers:
                 continue
-            if self.stage_of(t.producer) <= cut_after < max(self.stage_of(c) for c in t.consumers):
+            if self.unit_at(t.producer) <= cut_after < max(self.unit_at(c) for c in t.consumers):
                 out.append(t)
         return out
 
@@ -460,7 +461,7 @@ def owned_parameters(model: nn.Module, units: list[str]) -> dict[str, list[tuple
     return owned
 
 
-def tied_units(model: nn.Module, units: list[str]) -> list[list[str]]:
+def tied_units(model: nn.Module, units: list[str]) -> list[tuple[str, ...]]:
     """Groups of units that share a parameter object (e.g. tied input/output embeddings)."""
     modules = dict(model.named_modules())
     users: dict[int, list[str]] = defaultdict(list)

@@ -26,7 +26,7 @@ from rich.table import Table
 from planner.errors import PlannerError
 from planner.metrics_schema import Metrics, load_metrics
 from planner.plan import Plan
-from planner.report import _bytes, _time
+from planner.report import format_bytes, format_time
 
 if TYPE_CHECKING:
     from planner.cost.gantt import Panel
@@ -100,7 +100,7 @@ def print_comparison(rows, console: Console | None = None) -> None:
     table = Table(title="Predicted vs measured")
     for col in ("term", "predicted", "measured", "error"):
         table.add_column(col, justify="left" if col == "term" else "right")
-    fmt = {"time": _time, "bytes": _bytes, "rate": lambda x: f"{x:.4g}", "share": lambda x: f"{x:.1%}"}
+    fmt = {"time": format_time, "bytes": format_bytes, "rate": lambda x: f"{x:.4g}", "share": lambda x: f"{x:.1%}"}
     for term, predicted, measured, kind in rows:
         if kind == "share":  # a share's error is the difference in points, not a ratio
             error = f"{(predicted - measured) * 100:+.1f} pt" if predicted is not None and measured is not None else "-"
@@ -135,7 +135,7 @@ def predicted_bubble(plan: Plan) -> float | None:
 
 def timeline_from_metrics(metrics: Metrics):
     """The measured pipeline timeline a pipelined run recorded (runtime/metrics.py), or None."""
-    from planner.cost.simulator import Event, Timeline, _peak_held
+    from planner.cost.simulator import Event, Timeline, peak_in_flight
 
     measured = metrics.timeline
     if measured is None or not measured.events:
@@ -143,7 +143,7 @@ def timeline_from_metrics(metrics: Metrics):
     events = tuple(sorted((Event(e.rank, e.chunk, e.microbatch, e.kind, e.start_s, e.end_s) for e in measured.events),
                           key=lambda e: e.start_s))
     per_rank = [[(e.kind, e.chunk, e.microbatch) for e in events if e.rank == r] for r in range(measured.num_ranks)]
-    return Timeline(measured.schedule, measured.num_ranks, events, max(e.end_s for e in events), tuple(_peak_held(a) for a in per_rank))
+    return Timeline(measured.schedule, measured.num_ranks, events, max(e.end_s for e in events), tuple(peak_in_flight(a) for a in per_rank))
 
 
 def draw_validation_gantt(plan: Plan, metrics_path: str | Path, path: str | Path) -> Path:

@@ -109,9 +109,8 @@ def average_gradients(modules: list[nn.Module], dp_group, expert_params=(), expe
     if size == 1:
         return
     experts = {id(p) for p in expert_params}
-    grads = [_local(p.grad) for module in modules for p in trained(module.parameters()) if id(p) not in experts]
-    _sum_and_divide(grads, dp_group, size)
-    _sum_and_divide([_local(p.grad) for p in trained(expert_params)], expert_dp_group, size)
+    _sum_and_divide(_local_grads(p for module in modules for p in module.parameters() if id(p) not in experts), dp_group, size)
+    _sum_and_divide(_local_grads(expert_params), expert_dp_group, size)
 
 
 def trained(params) -> list[nn.Parameter]:
@@ -121,6 +120,11 @@ def trained(params) -> list[nn.Parameter]:
     every rank freezes the same parameters, so every rank reduces the same list. A trainable
     parameter no micro-batch reached has no gradient either, on every replica alike."""
     return [p for p in params if p.requires_grad and p.grad is not None]
+
+
+def _local_grads(params) -> list[torch.Tensor]:
+    """The (local shards of the) gradients of `trained(params)`."""
+    return [_local(p.grad) for p in trained(params) if p.grad is not None]
 
 
 def scale_gradients(params, factor: float) -> None:

@@ -36,6 +36,7 @@ Gradients over expert-dp: runtime/apply_dp.py `average_gradients` (ZeRO 0) and `
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,9 @@ def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     route tokens to the others' by all-to-all (module docstring). Records the experts modules in
     `module._ep_modules` for FSDP and the gradient reduction (`expert_parameters`)."""
     ep_degree = ep_mesh.size()
-    module._ep_modules = []
+    ep_modules: list[nn.Module] = []
+    # nn.Module.__setattr__ takes any value at run time; torch types it Tensor | Module only.
+    module._ep_modules = ep_modules  # type: ignore[assignment]
     if ep_degree == 1:
         return
     rank = ep_mesh.get_local_rank()
@@ -90,14 +93,21 @@ def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         runner = copy.copy(experts)
         runner.__dict__["_parameters"] = {}
         if isinstance(getattr(experts, "num_experts", None), int):
-            runner.num_experts = local
+            runner.num_experts = local  # type: ignore[assignment]  # as `_ep_modules` above: any value is fine
         for name, param in list(experts._parameters.items()):
+            if param is None:  # a parameter slot registered empty: nothing to shard
+                continue
             shard = param.detach()[rank * local:(rank + 1) * local].clone()
             sharded = nn.Parameter(DTensor.from_local(shard, ep_mesh, (Shard(0),), run_check=False),
                                    requires_grad=param.requires_grad)
             experts.register_parameter(name, sharded)
-        module._ep_modules.append(experts)
+        ep_modules.append(experts)
         experts.forward = _dispatching_forward(experts, runner, total, ep_degree, ep_mesh.get_group())
+
+
+def _local_slices(experts: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's experts' slices of the parameters `apply_ep` sharded on the expert dim (DTensors)."""
+    return {n: cast(DTensor, p).to_local() for n, p in experts._parameters.items() if p is not None}
 
 
 def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_degree: int, group):
@@ -117,7 +127,7 @@ def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_d
         recv_splits = received.sum(dim=1).tolist()
         arrived = all_to_all_single_autograd(hidden_states[token], recv_splits, send_splits, group)
         which = torch.arange(local, device=flat.device).repeat(ep_degree).repeat_interleave(received.reshape(-1))
-        runner.__dict__["_parameters"] = {n: p.to_local() for n, p in experts._parameters.items()}
+        runner.__dict__["_parameters"] = _local_slices(experts)
         ones = torch.ones(which.shape[0], 1, dtype=arrived.dtype, device=arrived.device)
         out = compute(runner, arrived, which[:, None], ones)
         runner.__dict__["_parameters"] = {}  # hold no activations' graph between calls

@@ -61,7 +61,7 @@ class CutLayout:
     """Exact values (cpu) of the crossing tensors the trace could know (position ids, masks made
     from the batch's shape): a stage fed placeholders gives them to its glue (runtime/pp_split.py)."""
 
-    def stage_of(self, position: float) -> int:
+    def stage_at(self, position: float) -> int:
         """The stage that runs code at `position`; glue after unit i runs with unit i + 1."""
         if position < 0:
             return 0
@@ -148,7 +148,7 @@ class Flow(DataFlow):
             return super().__torch_function__(func, types, args, kwargs)
         kwargs = kwargs or {}
         position = self.glue
-        stage = self.layout.stage_of(position)
+        stage = self.layout.stage_at(position)
         args, kwargs = self.key_late((args, kwargs), own=stage == self.stage)
         if stage > self.stage:
             raise StopStage
@@ -270,7 +270,7 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
     for k in range(layout.num_stages - 1):
         layout.crossings.append(sorted(
             key for key, users in flow.consumers.items()
-            if layout.stage_of(key[0]) <= k < max(layout.stage_of(u) for u in users)
+            if layout.stage_at(key[0]) <= k < max(layout.stage_at(u) for u in users)
         ))
     layout.late = flow.late
     layout.float_fed = {int(u) for key, users in flow.consumers.items() if flow.values[key].is_floating_point()

@@ -92,15 +92,15 @@ def draw_gantts(panels: list[Panel | tuple[Timeline, str]], path: str | Path) ->
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    panels = [p if isinstance(p, Panel) else Panel(*p) for p in panels]
-    end = max(max(p.end_s, p.timeline.makespan_s) for p in panels) or 1.0
-    rows = [_layout_rows(p.timeline, end) for p in panels]
+    shown = [p if isinstance(p, Panel) else Panel(*p) for p in panels]
+    end = max(max(p.end_s, p.timeline.makespan_s) for p in shown) or 1.0
+    rows = [_layout_rows(p.timeline, end) for p in shown]
     # Rows, then room for the axis and a title of several lines (a one-row plan must still fit them).
-    heights = [0.32 * p.timeline.num_ranks + 1.1 + 0.2 * ((p.title or " ").count("\n") + 1) for p in panels]
+    heights = [0.32 * p.timeline.num_ranks + 1.1 + 0.2 * ((p.title or " ").count("\n") + 1) for p in shown]
     legend_in = 0.7
-    fig, axes = plt.subplots(len(panels), 1, figsize=(14.0, sum(heights) + legend_in), squeeze=False, sharex=True,
+    fig, axes = plt.subplots(len(shown), 1, figsize=(14.0, sum(heights) + legend_in), squeeze=False, sharex=True,
                              gridspec_kw={"height_ratios": heights})
-    for ax, panel, panel_rows in zip(axes[:, 0], panels, rows, strict=False):
+    for ax, panel, panel_rows in zip(axes[:, 0], shown, rows, strict=False):
         _draw_panel(ax, panel, panel_rows, end)
     axes[-1, 0].set_xlabel("time (s)")
 
@@ -109,7 +109,7 @@ def draw_gantts(panels: list[Panel | tuple[Timeline, str]], path: str | Path) ->
     if any(row.merged for panel_rows in rows for row in panel_rows):
         handles.append(Patch(color=MERGED_COLOR, label=f"micro-batches after the first and before the last {EDGE_MICROBATCHES} "
                                                        "aggregated: one bar per run without visible idle time"))
-    for panel in panels:
+    for panel in shown:
         for (term, seconds), color in zip(panel.after, AFTER_COLORS, strict=False):
             handles.append(Patch(color=color, label=f"{term} {_seconds(seconds)} (once per step)"))
     fig.legend(handles=handles, loc="lower center", ncol=min(3, len(handles)), fontsize=7, frameon=False)

@@ -72,24 +72,23 @@ streams for GPipe and 1F1B on uniform stages (tests/test_overlap.py).
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-"""Schedule names accepted everywhere."""
+from planner.plan import SCHEDULES
 
 
-def check_schedule(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
     """Raise ValueError, saying what to change, if the schedule cannot run with these sizes."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if num_stages < 1 or num_microbatches < 1 or virtual_stages < 1:
-        raise ValueError(f"pipeline ranks ({num_stages}), micro-batches ({num_microbatches}) and virtual stages "
+    if num_ranks < 1 or num_microbatches < 1 or virtual_stages < 1:
+        raise ValueError(f"pipeline ranks ({num_ranks}), micro-batches ({num_microbatches}) and virtual stages "
                          f"({virtual_stages}) must all be positive (at least 1)")
     if virtual_stages > 1 and schedule in ("gpipe", "1f1b"):
         raise ValueError(f"{schedule} runs one chunk per rank; use interleaved-1f1b or zero-bubble for "
                          f"{virtual_stages} virtual stages")
-    if schedule == "interleaved-1f1b" and virtual_stages > 1 and num_microbatches % num_stages:
+    if schedule == "interleaved-1f1b" and virtual_stages > 1 and num_microbatches % num_ranks:
         raise ValueError(f"interleaved 1F1B needs the micro-batches ({num_microbatches}) to be a multiple of the "
-                         f"pipeline ranks ({num_stages}) (Megatron's rule); use a multiple of {num_stages}")
-    rounds = max(1, num_microbatches // num_stages)
+                         f"pipeline ranks ({num_ranks}) (Megatron's rule); use a multiple of {num_ranks}")
+    rounds = max(1, num_microbatches // num_ranks)
     if schedule == "zero-bubble" and virtual_stages > 1 and num_microbatches % rounds:
         raise ValueError(f"interleaved zero bubble needs the micro-batches ({num_microbatches}) to be a multiple of "
                          f"m // p = {rounds} (torch's ScheduleInterleavedZeroBubble rule)")
@@ -108,15 +107,15 @@ def check_stage_lists(stage_forward_s: list[float], stage_backward_s: list[float
     return num_chunks
 
 
-def bubble_fraction(schedule: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1,
+def bubble_fraction(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1,
                     backward_weight_fraction: float = 0.5, forward_fraction: float = 1 / 3) -> float:
     """Idle share of the iteration (bubble time / iteration time) on uniform stages.
 
     Only zero-bubble depends on the split of a micro-batch's work: forward_fraction f/(f+b)
     (1/3: backward twice the forward) and backward_weight_fraction W/b.
     """
-    check_schedule(schedule, num_stages, num_microbatches, virtual_stages)
-    p, m, v = num_stages, num_microbatches, virtual_stages
+    check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    p, m, v = num_ranks, num_microbatches, virtual_stages
     if schedule in ("gpipe", "1f1b") or (schedule == "interleaved-1f1b" and v == 1):
         return (p - 1) / (m + p - 1)
     if schedule == "interleaved-1f1b":
@@ -158,14 +157,14 @@ def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward
     return m * max(rank_work) + (p - 1) * max(hop) + latency_s
 
 
-def in_flight_microbatches(schedule: str, num_stages: int, num_microbatches: int, stage_index: int,
+def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
                            virtual_stages: int = 1) -> float:
-    """Peak micro-batches whose activations pipeline rank `stage_index` holds, in units of one
+    """Peak micro-batches whose activations pipeline rank `rank` holds, in units of one
     micro-batch through all of that rank's chunks (chunk-micro-batches / v)."""
-    check_schedule(schedule, num_stages, num_microbatches, virtual_stages)
-    p, m, v, i = num_stages, num_microbatches, virtual_stages, stage_index
+    check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    p, m, v, i = num_ranks, num_microbatches, virtual_stages, rank
     if not 0 <= i < p:
-        raise ValueError(f"stage_index {i} is not a pipeline rank of {p}")
+        raise ValueError(f"rank {i} is not a pipeline rank of {p}")
     if schedule == "gpipe":
         return float(m)
     if schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):

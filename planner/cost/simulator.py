@@ -222,7 +222,7 @@ def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list
         raise ValueError(f"schedule {schedule!r} deadlocks: no rank can run its next action [bracketed]\n"
                          + format_actions(plans, stuck))
     comm = _gradient_buckets(events, p, num_microbatches, grad_sync_s, num_buckets) if grad_sync_s else ()
-    return Timeline(schedule, p, tuple(events), max(free_s), tuple(_peak_held(a) for a in plans), comm)
+    return Timeline(schedule, p, tuple(events), max(free_s), tuple(peak_in_flight(a) for a in plans), comm)
 
 
 def _gradient_buckets(events: list[Event], num_ranks: int, num_microbatches: int, grad_sync_s: list[float],
@@ -255,7 +255,9 @@ def _plus(t: float | None, dt: float) -> float | None:
     return None if t is None else t + dt
 
 
-def _peak_held(actions: list[Action]) -> int:
+def peak_in_flight(actions: list[Action]) -> int:
+    """One rank's `Timeline.peak_in_flight` from its actions in order (module docstring: a
+    chunk-micro-batch is held from its F until its BW, or its W when the schedule splits them)."""
     held = peak = 0
     releases = "W" if any(k == "W" for k, _, _ in actions) else "BW"
     for kind, _, _ in actions:

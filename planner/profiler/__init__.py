@@ -23,8 +23,10 @@ the times the solver used and the times the run sees come from the same kernels.
 from __future__ import annotations
 
 import datetime as _dt
+import logging
+import time
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -61,6 +63,8 @@ from planner.units import (
     trace_units,
     unit_fingerprints,
 )
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("cpu", "cuda", "meta")
@@ -128,7 +132,7 @@ def _check_fits(device: str, parameter_bytes: int) -> None:
 def profile_model(
     model_file: str,
     model_args: dict | None = None,
-    micro_batch_sizes: list[int] = (1,),
+    micro_batch_sizes: Sequence[int] = (1,),
     device: str = "cpu",
     gpu: str | None = None,
     dtype: str = "float32",
@@ -148,80 +152,51 @@ def profile_model(
     if repeats < 1 or warmup < 0:
         raise PlannerError(f"--repeats must be at least 1 (got {repeats}) and warm-up at least 0 (got {warmup}).", "Use e.g. --repeats 10.")
     with cpu_threads(threads if device == "cpu" else None):
-        profile = _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion)
-    if device == "cpu":
-        profile.cpu_threads = threads
-    return profile
+        return _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion,
+                              threads)
 
 
-def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion) -> Profile:
+def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion,
+                   threads: int | None) -> Profile:
+    """The steps: check the options, build on meta, trace, count (and time), record op graphs."""
     sizes = _check_options(device, dtype, fusion, micro_batch_sizes)
     analytic_gpu = get_gpu(gpu or "h100-80gb") if device == "meta" else None
     torch_dtype = DTYPES[dtype]
     mf = load_model_file(model_file, model_args)
-
-    with torch.device("meta"):
-        meta_model = mf.build_model()
-    if not isinstance(meta_model, torch.nn.Module):
-        raise PlannerError(f"build_model() in {mf.path} returned {type(meta_model).__name__}, not a torch.nn.Module.")
-    if not any(True for _ in meta_model.parameters()):
-        raise PlannerError(f"build_model() in {mf.path} returned a model with no parameters: there is nothing to train "
-                           "or to split.", "Return the model with its layers (nn.Linear, nn.Embedding, ...) as submodules.")
-    meta_model = meta_model.to(torch_dtype)
-    element = torch.empty((), dtype=torch_dtype).element_size()
+    meta_model = _build_meta_model(mf, torch_dtype)
 
     # One KnownValues for every meta run of this profile: the shadows of the batch and of the
     # tensors the trace made stay attached to the unit inputs it recorded (planner/meta_values.py).
     values = KnownValues(seed=seed)
     batches = {b: mf.make_batch(b) for b in sizes}
     _check_batch_scales(mf, batches)
-    model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, torch_dtype, seed, values)
+    with _logged_step("tracing the units"):
+        model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, torch_dtype, seed, values)
     trace = traces[sizes[0]]
     units = trace.units
     if not units:
         raise PlannerError("The model's forward called none of its submodules, so it has nowhere to cut.", "Put the layers in submodules (e.g. an nn.ModuleList of blocks).")
     fingerprints = unit_fingerprints(meta_model, units)
     owned = owned_parameters(meta_model, units)
-    total_params = sum(p.numel() for ps in owned.values() for _, p in ps)
-    # Frozen parameters (requires_grad=False as built: LoRA's base weights) have no gradient or
-    # optimizer state; the cost model needs the trainable share (profile_schema.Unit).
-    trainable = {name: sum(p.numel() for _, p in ps if p.requires_grad) for name, ps in owned.items()}
 
     modules = dict(model.named_modules())
-    with values:
+    log.debug("%d units, %d distinct; micro-batch sizes %s", len(units), len(set(fingerprints.values())), sizes)
+    with values, _logged_step("counting the units"):
         costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress)
         moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
     if device != "meta":
-        whole = _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress,
-                            extra_jobs=list(moe.jobs.values()))
+        with _logged_step(f"timing {len(jobs) + len(moe.jobs)} unit jobs and the whole model"):
+            whole = _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress,
+                                extra_jobs=list(moe.jobs.values()))
         optimizer_s = optimizer_step_time(model)
 
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
-    with values:
+    with values, _logged_step("recording the op graphs"):
         op_graphs = _op_graphs(mf, graph_modules, units, fingerprints, trace)
 
-    notes = _notes(trace, owned, values, meta_traced)
-    first_input = _as_tuple(batches[sizes[0]][0])[0]
-    seq_len = int(first_input.shape[1]) if isinstance(first_input, torch.Tensor) and first_input.dim() == 2 and not first_input.is_floating_point() else None
-
-    unit_records = [
-        Unit(
-            index=i,
-            name=name,
-            kind=type(modules[name]).__name__,
-            fingerprint=fingerprints[name],
-            num_parameters=sum(p.numel() for _, p in owned.get(name, [])),
-            parameter_bytes=sum(p.numel() for _, p in owned.get(name, [])) * element,
-            trainable_parameter_bytes=trainable.get(name, 0) * element,
-            buffer_bytes=sum(b.numel() * b.element_size() for b in modules[name].buffers()),
-            costs=costs[name],
-            ops=op_graphs[fingerprints[name]],
-            moe=moe_records(moe, name, element),
-        )
-        for i, name in enumerate(units)
-    ]
+    element = torch.empty((), dtype=torch_dtype).element_size()
     return Profile(
         tool_version=planner.__version__,
         created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -231,25 +206,84 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         target_gpu=analytic_gpu.name if analytic_gpu else None,
         dtype=dtype,
         torch_version=torch.__version__,
-        model=ModelInfo(
-            file=str(model_file),
-            args=dict(mf.model_args),
-            fingerprint=model_fingerprint(meta_model, units),
-            source_sha256=mf.source_sha256(),
-            num_parameters=total_params,
-            parameter_bytes=total_params * element,
-            trainable_parameter_bytes=sum(trainable.values()) * element,
-            sequence_length=seq_len,
-            tied_parameters=[list(g) for g in tied_units(meta_model, units)],
-            unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
-        ),
+        model=_model_info(mf, str(model_file), meta_model, units, owned, traces, batches[sizes[0]], element),
         micro_batch_sizes=sizes,
-        units=unit_records,
+        units=[_unit_record(i, name, modules[name], fingerprints[name], owned.get(name, []), costs[name],
+                            op_graphs[fingerprints[name]], moe_records(moe, name, element), element)
+               for i, name in enumerate(units)],
         cuts=_cut_records(traces, sizes),
         whole_model=whole,
         optimizer_step_s=optimizer_s,
         fusion=fusion,
-        notes=notes,
+        notes=_notes(trace, owned, values, meta_traced),
+        cpu_threads=threads if device == "cpu" else None,
+    )
+
+
+@contextmanager
+def _logged_step(what: str):
+    """Log at DEBUG how long a step of the profile took (`planner --debug profile`)."""
+    start = time.perf_counter()
+    yield
+    log.debug("%s: %.2f s", what, time.perf_counter() - start)
+
+
+def _build_meta_model(mf: ModelFile, torch_dtype: torch.dtype) -> torch.nn.Module:
+    """The model on the meta device (free at any size) in the profile's dtype; refuses a
+    build_model that returns no module or one with nothing to train."""
+    with torch.device("meta"):
+        meta_model = mf.build_model()
+    if not isinstance(meta_model, torch.nn.Module):
+        raise PlannerError(f"build_model() in {mf.path} returned {type(meta_model).__name__}, not a torch.nn.Module.")
+    if not any(True for _ in meta_model.parameters()):
+        raise PlannerError(f"build_model() in {mf.path} returned a model with no parameters: there is nothing to train "
+                           "or to split.", "Return the model with its layers (nn.Linear, nn.Embedding, ...) as submodules.")
+    return meta_model.to(torch_dtype)
+
+
+def _trainable(params: list) -> int:
+    """Elements of the trainable parameters among (name, parameter) pairs. Frozen ones
+    (requires_grad=False as built: LoRA's base weights) have no gradient or optimizer state; the
+    cost model needs the trainable share (profile_schema.Unit)."""
+    return sum(p.numel() for _, p in params if p.requires_grad)
+
+
+def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: list[str], owned: dict, traces: dict[int, UnitTrace],
+                first_batch, element: int) -> ModelInfo:
+    """The profile's model record: its source (`file` as the user named it), sizes and structure."""
+    total_params = sum(p.numel() for ps in owned.values() for _, p in ps)
+    first_input = _as_tuple(first_batch[0])[0]
+    token_ids = isinstance(first_input, torch.Tensor) and first_input.dim() == 2 and not first_input.is_floating_point()
+    return ModelInfo(
+        file=file,
+        args=dict(mf.model_args),
+        fingerprint=model_fingerprint(meta_model, units),
+        source_sha256=mf.source_sha256(),
+        num_parameters=total_params,
+        parameter_bytes=total_params * element,
+        trainable_parameter_bytes=sum(_trainable(ps) for ps in owned.values()) * element,
+        sequence_length=int(first_input.shape[1]) if token_ids else None,
+        tied_parameters=[list(g) for g in tied_units(meta_model, units)],
+        unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
+    )
+
+
+def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: str, owned: list, costs: dict[int, UnitCosts],
+                 ops: list, moe, element: int) -> Unit:
+    """One unit's profile record; `owned`: the (name, parameter) pairs it holds."""
+    num_parameters = sum(p.numel() for _, p in owned)
+    return Unit(
+        index=index,
+        name=name,
+        kind=type(module).__name__,
+        fingerprint=fingerprint,
+        num_parameters=num_parameters,
+        parameter_bytes=num_parameters * element,
+        trainable_parameter_bytes=_trainable(owned) * element,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        costs=costs,
+        ops=ops,
+        moe=moe,
     )
 
 
@@ -312,6 +346,7 @@ def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, 
     except PlannerError as exc:  # a data-dependent operation, or a kernel the meta device lacks
         if device == "meta":
             raise
+        log.debug("the meta-device trace failed, tracing the real model instead: %s", exc.message)
         meta_error = exc
     if device == "meta":
         return meta_model, traces, {b: t.unit_inputs for b, t in traces.items()}, True

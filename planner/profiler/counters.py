@@ -23,6 +23,7 @@ whose meta implementation and FLOP formula torch provides.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -238,7 +239,7 @@ def _tensors(obj) -> list[torch.Tensor]:
 class SavedBytes:
     """Counts distinct storages saved for backward, parameters excluded."""
 
-    def __init__(self, exclude: list[torch.Tensor] = (), on_save=None):
+    def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None):
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
         self.seen: set[int] = set()
         self.bytes = 0

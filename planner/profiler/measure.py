@@ -147,7 +147,10 @@ class UnitJob:
         device = next((p.device for p in self.params), None) or next(
             (t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
         self.timer, self.cuda = _Timer(device), device.type == "cuda"
-        self.forward_s, self.backward_s, self.peak_memory_bytes = [], [], None
+        self.forward_s: list[float] = []
+        self.backward_s: list[float] = []
+        self.peak_memory_bytes: int | None = None
+        """CUDA only: peak allocated bytes above the baseline during the first kept run."""
 
     def run(self, keep: bool) -> None:
         for p in self.params:
@@ -180,7 +183,7 @@ class TimedCall:
 
     def __init__(self, fn, device: torch.device, reset=lambda: None):
         self.fn, self.reset, self.timer = fn, reset, _Timer(device)
-        self.seconds = []
+        self.seconds: list[float] = []
 
     def run(self, keep: bool) -> None:
         self.reset()

@@ -100,8 +100,8 @@ def _count_all(modules, units, fingerprints, unit_inputs, signature, analytic_gp
             if not found:
                 continue
             count.layers[name] = _merge(count.layers.get(name), found, b)
-            if analytic_gpu is None:
-                for i, layer in enumerate(found):
+            for i, layer in enumerate(found):
+                if layer.job is not None:  # measured mode only (`_count_unit` sets it)
                     count.jobs[name, i, b] = layer.job
     return count
 

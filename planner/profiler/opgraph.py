@@ -49,7 +49,8 @@ class _WeightUse(TorchFunctionMode):
 
     def __init__(self, weight: torch.Tensor, x: torch.Tensor):
         super().__init__()
-        self.weight, self.derived, self.keep, self.uses = weight, {id(x)}, [x], []
+        self.weight, self.derived, self.keep = weight, {id(x)}, [x]
+        self.uses: list[bool | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -94,9 +95,16 @@ def linear_weight_orientation(module: nn.Module) -> bool | None:
     return None
 
 
+def _weight(module: nn.Module) -> torch.Tensor:
+    """The leaf's `weight` (nn.Module's attribute lookup is typed Tensor | Module)."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), f"{type(module).__name__}.weight is not a tensor"
+    return weight
+
+
 def _linear_features(module: nn.Module, weight_in_out: bool) -> tuple[int, int]:
-    in_f, out_f = module.weight.shape if weight_in_out else reversed(module.weight.shape)
-    return in_f, out_f
+    rows, cols = _weight(module).shape
+    return (rows, cols) if weight_in_out else (cols, rows)
 
 
 def _leaf_flops(module: nn.Module, x: torch.Tensor, out: torch.Tensor, weight_in_out: bool | None = None) -> int:
@@ -106,8 +114,7 @@ def _leaf_flops(module: nn.Module, x: torch.Tensor, out: torch.Tensor, weight_in
     if isinstance(module, nn.Embedding):
         return 0
     # Conv: one multiply-add per output element per input channel (of its group) per tap.
-    weight = module.weight
-    return 2 * out.numel() * math.prod(weight.shape[1:])
+    return 2 * out.numel() * math.prod(_weight(module).shape[1:])
 
 
 class _OpGraphRecorder(TorchFunctionMode):
@@ -135,7 +142,7 @@ class _OpGraphRecorder(TorchFunctionMode):
             self.alive.append(t)
 
     def sources(self, obj) -> frozenset:
-        found = frozenset()
+        found: frozenset = frozenset()
         for t in _tensors(obj):
             found |= self.tags.get(id(t), frozenset())
         return found
@@ -162,7 +169,7 @@ class _OpGraphRecorder(TorchFunctionMode):
                         name=name or info["kind"],  # the unit itself is the leaf (e.g. an Embedding unit)
                         kind=info["kind"],
                         module=name,
-                        weight_shape=list(module.weight.shape),
+                        weight_shape=list(_weight(module).shape),
                         weight_in_out=bool(in_out),
                         has_bias=getattr(module, "bias", None) is not None,
                         input_shape=list(x.shape),
