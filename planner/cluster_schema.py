@@ -88,7 +88,7 @@ class GPUOverride(_Model):
     """The GPU whose other numbers are kept."""
     name: Name | None = None
     """Name of the modified GPU (default: the preset's)."""
-    peak_flops: dict[str, Positive] | None = Field(None, min_length=1)
+    peak_flops: dict[str, Positive] | None = Field(default=None, min_length=1)
     """Dense peak FLOP/s per dtype name, merged over the preset's."""
     memory_bytes: Count | None = None
     """Device memory, bytes."""
@@ -175,7 +175,7 @@ class ClusterFile(_Model):
     """Between GPUs of different nodes (default: the preset's network at NETWORK_EFFICIENCY, NETWORK_LATENCY_S)."""
     fitted: dict[str, CollectiveFit] = {}
     """Per-collective fits by name (all_reduce, all_gather, p2p, ...), written by `planner profile-cluster`."""
-    nodes: list[NodeGroup] | None = Field(None, min_length=1)
+    nodes: list[NodeGroup] | None = Field(default=None, min_length=1)
     """Instead of gpu/num_nodes/gpus_per_node: node groups (all of one type; mixed types are refused)."""
     compute_slowdown: Slowdown = 1.0
     """Compute time with every device of a node busy / one alone (CPU; see Cluster.compute_slowdown)."""

@@ -288,7 +288,7 @@ class Profile(_Model):
     optimizer_step_s: float | None = None
     """One AdamW step over every parameter in fp32 (the runtime's master weights), measured on
     the device (measured mode); the cost model prices a rank's step as its share of it."""
-    cpu_threads: int | None = Field(None, gt=0)
+    cpu_threads: int | None = Field(default=None, gt=0)
     """Measured on CPU: torch threads the times were measured with; a plan solved from this
     profile runs every process with as many."""
     notes: list[str] = []
