@@ -147,8 +147,10 @@ def check_output_path(path: Path | str | None, option: str, directory: bool = Fa
 
 
 def default_profile_path(model_file: str, device: str, gpu: str | None, dtype: str) -> Path:
+    """runs/profiles/<model>-<device>-<dtype>.json: under `runs/`, which a checkout ignores, so a
+    profile made inside it never lands beside (or over) the shipped ones in `profiles/`."""
     where = f"meta-{gpu}" if device == "meta" else device
-    return Path("profiles") / f"{Path(model_file).stem}-{where}-{dtype}.json"
+    return Path("runs") / "profiles" / f"{Path(model_file).stem}-{where}-{dtype}.json"
 
 
 def _model_source(model_file: str | None, args: dict, hf_config: Path | None, seq_len: int | None) -> tuple[str, dict]:
