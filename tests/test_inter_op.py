@@ -2,10 +2,11 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from planner.errors import PlannerError
-from planner.solver.inter_op import brute_force_cuts, solve_cuts
+from planner.solver.inter_op import SharedRows, brute_force_cuts, solve_cuts
 
 
 def _cost_table(unit_times, num_stages, p2p, memory, stage_limit):
@@ -49,7 +50,7 @@ def test_dp_equals_brute_force(data, num_units, num_stages, num_microbatches, me
     got = solve_cuts(cost, num_microbatches)
     assert got.pipeline_time_s == pytest.approx(expected.pipeline_time_s, rel=1e-12)
     assert got.bounds[0][0] == 0 and got.bounds[-1][1] == num_units
-    assert all(a[1] == b[0] for a, b in zip(got.bounds, got.bounds[1:]))
+    assert all(a[1] == b[0] for a, b in zip(got.bounds, got.bounds[1:], strict=False))
 
 
 def test_heavy_layer_gives_non_uniform_cuts():
@@ -71,3 +72,36 @@ def test_nothing_fits_is_an_error():
     cost = np.full((2, 5, 5), np.inf)
     with pytest.raises(PlannerError, match="fit"):
         solve_cuts(cost, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_units=st.integers(2, 14),
+    num_microbatches=st.integers(1, 16),
+    num_rows=st.integers(1, 3),
+)
+def test_shared_rows_dp_equals_brute_force(data, num_units, num_microbatches, num_rows):
+    """Stages sharing cost rows (`SharedRows`, as zero bubble and interleaving build them), with as
+    many stages as units allow and memory limits per row that cut long ranges (what the DP's scan
+    by range length, `_by_length`, skips): the same optimum as brute force over the dense table.
+    Exact up to float rounding (1e-12): both sum the same stage costs."""
+    num_stages = data.draw(st.integers(1, num_units))
+    times = data.draw(st.lists(st.floats(0.1, 10.0), min_size=num_units, max_size=num_units))
+    p2p = data.draw(st.lists(st.floats(0.0, 2.0), min_size=num_units, max_size=num_units))
+    memory = data.draw(st.lists(st.floats(1.0, 10.0), min_size=num_units, max_size=num_units))
+    limits = data.draw(st.lists(st.floats(sum(memory) / num_stages, sum(memory) * 1.5), min_size=num_rows,
+                                max_size=num_rows))
+    rows = np.stack([_cost_table(times, 1, p2p, memory, limit)[0] for limit in limits])
+    row_of_stage = np.array(data.draw(st.lists(st.integers(0, num_rows - 1), min_size=num_stages, max_size=num_stages)))
+    shared = SharedRows(rows, row_of_stage)
+    try:
+        expected = brute_force_cuts(shared.dense(), num_microbatches)
+    except PlannerError:
+        with pytest.raises(PlannerError):
+            solve_cuts(shared, num_microbatches)
+        return
+    got = solve_cuts(shared, num_microbatches)
+    assert got.pipeline_time_s == pytest.approx(expected.pipeline_time_s, rel=1e-12)
+    assert got.bounds[0][0] == 0 and got.bounds[-1][1] == num_units
+    assert all(a[1] == b[0] for a, b in zip(got.bounds, got.bounds[1:], strict=False))

@@ -99,6 +99,25 @@ def test_bounds_never_exceed_the_price(profiles, shape, gpus, batch, fraction):
     assert priced > 10
 
 
+def test_batched_time_bound_equals_one_at_a_time(profiles):
+    """`TimeBound.many` shares terms across configurations (per table, ZeRO stage, dp, hybrid
+    sharding, offload, pp) and evaluates the closed forms in one numpy pass: each value must be
+    the one a fresh bound computes for that configuration alone (exact: same operations)."""
+    profile = profiles[1]
+    cluster = make_cluster(16, 8, "a100-80gb")
+    compute = ComputeModel(profile, cluster.gpu, "bfloat16")
+    coll = CollectiveModel(cluster)
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16")
+    env = _environment(cluster, compute, "bfloat16", Pins(), 0.15)
+    pairs = [(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size), cfg)
+             for group in candidate_configs(Pins(), cluster, 64, len(profile.units), profile.micro_batch_sizes,
+                                            allow_offload=True) for cfg in group]
+    batched = TimeBound(env).many(pairs)
+    alone = [TimeBound(env)(table, cfg) for table, cfg in pairs[::7]]
+    assert len({cfg.schedule for _, cfg in pairs}) == 3 and any(cfg.offload for _, cfg in pairs)
+    assert list(batched[::7]) == alone
+
+
 def test_search_report_counts_and_old_plans_load(profiles):
     plan = solve(profiles[1], make_cluster(8, 8, "a100-80gb"), 32, top_k=3)
     search = plan.search

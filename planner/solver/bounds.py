@@ -19,8 +19,9 @@ duality), for every lambda >= 0:
 
     work_s >= D = max_lambda [ sum_u min_r (t_r,u + lambda a_r,u) - lambda A ]
 
-which lets memory force recomputation into the bound (`_least_work_s`; lambda = 0 is the
-cheapest mode everywhere). With S = pp x v chunks and p2p_u what a chunk ending after unit u
+which lets memory force recomputation into the bound (`TimeBound.many`; lambda = 0 is the
+cheapest mode everywhere). The dual is concave and piecewise linear in lambda, so its maximum
+lies at 0 or where a unit's best mode changes (`_UnitTerms.lambdas`). With S = pp x v chunks and p2p_u what a chunk ending after unit u
 pays per micro-batch (`p2p_arrays`), W = D + S x min_u p2p_u. Every arrangement's chunk
 times sum to at least W, its slowest chunk takes at least W / S and its
 busiest pipeline rank (v chunks) at least W / p. The schedules' closed forms
@@ -50,7 +51,15 @@ import numpy as np
 from planner.cost.memory import model_state_bytes
 from planner.cost.schedules import in_flight_microbatches
 from planner.solver.costs import UnitCostTable
-from planner.solver.search import Config, Environment, gpu_state_bytes, p2p_arrays, stage_arrays, updated_parameters
+from planner.solver.search import (
+    Config,
+    Environment,
+    gpu_state_bytes,
+    p2p_arrays,
+    stage_arrays,
+    state_bytes,
+    updated_parameters,
+)
 
 
 @dataclass(frozen=True)
@@ -67,61 +76,119 @@ class _UnitTerms:
     ratios: np.ndarray
     """(t_r' - t_r) / (a_r - a_r') >= 0 for every unit and pair of modes with a_r > a_r': the
     values of lambda where some unit's best mode changes."""
+    lambdas: np.ndarray
+    """0 and `ratios`: where the dual's maximum lies (module docstring)."""
+    dual_s: np.ndarray
+    """[lambda]: sum_u min_r (t_r,u + lambda a_r,u) at each of `lambdas` (the budget-free part of the dual)."""
+
+
+@dataclass(frozen=True)
+class _GroupTerms:
+    """What the time bound reads of configurations that differ only in schedule and virtual
+    stages (same cost table, ZeRO stage, dp, hybrid sharding, offload and pp)."""
+
+    table: UnitCostTable
+    """Held so that the `id` in the cache key stays this table's."""
+    units: _UnitTerms
+    states_bytes: float
+    """s: the model states of all units on their ranks (module docstring)."""
+    min_p2p_s: float
+    """min_u p2p_u: the least a chunk pays per micro-batch for its outgoing cut."""
+    min_hop_s: float
+    """The cheapest hop across a cut (the overlapped p2p's fill)."""
+    forward_s: float
+    """F: the units' forward seconds per micro-batch, summed."""
+    optimizer_s: float
+    """The optimizer step of the mean pipeline rank."""
+
+
+_SCHEDULE_FORM = {"zero-bubble": 2, "interleaved-1f1b": 1}
+"""Which closed form of the module docstring bounds a schedule (0: GPipe and 1F1B's)."""
 
 
 class TimeBound:
     """The time bound of many configurations. What it needs of a configuration's cost table is
-    computed once per setting that changes it: the unit times per ZeRO 2/3 setting (ZeRO 0 and
-    1 add no per-unit traffic), the model states per (ZeRO stage, dp), the p2p per placement."""
+    computed once per setting that changes it (`_GroupTerms`; the unit times once per ZeRO 2/3
+    setting, since ZeRO 0 and 1 add no per-unit traffic), and `many` evaluates the closed forms
+    for all configurations at once with numpy: the Python work per configuration is a lookup."""
 
     def __init__(self, env: Environment):
         self.env = env
         self._units: dict[tuple, _UnitTerms] = {}
-        self._states: dict[tuple, float] = {}
-        self._p2p: dict[tuple, tuple[float, float]] = {}
+        self._groups: dict[tuple, _GroupTerms] = {}
+        self._memory: dict[tuple, tuple[UnitCostTable, float]] = {}
+
+    def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
+        """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
+        key = (id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.pp)
+        held = self._memory.get(key)
+        if held is None:
+            held = self._memory[key] = (table, memory_lower_bound(table, cfg, self.env))
+        return held[1]
 
     def __call__(self, table: UnitCostTable, cfg: Config) -> float:
         """Seconds per iteration no plan of `cfg` can beat (module docstring)."""
+        return float(self.many([(table, cfg)])[0])
+
+    def _group(self, table: UnitCostTable, cfg: Config) -> _GroupTerms:
+        key = (id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.pp)
+        group = self._groups.get(key)
+        if group is not None:
+            return group
         env = self.env
         sharded = cfg.zero_stage >= 2 and cfg.dp > 1  # `zero_unit_s` adds traffic per unit
         units_key = (id(table), cfg.zero_stage if sharded else 0, cfg.dp if sharded else 1, cfg.shard_degree if sharded else None)
         if units_key not in self._units:
             self._units[units_key] = _unit_terms(table, cfg, env)
-        states_key = (id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload)
-        if states_key not in self._states:
-            self._states[states_key] = float(stage_arrays(table, cfg, env)[2].sum())
-        p2p_key = (id(table), cfg.dp * cfg.tp < env.gpus_per_node, cfg.pp > 1)  # what `p2p_arrays` reads of cfg
-        if p2p_key not in self._p2p:
-            hops, p2p, _ = p2p_arrays(table, cfg, env)
-            self._p2p[p2p_key] = float(p2p.min()), float(hops[:-1].min()) if len(hops) > 1 else 0.0
-        min_p2p_s, min_hop_s = self._p2p[p2p_key]
-        m, p, v = cfg.num_microbatches, cfg.pp, cfg.virtual_stages
-        chunks = p * v
-        work = _least_work_s(self._units[units_key], self._states[states_key], cfg, env) + chunks * min_p2p_s
-        if cfg.schedule == "zero-bubble":
-            pipeline = _zero_bubble_s(work, float(table.forward_s.sum()), m, p, v)
-        elif cfg.schedule == "interleaved-1f1b" and v > 1:
-            pipeline = m * work / p + (p - 1) * work / chunks
-        else:
-            pipeline = work + (m - 1) * work / chunks
-        fill = (chunks - 1) * min_hop_s if env.overlap.pipeline_p2p else 0.0
+        hops, p2p, _ = p2p_arrays(table, cfg, env)
         # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
-        optimizer = updated_parameters(table, cfg, 0, len(table.parameters)) / p * env.optimizer_s_per_param
+        optimizer = updated_parameters(table, cfg, 0, len(table.parameters)) / cfg.pp * env.optimizer_s_per_param
+        group = _GroupTerms(table, self._units[units_key], float(state_bytes(table, cfg, env).sum()), float(p2p.min()),
+                            float(hops[:-1].min()) if len(hops) > 1 else 0.0, float(table.forward_s.sum()), optimizer)
+        self._groups[key] = group
+        return group
+
+    def many(self, pairs: list[tuple[UnitCostTable, Config]]) -> np.ndarray:
+        """`__call__` of every (table, configuration) pair, as one array (same numbers, same order of operations)."""
+        groups, columns = [], []
+        for table, cfg in pairs:
+            group = self._group(table, cfg)
+            groups.append(group)
+            form = _SCHEDULE_FORM.get(cfg.schedule, 0) if cfg.schedule != "interleaved-1f1b" or cfg.virtual_stages > 1 else 0
+            columns.append((*_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), cfg.pp,
+                            cfg.virtual_stages, cfg.num_microbatches, form, group.states_bytes, group.min_p2p_s,
+                            group.min_hop_s, group.forward_s, group.optimizer_s))
+        if not pairs:
+            return np.zeros(0)
+        least, most, inverse_sum, p, v, m, form, states, min_p2p, min_hop, forward, optimizer = np.array(columns).T
+        memory = self.env.usable_memory_bytes
+        budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
+        dual = np.empty(len(pairs))
+        by_units: dict[int, list[int]] = {}
+        for index, group in enumerate(groups):
+            by_units.setdefault(id(group.units), []).append(index)
+        for indices in by_units.values():
+            terms = groups[indices[0]].units
+            dual[indices] = (terms.dual_s[None, :] - terms.lambdas[None, :] * budget[indices, None]).max(axis=1)
+        chunks = p * v
+        work = dual + chunks * min_p2p
+        pipeline = np.where(form == 2, _zero_bubble_s(work, forward, m, p, v),
+                            np.where(form == 1, m * work / p + (p - 1) * work / chunks, work + (m - 1) * work / chunks))
+        fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
         return pipeline + fill + optimizer
 
 
-def _zero_bubble_s(work: float, forward: float, m: int, p: int, v: int) -> float:
+def _zero_bubble_s(work, forward, m, p, v):
     """Zero bubble's pipeline time is at least m W / p (module docstring), and its fill and drain
     add, since a hop max(f + B - W, f, B) is at least the chunk's forward f and the chunks'
     forwards sum to at least F (`forward`): for v = 1, m t_slowest + sum_{k != slowest} f_k
     >= (m - 1) W / S + F; for v > 1, (p - 1) max_k f_k >= (p - 1) F / S. With m < p (played in
-    the simulator) the first micro-batch still runs every chunk's forward in turn: >= F."""
+    the simulator) the first micro-batch still runs every chunk's forward in turn: >= F.
+    Elementwise over numpy arrays of configurations."""
     chunks = p * v
-    if m < p:
-        return max(m * work / p, forward)
-    if v == 1:
-        return max(m * work / p, (m - 1) * work / chunks + forward)
-    return m * work / p + (p - 1) * forward / chunks
+    return np.where(m < p, np.maximum(m * work / p, forward),
+                    np.where(v == 1, np.maximum(m * work / p, (m - 1) * work / chunks + forward),
+                             m * work / p + (p - 1) * forward / chunks))
 
 
 def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment) -> _UnitTerms:
@@ -134,19 +201,11 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment) -> _UnitTer
     saved = activation[:, None, :] - activation[None, :, :]  # [r, r', unit]
     slower = time_s[None, :, :] - time_s[:, None, :]
     ratios = np.unique(slower[saved > 0] / saved[saved > 0])
-    return _UnitTerms(time_s, activation, np.bincount(inverse.ravel(), minlength=distinct.shape[1]), ratios[ratios >= 0])
-
-
-def _least_work_s(terms: _UnitTerms, states_bytes: float, cfg: Config, env: Environment) -> float:
-    """D of the module docstring: max over lambda >= 0 of sum_u min_r (t_r,u + lambda a_r,u) - lambda A.
-    The dual is concave and piecewise linear in lambda, so its maximum is at 0 or where a
-    unit's best mode changes (one of `terms.ratios`)."""
-    least, most, inverse_sum = _in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
-    memory = env.usable_memory_bytes
-    budget = min((cfg.pp * memory - states_bytes) / least, memory * inverse_sum - states_bytes / most)
-    lambdas = np.concatenate([[0.0], terms.ratios])
-    per_unit = (terms.time_s[None] + lambdas[:, None, None] * terms.activation_bytes[None]).min(axis=1)
-    return float((per_unit @ terms.count - lambdas * budget).max())
+    ratios = ratios[ratios >= 0]
+    count = np.bincount(inverse.ravel(), minlength=distinct.shape[1])
+    lambdas = np.concatenate([[0.0], ratios])
+    per_unit = (time_s[None] + lambdas[:, None, None] * activation[None]).min(axis=1)
+    return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count)
 
 
 @lru_cache(maxsize=None)

@@ -22,8 +22,10 @@ best[S][U] + (m - 1) * t_max. Cuts with bottleneck t take at least max(m t, leas
 once that bound passes the best T seen. The min-sum cuts over all ranges are the first
 incumbent; candidates are solved in growing batches (1, 2, 4, up to `BATCH`). The minimum over candidates is the
 optimum of T: the optimal cuts appear when t_max equals their own bottleneck. Each
-candidate costs O(S (U - S + 1)^2): stage k can only start in [k, U - S + k] (`_band`),
-vectorised over i and j with numpy. Stages with equal costs share one row (`SharedRows`).
+candidate costs O(S (U - S + 1) L): stage k can only end in [k + 1, U - S + k + 1] (`_band`),
+and a range costing at most t_max holds at most L units (`_by_length`: costs grow with a
+range's units, so L is usually a few times U / S), vectorised over ends and lengths with numpy.
+Stages with equal costs share one row (`SharedRows`).
 
 Forbidden cuts. `solve_cuts` can be told where no stage may end (`allowed_cuts`, e.g. inside
 a group of units that must share a stage): ranges starting or ending at a forbidden cut cost
@@ -35,6 +37,7 @@ per stage (runtime/pp_split.py), and a range's cost includes the copy it holds
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -65,6 +68,7 @@ class SharedRows:
 
     def __init__(self, rows: np.ndarray, row_of_stage: np.ndarray):
         self.rows, self.row_of_stage = rows, row_of_stage
+        self._lengths: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> `_lengths`
         self.shape = (len(row_of_stage), *rows.shape[1:])
 
     def __getitem__(self, key):
@@ -73,6 +77,12 @@ class SharedRows:
 
     def dense(self) -> np.ndarray:
         return self.rows[self.row_of_stage]
+
+    def lengths(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """`_lengths` of a row, computed once (the DP asks again for every batch of bottlenecks)."""
+        if row not in self._lengths:
+            self._lengths[row] = _lengths(self.rows[row])
+        return self._lengths[row]
 
 
 def allowed_cuts(num_units: int, tied_groups: list[list[int]]) -> np.ndarray:
@@ -115,23 +125,30 @@ def _band(stage: int, num_stages: int, num_units: int) -> tuple[slice, slice]:
     return slice(stage, stage + width), slice(stage + 1, stage + 1 + width)
 
 
-def _least_bottleneck(cost: np.ndarray | SharedRows) -> float:
+def _stage_row(cost: np.ndarray | SharedRows, stage: int) -> np.ndarray:
+    """cost[stage] as a (U+1) x (U+1) array (a shared row is not copied)."""
+    return cost.rows[cost.row_of_stage[stage]] if isinstance(cost, SharedRows) else cost[stage]
+
+
+def least_bottleneck(cost: np.ndarray | SharedRows) -> float:
     """The smallest t_max any cuts achieve (inf if none fit): a min-max DP,
-    `worst[k + 1, j] = min_i max(worst[k, i], cost[k, i, j])` over stages k (inside `_band`)."""
+    `worst[k + 1, j] = min_i max(worst[k, i], cost[k, i, j])` over stages k, held along the band
+    only (`_band`: stage k's starts are stage k-1's ends, so one vector of width U - S + 1 carries it)."""
     num_stages, size, _ = cost.shape
-    worst = np.full((num_stages + 1, size), np.inf)  # worst[k, j]: units [0, j) in k stages
-    worst[0, 0] = 0.0
+    width = size - num_stages  # U - S + 1
+    worst = np.full(width, np.inf)  # worst[j - k]: units [0, j) in k stages
+    worst[0] = 0.0
     for k in range(num_stages):
-        starts, ends = _band(k, num_stages, size - 1)
-        worst[k + 1, ends] = np.maximum(worst[k, starts, None], cost[k, starts, ends]).min(axis=0)
-    return float(worst[num_stages, size - 1])
+        worst = np.maximum(worst[:, None], _stage_row(cost, k)[k:k + width, k + 1:k + 1 + width]).min(axis=0)
+    return float(worst[-1])
 
 
 def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed: np.ndarray | None = None,
-               candidates: np.ndarray | None = None) -> StageCuts:
+               candidates: np.ndarray | None = None, bottleneck_floor: float | None = None) -> StageCuts:
     """Optimal contiguous cuts for `cost[stage, start, end]` (shape S x (U+1) x (U+1)), cutting only
     where `cut_allowed` (`allowed_cuts`; None: anywhere) permits. `candidates`: the distinct finite
-    values of `cost`, ascending, where the caller has them cheaper (stages sharing cost rows)."""
+    values of `cost`, ascending, where the caller has them cheaper (stages sharing cost rows);
+    `bottleneck_floor`: `least_bottleneck(cost)` where the caller computed it already."""
     num_stages, size, _ = cost.shape
     num_units = size - 1
     if num_stages > num_units:
@@ -141,10 +158,11 @@ def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed
                            f"{max_stages(cut_allowed) - 1}.", "Use fewer stages.")
     if not (cut_allowed is None or cut_allowed.all()):
         cost, candidates = forbid_cuts(cost.dense() if isinstance(cost, SharedRows) else cost, cut_allowed), None
+        bottleneck_floor = None  # of another table
     if candidates is None:
         values = cost.rows if isinstance(cost, SharedRows) else cost
         candidates = np.unique(values[np.isfinite(values)])
-    least = _least_bottleneck(cost)
+    least = least_bottleneck(cost) if bottleneck_floor is None else bottleneck_floor
     if not np.isfinite(least):
         raise PlannerError("No way to cut the model into stages that each fit in memory.", "Add GPUs, recomputation or ZeRO.")
     lo = int(np.searchsorted(candidates, least))  # the smallest feasible bottleneck is a candidate
@@ -153,53 +171,106 @@ def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed
     # found, no later (larger) candidate can win. Exact, and much tighter than m t alone
     # when there are many stages.
     # The min-sum cuts over every feasible range are also a solution: they start the incumbent.
-    best_cuts = _min_sum_cuts(cost, candidates[-1:])[0]
-    stage_costs = [float(cost[k, i, j]) for k, (i, j) in enumerate(best_cuts)]
-    least_sum, best_total = sum(stage_costs), pipeline_time(stage_costs, num_microbatches)
-    pending, first, batch_size = candidates[lo:], 0, 1
+    # They are solved together with the first candidate (one DP pass for both; the candidate is
+    # kept only if it passes the test below, as if solved after).
+    pending = candidates[lo:]
+    first_cuts = _min_sum_cuts(cost, np.concatenate([candidates[-1:], pending[:1]]))
+    best_cuts = first_cuts[0]
+    stage_costs = _stage_times(cost, best_cuts)
+    least_sum, best_total = float(sum(stage_costs)), pipeline_time(stage_costs, num_microbatches)
+    first, batch_size, solved = 0, 1, first_cuts[1:]
     while first < pending.size:
         batch = pending[first:first + batch_size]
         first, batch_size = first + batch_size, min(2 * batch_size, BATCH)  # 1, 2, 4, ...: most scans stop early
-        batch = batch[(least_sum + (num_microbatches - 1) * batch < best_total) & (num_microbatches * batch < best_total)]
-        if batch.size == 0:
+        keep = (least_sum + (num_microbatches - 1) * batch < best_total) & (num_microbatches * batch < best_total)
+        if not keep.any():
             break
-        for cuts in _min_sum_cuts(cost, batch):
+        found = [c for c, k in zip(solved, keep, strict=True) if k] if solved else _min_sum_cuts(cost, batch[keep])
+        solved = []
+        for cuts in found:
             if cuts is None:
                 continue
-            total = pipeline_time([cost[k, i, j] for k, (i, j) in enumerate(cuts)], num_microbatches)
+            total = pipeline_time(_stage_times(cost, cuts), num_microbatches)
             if total < best_total - 1e-15:
                 best_total, best_cuts = total, cuts
-    times = tuple(float(cost[k, i, j]) for k, (i, j) in enumerate(best_cuts))
+    times = tuple(_stage_times(cost, best_cuts))
     return StageCuts(tuple(best_cuts), times, float(best_total))
+
+
+def _stage_times(cost: np.ndarray | SharedRows, cuts: list[tuple[int, int]]) -> list[float]:
+    """cost[k, i, j] of every stage k = (i, j) of `cuts`, in one lookup."""
+    starts, ends = np.array(cuts).T
+    if isinstance(cost, SharedRows):
+        return cost.rows[cost.row_of_stage[:len(cuts)], starts, ends].tolist()
+    return cost[np.arange(len(cuts)), starts, ends].tolist()
+
+
+def _lengths(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A stage's costs by range length: out[n - 1, j] = values[j - n, j] (inf where j < n), and
+    per length its cheapest range (what decides the longest range a bottleneck admits)."""
+    flat, before_zero = _length_index(values.shape[0])
+    out = values.ravel()[flat]
+    out[before_zero] = np.inf
+    return out, out.min(axis=1)
+
+
+@lru_cache(maxsize=8)
+def _length_index(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices into a size x size table of range [j - n, j) at [n - 1, j], and where j < n."""
+    begin = np.arange(size)[None, :] - np.arange(1, size)[:, None]
+    return np.maximum(begin, 0) * size + np.arange(size)[None, :], begin < 0
+
+
+def _by_length(lengths: tuple[np.ndarray, np.ndarray], t_max: np.ndarray) -> np.ndarray:
+    """A stage's costs re-indexed by range length, longest first: out[c, l, j] = values[j - L + l, j]
+    (L - l units ending before j), inf where that range starts before unit 0 or costs more than
+    the bottleneck t_max[c]. L is the longest range any bottleneck admits: costs grow with a
+    range's units, so most long ranges are out, and the DP below scans L lengths, not U - S + 1
+    starts. `lengths`: `_lengths` of the stage's costs."""
+    by_length, cheapest = lengths
+    admitted = np.flatnonzero(cheapest <= t_max.max())
+    longest = int(admitted[-1]) + 1 if admitted.size else 1
+    ranged = by_length[longest - 1::-1]
+    return np.where(ranged[None] <= t_max[:, None, None], ranged[None], np.inf)
 
 
 def _min_sum_cuts(cost: np.ndarray | SharedRows, t_max: np.ndarray) -> list[list[tuple[int, int]] | None]:
     """Per bottleneck t in `t_max`: cuts minimising the sum of stage costs over ranges costing
-    at most t (None where none fit). Vectorised over the bottlenecks (axis c below)."""
+    at most t (None where none fit). Vectorised over the bottlenecks (axis c below). Along the
+    band (`_band`) stage k's starts are stage k-1's ends, so the table is carried as one
+    [c, U - S + 1] slice; each stage's ranges are scanned by length (`_by_length`, once per row a
+    `SharedRows` table shares), longest first, so ties go to the earliest start as over starts."""
     num_stages, size, _ = cost.shape
-    count = t_max.size
-    rows, ends_in_band = np.arange(count)[:, None], np.arange(size - num_stages)[None, :]
-    # best[c, k, j]: least summed cost of placing units [0, j) in the first k stages.
-    best = np.full((count, num_stages + 1, size), np.inf)
-    best[:, 0, 0] = 0.0
-    # start[c, k, j]: the first unit of stage k-1 in that optimum.
-    start = np.zeros((count, num_stages + 1, size), dtype=int)
-    for k in range(1, num_stages + 1):
-        starts, ends = _band(k - 1, num_stages, size - 1)
-        stage = cost[k - 1, starts, ends]  # [start i, end j]; ranges above the bottleneck c cost inf
-        masked = np.where(stage[None] <= t_max[:, None, None], stage[None], np.inf)
-        totals = best[:, k - 1, starts, None] + masked  # [c, start i, end j]
-        chosen = np.argmin(totals, axis=1)
-        start[:, k, ends] = chosen + starts.start
-        best[:, k, ends] = totals[rows, chosen, ends_in_band]
+    count, width = t_max.size, size - num_stages
+    # length[c, k, j - k - 1]: the units of stage k (ending at j) in that optimum.
+    length = np.zeros((count, num_stages, width), dtype=int)
+    by_length: dict[int, np.ndarray] = {}  # row -> [c, l, end j] (`_by_length`)
+    for k in range(num_stages):
+        row = int(cost.row_of_stage[k]) if isinstance(cost, SharedRows) else k
+        if row not in by_length:
+            by_length[row] = _by_length(cost.lengths(row) if isinstance(cost, SharedRows) else _lengths(cost[k]), t_max)
+    longest = max(ranged.shape[1] for ranged in by_length.values())
+    # padded[c, L + j - k]: best[c, j - k], with L infs before it (ranges starting before the band).
+    padded = np.full((count, longest + width), np.inf)
+    padded[:, longest] = 0.0
+    # gather[L_row][l, jj]: where in `padded` the stage ending at k + 1 + jj with L_row - l units starts.
+    gather = {n: np.arange(width)[None, :] + 1 + np.arange(longest - n, longest)[:, None]
+              for n in {ranged.shape[1] for ranged in by_length.values()}}
+    for k in range(num_stages):
+        ranged = by_length[int(cost.row_of_stage[k]) if isinstance(cost, SharedRows) else k]
+        rows_longest = ranged.shape[1]
+        totals = padded[:, gather[rows_longest]] + ranged[:, :, k + 1:k + 1 + width]  # [c, l, end j]
+        length[:, k] = rows_longest - np.argmin(totals, axis=1)
+        padded[:, longest:] = totals.min(axis=1)
+    best = padded[:, longest:]
     out: list[list[tuple[int, int]] | None] = []
     for c in range(count):
-        if not np.isfinite(best[c, num_stages, size - 1]):
+        if not np.isfinite(best[c, -1]):
             out.append(None)
             continue
         cuts, end = [], size - 1
-        for k in range(num_stages, 0, -1):
-            begin = int(start[c, k, end])
+        for k in range(num_stages - 1, -1, -1):
+            begin = end - int(length[c, k, end - k - 1])
             cuts.append((begin, end))
             end = begin
         out.append(cuts[::-1])

@@ -61,7 +61,7 @@ from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, off
 from planner.errors import PlannerError
 from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
-from planner.solver.inter_op import SharedRows, range_allowed, solve_cuts
+from planner.solver.inter_op import SharedRows, least_bottleneck, range_allowed, solve_cuts
 
 
 @dataclass(frozen=True)
@@ -167,11 +167,26 @@ class Environment:
     cut_allowed: tuple[bool, ...] | None = None
     """Whether a stage may end after unit c (planner/solver/inter_op.py `allowed_cuts`: runs of
     units the profile says no cut may split); None: anywhere."""
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    """Results a search asks for again and again under this environment (`stage_arrays` per
+    table and data-parallel setting, `_transient_max` per table), each key led by its kind. Not an init field, so `dataclasses.replace` starts a new one: the answers depend on
+    the environment."""
 
 
 def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     """Per recompute mode: time per unit per micro-batch (prefix-summable) and the start term of
-    a range (`zero_unit_s`); model states per unit; and the ZeRO part of both (for the breakdown)."""
+    a range (`zero_unit_s`); model states per unit; and the ZeRO part of both (for the breakdown).
+    Memoised in `env.memo` (read-only arrays) by what it reads of cfg: tp, sp, ep, the ZeRO
+    stage, dp, the hybrid shard degree and offload."""
+    key = ("stage_arrays", id(table), cfg.tp, cfg.sequence_parallel, cfg.ep, cfg.zero_stage, cfg.dp, cfg.shard_degree,
+           cfg.offload)
+    held = env.memo.get(key)
+    if held is None:
+        held = env.memo[key] = (table, _stage_arrays(table, cfg, env))  # the table held: its id stays its own
+    return held[1]
+
+
+def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     base = table.forward_s + table.backward_s + tp_comm_s(table, cfg, env)
     if table.ep_comm_s is not None:
         base = base + table.ep_comm_s
@@ -217,6 +232,19 @@ def updated_parameters(table: UnitCostTable, cfg: Config, start: int, end: int) 
     return (held - experts) / cfg.zero_dp + experts / cfg.expert_dp
 
 
+def _updated_per_stage(table: UnitCostTable, cfg: Config, starts: np.ndarray, ends: np.ndarray, copies: np.ndarray) -> list[float]:
+    """`updated_parameters` of every stage [starts[k], ends[k]) at once; `copies`: their
+    `copy_parameters`."""
+    zeros = np.zeros(len(starts), dtype=int)
+    held = _range_sums(table.parameters[None], zeros, starts, ends) + copies
+    if table.frozen_parameters is not None:
+        held = held - _range_sums(table.frozen_parameters[None], zeros, starts, ends)
+    if cfg.zero_stage == 0:
+        return held.tolist()
+    experts = 0.0 if table.expert_parameters is None else _range_sums(table.expert_parameters[None], zeros, starts, ends)
+    return ((held - experts) / cfg.zero_dp + experts / cfg.expert_dp).tolist()
+
+
 def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None,
                     time_cap_s: float = math.inf) -> Evaluation:
     """Price one configuration; the DP chooses the cuts unless `fixed_bounds` gives them (baselines).
@@ -244,17 +272,17 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     # Copies of tied weights a range holds (linear in parameters, like `states`).
     copy_states = gpu_state_bytes(table.copy_parameters(start, end), cfg, env)
     hops, p2p, sliced = p2p_arrays(table, cfg, env)
-    # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more).
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more). Stage
     # positions holding as many share one row of the cost table (zero bubble: all of them).
-    in_flight = np.array([in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
-                          for k in range(num_chunks)])
+    rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
+                      for rank in range(cfg.pp)]
+    in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
     levels, row_of_stage = np.unique(in_flight, return_inverse=True)
     buffers = 2 * table.cut_bytes[end - 1]
     per_mode = []  # (time per range, memory per [in-flight level, range]) per recompute mode
     for r in env.allowed_recompute:
         p_time, p_act = prefix(times[r]), prefix(table.activations[r])
-        fixed = p_states[end] - p_states[start] + copy_states + buffers + (_range_max(table.transient[r])[start, end] if r == "full" else 0.0)
+        fixed = p_states[end] - p_states[start] + copy_states + buffers + (_transient_max(table, env)[start, end] if r == "full" else 0.0)
         per_mode.append((p_time[end] - p_time[start] + first[r][start] + p2p[end - 1],
                          fixed[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]))
     min_needed = min(float(memory.min()) for _, memory in per_mode)
@@ -292,8 +320,11 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                 return Evaluation(cfg, False, "the given cuts do not fit in memory", min_memory_bytes=min_needed)
             bounds = tuple(fixed_bounds)
         else:
+            least = least_bottleneck(cost)
+            if attempt == 0 and limit >= max(limits) and _bottleneck_bound_s(table, cfg, env, least, hops) >= time_cap_s:
+                return Evaluation(cfg, False, "dominated: its least bottleneck stage is too slow for the best plans")
             try:
-                bounds = solve_cuts(cost, cfg.num_microbatches, candidates=candidates).bounds
+                bounds = solve_cuts(cost, cfg.num_microbatches, candidates=candidates, bottleneck_floor=least).bounds
             except PlannerError:
                 dominated = math.isfinite(time_cap_s)
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
@@ -305,6 +336,31 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     evaluation.p2p_scatter_gather = sliced
     evaluation.overlap = tuple(env.overlap.names())
     return evaluation
+
+
+def _bottleneck_bound_s(table: UnitCostTable, cfg: Config, env: Environment, least_bottleneck_s: float,
+                        hops: np.ndarray) -> float:
+    """Seconds per iteration no cuts of this stage cost table can beat, from its least
+    bottleneck t* (`least_bottleneck`, planner/solver/inter_op.py; inf: no cuts fit, which the
+    DP reports). Proof: `_price` gives chunk k work_k = fwd_k + bwd_k >= its range's cost (bwd
+    is clipped at 0 from below), and the cuts' slowest chunk costs at least t*, the rank
+    holding it works at least t*. So the
+    closed forms (planner/cost/schedules.py) take at least: GPipe, 1F1B, sum + (m - 1) max >=
+    m t*; interleaved 1F1B, m max_rank + (p - 1) max_chunk >= (m + p - 1) t*; zero bubble,
+    m max_rank (v > 1) or m work_slowest (v = 1) plus hops >= 0, so m t*. Zero bubble with
+    m < p is played in the simulator: only its m t* holds unproven, so it gets 0 here. The
+    overlapped p2p's fill (S - 1 cuts, each at least the cheapest hop) and, without offload,
+    the optimizer step of the mean rank (`TimeBound`, planner/solver/bounds.py) add. Applied only to the first,
+    most permissive memory limit's table: a later one with less memory costs at least as much."""
+    m, p, v = cfg.num_microbatches, cfg.pp, cfg.virtual_stages
+    if not math.isfinite(least_bottleneck_s) or (cfg.schedule == "zero-bubble" and m < p):
+        return 0.0
+    pipeline = (m + p - 1 if cfg.schedule == "interleaved-1f1b" and v > 1 else m) * least_bottleneck_s
+    fill = (p * v - 1) * float(hops[:-1].min()) if env.overlap.pipeline_p2p and len(hops) > 1 else 0.0
+    optimizer = 0.0 if cfg.offload else \
+        updated_parameters(table, cfg, 0, len(table.parameters)) / p * env.optimizer_s_per_param
+    # The table's sums are prefix-sum differences, `_price`'s are not: 1e-12 covers their rounding.
+    return (pipeline + fill + optimizer) * (1 - 1e-12)
 
 
 def p2p_arrays(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -341,6 +397,14 @@ def _p2p_s(nbytes: float, tp: int, same_node: bool, sliced: bool, env: Environme
     return env.p2p_s(nbytes / tp, same_node) + env.tp_all_gather_s(nbytes, tp)
 
 
+def _transient_max(table: UnitCostTable, env: Environment) -> np.ndarray:
+    """`_range_max` of the table's transient bytes under full recomputation, once per table (`env.memo`)."""
+    key = ("transient_max", id(table))
+    if key not in env.memo:
+        env.memo[key] = (table, _range_max(table.transient["full"]))
+    return env.memo[key][1]
+
+
 def _range_max(values: np.ndarray) -> np.ndarray:
     """out[i, j] = max(values[i:j]) for i < j (running maxima, one row per start)."""
     size = len(values) + 1
@@ -350,19 +414,34 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def _range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per stage k: sum of per_mode[modes[k], starts[k]:ends[k]] (prefix-sum differences, one numpy pass)."""
+    prefix = np.concatenate([np.zeros((per_mode.shape[0], 1)), np.cumsum(per_mode, axis=1)], axis=1)
+    return prefix[modes, ends] - prefix[modes, starts]
+
+
 def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, first, states, zero, p2p, hops) -> Evaluation:
     recompute = tuple(env.allowed_recompute[r] for r in recompute_idx)
-    fwd, bwd, mem = [], [], []
-    for k, ((i, j), r) in enumerate(zip(bounds, recompute, strict=False)):
-        f = float(table.forward_s[i:j].sum() + table.recompute_s[r][i:j].sum())
-        total = float(times[r][i:j].sum() + first[r][i] + p2p[j - 1])
-        fwd.append(f + p2p[j - 1] / 2)
-        bwd.append(max(total - f - p2p[j - 1] / 2, 0.0))  # a unit without backward (rotary) can round below 0
-        in_flight = in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
-        transient = float(table.transient[r][i:j].max()) if r == "full" else 0.0
-        copies = float(table.copy_parameters(i, j)[0])
-        copy_states = gpu_state_bytes(copies, cfg, env)
-        mem.append(float(states[i:j].sum() + copy_states + in_flight * table.activations[r][i:j].sum() + transient + 2 * table.cut_bytes[j - 1]))
+    modes, (starts, ends) = np.array(recompute_idx), np.array(bounds).T
+    all_modes = env.allowed_recompute
+    # Per stage, all stages at once: forward (with recomputation), time, stored activations.
+    forward = _range_sums(np.stack([table.forward_s + table.recompute_s[r] for r in all_modes]), modes, starts, ends)
+    total = (_range_sums(np.stack([times[r] for r in all_modes]), modes, starts, ends)
+             + np.array([first[r][i] for r, i in zip(recompute, starts, strict=True)]) + p2p[ends - 1])
+    stored = _range_sums(np.stack([table.activations[r] for r in all_modes]), modes, starts, ends)
+    held = _range_sums(states[None], np.zeros_like(modes), starts, ends)
+    rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
+                      for rank in range(cfg.pp)]
+    in_flight = np.array(rank_in_flight)[np.arange(len(bounds)) % cfg.pp]
+    transient = np.array([float(table.transient[r][i:j].max()) if r == "full" else 0.0
+                          for (i, j), r in zip(bounds, recompute, strict=True)])
+    copies = table.copy_parameters(starts, ends)
+    copy_states = gpu_state_bytes(copies, cfg, env)
+    memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1]
+    half_p2p = p2p[ends - 1] / 2
+    fwd = (forward + half_p2p).tolist()
+    bwd = np.maximum(total - forward - half_p2p, 0.0).tolist()  # a unit without backward (rotary) can round below 0
+    mem = memory.tolist()
     # Memory per pipeline rank: its chunks together (interleaving puts v chunks on one rank).
     rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
     if max(rank_mem) > env.usable_memory_bytes:
@@ -378,6 +457,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     grad_s, gather_s = dp_tail_s(table, cfg, env, bounds, recompute)
     tie_s = _tie_all_reduce_s(table, cfg, env, bounds)
     opt_s, pcie_s = [], []
+    updated = _updated_per_stage(table, cfg, starts, ends, copies)
     for rank in range(cfg.pp):
         chunks = [(i, j) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank]
         if cfg.offload:  # the AdamW step on the host CPU, and the shards' copies over PCIe
@@ -389,7 +469,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
             opt_s.append(cost.cpu_optimizer_s * share)
             pcie_s.append(cost.host_to_device_s + cost.device_to_host_s * share)
         else:
-            opt_s.append(sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * env.optimizer_s_per_param)
+            opt_s.append(sum(updated[rank::cfg.pp]) * env.optimizer_s_per_param)
             pcie_s.append(0.0)
     tails = [d + g + t + o + c for d, g, t, o, c in zip(grad_s, gather_s, tie_s, opt_s, pcie_s, strict=True)]
     tail = max(tails)

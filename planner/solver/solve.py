@@ -12,10 +12,13 @@ lost. When nothing fits it says what does not fit and by how much.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+
+import numpy as np
 
 from planner.cluster import Cluster
 from planner.cost.collectives import CollectiveModel, Group, group_placement
@@ -27,7 +30,7 @@ from planner.plan import (
     Plan,
 )
 from planner.profile_schema import Profile
-from planner.solver.bounds import TimeBound, memory_lower_bound
+from planner.solver.bounds import TimeBound
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
@@ -333,10 +336,12 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline).
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
-    (`memory_lower_bound`); the rest are priced in order of a lower bound on their iteration
-    time (`TimeBound`, planner/solver/bounds.py) until that bound reaches the k-th best
-    time found. Both bounds are exact, so the top k are those of pricing every configuration
-    (up to the DP's own cap, `evaluate_config`'s `time_cap_s`). `moe_imbalance` is the MoE
+    (`memory_lower_bound`, once per setting it reads: `TimeBound.memory_bytes`); the rest are
+    priced in order of a lower bound on their iteration time (`TimeBound.many`,
+    planner/solver/bounds.py: all configurations in one numpy pass) until that bound reaches
+    the k-th best time found. Both bounds are exact, so the top k are those of pricing every
+    configuration (up to the DP's own cap, `evaluate_config`'s `time_cap_s`, and its
+    bottleneck bound, `_bottleneck_bound_s`). `moe_imbalance` is the MoE
     routing's busiest-rank load over the balanced one (planner/cost/moe.py); `float8` runs the
     linears in FP8 (planner/cost/fp8.py), a choice of numerics the user makes, not searched;
     `allow_offload` lets the search keep model states in host memory (`Pins.offload`)."""
@@ -370,35 +375,40 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
             tables[key] = costs.table(*key)
     phases["intra_op"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    time_lower_bound = TimeBound(env)
-    queue, pruned, least = [], 0, math.inf
+    bound = TimeBound(env)
+    fitting, pruned, least = [], 0, math.inf
     for cfg in configs:
         table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)]
-        memory = memory_lower_bound(table, cfg, env)
+        memory = bound.memory_bytes(table, cfg)
         if memory > env.usable_memory_bytes:
             pruned, least = pruned + 1, min(least, memory)
             continue
-        queue.append((time_lower_bound(table, cfg), len(queue), cfg, table))
-    queue.sort(key=lambda q: q[:2])
+        fitting.append((table, cfg))
+    time_bounds = bound.many(fitting)
+    order = np.argsort(time_bounds, kind="stable")  # ascending bound, ties in enumeration order
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    ranked, evaluated, cap = [], 0, math.inf
-    for bound_s, _, cfg, table in queue:
-        if bound_s >= cap:
+    ranked, evaluated, cap, best_times = [], 0, math.inf, []
+    for index in order:
+        if time_bounds[index] >= cap:
             break
+        table, cfg = fitting[index]
         evaluated += 1
         bounds = uniform_bounds(len(profile.units), cfg.pp * cfg.virtual_stages) if uniform_cuts else None
         result = evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
         if result.feasible:
             ranked.append(result)
-            if len(ranked) >= keep:
-                cap = sorted(e.iteration_time_s for e in ranked)[keep - 1]
+            heapq.heappush(best_times, -result.iteration_time_s)  # the k fastest so far, slowest on top
+            if len(best_times) > keep:
+                heapq.heappop(best_times)
+            if len(best_times) == keep:
+                cap = -best_times[0]
         else:
             least = min(least, result.min_memory_bytes)
     phases["inter_op"] = time.perf_counter() - tick
     ranked.sort(key=lambda e: e.iteration_time_s)
     return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs,
-                        candidates=len(configs), pruned_by_time=len(queue) - evaluated, phase_times_s=phases)
+                        candidates=len(configs), pruned_by_time=len(fitting) - evaluated, phase_times_s=phases)
 
 
 def check_float8(cluster: Cluster, dtype: str) -> None:
