@@ -25,8 +25,9 @@ examples/hf/):
 - LoRA: Llama 3 70B fine-tuned with peft adapters on 8 GPUs (examples/hf_lora.py) against
   the same model fully trained;
 - offload: a 13B Llama-shaped model fully trained on one GPU, with and without `--offload`;
-- HSDP: Llama 3 70B on 1024 GPUs with FSDP (pp = tp = 1, ZeRO-3), sharding over all ranks
-  against hybrid sharding (`Layout.shard_degree`).
+- HSDP: Llama 3 8B on 1024 GPUs with FSDP (pp = tp = 1, ZeRO-3), sharding over all ranks
+  (`--shard-degree 1024`) against the search's choice, hybrid sharding over 16 ranks: its
+  parameter all-gathers stay inside two nodes instead of a ring over 128.
 Written to benchmarks/results/plan_quality_seed_rows.csv.
 
     python benchmarks/plan_quality.py
@@ -149,8 +150,8 @@ def seed_rows() -> pd.DataFrame:
         ("offload: 13B full train, 1 GPU", 1, 8,
          lambda: _hf_profile(hf.__file__, HF / "llama3-8b.json", 2048, **LLAMA_13B), {},
          None, {"allow_offload": True}),
-        ("HSDP: Llama 3 70B FSDP, 1024 GPUs", 1024, 1024,
-         lambda: _hf_profile(hf.__file__, HF / "llama3-70b.json", 2048), {"pins": Pins(pp=1, tp=1, zero_stage=3, shard_degree=None)},
+        ("HSDP: Llama 3 8B FSDP, 1024 GPUs", 1024, 1024,
+         lambda: _hf_profile(hf.__file__, HF / "llama3-8b.json", 2048), {"pins": Pins(pp=1, tp=1, zero_stage=3, shard_degree=1024)},
          None, {"pins": Pins(pp=1, tp=1, zero_stage=3)}),
     ]
     rows = []

@@ -51,9 +51,12 @@ def test_hsdp_is_offered_only_across_nodes(gpt_meta):
     one_node = search(gpt_meta, make_cluster(8, 8, "h100-80gb"), 32, keep=50).ranked
     assert all(e.config.shard_degree is None for e in one_node)
     many = search(gpt_meta, make_cluster(32, 8, "h100-80gb"), 32, Pins(pp=1, tp=1, zero_stage=3), keep=50).ranked
-    assert {e.config.shard_degree for e in many} == {None, 8}
+    # The node (8 ranks) and the narrowest group of whole nodes whose states fit, and its double (8, 16).
+    assert {e.config.shard_degree for e in many} == {None, 8, 16}
     plan = solve(gpt_meta, make_cluster(32, 8, "h100-80gb"), 32, Pins(pp=1, tp=1, zero_stage=3, shard_degree=8))
     assert plan.layout.shard_degree == 8
+    plain = solve(gpt_meta, make_cluster(32, 8, "h100-80gb"), 32, Pins(pp=1, tp=1, zero_stage=3, shard_degree=32))
+    assert plain.layout.shard_degree is None  # a group of all dp ranks is plain sharding
 
 
 def test_sharding_pins_are_checked(gpt_meta):

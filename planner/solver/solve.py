@@ -12,6 +12,7 @@ lost. When nothing fits it says what does not fit and by how much.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import time
@@ -23,6 +24,7 @@ import numpy as np
 from planner.cluster import Cluster
 from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
+from planner.cost.memory import model_state_bytes
 from planner.errors import PlannerError
 from planner.plan import (
     RECOMPUTE,
@@ -177,16 +179,30 @@ def ep_degrees(pins: Pins, experts: set[int], dp: int, sp: bool) -> list[int]:
     return [e for e in choices if common % e == 0 and dp % e == 0 and (e == 1 or not sp)]
 
 
-def _shard_degrees(pins: Pins, zero_stage: int, dp: int, tp: int, gpus_per_node: int, ep: int) -> list[int | None]:
+def _shard_degrees(pins: Pins, zero_stage: int, dp: int, tp: int, gpus_per_node: int, ep: int,
+                   states_fit=None) -> list[int | None]:
     """Hybrid sharding's group sizes to try: a pinned one, else plain sharding and, when the dp
     group spans several nodes, the node (ZeRO states sharded over a node's ranks, replicated
-    across nodes: FSDP's usual HSDP layout, ZeRO++'s hierarchical partitioning)."""
+    across nodes: FSDP's usual HSDP layout, ZeRO++'s hierarchical partitioning) and the
+    smallest group of whole nodes (doubling) whose shard of the states fits a GPU
+    (`states_fit(shard) -> bool`) and twice it: shard as narrowly as memory allows, replicate
+    the rest."""
     if zero_stage == 0 or ep > 1:
         return [None]
-    if pins.shard_degree:
-        return [pins.shard_degree] if dp % pins.shard_degree == 0 and pins.shard_degree < dp else []
+    if pins.shard_degree:  # equal to dp: sharding over all dp ranks, as Layout.shard_degree reads it
+        return [None] if pins.shard_degree == dp else [pins.shard_degree] if dp % pins.shard_degree == 0 else []
     node = gpus_per_node // tp
-    return [None] + ([node] if dp * tp > gpus_per_node and 1 < node < dp and dp % node == 0 else [])
+    if dp * tp <= gpus_per_node or node < 1 or dp % node:
+        return [None]
+    sizes = [node] if 1 < node < dp else []
+    group = max(node, 2)
+    while states_fit is not None and group < dp and dp % group == 0 and not states_fit(group):
+        group *= 2
+    # The narrowest fitting group leaves little room for activations: its double is offered too.
+    for size in (group, 2 * group):
+        if size < dp and dp % size == 0 and size not in sizes and (states_fit is None or states_fit(size)):
+            sizes.append(size)
+    return [None, *sizes]
 
 
 def _offloads(pins: Pins, zero_stage: int, dp: int, ep: int, allow_offload: bool) -> list[bool]:
@@ -201,9 +217,11 @@ def _offloads(pins: Pins, zero_stage: int, dp: int, ep: int, allow_offload: bool
 
 
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
-                      tp_degrees: set[int] | None = None, experts: set[int] = frozenset(), allow_offload: bool = False):
+                      tp_degrees: set[int] | None = None, experts: set[int] = frozenset(), allow_offload: bool = False,
+                      states_fit=None):
     """Configurations the pins allow; `num_units` bounds the pipeline chunks, `tp_degrees` are the
-    TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts."""
+    TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts,
+    `states_fit(zero, pp, tp, shard) -> bool` whether the model states fit a GPU (hybrid sharding)."""
     n, gpn = cluster.world_size, cluster.gpus_per_node
     for tp in [pins.tp] if pins.tp else [t for t in _divisors(min(n, gpn)) if tp_degrees is None or t in tp_degrees]:
         for pp in [pins.pp] if pins.pp else [p for p in _divisors(n // tp) if p <= num_units]:
@@ -228,7 +246,8 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
                             ([0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
                         yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload)
                                for ep in ep_degrees(pins, experts, dp, sp) for z in zeros
-                               for shard in _shard_degrees(pins, z, dp, tp, gpn, ep)
+                               for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
+                                                           functools.partial(states_fit, z, pp, tp))
                                for offload in _offloads(pins, z, dp, ep, allow_offload)]
 
 
@@ -366,7 +385,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
                                                      profile.micro_batch_sizes, tp_degrees, expert_counts(profile),
-                                                     allow_offload) for cfg in variants]
+                                                     allow_offload, _states_fit(profile, dtype, env.usable_memory_bytes))
+               for cfg in variants]
     tick = time.perf_counter()
     tables = {}
     for cfg in configs:
@@ -434,6 +454,15 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
                       float8=float8)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep), cfg, env)
+
+
+def _states_fit(profile: Profile, dtype: str, usable_bytes: float):
+    """(zero, pp, tp, shard) -> whether the whole model's states over pp x tp, ZeRO-sharded over
+    `shard` ranks, fit a GPU's usable memory (a necessary condition, as the memory bound's)."""
+    def fit(zero_stage: int, pp: int, tp: int, shard: int) -> bool:
+        states = model_state_bytes(profile.model.num_parameters / (pp * tp), dtype, zero_stage, shard).total
+        return states <= usable_bytes
+    return fit
 
 
 def ep_all_to_all(cluster: Cluster, coll: CollectiveModel):
