@@ -60,6 +60,14 @@ peak is held against; `total` (with it) is what must fit on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
+
+Amount = TypeVar("Amount", float, "np.ndarray")
+"""A number of parameters or bytes, or an array of them: the state formulas are elementwise,
+so the search prices every unit at once (planner/solver/search.py)."""
 
 # Korthikanti et al. 2022, section 4.1: five boundary-shaped 16-bit tensors (10·s·b·h bytes)
 # of a transformer layer stay replicated under tensor parallelism without SP.
@@ -75,20 +83,20 @@ STATE_BYTES = {
 
 
 @dataclass(frozen=True)
-class ModelStateBytes:
-    weights: float
+class ModelStateBytes(Generic[Amount]):
+    weights: Amount
     """Parameter bytes held per GPU."""
-    gradients: float
+    gradients: Amount
     """Gradient bytes held per GPU."""
-    optimizer: float
+    optimizer: Amount
     """Optimizer state bytes per GPU (master weights and Adam moments)."""
 
     @property
-    def total(self) -> float:
+    def total(self) -> Amount:
         return self.weights + self.gradients + self.optimizer
 
 
-def model_state_bytes(num_parameters: float, dtype: str, zero_stage: int, dp_degree: int) -> ModelStateBytes:
+def model_state_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp_degree: int) -> ModelStateBytes[Amount]:
     """Model states of `num_parameters` (already divided by TP where sharded) on one GPU."""
     weights, grads, optimizer = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
     n = num_parameters

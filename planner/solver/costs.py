@@ -274,6 +274,7 @@ class UnitCosts:
                 rec["full"][i] += f * (ratio - 1) + perm + 2 * a2a
                 rec_comm[i] += 2 * a2a
                 comm[i] += ALL_TO_ALLS_PER_STEP * a2a
+        assert base.expert_parameters is not None, "only a model with experts is priced with ep > 1"
         experts = base.expert_parameters / ep
         return replace(base, forward_s=fwd, backward_s=bwd, recompute_s=rec,
                        parameters=base.parameters - base.expert_parameters + experts, expert_parameters=experts,
@@ -334,14 +335,14 @@ class UnitCosts:
                 a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded)
                 act[mode][i], transient[mode][i] = a.stored, a.transient
         cut = np.zeros(n)
-        for c in self.profile.cuts:
-            cut[c.after_index] = interpolate({k: float(v) for k, v in c.bytes.items()}, b) / (t if sp else 1)
+        for crossing in self.profile.cuts:
+            cut[crossing.after_index] = interpolate({k: float(v) for k, v in crossing.bytes.items()}, b) / (t if sp else 1)
         table = UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans,
                               tied_weights(self.profile))
         if self.float8:
             table = replace(table, fp8_weight_parameters=fp8_weights, fp8_flops=fp8_flops)
-        frozen = np.array([params[u.index] * (1 - u.trainable_parameter_bytes / u.parameter_bytes) if u.parameter_bytes else 0.0
-                           for u in units])
+        frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)
+                           if u.parameter_bytes else 0.0 for u in units])  # (the schema fills trainable bytes)
         if frozen.any():  # the share of each unit's parameters that is frozen, after TP alike
             table = replace(table, frozen_parameters=frozen)
         if not layer_seconds:

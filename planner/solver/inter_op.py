@@ -176,6 +176,8 @@ def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed
     pending = candidates[lo:]
     first_cuts = _min_sum_cuts(cost, np.concatenate([candidates[-1:], pending[:1]]))
     best_cuts = first_cuts[0]
+    if best_cuts is None:
+        raise PlannerError("No stage cuts fit in memory.", "Use more GPUs or allow recomputation/ZeRO.")
     stage_costs = _stage_times(cost, best_cuts)
     least_sum, best_total = float(sum(stage_costs)), pipeline_time(stage_costs, num_microbatches)
     first, batch_size, solved = 0, 1, first_cuts[1:]

@@ -158,6 +158,7 @@ def _numel(shape: list[int]) -> int:
 
 def _linear_features(op: OpNode) -> tuple[int, int]:
     """(in, out) features of a `linear` op, whichever way its weight is stored."""
+    assert op.weight_shape is not None, "a linear op has a weight"
     in_f, out_f = op.weight_shape if op.weight_in_out else reversed(op.weight_shape)
     return in_f, out_f
 
@@ -191,6 +192,7 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_paral
         ok["replicate"] = not (sequence_parallel and (ok["colwise"] or ok["rowwise"]))
         return {s: v for s, v in LINEAR.items() if ok[s]}
     if op.kind == "embedding":
+        assert op.weight_shape is not None, "an embedding op has a weight"
         num, dim = op.weight_shape
         ok = {"replicate": True, "rowwise": num % tp == 0, "colwise": dim % tp == 0}
         return {s: v for s, v in EMBEDDING.items() if ok[s]}
@@ -352,7 +354,11 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str]) -> IntraOpSolu
         if t > 0:
             comm += t
             paid.append(f"bwd {grad}->{_grad_target(out)} {src}")
-    plan = {by_name[n].module: STYLE[s] for n, s in strategies.items() if n in by_name and by_name[n].module is not None and s in STYLE}
+    plan = {}
+    for n, s in strategies.items():
+        module = by_name[n].module if n in by_name else None
+        if module is not None and s in STYLE:
+            plan[module] = STYLE[s]
     return IntraOpSolution(dict(strategies), plan, compute, comm, params, paid, forward_comm)
 
 
@@ -414,7 +420,8 @@ def _add_conversions(model, x, graph: _Graph, coll: TPCollectives) -> list:
     returns); y[dir, p, a, t] >= e[a, t] then charges each (producer, layout pair) once.
     This is tighter than the plain AND linearisation, so CBC closes the gap at the root.
     """
-    terms, y = [], {}
+    terms: list = []
+    y: dict = {}
     layouts = ("R", "F", "S", "P")
     for key, src in graph.sources.items():
         consumer = _consumer_of(key)

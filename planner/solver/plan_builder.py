@@ -23,11 +23,12 @@ from planner.solver.search import Evaluation
 
 def _layout(e: Evaluation) -> Layout:
     c = e.config
-    return Layout(
+    # Validated from a dict: the search carries the schedule and ZeRO stage as plain str and int.
+    return Layout.model_validate(dict(
         pp_degree=c.pp, dp_degree=c.dp, tp_degree=c.tp, zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel, schedule=c.schedule, virtual_stages=c.virtual_stages,
         p2p_scatter_gather=e.p2p_scatter_gather, ep_degree=c.ep, shard_degree=c.shard_degree,
-    )
+    ))
 
 
 def module_fqn(unit: str, module: str) -> str:
@@ -134,8 +135,8 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
                        source_sha256=profile.model.source_sha256),
         profile=profile_path,
         cluster=ClusterRef(**cluster.to_ref()),
-        training=Training(dtype=dtype, cpu_threads=profile.cpu_threads, float8=result.costs.float8,
-                          offload="cpu" if cfg.offload else "none"),
+        training=Training.model_validate(dict(dtype=dtype, cpu_threads=profile.cpu_threads, float8=result.costs.float8,
+                                              offload="cpu" if cfg.offload else "none")),
         batch=Batch(global_batch_size=global_batch_size, micro_batch_size=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches),
         layout=layout,
         stages=stages,

@@ -49,6 +49,7 @@ Data-parallel communication per ZeRO stage (the runtime runs 1-3 as FSDP2):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,17 +150,17 @@ class Environment:
     dtype: str
     dtype_bytes: int
     allowed_recompute: tuple[str, ...]
-    dp_all_reduce_s: object  # (nbytes, dp, tp) -> s
-    dp_reduce_scatter_s: object
-    dp_all_gather_s: object
-    p2p_s: object  # (nbytes, same_node) -> s
-    tp_all_gather_s: object  # (nbytes, tp) -> s, in a tensor-parallel group
+    dp_all_reduce_s: Callable[[float, int, int], float]  # (nbytes, dp, tp) -> s
+    dp_reduce_scatter_s: Callable[[float, int, int], float]
+    dp_all_gather_s: Callable[[float, int, int], float]
+    p2p_s: Callable[[float, bool], float]  # (nbytes, same_node) -> s
+    tp_all_gather_s: Callable[[float, int], float]  # (nbytes, tp) -> s, in a tensor-parallel group
     gpus_per_node: int
     optimizer_s_per_param: float
     """Seconds of the optimizer step per parameter a rank updates (planner/cost/compute.py)."""
     pipeline_overhead_s: float = 0.0
     """Per micro-batch and pipeline chunk, beyond compute and bytes (planner/cluster.py)."""
-    tie_all_reduce_s: object = None
+    tie_all_reduce_s: Callable[[float, tuple, int], float] | None = None
     """(nbytes, pp ranks holding a copy, ranks per pipeline rank = dp x tp) -> s: the all-reduce of a
     tied weight's gradient among its copies (None: free)."""
     overlap: Overlap = Overlap()
@@ -461,17 +462,17 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     for rank in range(cfg.pp):
         chunks = [(i, j) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank]
         if cfg.offload:  # the AdamW step on the host CPU, and the shards' copies over PCIe
-            held = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in chunks)
-            trained = sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * cfg.zero_dp  # before ZeRO
-            cost = offload_step_cost(held, env.dtype, cfg.zero_stage, cfg.zero_dp,
+            rank_held = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in chunks)
+            rank_trained = sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * cfg.zero_dp  # before ZeRO
+            cost = offload_step_cost(rank_held, env.dtype, cfg.zero_stage, cfg.zero_dp,
                                      *fsdp_collective_counts(cfg.zero_stage, m), gpus_per_host=env.gpus_per_node)
-            share = trained / held if held else 0.0  # frozen weights are copied in, never stepped or reduced
+            share = rank_trained / rank_held if rank_held else 0.0  # frozen weights are copied in, never stepped or reduced
             opt_s.append(cost.cpu_optimizer_s * share)
             pcie_s.append(cost.host_to_device_s + cost.device_to_host_s * share)
         else:
             opt_s.append(sum(updated[rank::cfg.pp]) * env.optimizer_s_per_param)
             pcie_s.append(0.0)
-    tails = [d + g + t + o + c for d, g, t, o, c in zip(grad_s, gather_s, tie_s, opt_s, pcie_s, strict=True)]
+    tails = [float(d + g + t + o + c) for d, g, t, o, c in zip(grad_s, gather_s, tie_s, opt_s, pcie_s, strict=True)]
     tail = max(tails)
     slowest = int(np.argmax(tails))
     busiest = int(np.argmax(rank_work))
@@ -495,7 +496,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     hw_flops = model_flops + m * cfg.dp * sum(float(table.recompute_flops[r][i:j].sum()) for (i, j), r in zip(bounds, recompute, strict=False))
     return Evaluation(
         cfg, True,
-        iteration_time_s=pipeline_s + tail,
+        iteration_time_s=float(pipeline_s + tail),
         bounds=tuple(bounds),
         stage_recompute=recompute,
         stage_forward_s=tuple(fwd),

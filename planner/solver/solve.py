@@ -16,6 +16,7 @@ import functools
 import heapq
 import math
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -88,7 +89,7 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
     fixed = [d for d in (pins.pp, pins.tp, pins.dp) if d]
     if fixed and n % math.prod(fixed):
         problems.append(f"pp x tp x dp pins ({pins.pp}, {pins.tp}, {pins.dp}) do not divide the {n} GPUs")
-    if all((pins.pp, pins.tp, pins.dp)) and pins.pp * pins.tp * pins.dp != n:
+    if pins.pp and pins.tp and pins.dp and pins.pp * pins.tp * pins.dp != n:
         problems.append(f"pp x tp x dp = {pins.pp * pins.tp * pins.dp} but the cluster has {n} GPUs")
     if pins.tp and pins.tp > gpn:
         problems.append(f"--tp {pins.tp} exceeds the {gpn} GPUs of a node (tensor parallelism stays inside a node)")
@@ -168,7 +169,7 @@ def expert_counts(profile: Profile) -> set[int]:
     return {layer.num_experts for u in profile.units for layer in u.moe}
 
 
-def ep_degrees(pins: Pins, experts: set[int], dp: int, sp: bool) -> list[int]:
+def ep_degrees(pins: Pins, experts: AbstractSet[int], dp: int, sp: bool) -> list[int]:
     """EP degrees to try with dp data-parallel ranks: divisors of every layer's number of experts
     that divide dp (the runtime folds EP onto the dp ranks, without sequence parallelism:
     runtime/apply_ep.py)."""
@@ -217,7 +218,7 @@ def _offloads(pins: Pins, zero_stage: int, dp: int, ep: int, allow_offload: bool
 
 
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
-                      tp_degrees: set[int] | None = None, experts: set[int] = frozenset(), allow_offload: bool = False,
+                      tp_degrees: set[int] | None = None, experts: AbstractSet[int] = frozenset(), allow_offload: bool = False,
                       states_fit=None):
     """Configurations the pins allow; `num_units` bounds the pipeline chunks, `tp_degrees` are the
     TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts,
@@ -408,7 +409,9 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     order = np.argsort(time_bounds, kind="stable")  # ascending bound, ties in enumeration order
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    ranked, evaluated, cap, best_times = [], 0, math.inf, []
+    ranked: list[Evaluation] = []
+    best_times: list[float] = []
+    evaluated, cap = 0, math.inf
     for index in order:
         if time_bounds[index] >= cap:
             break
