@@ -1,7 +1,8 @@
-"""Outer search: every parallel knob around the inter-op DP and the intra-op ILP.
+"""Pricing one configuration: its stage cost table, the inter-op DP over it, and the price.
 
-For each (tp, sequence parallel, pp, micro-batch size, schedule, virtual stages, ZeRO stage)
-that the pins allow, `evaluate_config` builds the stage cost table
+The outer search over configurations is planner/solver/solve.py `search`. For each (tp,
+sequence parallel, pp, ep, micro-batch size, schedule, virtual stages, ZeRO stage, hybrid
+shard degree, offload) it enumerates, `evaluate_config` builds the stage cost table
 
     cost[k, i, j] = min over recompute r (allowed, fitting in stage k's memory) of
                     sum_{u in [i, j)} (fwd_u + bwd_u + recompute_r,u + tp_comm_u + zero_u)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import logging
 import math
 import time
 from collections.abc import Set as AbstractSet
@@ -39,6 +40,7 @@ from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config
 
+log = logging.getLogger(__name__)
 GIB = 1024**3
 # Share of device memory the plan may use: the rest is the CUDA context, NCCL buffers,
 # cuBLAS workspaces and allocator fragmentation (PyTorch's caching allocator typically
@@ -429,6 +431,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
         else:
             least = min(least, result.min_memory_bytes)
     phases["inter_op"] = time.perf_counter() - tick
+    log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", len(configs), pruned, evaluated,
+              {k: round(v, 3) for k, v in phases.items()})
     ranked.sort(key=lambda e: e.iteration_time_s)
     return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs,
                         candidates=len(configs), pruned_by_time=len(fitting) - evaluated, phase_times_s=phases)
