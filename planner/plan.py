@@ -78,7 +78,7 @@ class Training(_Model):
     parameters are copied to the device for each all-gather, gradients back after each
     reduce-scatter (FSDP2 `CPUOffloadPolicy`, runtime/apply_dp.py). Needs zero_stage >= 1 (the
     FSDP path), also with dp_degree 1."""
-    cpu_threads: int | None = Field(None, gt=0)
+    cpu_threads: int | None = Field(default=None, gt=0)
     """On CPU, torch threads per process; solved plans take it from the profile, whose times were
     measured with as many. None: $OMP_NUM_THREADS (`planner run` sets 1 when it is unset)."""
     float8: bool = False
@@ -111,7 +111,7 @@ class Layout(_Model):
     of experts."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded (FSDP)."""
-    shard_degree: int | None = Field(None, gt=0)
+    shard_degree: int | None = Field(default=None, gt=0)
     """Hybrid sharding (HSDP: Zhao et al. 2023, "PyTorch FSDP", VLDB, hybrid sharding; the idea
     behind ZeRO++'s hierarchical partitioning hpZ, Wang et al. 2023, which keeps only a
     secondary weight copy per node): with zero_stage >= 1, shard the ZeRO states over groups of this many
