@@ -109,6 +109,15 @@ class Layout(_Model):
     of ep consecutive dp indices and expert_dp = dp_degree / ep_degree ranks hold the same experts.
     Adds no ranks (world size stays pp x dp x tp); ep_degree must divide dp_degree and the number
     of experts."""
+    cp_degree: int = Field(1, gt=0)
+    """Context-parallel degree: each sequence is split over cp ranks and attention gathers the
+    keys and values of the whole sequence over them (all-gather CP, Llama 3 paper, Dubey et al.
+    2024, section 3.3.2; planner/cost/cp.py, runtime/apply_cp.py). Folded onto the data-parallel
+    ranks like ep_degree: dp is viewed as (dp_outer, cp) with cp innermost, the cp consecutive dp
+    indices of a group take the same samples, and rank j of a group holds sequence chunks j and
+    2 cp - 1 - j of 2 cp (causal load balancing). Adds no ranks; must divide dp_degree, so the
+    global batch is micro_batch_size x num_microbatches x dp_degree / cp_degree samples. The
+    sequence must split into 2 cp chunks (checked against the model before launch)."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded (FSDP)."""
     shard_degree: int | None = Field(default=None, gt=0)
@@ -285,10 +294,12 @@ def check_plan_consistency(plan: Plan) -> None:
     """Checks that need no model: degrees, batch arithmetic, stage count and ranks."""
     lay, batch = plan.layout, plan.batch
     problems = []
-    if batch.micro_batch_size * batch.num_microbatches * lay.dp_degree != batch.global_batch_size:
+    replicas = lay.dp_degree // lay.cp_degree  # the ranks of a CP group take the same samples
+    if batch.micro_batch_size * batch.num_microbatches * replicas != batch.global_batch_size:
+        over_cp = f" / cp_degree {lay.cp_degree}" if lay.cp_degree > 1 else ""
         problems.append(
-            f"micro_batch_size x num_microbatches x dp_degree = {batch.micro_batch_size} x "
-            f"{batch.num_microbatches} x {lay.dp_degree} != global_batch_size {batch.global_batch_size}"
+            f"micro_batch_size x num_microbatches x dp_degree{over_cp} = {batch.micro_batch_size} x "
+            f"{batch.num_microbatches} x {replicas} != global_batch_size {batch.global_batch_size}"
         )
     if lay.world_size != plan.cluster.num_nodes * plan.cluster.gpus_per_node:
         problems.append(
@@ -298,6 +309,14 @@ def check_plan_consistency(plan: Plan) -> None:
     if lay.dp_degree % lay.ep_degree:
         problems.append(f"ep_degree {lay.ep_degree} does not divide dp_degree {lay.dp_degree} (expert parallelism is "
                         "folded onto the data-parallel ranks)")
+    if lay.cp_degree > 1:
+        if lay.dp_degree % lay.cp_degree:
+            problems.append(f"cp_degree {lay.cp_degree} does not divide dp_degree {lay.dp_degree} (context parallelism "
+                            "is folded onto the data-parallel ranks)")
+        if lay.ep_degree > 1:
+            problems.append(f"cp_degree {lay.cp_degree} with ep_degree {lay.ep_degree} is not supported: both fold their "
+                            "own view onto the dp ranks, and a per-sequence router loss (the MoE example's) would see "
+                            "only a rank's chunks of each sequence; drop one of them")
     if plan.training.float8 and plan.training.dtype != "bfloat16":
         problems.append(f"training.float8 needs dtype bfloat16 (got {plan.training.dtype}): FP8 linears run inside "
                         "bf16 mixed precision")

@@ -62,6 +62,11 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
               file=sys.stderr, flush=True)
     check_tp_plan(plan, meta)
     check_ep(plan, meta)
+    if plan.layout.cp_degree > 1:  # the sequence splits into 2 cp chunks, the layout composes (runtime/apply_cp.py)
+        from runtime.apply_cp import check_cp
+        from runtime.build import as_tuple
+
+        check_cp(plan, as_tuple(mf.make_batch(1)[0]))
     if plan.layout.pp_degree > 1:
         from runtime.pp_flow import trace_layout
         from runtime.pp_split import check_splittable

@@ -1,6 +1,7 @@
 """The (pp, dp, tp) device mesh and the process groups beside it, built once. tp is innermost,
 as planner/plan.py's rank_of says. Expert layers see dp as (edp, ep) (`build_ep_mesh`); hybrid
-sharding sees it as (dp_replicate, dp_shard) (`build_fsdp_mesh`)."""
+sharding sees it as (dp_replicate, dp_shard) (`build_fsdp_mesh`); context parallelism as
+(dp_outer, cp) (`build_cp_mesh`)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ def build_ep_mesh(mesh: DeviceMesh, ep_degree: int) -> DeviceMesh | None:
         return None
     dp_degree = mesh["dp"].size()
     return mesh._unflatten("dp", (dp_degree // ep_degree, ep_degree), ("edp", "ep"))
+
+
+def build_cp_mesh(mesh: DeviceMesh, cp_degree: int) -> DeviceMesh | None:
+    """The (pp, dp_outer, cp, tp) view of the mesh for context parallelism (planner/plan.py
+    `Layout.cp_degree`): dp = dp_outer x cp with cp innermost, as `build_ep_mesh` folds EP, so a
+    CP group is cp consecutive dp indices (ranks `tp_degree` apart) holding the same samples, and
+    this rank's position in it (`["cp"].get_local_rank()`, = dp index % cp) picks its sequence
+    chunks (runtime/apply_cp.py). Same ranks as `mesh`; None without context parallelism."""
+    if cp_degree == 1:
+        return None
+    dp_degree = mesh["dp"].size()
+    return mesh._unflatten("dp", (dp_degree // cp_degree, cp_degree), ("dp_outer", "cp"))
 
 
 def build_fsdp_mesh(mesh: DeviceMesh, shard_degree: int | None) -> DeviceMesh:

@@ -17,6 +17,9 @@ The order of construction is fixed, and each step needs the one before it:
 6. activation checkpointing (runtime/recompute.py), inside the TP hooks so that recompute
    replays the TP collectives;
 7. FSDP (runtime/apply_dp.py) last, wrapping the TP-sharded parameters on the dp mesh;
+   then context parallelism (runtime/apply_cp.py) hooks its attention mode onto every module
+   of the finished model, recompute-wrapped ones included (its sequence chunks are cut in
+   `_local_batch`);
 8. the pipeline schedule over the chunks, the optimizer, then the loop.
 
 In code: `_check_model` (1), `_build_rank_model` (2-8: `_stage_chunks` 3, `_parallelize_chunks`
@@ -56,6 +59,7 @@ from planner.errors import PlannerError
 from planner.model_file import call_user, load_model_file
 from planner.plan import Plan
 from runtime import checkpoint
+from runtime.apply_cp import apply_cp, check_cp, shard_batch
 from runtime.apply_dp import apply_fsdp, average_gradients, scale_gradients, sum_tied_gradients
 from runtime.apply_ep import apply_ep, check_ep, expert_parameters
 from runtime.apply_fp8 import apply_float8
@@ -122,11 +126,15 @@ def _slice(x, start: int, stop: int):
 
 
 def _local_batch(mf, plan: Plan, seed: int, step: int, dp_rank: int, device):
-    """This data-parallel replica's contiguous slice of step `step`'s global batch, on `device`."""
-    local = plan.batch.micro_batch_size * plan.batch.num_microbatches
+    """This data-parallel replica's contiguous slice of step `step`'s global batch, on `device`.
+    Under context parallelism the cp consecutive dp ranks of a group share their group's slice,
+    each keeping its sequence chunks (runtime/apply_cp.py `shard_batch`)."""
+    local, cp = plan.batch.micro_batch_size * plan.batch.num_microbatches, plan.layout.cp_degree
+    group = dp_rank // cp
     inputs, targets = batch_for_step(mf, plan.batch.global_batch_size, seed, step)
-    inputs = tuple(_to(_slice(x, dp_rank * local, (dp_rank + 1) * local), device) for x in inputs)
-    return inputs, _to(_slice(targets, dp_rank * local, (dp_rank + 1) * local), device)
+    inputs = tuple(_to(_slice(x, group * local, (group + 1) * local), device) for x in inputs)
+    targets = _to(_slice(targets, group * local, (group + 1) * local), device)
+    return shard_batch(inputs, targets, cp, dp_rank % cp) if cp > 1 else (inputs, targets)
 
 
 def meta_inputs(mf, batch_size: int) -> tuple:
@@ -172,6 +180,7 @@ def _check_model(plan: Plan, mf, meta: nn.Module) -> list[str]:
     traced = check_fingerprint(plan, meta, mf)
     check_tp_plan(plan, meta)
     check_ep(plan, meta)
+    check_cp(plan, as_tuple(mf.make_batch(1)[0]))
     return traced.units
 
 
@@ -308,7 +317,7 @@ def _train_parallel(plan: Plan, mf, settings: RunSettings, device: torch.device)
 def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.device) -> RankModel:
     """Steps 2-8 of the module docstring: the meshes, this rank's chunks with every parallelism
     applied in order, the tied-weight groups, the optimizers and the pipeline schedule."""
-    from runtime.mesh import build_ep_mesh, build_fsdp_mesh, build_mesh, build_tie_groups
+    from runtime.mesh import build_cp_mesh, build_ep_mesh, build_fsdp_mesh, build_mesh, build_tie_groups
 
     lay = plan.layout
     mesh = build_mesh(plan, device.type)
@@ -319,6 +328,9 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
     ties = cross_stage_ties(meta, plan) if lay.pp_degree > 1 else []  # weights held by several stages
     chunks = _stage_chunks(plan, mf, meta, mesh, device)
     _parallelize_chunks(plan, mf, chunks, settings.seed, mode, device, mesh, ep_mesh, fsdp_mesh)
+    cp_mesh = build_cp_mesh(mesh, lay.cp_degree)  # (pp, dp_outer, cp, tp); None without CP
+    if cp_mesh is not None:  # last: its hooks cover every module as it runs, recomputed ones too (runtime/apply_cp.py)
+        apply_cp(chunks[0][1], cp_mesh["cp"], as_tuple(mf.make_batch(1)[0]), device)  # pp is 1 under CP (check_cp)
     tie_groups = build_tie_groups(mesh, [t.pp_ranks for t in ties])
     tie_copies = [t.copies(chunks) for t in ties]  # after FSDP, which replaces the parameters
     # One optimizer per chunk (AdamW is per parameter, so this is the same update): each

@@ -173,3 +173,195 @@ def test_cli_export_and_price(gpt, cluster, tmp_path):
                               "--gpus", "8", "--gpu", "a100-80gb"])
     assert out.exit_code == 0, out.output
     assert "your configuration:" in out.output and "best plan:" in out.output
+
+
+# --- The newer dimensions: expert parallelism, hybrid sharding, CPU offload, FP8 (and CP, not priced yet) ---
+
+MOE = dict(n_layers=4, d_model=256, n_heads=4, vocab_size=256, seq_len=128, num_experts=8, top_k=2, moe_d_ff=512)
+NEW_FIELDS = FIELDS + ("ep_degree", "cp_degree", "shard_degree", "offload", "float8")
+
+
+@pytest.fixture(scope="module")
+def gpt_h100():
+    return profile_model(str(EXAMPLES / "gpt.py"), GPT, [1, 2], device="meta", gpu="h100-80gb", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def moe_h100():
+    return profile_model(str(EXAMPLES / "moe.py"), MOE, [1, 2], device="meta", gpu="h100-80gb", dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def new_plans(gpt_h100, moe_h100):
+    """dimension -> (profile, cluster, solved plan carrying it)."""
+    h100x8, h100x1 = make_cluster(8, 8, "h100-80gb"), make_cluster(1, 1, "h100-80gb")
+    one = dict(pp=1, tp=1, micro_batch_size=1)
+    return {
+        "ep": (moe_h100, h100x8, solve(moe_h100, h100x8, BATCH, Pins(dp=8, ep=4, zero_stage=1, **one))),
+        "hsdp": (gpt_h100, h100x8, solve(gpt_h100, h100x8, BATCH, Pins(dp=8, zero_stage=3, shard_degree=2, **one))),
+        "offload": (gpt_h100, h100x1, solve(gpt_h100, h100x1, BATCH, Pins(zero_stage=3, offload=True), allow_offload=True)),
+        "fp8": (gpt_h100, h100x8, solve(gpt_h100, h100x8, BATCH, PINS["megatron"], float8=True)),
+    }
+
+
+# (engine, dimension) -> what the file must say, and whether the engine runs the plan as it is (no priced
+# warning). Each name is the engine's own (module docstrings of planner/engines/*.py give the sources).
+NEW_EXPECTED = {
+    ("megatron", "ep"): (["--expert-model-parallel-size 4", "--use-distributed-optimizer"], True),
+    ("megatron", "hsdp"): (["--use-torch-fsdp2"], False),  # FSDP2 has no replica groups
+    ("megatron", "offload"): (["--optimizer-cpu-offload", "--use-precision-aware-optimizer"], False),  # ZeRO 3 -> 1
+    ("megatron", "fp8"): (["--fp8-format hybrid", "--fp8-recipe tensorwise"], True),
+    ("torchtitan", "ep"): (["expert_parallel_degree = 4", "data_parallel_shard_degree = 8"], False),  # ZeRO 1 -> 2
+    ("torchtitan", "hsdp"): (["data_parallel_replicate_degree = 4", "data_parallel_shard_degree = 2"], True),
+    ("torchtitan", "offload"): (["data_parallel_shard_degree = 1"], False),  # one rank: no FSDP, no offload
+    ("torchtitan", "fp8"): (['converters = ["float8"]', 'recipe_name = "tensorwise"'], False),  # ZeRO 1 -> 2
+    ("deepspeed", "ep"): (['"stage": 1'], True),  # MoE(ep_size=4) is model code: a note, not a change
+    ("deepspeed", "hsdp"): (['"mics_shard_size": 2', '"stage": 3'], True),
+    ("deepspeed", "offload"): (['"offload_optimizer"', '"offload_param"'], True),
+    ("deepspeed", "fp8"): (['"autotp_size": 2'], False),  # sequence parallelism off; FP8 conversion is a note
+    ("accelerate", "ep"): (["distributed_type: FSDP"], False),  # no expert parallelism
+    ("accelerate", "hsdp"): (["parallelism_config_dp_replicate_size: 4", "parallelism_config_dp_shard_size: 2"], True),
+    ("accelerate", "offload"): (["fsdp_offload_params: true"], True),
+    ("accelerate", "fp8"): (["mixed_precision: fp8", "backend: AO"], False),  # pp x tp -> dp
+}
+
+
+def _read_back(engine: str, exported) -> EngineLayout:
+    """The exported file parsed; for DeepSpeed, EP and FP8 come from the model code (the caller), as
+    `read_config(..., ep_degree=, float8=)` takes them."""
+    from planner.engines.common import with_defaults
+
+    back = ENGINES[engine].parse(exported.text, f"exported.{engine}")
+    if engine == "deepspeed":
+        back = with_defaults(back, ep_degree=exported.mapped.ep_degree, float8=exported.mapped.float8)
+    return back
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("dimension", ["ep", "hsdp", "offload", "fp8"])
+def test_new_dimensions_round_trip(engine, dimension, new_plans):
+    profile, cluster, plan = new_plans[dimension]
+    exported = export_plan(plan, engine, profile, cluster)
+    snippets, exact = NEW_EXPECTED[(engine, dimension)]
+    for snippet in snippets:
+        assert snippet in exported.text, (snippet, exported.text)
+    priced_warnings = [w for w in exported.warnings if "cannot express" in w]
+    assert (not priced_warnings) == exact, exported.warnings
+    assert all("by the cost model" in w for w in priced_warnings)
+    priced = price(profile, cluster, _read_back(engine, exported), BATCH)
+    for name in NEW_FIELDS:
+        assert getattr(plan_layout(priced), name) == getattr(exported.mapped, name), name
+    if exact and not exported.warnings:
+        # The engine runs the plan: same cost model, same inputs, equal up to float summation order.
+        assert priced.prediction.iteration_time_s == pytest.approx(plan.prediction.iteration_time_s, rel=1e-9)
+
+
+def test_deepspeed_says_what_the_model_code_sets(new_plans):
+    profile, cluster, plan = new_plans["ep"]
+    exported = export_plan(plan, "deepspeed", profile, cluster)
+    assert exported.warnings == ["expert parallelism: build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size=4) "
+                                 "(the JSON has no key for it)"]
+    assert "ep_size" not in exported.text  # no invented config key
+    assert ENGINES["deepspeed"].parse(exported.text).ep_degree == 1  # the JSON alone cannot say it
+
+
+TITAN_HSDP = """
+[model]
+converters = ["float8"]
+[float8]
+recipe_name = "rowwise"
+[parallelism]
+data_parallel_replicate_degree = 2
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "always"
+[training]
+local_batch_size = 2
+global_batch_size = 16
+enable_cpu_offload = true
+[activation_checkpoint]
+mode = "full"
+"""
+
+
+def test_price_reads_and_prices_the_new_dimensions(gpt_h100):
+    from planner.engines import torchtitan
+
+    cluster = make_cluster(8, 8, "h100-80gb")
+    layout = torchtitan.parse(TITAN_HSDP)
+    assert (layout.replicate_degree, layout.shard_degree, layout.offload, layout.float8) == (2, None, True, True)
+    assert any("rowwise" in n for n in layout.notes)
+    theirs = price(gpt_h100, cluster, layout)
+    assert (theirs.layout.dp_degree, theirs.layout.shard_degree, theirs.layout.zero_stage) == (8, 4, 3)
+    assert theirs.training.offload == "cpu" and theirs.training.float8
+    # Each dimension is priced, not only recorded: taking one away changes the prediction.
+    from dataclasses import replace as copy
+
+    for without in (dict(offload=False), dict(float8=False), dict(replicate_degree=None)):
+        other = price(gpt_h100, cluster, copy(layout, **without))
+        assert other.prediction.iteration_time_s != theirs.prediction.iteration_time_s, without
+    result = compare(gpt_h100, cluster, layout)
+    assert result.best.training.float8  # compared at the same numerics
+    assert result.best.prediction.iteration_time_s <= theirs.prediction.iteration_time_s
+
+
+def test_megatron_reads_ep_fp8_and_partial_distributed_optimizer(moe_h100, gpt_h100):
+    args = megatron.parse("--expert-model-parallel-size 2 --use-distributed-optimizer --micro-batch-size 1 "
+                          "--global-batch-size 16 --bf16 --num-layers 4")
+    assert args.ep_degree == 2 and args.zero_stage == 1
+    priced = price(moe_h100, make_cluster(8, 8, "h100-80gb"), args)
+    assert priced.layout.ep_degree == 2 and priced.stages[0].experts  # each EP rank holds its share of experts
+    fp8 = megatron.parse("--fp8-format hybrid --use-distributed-optimizer --num-distributed-optimizer-instances 2 "
+                         "--optimizer-cpu-offload --use-precision-aware-optimizer --micro-batch-size 1 --bf16")
+    assert fp8.float8 and fp8.offload and fp8.replicate_degree == 2
+    assert any("--fp8-recipe delayed priced as torchao tensorwise" in n for n in fp8.notes)  # Megatron's default recipe
+    priced = price(gpt_h100, make_cluster(8, 8, "h100-80gb"), fp8, BATCH)
+    assert (priced.layout.shard_degree, priced.training.offload, priced.training.float8) == (4, "cpu", True)
+
+
+def test_context_parallelism_maps_but_is_not_priced_yet(new_plans):
+    from planner.engines.pricing import resolve
+
+    profile, cluster, plan = new_plans["hsdp"]
+    cp_plan = plan.model_copy(deep=True)
+    cp_plan.layout.cp_degree = 2
+    # Same global batch over dp / cp = 4 sample-taking ranks (planner/plan.py): twice the micro-batches.
+    cp_plan.batch.num_microbatches = BATCH // (4 * cp_plan.batch.micro_batch_size)
+    texts = {"megatron": "--context-parallel-size 2", "torchtitan": "context_parallel_degree = 2",
+             "accelerate": "parallelism_config_cp_size: 2"}
+    for engine, snippet in texts.items():
+        exported = export_plan(cp_plan, engine)
+        assert snippet in exported.text, exported.text
+        back = ENGINES[engine].parse(exported.text)
+        assert back.cp_degree == 2
+        resolved, _ = resolve(back, cluster, BATCH)
+        assert (resolved.dp, resolved.micro_batch, resolved.num_microbatches) == (8, 1, cp_plan.batch.num_microbatches)
+        with pytest.raises(Exception, match="context parallelism"):
+            price(profile, cluster, back, BATCH)
+
+
+def test_megatron_hybrid_sharding_is_the_partial_distributed_optimizer(gpt_h100):
+    # ZeRO 1 over groups of 2 of 8 dp ranks: 4 copies of the distributed optimizer, said exactly.
+    cluster = make_cluster(8, 8, "h100-80gb")
+    plan = solve(gpt_h100, cluster, BATCH, Pins(pp=1, tp=1, dp=8, micro_batch_size=1, zero_stage=1, shard_degree=2))
+    exported = export_plan(plan, "megatron", gpt_h100, cluster)
+    assert exported.warnings == [] and "--num-distributed-optimizer-instances 4" in exported.text
+    priced = price(gpt_h100, cluster, megatron.parse(exported.text), BATCH)
+    assert (priced.layout.zero_stage, priced.layout.shard_degree) == (1, 2)
+    assert priced.prediction.iteration_time_s == pytest.approx(plan.prediction.iteration_time_s, rel=1e-9)  # same model and inputs
+
+
+def test_hybrid_sharding_and_offload_spellings_read_back(gpt_h100):
+    from planner.engines import accelerate, deepspeed
+    from planner.engines.pricing import resolve
+
+    fsdp1 = accelerate.parse("distributed_type: FSDP\nnum_machines: 2\nnum_processes: 16\nmixed_precision: bf16\n"
+                             "fsdp_config:\n  fsdp_sharding_strategy: HYBRID_SHARD\n  fsdp_offload_params: true\n")
+    assert (fsdp1.zero_stage, fsdp1.shard_degree, fsdp1.offload) == (3, 8, True)  # shard inside each 8-GPU node
+    ds = deepspeed.parse('{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, '
+                         '"zero_optimization": {"stage": 3, "mics_shard_size": 4, "zero_hpz_partition_size": 8, '
+                         '"offload_optimizer": {"device": "nvme"}}}')
+    assert (ds.zero_stage, ds.shard_degree, ds.offload) == (3, 4, True)
+    assert any("nvme" in n for n in ds.notes) and any("zero_hpz_partition_size" in n for n in ds.notes)
+    assert any("without offload_param" in n for n in ds.notes)
+    resolved, _ = resolve(ds, make_cluster(8, 8, "h100-80gb"), None)
+    assert (resolved.dp, resolved.shard_degree) == (8, 4)

@@ -40,6 +40,7 @@ def export_plan(plan: Plan, engine: str, profile=None, cluster=None) -> Export:
             cluster = cluster_of(plan)
         warnings.append(reprice_warning(f"{engine} cannot express the plan exactly: " + "; ".join(changes), plan, mapped,
                                         profile, cluster))
+    warnings += list(mapped.notes)  # what the user sets outside the file (model code), not a change of layout
     return Export(text, mapped, warnings)
 
 
@@ -58,7 +59,13 @@ def guess_engine(path: Path, text: str) -> str:
                        "a DeepSpeed .json or an Accelerate .yaml.")
 
 
-def read_config(path: str | Path, engine: str | None = None) -> EngineLayout:
+def read_config(path: str | Path, engine: str | None = None, ep_degree: int | None = None,
+                float8: bool | None = None) -> EngineLayout:
+    """The layout a configuration file states. `ep_degree` and `float8` are what the model code sets
+    where the engine's file cannot say it (DeepSpeed's `MoE(ep_size=)` and FP8 conversion, Accelerate's
+    expert parallelism); given, they replace the file's."""
+    from planner.engines.common import with_defaults
+
     path = Path(path)
     if not path.is_file():
         raise PlannerError(f"{path} does not exist.", "Pass the configuration file you train with.")
@@ -66,4 +73,4 @@ def read_config(path: str | Path, engine: str | None = None) -> EngineLayout:
     engine = engine or guess_engine(path, text)
     if engine not in ENGINES:
         raise PlannerError(f"Unknown engine {engine!r}.", f"Use one of {', '.join(ENGINES)}.")
-    return ENGINES[engine].parse(text, str(path))
+    return with_defaults(ENGINES[engine].parse(text, str(path)), ep_degree=ep_degree, float8=float8)

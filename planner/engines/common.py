@@ -63,7 +63,24 @@ class EngineLayout:
     """None: the profile's."""
     grad_clip: float | None = None
     notes: tuple[str, ...] = ()
-    """What the engine's file says that the planner does not model (prices leave it out)."""
+    """What the engine's file says that the planner does not model (prices leave it out); on an
+    export, what the user must do outside the file (model code) for the engine to run the plan."""
+    ep_degree: int = 1
+    """Expert-parallel degree, folded onto the data-parallel ranks (planner/plan.py `Layout.ep_degree`)."""
+    cp_degree: int = 1
+    """Context-parallel degree, folded onto the data-parallel ranks: dp_degree counts the cp ranks
+    (planner/plan.py `Layout.cp_degree`), where Megatron-LM and torchtitan count them apart."""
+    shard_degree: int | None = None
+    """Hybrid sharding: ZeRO states over groups of this many consecutive dp ranks; None: over all."""
+    replicate_degree: int | None = None
+    """Hybrid sharding stated by its replica groups where the engine leaves the shard size to the
+    world size (torchtitan's data_parallel_shard_degree = -1, Megatron-LM's
+    --num-distributed-optimizer-instances): pricing.resolve sets shard_degree = dp / this."""
+    offload: bool = False
+    """Sharded model states in host memory and the optimizer step on the CPU (planner/plan.py
+    `Training.offload` = "cpu"; planner/cost/sharding.py)."""
+    float8: bool = False
+    """Linears in FP8, torchao tensorwise dynamic scaling (planner/plan.py `Training.float8`)."""
 
     # The sizes of a resolved layout (`plan_layout`, or pricing.py `resolve` for a read one),
     # where the engines' files are written and configurations priced.
@@ -86,9 +103,14 @@ class EngineLayout:
         return self.global_batch_size
 
     @property
+    def replicas(self) -> int:
+        """Data-parallel ranks that take different samples: dp / cp (a CP group shares its samples)."""
+        return self.dp // self.cp_degree
+
+    @property
     def num_microbatches(self) -> int:
-        """Micro-batches per data-parallel rank and step: global batch / (dp x micro-batch)."""
-        return self.global_batch // (self.dp * self.micro_batch)
+        """Micro-batches per data-parallel rank and step: global batch / (dp / cp x micro-batch)."""
+        return self.global_batch // (self.replicas * self.micro_batch)
 
 
 def model_parts(names: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -216,7 +238,8 @@ def plan_layout(plan: Plan) -> EngineLayout:
         micro_batch_size=plan.batch.micro_batch_size, global_batch_size=plan.batch.global_batch_size,
         recompute=modes.pop() if len(modes) == 1 else "mixed",
         split=Split("units", tuple(tuple(s.units) for s in plan.stages)), dtype=plan.training.dtype,
-        grad_clip=plan.training.grad_clip)
+        grad_clip=plan.training.grad_clip, ep_degree=lay.ep_degree, cp_degree=lay.cp_degree, shard_degree=lay.shard_degree,
+        offload=plan.training.offload == "cpu", float8=plan.training.float8)
 
 
 def strongest_recompute(plan: Plan) -> str:
@@ -240,10 +263,13 @@ def differences(a: EngineLayout, b: EngineLayout, bounds_a=None, bounds_b=None) 
     out = []
     for label, name in (("pp", "pp_degree"), ("dp", "dp_degree"), ("tp", "tp_degree"), ("zero", "zero_stage"),
                         ("sequence parallel", "sequence_parallel"), ("schedule", "schedule"), ("virtual stages", "virtual_stages"),
-                        ("micro-batch", "micro_batch_size"), ("recompute", "recompute"), ("dtype", "dtype")):
+                        ("micro-batch", "micro_batch_size"), ("recompute", "recompute"), ("dtype", "dtype"),
+                        ("ep", "ep_degree"), ("cp", "cp_degree"), ("offload", "offload"), ("fp8", "float8")):
         x, y = getattr(a, name), getattr(b, name)
         if x is not None and y is not None and x != y:
             out.append(f"{label} {x} -> {y}")
+    if (a.shard_degree or b.shard_degree) and (a.shard_degree or a.dp_degree) != (b.shard_degree or b.dp_degree):
+        out.append(f"ZeRO shard group {a.shard_degree or a.dp_degree} -> {b.shard_degree or b.dp_degree} ranks")
     if bounds_a is not None and bounds_b is not None and bounds_a != bounds_b:
         out.append(f"units per stage {[j - i for i, j in bounds_a]} -> {[j - i for i, j in bounds_b]}")
     return out

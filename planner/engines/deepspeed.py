@@ -5,7 +5,20 @@ activation_checkpointing/config.py and pipe/module.py, master 2026-08; the JSON 
 https://www.deepspeed.ai/docs/config-json/):
 
     train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x data-parallel ranks
-    zero_optimization.stage 0-3; offload_optimizer / offload_param (CPU/NVMe offload: not priced here)
+    zero_optimization.stage 0-3
+    zero_optimization.offload_optimizer.device = "cpu"
+                                        ZeRO-Offload (Ren et al. 2021): gradients and optimizer state in
+                                        host memory, the step on the CPU (stages 1-3) = the plan's ZeRO 1/2
+                                        offload; with offload_param.device = "cpu" (stage 3 only) the
+                                        parameters too = the plan's ZeRO 3 offload. "nvme" is read and
+                                        priced as "cpu", with a note.
+    zero_optimization.mics_shard_size   MiCS (Zhang et al. 2022; deepspeed/runtime/zero/mics.py, stage 3):
+                                        parameters, gradients and optimizer state sharded over groups of
+                                        mics_shard_size ranks and replicated across groups = the plan's
+                                        hybrid sharding with ZeRO 3. ZeRO++'s zero_hpz_partition_size is
+                                        not that (a secondary copy of the parameters per node, the primary
+                                        partition still over all ranks) and is read as a note. Stages 1/2
+                                        have no replica groups: hybrid sharding becomes sharding over all.
     bf16.enabled / fp16.enabled; gradient_clipping
     tensor_parallel.autotp_size         AutoTP training (Linear layers column/row sharded; no sequence parallelism)
     pipeline.stages, pipeline.partition, pipeline.activation_checkpoint_interval
@@ -14,6 +27,14 @@ https://www.deepspeed.ai/docs/config-json/):
                                         pipeline runs one 1F1B schedule (TrainSchedule) and, per its
                                         docstring, "is not compatible with ZeRO-2 and ZeRO-3"
     activation_checkpointing            deepspeed.checkpointing's options (whole layers recomputed)
+
+Expert parallelism and FP8 linears live in the model code, not the JSON: `deepspeed.moe.layer.MoE(
+..., ep_size=N)` (deepspeed/moe/layer.py; "number of ranks in the expert parallel world or group")
+and an FP8 conversion (torchao's `convert_to_float8_training`, or Transformer Engine modules) before
+`deepspeed.initialize`. The export keeps them in the layout and says so in a note; reading a JSON,
+`planner.engines.read_config(..., ep_degree=, float8=)` takes them from the caller. Context
+parallelism has no counterpart here (DeepSpeed-Ulysses is all-to-all sequence parallelism set up
+in code): a plan with it runs without.
 
 partition_method 'uniform' splits the layers as `partition_uniform` (deepspeed/runtime/utils.py),
 'parameters' (the default) balances parameter counts; neither takes arbitrary cuts, so a plan's
@@ -63,7 +84,26 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
         mapped = replace(mapped, split=Split("uniform"))
     else:
         mapped = replace(mapped, schedule="1f1b")
-    return mapped, changes
+    return _new_dimensions(mapped, changes), changes
+
+
+def _new_dimensions(mapped: EngineLayout, changes: list[str]) -> EngineLayout:
+    """Hybrid sharding, CP, and the notes for what the model code sets (module docstring)."""
+    if mapped.shard_degree is not None and mapped.zero_stage < 3:
+        changes.append(f"hybrid sharding over groups of {mapped.shard_degree} -> ZeRO {mapped.zero_stage} over all "
+                       f"{mapped.dp} data-parallel ranks (MiCS, DeepSpeed's replica groups, is ZeRO 3 only)")
+        mapped = replace(mapped, shard_degree=None)
+    if mapped.cp_degree > 1:
+        changes.append(f"context parallelism {mapped.cp_degree} -> 1 (no DeepSpeed config key; Ulysses is set up in code)")
+        mapped = replace(mapped, cp_degree=1)
+    notes = []
+    if mapped.ep_degree > 1:
+        notes.append(f"expert parallelism: build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size={mapped.ep_degree}) "
+                     "(the JSON has no key for it)")
+    if mapped.float8:
+        notes.append("FP8 linears: convert the model with torchao.float8.convert_to_float8_training (tensorwise) before "
+                     "deepspeed.initialize (the JSON has no key for it)")
+    return replace(mapped, notes=tuple(notes))
 
 
 def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
@@ -74,6 +114,13 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         "gradient_accumulation_steps": m,
         "zero_optimization": {"stage": mapped.zero_stage, "overlap_comm": mapped.dp > 1, "contiguous_gradients": True},
     }
+    zero = config["zero_optimization"]
+    if mapped.offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if mapped.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if mapped.shard_degree is not None:  # ZeRO 3 here (_new_dimensions)
+        zero["mics_shard_size"] = mapped.shard_degree
     if mapped.dtype == "bfloat16":
         config["bf16"] = {"enabled": True}
     elif mapped.dtype == "float16":
@@ -104,8 +151,15 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
     if auto:
         raise PlannerError(f"{source}: {auto} are 'auto' (filled in by the Hugging Face Trainer).", "Write the numbers you run with.")
     zero = config.get("zero_optimization", {})
-    notes = [f"{k} ({zero[k].get('device')}) not priced" for k in ("offload_optimizer", "offload_param")
-             if isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"]
+    stage = int(zero.get("stage", 0))
+    devices = {k: zero[k].get("device", "none") for k in ("offload_optimizer", "offload_param") if isinstance(zero.get(k), dict)}
+    offload = devices.get("offload_optimizer", "none") != "none" or devices.get("offload_param", "none") != "none"
+    notes = [f"{k} device {d!r} priced as 'cpu'" for k, d in devices.items() if d not in ("none", "cpu")]
+    if stage == 3 and offload and devices.get("offload_param", "none") == "none":
+        notes.append("offload_optimizer without offload_param at ZeRO 3 priced as both offloaded")
+    mics = int(zero.get("mics_shard_size", -1))
+    if int(zero.get("zero_hpz_partition_size", 1)) > 1:
+        notes.append(f"zero_hpz_partition_size {zero['zero_hpz_partition_size']} (ZeRO++ secondary partition) not priced")
     pipe = config.get("pipeline", {})
     pp = pipe.get("stages", 1)
     pp = pp if isinstance(pp, int) else 1
@@ -120,9 +174,10 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
     auto_dtype = any(isinstance(config.get(k), dict) and config[k].get("enabled") == "auto" for k in ("bf16", "fp16"))
     return EngineLayout(
         pp_degree=pp, tp_degree=int(config.get("tensor_parallel", {}).get("autotp_size", 0) or 1), dp_degree=dp,
-        zero_stage=int(zero.get("stage", 0)), schedule="1f1b", micro_batch_size=mbs, global_batch_size=total,
+        zero_stage=stage, schedule="1f1b", micro_batch_size=mbs, global_batch_size=total,
         local_batch_size=mbs * (gas or 1) if mbs else None,
         recompute="full" if pipe.get("activation_checkpoint_interval", 0) else "none",
         split=Split("uniform" if partition == "uniform" else "parameters"),
         dtype="bfloat16" if bf16 else "float16" if fp16 else None if auto_dtype else "float32",
-        grad_clip=config.get("gradient_clipping") or None, notes=tuple(notes))
+        grad_clip=config.get("gradient_clipping") or None, notes=tuple(notes),
+        shard_degree=mics if stage == 3 and mics > 0 else None, offload=offload)

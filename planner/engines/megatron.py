@@ -21,6 +21,33 @@ their config dataclasses):
                                         ZeRO-3 [ZeRO-2: "Set to enable FSDP ZeRO-2"]
     --micro-batch-size, --global-batch-size, --seq-length, --num-layers, --bf16/--fp16, --clip-grad
 
+The newer dimensions (same file and commit unless named):
+    --expert-model-parallel-size        EP; Megatron-Core's rank order tp-cp-ep-dp-pp puts the ep ranks
+                                        next to TP, consecutive data-parallel indices as the plan's.
+                                        "--use-torch-fsdp2 is not supported with expert parallelism"
+                                        (validate_args), so EP with ZeRO 2/3 becomes ZeRO 1.
+    --context-parallel-size             CP; Megatron's data-parallel size excludes the CP ranks, the
+                                        plan's dp_degree counts them (world = tp x pp x dp here).
+    --num-distributed-optimizer-instances N
+                                        "Number of Distributed Optimizer copies across Data Parallel
+                                        domain": the distributed optimizer shards over dp / N consecutive
+                                        dp ranks and N copies (megatron/core/parallel_state.py, the
+                                        intra-partial data-parallel groups) = hybrid sharding for ZeRO 1.
+                                        The FSDP2 path has no replica groups: ZeRO 2/3 with a shard group
+                                        becomes sharding over all dp ranks.
+    --optimizer-cpu-offload             "Offload optimizer state to CPU"; validate_args requires
+                                        --use-precision-aware-optimizer; the hybrid device optimizer
+                                        copies gradients to the host, steps there and copies the
+                                        parameters back (--overlap-cpu-optimizer-d2h-h2d): the plan's
+                                        ZeRO 1 offload (weights stay on the GPU). Not with FSDP2, so
+                                        ZeRO 2/3 offload becomes none.
+    --fp8-format e4m3|hybrid, --fp8-recipe tensorwise|delayed|mxfp8|blockwise (default delayed)
+                                        Transformer Engine FP8. The plan's FP8 is torchao's tensorwise
+                                        dynamic scaling, e4m3 forward and e5m2 gradients
+                                        (torchao/float8/config.py): --fp8-format hybrid --fp8-recipe
+                                        tensorwise ("per tensor current scaling"). Other recipes are
+                                        read and priced as that, with a note.
+
 Megatron-LM puts the embedding on the first stage and the final norm, output layer and loss on
 the last; a plan that cuts elsewhere around them is moved there (with a warning and its price).
 """
@@ -44,7 +71,29 @@ from planner.plan import Plan
 
 FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
          "--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward", "--recompute-activations", "--bf16", "--fp16",
-         "--use-custom-fsdp", "--use-megatron-fsdp"}
+         "--use-custom-fsdp", "--use-megatron-fsdp", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+         "--overlap-cpu-optimizer-d2h-h2d", "--fp8-param-gather", "--first-last-layers-bf16"}
+
+
+def _new_dimensions(mapped: EngineLayout, changes: list[str]) -> EngineLayout:
+    """EP, hybrid sharding and offload as Megatron-LM can run them (module docstring), changes noted."""
+    if mapped.ep_degree > 1 and mapped.zero_stage >= 2:
+        changes.append(f"ZeRO {mapped.zero_stage} -> 1 (--use-torch-fsdp2 is not supported with expert parallelism; "
+                       "the distributed optimizer is)")
+        mapped = replace(mapped, zero_stage=1)
+    if mapped.shard_degree is not None and mapped.zero_stage >= 2:
+        changes.append(f"hybrid sharding over groups of {mapped.shard_degree} -> ZeRO {mapped.zero_stage} over all "
+                       f"{mapped.dp} data-parallel ranks (Megatron's FSDP2 path has no replica groups)")
+        mapped = replace(mapped, shard_degree=None)
+    if mapped.offload and mapped.zero_stage >= 2 and mapped.dp == 1:
+        changes.append(f"ZeRO {mapped.zero_stage} -> 1 (one data-parallel rank: the same single shard, run by the "
+                       "distributed optimizer that --optimizer-cpu-offload needs; the weights stay on the GPU)")
+        mapped = replace(mapped, zero_stage=1)
+    if mapped.offload and mapped.zero_stage >= 2:
+        changes.append("CPU offload -> none (--optimizer-cpu-offload needs the distributed optimizer, which "
+                       "--use-torch-fsdp2 excludes)")
+        mapped = replace(mapped, offload=False)
+    return mapped
 
 
 def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]]:
@@ -66,6 +115,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
         changes.append(f"{moved} moved to the first/last stage (Megatron-LM places the embedding with the first stage, "
                        "the final norm and output layer with the last)")
     mapped = replace(mapped, split=Split("blocks", blocks=tuple(counts)))
+    mapped = _new_dimensions(mapped, changes)
     replicated = sorted({name for s in plan.stages for name, style in s.tp_plan.items() if style == "replicate"})
     if replicated:
         changes.append(f"TP layout: Megatron-LM shards every attention and MLP linear, the plan leaves {replicated[:4]} "
@@ -90,7 +140,8 @@ def _split_args(counts: list[int], pp: int, v: int) -> list[str]:
 def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
     _, blocks, _ = model_parts(names)
     args = [f"--tensor-model-parallel-size {mapped.tp_degree}", f"--pipeline-model-parallel-size {mapped.pp_degree}",
-            "--context-parallel-size 1", "--expert-model-parallel-size 1", f"--num-layers {len(blocks)}"]
+            f"--context-parallel-size {mapped.cp_degree}", f"--expert-model-parallel-size {mapped.ep_degree}",
+            f"--num-layers {len(blocks)}"]
     if mapped.pp_degree > 1:
         args += _split_args(list(mapped.split.blocks), mapped.pp_degree, mapped.virtual_stages)
     if mapped.sequence_parallel:
@@ -99,11 +150,17 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     elif mapped.recompute == "selective":
         args.append("--recompute-granularity selective")
-    if mapped.dp > 1:
+    if mapped.dp > 1 or mapped.zero_stage == 1:
         args += {0: ["--overlap-grad-reduce"],
                  1: ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
                  2: ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"],
                  3: ["--use-torch-fsdp2"]}[mapped.zero_stage]
+    if mapped.shard_degree is not None:  # ZeRO 1 here (_new_dimensions): copies of the distributed optimizer
+        args.append(f"--num-distributed-optimizer-instances {mapped.dp // mapped.shard_degree}")
+    if mapped.offload:
+        args += ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d"]
+    if mapped.float8:
+        args += ["--fp8-format hybrid", "--fp8-recipe tensorwise"]
     args += [f"--micro-batch-size {mapped.micro_batch_size}", f"--global-batch-size {mapped.global_batch_size}"]
     if seq_len:
         args.append(f"--seq-length {seq_len}")
@@ -169,9 +226,6 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         raise PlannerError(f"{source} holds no --arguments.", "Pass Megatron-LM arguments, one per line or as a command line.")
     num = lambda name, default: _int(args, name, default, source)  # noqa: E731
     optional = lambda name: _optional_int(args, name, source)  # noqa: E731
-    for name in ("--context-parallel-size", "--expert-model-parallel-size"):
-        if num(name, 1) != 1:
-            raise PlannerError(f"{source}: {name} {args[name]}; the planner does not model it yet.", f"Price it with {name} 1.")
     tp, pp, layers = num("--tensor-model-parallel-size", 1), num("--pipeline-model-parallel-size", 1), optional("--num-layers")
     v = optional("--num-virtual-stages-per-pipeline-rank") or optional("--virtual-pipeline-model-parallel-size") or 1
     per_vstage = optional("--num-layers-per-virtual-pipeline-stage")
@@ -212,9 +266,23 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         zero = {"no_shard": 0, "optim": 1, "optim_grads": 2}.get(str(args.get("--data-parallel-sharding-strategy", "")), 3)
     mbs, glob = num("--micro-batch-size", 1), optional("--global-batch-size")
     clip = float(args.get("--clip-grad", 1.0))
+    instances = num("--num-distributed-optimizer-instances", 1)
+    if instances > 1 and zero != 1:
+        notes.append(f"--num-distributed-optimizer-instances {instances} without the distributed optimizer: not priced")
+    offload = bool(args.get("--optimizer-cpu-offload"))
+    fraction = float(args.get("--optimizer-offload-fraction", 1.0))
+    if offload and fraction != 1.0:
+        notes.append(f"--optimizer-offload-fraction {fraction} priced as the whole optimizer offloaded")
+    float8 = args.get("--fp8-format") not in (None, True)
+    recipe = str(args.get("--fp8-recipe", "delayed"))  # Megatron-LM's default recipe
+    if float8 and (recipe, args["--fp8-format"]) != ("tensorwise", "hybrid"):
+        notes.append(f"--fp8-format {args['--fp8-format']} --fp8-recipe {recipe} priced as torchao tensorwise dynamic "
+                     "scaling (e4m3 forward, e5m2 gradients)")
     return EngineLayout(
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,
         global_batch_size=glob, local_batch_size=mbs, recompute=recompute, split=split,
         dtype="bfloat16" if args.get("--bf16") else "float16" if args.get("--fp16") else "float32",
-        grad_clip=clip or None, notes=tuple(notes))
+        grad_clip=clip or None, notes=tuple(notes), ep_degree=num("--expert-model-parallel-size", 1),
+        cp_degree=num("--context-parallel-size", 1), replicate_degree=instances if instances > 1 and zero == 1 else None,
+        offload=offload, float8=float8)

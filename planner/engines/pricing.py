@@ -10,7 +10,7 @@ here (a user's configuration may not fit; the report says so instead of refusing
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.cluster import Cluster
 from planner.engines.common import (
@@ -31,8 +31,9 @@ UNBOUNDED_MEMORY_FRACTION = 1e6
 
 
 def resolve(layout: EngineLayout, cluster: Cluster, global_batch_size: int | None) -> tuple[EngineLayout, int]:
-    """Fill what the engine derives from the world size: dp, the global batch, the micro-batch."""
-    from dataclasses import replace
+    """Fill what the engine derives from the world size: dp, the global batch, the micro-batch, the
+    hybrid-sharding group stated by its replicas. dp counts the context-parallel ranks
+    (planner/plan.py), and a CP group's ranks share their samples: dp / cp take different ones."""
 
     world = cluster.world_size
     if world % (layout.pp_degree * layout.tp_degree):
@@ -42,22 +43,37 @@ def resolve(layout: EngineLayout, cluster: Cluster, global_batch_size: int | Non
     if layout.dp_degree is not None and layout.dp_degree != dp:
         raise PlannerError(f"The configuration's data-parallel degree {layout.dp_degree} x pp {layout.pp_degree} x tp "
                            f"{layout.tp_degree} != the cluster's {world} GPUs.", "Pass the cluster the configuration runs on.")
-    batch = layout.global_batch_size or global_batch_size or (layout.local_batch_size or 0) * dp or None
+    for name, degree in (("context-parallel", layout.cp_degree), ("expert-parallel", layout.ep_degree),
+                         ("hybrid-sharding replica", layout.replicate_degree or 1)):
+        if dp % degree:
+            raise PlannerError(f"The configuration's {name} degree {degree} does not divide the {dp} data-parallel ranks "
+                               f"({world} GPUs / pp {layout.pp_degree} / tp {layout.tp_degree}).",
+                               "Pass the cluster the configuration runs on, or a degree that divides dp.")
+    shard = layout.shard_degree or (dp // layout.replicate_degree if layout.replicate_degree else None)
+    shard = None if shard == dp else shard  # one group of all dp ranks is plain ZeRO
+    replicas = dp // layout.cp_degree
+    batch = layout.global_batch_size or global_batch_size or (layout.local_batch_size or 0) * replicas or None
     if batch is None:
         raise PlannerError("The configuration does not say its global batch.", "Pass --global-batch B.")
     if global_batch_size is not None and layout.global_batch_size is not None and global_batch_size != layout.global_batch_size:
         raise PlannerError(f"--global-batch {global_batch_size} differs from the configuration's {layout.global_batch_size}.",
                            "Drop --global-batch, or change the configuration.")
-    mbs = layout.micro_batch_size or batch // dp
-    if batch % (dp * mbs):
-        raise PlannerError(f"Global batch {batch} is not a whole number of micro-batches of {mbs} over dp {dp}.",
+    mbs = layout.micro_batch_size or batch // replicas
+    if batch % (replicas * mbs):
+        raise PlannerError(f"Global batch {batch} is not a whole number of micro-batches of {mbs} over dp {dp}"
+                           + (f" / cp {layout.cp_degree}" if layout.cp_degree > 1 else "") + ".",
                            "Make the global batch a multiple of micro-batch x dp.")
-    return replace(layout, dp_degree=dp, micro_batch_size=mbs, global_batch_size=batch), batch
+    return replace(layout, dp_degree=dp, micro_batch_size=mbs, global_batch_size=batch, shard_degree=shard,
+                   replicate_degree=None), batch
 
 
 def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch_size: int | None = None,
           profile_path: str | None = None) -> Plan:
-    """The plan that runs exactly `layout` (cuts from its engine's rule), priced by the cost model."""
+    """The plan that runs exactly `layout` (cuts from its engine's rule), priced by the cost model.
+
+    The cost model is assembled as planner/solver/solve.py `search` and `price_config` assemble it
+    (EP all-to-all, FP8 linears, the profile's unsplittable unit runs), with the configuration's
+    expert-parallel degree, hybrid-sharding group and CPU offload pinned."""
     from planner.cost.collectives import CollectiveModel, group_placement
     from planner.cost.compute import ComputeModel
     from planner.solver.costs import UnitCosts
@@ -66,29 +82,41 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     from planner.solver.solve import (
         Pins,
         SearchResult,
+        _cut_allowed,
         _environment,
+        check_float8,
         check_model_pins,
         check_pins,
+        ep_all_to_all,
     )
 
+    if layout.cp_degree > 1:
+        raise PlannerError(f"The configuration runs context parallelism (cp {layout.cp_degree}), which the solver's cost "
+                           "model does not price yet (planner/solver/search.py Config has no cp degree).",
+                           "Price it with context parallelism 1, or compare plans without it.")
     layout, batch = resolve(layout, cluster, global_batch_size)
     dtype = layout.dtype or profile.dtype
     if layout.recompute not in ("none", "selective", "full"):
         raise PlannerError(f"Recompute {layout.recompute!r} is not one mode for all stages.", "Give one of none, selective, full.")
+    if layout.float8:
+        check_float8(cluster, dtype)
     pins = Pins(layout.pp_degree, layout.tp_degree, layout.dp_degree, layout.micro_batch_size, layout.schedule,
-                layout.virtual_stages, layout.recompute, layout.zero_stage, layout.sequence_parallel)
+                layout.virtual_stages, layout.recompute, layout.zero_stage, layout.sequence_parallel,
+                ep=layout.ep_degree, shard_degree=layout.shard_degree, offload=layout.offload)
     check_pins(pins, cluster, batch, len(profile.units))
     check_model_pins(pins, profile)
     bounds = stage_bounds(layout, profile)
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=layout.tp_degree > 1)
-    env = _environment(cluster, compute, dtype, pins, UNBOUNDED_MEMORY_FRACTION)
+                      require_sharding=layout.tp_degree > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll),
+                      float8=layout.float8)
+    env = replace(_environment(cluster, compute, dtype, pins, UNBOUNDED_MEMORY_FRACTION), cut_allowed=_cut_allowed(profile))
     m = batch // (layout.dp * layout.micro_batch)
     cfg = Config(layout.tp_degree, layout.sequence_parallel, layout.pp_degree, layout.dp, layout.micro_batch, m,
-                 layout.schedule, layout.virtual_stages, layout.zero_stage)
-    table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+                 layout.schedule, layout.virtual_stages, layout.zero_stage, ep=layout.ep_degree,
+                 shard_degree=layout.shard_degree, offload=layout.offload)
+    table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)
     evaluation = evaluate_config(table, cfg, env, bounds)
     if not evaluation.feasible:
         raise PlannerError(f"The configuration cannot be priced: {evaluation.reason}.", "Check its stages and degrees.")
@@ -128,7 +156,9 @@ def compare(profile: Profile, cluster: Cluster, layout: EngineLayout, global_bat
     theirs = price(profile, cluster, layout, global_batch_size, profile_path)
     usable = cluster.gpu.memory_bytes * MEMORY_FRACTION
     try:
-        best = solve(profile, cluster, theirs.batch.global_batch_size, dtype=theirs.training.dtype, profile_path=profile_path)
+        # The same numerics (FP8 is the user's choice, not searched); offload offered where theirs uses it.
+        best = solve(profile, cluster, theirs.batch.global_batch_size, dtype=theirs.training.dtype, profile_path=profile_path,
+                     float8=theirs.training.float8, allow_offload=theirs.training.offload == "cpu")
     except PlannerError:
         return Comparison(theirs, None, [], usable)
     mine, ours = prediction(theirs), prediction(best)

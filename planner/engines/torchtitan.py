@@ -12,12 +12,27 @@ Option names and meanings are torchtitan's `torchtitan/config/job_config.py` (co
                   pipeline_parallel_degree, pipeline_parallel_schedule (torch's class names),
                   pipeline_parallel_microbatch_size, module_fqns_per_model_part (modules per stage,
                   exact cuts), pipeline_parallel_layers_per_stage
-                  context_parallel_degree, expert_parallel_degree
+                  context_parallel_degree          CP; world = replicate x shard x cp x tp x pp
+                                                   (torchtitan/distributed/parallel_dims.py), so the
+                                                   plan's dp (which counts cp) is replicate x shard x cp
+                                                   and FSDP shards over shard x cp ("dp_shard_cp")
+                  expert_parallel_degree           EP "dp2ep": borrows cp and dp_shard ranks, innermost
+                                                   (parallel_dims.py `_build_mesh_with_ep`:
+                                                   ep % cp == 0, (shard x cp) % ep == 0), so EP needs
+                                                   FSDP: a ZeRO 0 plan with EP becomes ZeRO 2
+                  replicate > 1 with shard > 1     HSDP: FSDP over shard (x cp) consecutive dp ranks,
+                                                   replicated across `replicate` groups = the plan's
+                                                   shard_degree
     [activation_checkpoint] mode = "none" | "selective" | "full"; selective_ac_option = "op"
                   (per-op SAC) or an integer k (full AC on every k-th layer)
     [training]    local_batch_size (per DP rank and step), global_batch_size, seq_len, max_norm,
-                  mixed_precision_param ("bfloat16" | "float32")
-    [float8]      recipe_name: written when a plan carries FP8 (planner plans do not yet: `_float8`)
+                  mixed_precision_param ("bfloat16" | "float32"), enable_cpu_offload ("CPU offloading of
+                  parameters, gradients, and optimizer states in FSDP": FSDP2's CPUOffloadPolicy, the
+                  plan's training.offload = "cpu")
+    [model]       converters = ["float8"]: torchao Float8Linear swap (the plan's training.float8)
+    [float8]      recipe_name "tensorwise" (torchao's dynamic tensorwise scaling, the planner's; "rowwise"
+                  is read and priced as tensorwise), enable_fsdp_float8_all_gather (the plan's runtime
+                  gathers FP8 weights under FSDP: runtime/apply_fp8.py), filter_fqns (modules left in bf16)
 
 Pipeline micro-batches are local_batch_size / pipeline_parallel_microbatch_size and gradient
 accumulation steps global_batch_size / (local_batch_size x dp) (torchtitan/train.py).
@@ -50,6 +65,15 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     if lay.zero_stage == 1 and lay.dp_degree > 1:
         changes.append("ZeRO 1 -> 2 (FSDP2 without resharding shards gradients too)")
         mapped = replace(mapped, zero_stage=2)
+    if mapped.dp == 1 and mapped.zero_stage >= 1:
+        # parallel_dims.py: FSDP (and its CPU offload) only where data_parallel_shard_degree or cp > 1
+        changes.append(f"ZeRO {mapped.zero_stage} -> 0 on one data-parallel rank"
+                       + (", CPU offload -> none (torchtitan offloads through FSDP, which one rank does not apply)"
+                          if mapped.offload else ""))
+        mapped = replace(mapped, zero_stage=0, offload=False)
+    if mapped.ep_degree > 1 and not (mapped.zero_stage >= 1 and mapped.dp > 1):
+        changes.append("ZeRO 0 -> 2 (torchtitan's expert parallelism borrows FSDP's data_parallel_shard_degree)")
+        mapped = replace(mapped, zero_stage=2)
     if plan.training.dtype == "float16":
         changes.append("float16 -> bfloat16 (mixed_precision_param has no float16)")
         mapped = replace(mapped, dtype="bfloat16")
@@ -66,23 +90,29 @@ def _toml_value(value) -> str:
     return repr(value)
 
 
-def _float8(plan: Plan) -> dict | None:
-    """[float8] for a plan with FP8 linears: none yet (the plan schema has no FP8 field)."""
-    return None
+def _float8(mapped: EngineLayout, names: list[str]) -> dict | None:
+    """[float8] for a plan with FP8 linears: torchao tensorwise, FP8 all-gather where FSDP shards
+    (as runtime/apply_fp8.py runs it), the last unit left in bf16 as the cost model leaves the
+    output head (planner/cost/fp8.py `output_head`; torchtitan's configs write ["output"])."""
+    if not mapped.float8:
+        return None
+    return {"recipe_name": "tensorwise", "enable_fsdp_float8_all_gather": mapped.zero_stage >= 1 and mapped.dp > 1,
+            "precompute_float8_dynamic_scale_for_fsdp": False, "filter_fqns": names[-1:]}
 
 
 def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
-    dp = mapped.dp
+    dp, cp = mapped.dp, mapped.cp_degree
     sharded = mapped.zero_stage >= 1 and dp > 1
+    group = mapped.shard_degree or dp  # FSDP's ranks: shard x cp
     m = mapped.num_microbatches
     parallelism: dict[str, object] = {
-        "data_parallel_replicate_degree": 1 if sharded else dp,
-        "data_parallel_shard_degree": dp if sharded else 1,
+        "data_parallel_replicate_degree": dp // group if sharded else dp // cp,
+        "data_parallel_shard_degree": group // cp if sharded else 1,
         "fsdp_reshard_after_forward": "always" if mapped.zero_stage == 3 else "never",
         "tensor_parallel_degree": mapped.tp_degree,
         "pipeline_parallel_degree": mapped.pp_degree,
-        "context_parallel_degree": 1,
-        "expert_parallel_degree": 1,
+        "context_parallel_degree": cp,
+        "expert_parallel_degree": mapped.ep_degree,
     }
     if mapped.pp_degree > 1:
         parallelism["pipeline_parallel_schedule"] = SCHEDULES[mapped.schedule]
@@ -96,13 +126,15 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         training["seq_len"] = seq_len
     if mapped.grad_clip is not None:
         training["max_norm"] = mapped.grad_clip
+    if mapped.offload:
+        training["enable_cpu_offload"] = True
     ac: dict[str, object] = {"mode": mapped.recompute}
     if mapped.recompute == "selective":
         ac["selective_ac_option"] = "op"  # per-op SAC: nearest to recomputing attention's core (Korthikanti et al. 2022)
     sections: dict[str, dict] = {"training": training, "parallelism": parallelism, "activation_checkpoint": ac}
-    float8 = _float8(plan)
+    float8 = _float8(mapped, names)
     if float8:
-        sections["float8"] = float8
+        sections = {"model": {"converters": ["float8"]}, **sections, "float8": float8}
     lines = [f"# torchtitan job file written by `planner export` from a plan for {plan.world_size} GPUs",
              "# (torchtitan/config/job_config.py names; launch with NGPU=" + str(plan.world_size) + ")"]
     for name, body in sections.items():
@@ -116,18 +148,16 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     except tomllib.TOMLDecodeError as exc:
         raise PlannerError(f"{source} is not valid TOML ({exc}).", "Pass a torchtitan job file.") from None
     par, train, ac = data.get("parallelism", {}), data.get("training", {}), data.get("activation_checkpoint", {})
-    notes = []
-    for key in ("context_parallel_degree", "expert_parallel_degree"):
-        if par.get(key, 1) != 1:
-            raise PlannerError(f"{source}: {key} = {par[key]}; the planner does not model it yet.", f"Price it with {key} = 1.")
+    notes: list[str] = []
     replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
-    if replicate > 1 and shard != 1:
-        notes.append(f"HSDP (replicate {replicate} x shard {shard}) priced as FSDP over all data-parallel ranks")
+    cp = int(par.get("context_parallel_degree", 1))
+    hsdp = replicate > 1 and shard != 1
+    float8 = _parse_float8(data, notes)
     reshard = par.get("fsdp_reshard_after_forward", "default")
     pp = int(par.get("pipeline_parallel_degree", 1))
     # "default" reshards after forward except under pipeline parallelism (torchtitan's parallelize_llama).
     zero = 0 if shard == 1 else (3 if reshard == "always" or (reshard == "default" and pp == 1) else 2)
-    dp = None if shard == -1 else replicate * shard
+    dp = None if shard == -1 else replicate * shard * cp
     names = {v: k for k, v in SCHEDULES.items()}
     sched = par.get("pipeline_parallel_schedule", "1F1B")
     if sched not in names:
@@ -152,4 +182,17 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         sequence_parallel=int(par.get("tensor_parallel_degree", 1)) > 1, schedule=names[sched] if pp > 1 else "1f1b",
         virtual_stages=v, micro_batch_size=mbs, global_batch_size=None if glob in (-1, None) else int(glob), local_batch_size=local,
         recompute=mode, split=split, dtype="float32" if train.get("mixed_precision_param") == "float32" else "bfloat16",
-        grad_clip=train.get("max_norm"), notes=tuple(notes))
+        grad_clip=train.get("max_norm"), notes=tuple(notes), ep_degree=int(par.get("expert_parallel_degree", 1)),
+        cp_degree=cp, shard_degree=shard * cp if hsdp and shard != -1 else None,
+        replicate_degree=replicate if hsdp and shard == -1 else None, offload=bool(train.get("enable_cpu_offload", False)),
+        float8=float8)
+
+
+def _parse_float8(data: dict, notes: list[str]) -> bool:
+    """FP8 linears: `float8` among [model] converters (or the older [float8] enable_float8_linear)."""
+    f8 = data.get("float8", {})
+    on = "float8" in data.get("model", {}).get("converters", []) or bool(f8.get("enable_float8_linear"))
+    recipe = f8.get("recipe_name") or "tensorwise"  # None: torchao's default Float8LinearConfig, tensorwise
+    if on and recipe != "tensorwise":
+        notes.append(f"float8 recipe_name {recipe!r} priced as tensorwise dynamic scaling")
+    return on
