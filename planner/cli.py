@@ -292,6 +292,8 @@ def solve(
     moe_imbalance: float = typer.Option(1.0, "--moe-imbalance", help="MoE routing: the busiest EP rank's tokens over the "
                                         "balanced share (1.0 = balanced; the profile reports the measured spread)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
+    cp: Optional[int] = typer.Option(None, "--cp", help="Pin the context-parallel degree (sequences split over cp of "
+                                     "the dp ranks; 2 x cp must divide the sequence)."),
     shard_degree: Optional[int] = typer.Option(None, "--shard-degree", help="Pin hybrid sharding (HSDP): ZeRO states "
                                                "sharded over groups of this many dp ranks, replicated across groups."),
     offload: Optional[bool] = typer.Option(None, "--offload/--no-offload", help="--offload: let the search keep model "
@@ -325,7 +327,8 @@ def solve(
                            f"the profile's device (--gpu {_profile_gpu(prof)}), or pass --allow-device-mismatch to accept it.")
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PlannerError(f"Unknown --dtype {dtype!r}.", "Use float32, bfloat16 or float16.")
-    pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep, shard_degree)
+    pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep, shard_degree,
+                cp=cp)
     with err_console.status("solving"):
         plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
                           moe_imbalance=moe_imbalance, float8=fp8, allow_offload=bool(offload))

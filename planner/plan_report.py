@@ -40,12 +40,12 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     lay, batch = plan.layout, plan.batch
     head = Table(title=f"Plan for {plan.model.file} on {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node} {plan.cluster.gpu}")
-    for col in ("pp", "dp", "tp", "ep", "SP", "ZeRO", "schedule", "v", "p2p", "micro-batch", "micro-batches", "global batch", "dtype"):
+    for col in ("pp", "dp", "tp", "ep", "cp", "SP", "ZeRO", "schedule", "v", "p2p", "micro-batch", "micro-batches", "global batch", "dtype"):
         head.add_column(col)
     p2p = "-" if lay.pp_degree == 1 else ("tp slices" if lay.p2p_scatter_gather else "whole")
     zero = (f"{lay.zero_stage}{f' hsdp {lay.shard_degree}' if lay.shard_degree else ''}"
             f"{' +offload' if plan.training.offload != 'none' else ''}")
-    head.add_row(str(lay.pp_degree), str(lay.dp_degree), str(lay.tp_degree), str(lay.ep_degree), "yes" if lay.sequence_parallel else "no",
+    head.add_row(str(lay.pp_degree), str(lay.dp_degree), str(lay.tp_degree), str(lay.ep_degree), str(lay.cp_degree), "yes" if lay.sequence_parallel else "no",
                  zero, lay.schedule, str(lay.virtual_stages), p2p, str(batch.micro_batch_size),
                  str(batch.num_microbatches), str(batch.global_batch_size), plan.training.dtype)
     console.print(head)
@@ -93,7 +93,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         for a in search.alternatives:
             lay_a = a.layout
             desc = (f"pp{lay_a.pp_degree} dp{lay_a.dp_degree} tp{lay_a.tp_degree}"
-                    f"{' +sp' if lay_a.sequence_parallel else ''}{f' ep{lay_a.ep_degree}' if lay_a.ep_degree > 1 else ''}"
+                    f"{' +sp' if lay_a.sequence_parallel else ''}{f' ep{lay_a.ep_degree}' if lay_a.ep_degree > 1 else ''}{f' cp{lay_a.cp_degree}' if lay_a.cp_degree > 1 else ''}"
                     f" zero{lay_a.zero_stage}{f' hsdp{lay_a.shard_degree}' if lay_a.shard_degree else ''} {lay_a.schedule}"
                     f"{' v' + str(lay_a.virtual_stages) if lay_a.virtual_stages > 1 else ''}")
             alt.add_row(desc, f"{a.micro_batch_size} x {a.num_microbatches}", format_time(a.iteration_time_s), a.why_lost)

@@ -55,3 +55,55 @@ def test_gathered_kv_and_refusals():
     assert "does not split into 2 x 3 = 6 equal chunks" in cp_refusal(4096, 3)
     assert "no sequence length" in cp_refusal(None, 2)
     assert cp_degrees(131072, 8) == [1, 2, 4, 8] and cp_degrees(6, 8) == [1]
+
+
+# ---- the search (planner/solver: cp is a searched and pinnable dimension) ----
+
+@pytest.fixture(scope="module")
+def long_llama():
+    # 64k tokens a sample: one sequence's activations do not fit an 80 GB GPU without CP.
+    args = dict(n_layers=4, d_model=2048, n_heads=16, n_kv_heads=4, vocab_size=32000, seq_len=65536)
+    return profile_model(str(EXAMPLES / "llama.py"), args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+
+
+def test_solver_finds_cp_for_long_sequences(long_llama):
+    from planner.cluster import make_cluster
+    from planner.solver.solve import Pins, solve
+
+    cluster = make_cluster(8, 8, "h100-80gb")
+    plan = solve(long_llama, cluster, 4, Pins(recompute="none"))
+    assert plan.layout.cp_degree > 1 and plan.layout.pp_degree == 1
+    # A CP group shares its samples: global batch = micro-batch x micro-batches x dp / cp.
+    lay, batch = plan.layout, plan.batch
+    assert batch.micro_batch_size * batch.num_microbatches * lay.dp_degree // lay.cp_degree == 4
+    assert plan.prediction.breakdown_s["cp_comm"] > 0
+
+
+def test_cp_pins_are_checked(long_llama):
+    from planner.cluster import make_cluster
+    from planner.errors import PlannerError
+    from planner.solver.solve import Pins, solve
+
+    cluster = make_cluster(8, 8, "h100-80gb")
+    plan = solve(long_llama, cluster, 8, Pins(cp=4, tp=1))
+    assert plan.layout.cp_degree == 4 and plan.layout.dp_degree == 8
+    odd = profile_model(str(EXAMPLES / "llama.py"), dict(n_layers=2, d_model=64, n_heads=4, seq_len=36), [1],
+                        device="meta", gpu="h100-80gb", dtype="bfloat16")
+    with pytest.raises(PlannerError, match=r"--cp 4: the sequence of 36 tokens does not split into 2 x 4 = 8"):
+        solve(odd, cluster, 8, Pins(cp=4))
+    with pytest.raises(PlannerError, match="--cp with --pp or --ep"):
+        solve(long_llama, cluster, 8, Pins(cp=2, pp=2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_solver_cp_plan_runs_with_parity(tmp_path):
+    from planner.cluster import make_cluster
+    from planner.solver.solve import Pins, solve
+    from tests.runtime_plans import LLAMA_ARGS
+    from tests.test_runtime_parity import check_parity
+
+    profile = profile_model(str(EXAMPLES / "llama.py"), LLAMA_ARGS, [1, 2], device="cpu", repeats=2)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 2, Pins(cp=2, dp=2, pp=1, tp=1))
+    assert plan.layout.cp_degree == 2
+    check_parity(plan, tmp_path)

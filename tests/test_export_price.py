@@ -318,7 +318,7 @@ def test_megatron_reads_ep_fp8_and_partial_distributed_optimizer(moe_h100, gpt_h
     assert (priced.layout.shard_degree, priced.training.offload, priced.training.float8) == (4, "cpu", True)
 
 
-def test_context_parallelism_maps_but_is_not_priced_yet(new_plans):
+def test_context_parallelism_maps_and_is_priced(new_plans):
     from planner.engines.pricing import resolve
 
     profile, cluster, plan = new_plans["hsdp"]
@@ -335,8 +335,8 @@ def test_context_parallelism_maps_but_is_not_priced_yet(new_plans):
         assert back.cp_degree == 2
         resolved, _ = resolve(back, cluster, BATCH)
         assert (resolved.dp, resolved.micro_batch, resolved.num_microbatches) == (8, 1, cp_plan.batch.num_microbatches)
-        with pytest.raises(Exception, match="context parallelism"):
-            price(profile, cluster, back, BATCH)
+        priced = price(profile, cluster, back, BATCH)
+        assert priced.layout.cp_degree == 2 and priced.prediction.breakdown_s["cp_comm"] > 0
 
 
 def test_megatron_hybrid_sharding_is_the_partial_distributed_optimizer(gpt_h100):

@@ -83,7 +83,7 @@ def test_tp_plan_is_megatron_style(gpt_profile):
 
 def test_memory_pressure_turns_on_recomputation_or_zero(gpt_profile):
     cluster = make_cluster(8, 8, "a100-80gb")
-    pins = Pins(pp=1, tp=1, dp=8, micro_batch_size=32, zero_stage=0)  # activations outweigh states
+    pins = Pins(pp=1, tp=1, dp=8, micro_batch_size=32, zero_stage=0, cp=1)  # activations outweigh states (CP would split them)
     roomy = solve(gpt_profile, cluster, 256, pins)
     assert roomy.stages[0].recompute == "none"
     # A GPU with 30% less than that plan needs: with ZeRO pinned off the solver must recompute.

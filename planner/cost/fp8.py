@@ -161,7 +161,7 @@ def skipped_units(profile: Profile) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _linear_shape(op: OpNode, unit: Unit, micro_batch_size: int, tp_degree: int, style: str | None) -> LinearShape:
+def _linear_shape(op: OpNode, unit: Unit, micro_batch_size: float, tp_degree: int, style: str | None) -> LinearShape:
     """`style` is the linear's TP style, or None when no TP plan is known: then the GEMM and the
     weight count as 1/tp and the activations whole (an upper bound on the casts)."""
     scale = micro_batch_size / min(unit.costs)  # ops' shapes and FLOPs are at the smallest profiled size
@@ -182,7 +182,7 @@ def _cast_s(elements: float, gpu: GPUSpec) -> float:
     return elements * CAST_PASS_BYTES_PER_ELEMENT / gpu.achievable_bandwidth + KERNELS_PER_CAST * gpu.kernel_overhead_s
 
 
-def price_fp8_unit(unit: Unit, micro_batch_size: int, gpu: GPUSpec, tp_degree: int = 1,
+def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree: int = 1,
                    fsdp_float8_all_gather_degree: int = 1, skip_fqns: tuple[str, ...] = (),
                    tp_plan: Mapping[str, str] | None = None) -> Fp8UnitPrice:
     """The seconds FP8 saves on `unit` per micro-batch of `micro_batch_size`, on one GPU of a

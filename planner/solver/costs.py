@@ -19,6 +19,7 @@ from planner.cost.compute import (
     sharded_flop_fraction,
     tp_time_s,
 )
+from planner.cost.cp import all_gather_cp_s, gathered_kv_bytes, kv_bytes
 from planner.cost.fp8 import price_fp8_unit, skipped_units
 from planner.cost.memory import unit_activation_bytes
 from planner.cost.moe import (
@@ -97,6 +98,10 @@ class UnitCostTable:
     """The all-to-alls inside `recompute_s["full"]` (the replayed forward's dispatch and combine)."""
     ep_degree: int = 1
     """Expert-parallel degree the table is priced at."""
+    cp_comm_s: np.ndarray | None = None
+    """CP's K/V all-gathers and their gradients' reduce-scatters per micro-batch; None: no CP."""
+    recompute_cp_comm_s: np.ndarray | None = None
+    """The gathers inside `recompute_s["full"]` (the replayed forward gathers K/V again)."""
     fp8_weight_parameters: np.ndarray | None = None
     """Per unit (per TP rank), weights of the linears running in FP8: FSDP all-gathers them in
     FP8, 1 byte per element (planner/cost/fp8.py). None: no FP8."""
@@ -108,6 +113,16 @@ class UnitCostTable:
     weights): held and gathered like any weight, but without gradients, optimizer state,
     gradient reduction or optimizer step. Their missing weight-gradient GEMMs are already
     absent from the profiled backward (the profiler runs the model as built). None: all train."""
+
+    def sequence_comm(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Label -> (communication per micro-batch, the part replayed by full recomputation) of
+        the collectives that move tokens: EP's all-to-alls and CP's K/V gathers."""
+        out = {}
+        if self.ep_comm_s is not None and self.recompute_ep_comm_s is not None:
+            out["ep_comm"] = (self.ep_comm_s, self.recompute_ep_comm_s)
+        if self.cp_comm_s is not None and self.recompute_cp_comm_s is not None:
+            out["cp_comm"] = (self.cp_comm_s, self.recompute_cp_comm_s)
+        return out
 
     def dense_parameters(self) -> np.ndarray:
         """`parameters` less the experts': what ZeRO shards and dp gathers."""
@@ -160,12 +175,13 @@ class UnitCosts:
     """Builds `UnitCostTable`s, caching ILP solutions per (fingerprint, t, sp)."""
 
     def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str, require_sharding: bool = False,
-                 ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False):
+                 ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False, cp_collectives=None):
         self.profile, self.compute, self.dtype = profile, compute, dtype
         self.require_sharding = require_sharding  # TP pinned: each unit shards a weight where it can
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
         self.ep_all_to_all_s = ep_all_to_all_s  # (bytes one rank sends, ep, tp, folded) -> s
+        self.cp_collectives = cp_collectives  # (cp, tp) -> (all_gather_s(nbytes), reduce_scatter_s(nbytes)) in a CP group
         self.imbalance = imbalance  # MoE routing: busiest rank's load over the balanced one
         self.float8 = float8  # linears in FP8 (planner/cost/fp8.py); the runtime's filter skips the same units
         self.fp8_skip = skipped_units(profile) if float8 else ()
@@ -207,13 +223,39 @@ class UnitCosts:
             self._ilp[(*key, b)] = evaluate(self._problem(unit, t, sp, b), self._ilp[key].strategies)
         return self._ilp[(*key, b)]
 
-    def table(self, t: int, sp: bool, b: int, ep: int = 1) -> UnitCostTable:
-        key = (t, sp, b, ep)
+    def table(self, t: int, sp: bool, b: int, ep: int = 1, cp: int = 1) -> UnitCostTable:
+        key = (t, sp, b, ep, cp)
         if key not in self._tables:
-            self._tables[key] = self._build(t, sp, b) if ep == 1 else self._with_ep(self.table(t, sp, b), t, sp, b, ep)
+            if cp > 1:
+                assert ep == 1, "the search never combines EP and CP (both fold onto dp)"
+                self._tables[key] = self._with_cp(self._build(t, sp, b / cp), t, b, cp)
+            else:
+                self._tables[key] = self._build(t, sp, b) if ep == 1 else self._with_ep(self.table(t, sp, b), t, sp, b, ep)
         return self._tables[key]
 
-    def _expert_shares(self, unit: Unit, b: int) -> list[tuple[float, float]]:
+    def _with_cp(self, part: UnitCostTable, t: int, b: int, cp: int) -> UnitCostTable:
+        """A rank's share under context parallelism (planner/cost/cp.py): `part` is the table at
+        micro-batch b / cp (its tokens and its share of the balanced causal attention); to it,
+        all-gather CP's collectives of the whole sequence's K/V (each TP rank its heads' 1/t),
+        and the gathered K/V that attention saves for backward (not under full recomputation)."""
+        if self.cp_collectives is None:
+            raise ValueError("UnitCosts needs cp_collectives to price context parallelism")
+        gather, scatter = self.cp_collectives(cp, t)
+        n = len(self.profile.units)
+        comm, rec_comm = np.zeros(n), np.zeros(n)
+        act = {m: v.copy() for m, v in part.activations.items()}
+        rec = {m: v.copy() for m, v in part.recompute_s.items()}
+        for u in self.profile.units:
+            kv = kv_bytes(u, b, self.dtype_bytes) / t
+            forward, backward = all_gather_cp_s(kv, cp, gather, scatter)
+            comm[u.index] = forward + backward
+            rec_comm[u.index] = forward
+            rec["full"][u.index] += forward
+            for mode in ("none", "selective"):
+                act[mode][u.index] += gathered_kv_bytes(kv, cp, "all-gather")
+        return replace(part, cp_comm_s=comm, recompute_cp_comm_s=rec_comm, activations=act, recompute_s=rec)
+
+    def _expert_shares(self, unit: Unit, b: float) -> list[tuple[float, float]]:
         """Per MoE layer of the unit: the share of the unit's (forward, backward) time its experts
         take in the profile. Applied to the time the cost model uses, so a roofline re-target or
         a whole-model ratio applies to the experts alike."""
@@ -227,7 +269,7 @@ class UnitCosts:
             shares.append((min(lf / fwd, 1.0) if fwd > 0 else 0.0, min(lb / bwd, 1.0) if bwd > 0 else 0.0))
         return shares
 
-    def _unit_seconds(self, unit: Unit, t: int, sp: bool, b: int, sharded_ops: set[str]) -> tuple[float, float, list]:
+    def _unit_seconds(self, unit: Unit, t: int, sp: bool, b: float, sharded_ops: set[str]) -> tuple[float, float, list]:
         """(forward, backward) seconds per GPU under the TP plan, and per MoE layer its experts'
         part of them. Experts are never TP-sharded: their time is whole, or / tp under sequence
         parallelism (each TP rank routes its slice of the sequence); the rest of the unit scales
@@ -281,7 +323,7 @@ class UnitCosts:
                        expert_forward_s=exp_fwd, expert_backward_s=exp_bwd, ep_comm_s=comm,
                        recompute_ep_comm_s=rec_comm, ep_degree=ep)
 
-    def _build(self, t: int, sp: bool, b: int) -> UnitCostTable:
+    def _build(self, t: int, sp: bool, b: float) -> UnitCostTable:
         units = self.profile.units
         n = len(units)
         fwd, bwd, comm, rec_comm, params, flops = (np.zeros(n) for _ in range(6))

@@ -27,7 +27,7 @@ def _layout(e: Evaluation) -> Layout:
     return Layout.model_validate(dict(
         pp_degree=c.pp, dp_degree=c.dp, tp_degree=c.tp, zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel, schedule=c.schedule, virtual_stages=c.virtual_stages,
-        p2p_scatter_gather=e.p2p_scatter_gather, ep_degree=c.ep, shard_degree=c.shard_degree,
+        p2p_scatter_gather=e.p2p_scatter_gather, ep_degree=c.ep, shard_degree=c.shard_degree, cp_degree=c.cp,
     ))
 
 
@@ -97,7 +97,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     best = result.ranked[0]
     cfg = best.config
     layout = _layout(best)
-    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)
+    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)
     names = profile.unit_names()
     stages = []
     for k, ((i, j), recompute) in enumerate(zip(best.bounds, best.stage_recompute, strict=False)):

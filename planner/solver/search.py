@@ -85,6 +85,9 @@ class Config:
     offload: bool = False
     """Model states in host memory and the optimizer step on the CPU (ZeRO-Offload, FSDP2's
     CPUOffloadPolicy; planner/cost/sharding.py)."""
+    cp: int = 1
+    """Context-parallel degree (planner/cost/cp.py): folded onto the dp ranks, each group of cp
+    shares its samples and splits their sequences; the table is priced at micro-batch b / cp."""
 
     @property
     def zero_dp(self) -> int:
@@ -115,7 +118,7 @@ class Config:
     def describe(self) -> str:
         sched = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{' +sp' if self.sequence_parallel else ''}"
-                f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' hsdp{self.shard_degree}' if self.shard_degree else ''}"
+                f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' cp{self.cp}' if self.cp > 1 else ''}{f' hsdp{self.shard_degree}' if self.shard_degree else ''}"
                 f"{' offload' if self.offload else ''}, "
                 f"mbs {self.micro_batch_size} x {self.num_microbatches}, {sched}, zero {self.zero_stage}")
 
@@ -190,8 +193,8 @@ def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
 
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     base = table.forward_s + table.backward_s + tp_comm_s(table, cfg, env)
-    if table.ep_comm_s is not None:
-        base = base + table.ep_comm_s
+    for comm, _replayed in table.sequence_comm().values():
+        base = base + comm
     zero = zero_unit_s(table, cfg, env)
     times = {r: base + table.recompute_s[r] + zero[r][0] for r in env.allowed_recompute}
     first = {r: zero[r][1] for r in env.allowed_recompute}
@@ -483,11 +486,12 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     # Full recomputation replays the forward's TP collectives: communication, not compute.
     replayed = m * sum(float(table.recompute_tp_comm_s[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
     compute -= replayed
-    ep_comm = 0.0
-    if table.ep_comm_s is not None:  # the all-to-alls, and their replay under full recomputation
-        ep_replayed = m * sum(float(table.recompute_ep_comm_s[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
-        compute -= ep_replayed
-        ep_comm = ep_replayed + m * sum(float(table.ep_comm_s[i:j].sum()) for _, (i, j), _r in on_busiest)
+    # EP's all-to-alls and CP's K/V gathers, and their replay under full recomputation.
+    token_comm = {}
+    for label, (comm, in_recompute) in table.sequence_comm().items():
+        again = m * sum(float(in_recompute[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
+        compute -= again
+        token_comm[label] = again + m * sum(float(comm[i:j].sum()) for _, (i, j), _r in on_busiest)
     tp_exposed = tp_comm_s(table, cfg, env)
     tp_comm = replayed + m * sum(float(tp_exposed[i:j].sum()) for _, (i, j), _r in on_busiest)
     p2p_total = m * sum(float(p2p[j - 1]) for _, (i, j), _r in on_busiest) + fill_s
@@ -506,7 +510,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
         breakdown_s={
             "compute": compute,
             "tp_comm": tp_comm,
-            **({"ep_comm": ep_comm} if table.ep_comm_s is not None else {}),
+            **token_comm,
             "p2p": p2p_total,
             "bubble": bubble,
             "dp_comm": grad_s[slowest] + gather_s[slowest] + zero_total,

@@ -26,6 +26,7 @@ import numpy as np
 from planner.cluster import Cluster
 from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
+from planner.cost.cp import cp_degrees, cp_refusal
 from planner.cost.memory import model_state_bytes
 from planner.errors import PlannerError
 from planner.plan import (
@@ -69,6 +70,8 @@ class Pins:
     offload: bool | None = None
     """CPU offload: True pins it, False forbids it, None (default) forbids it unless the search is
     allowed it (`allow_offload`): it trades speed for memory, so it is offered, not assumed."""
+    cp: int | None = None
+    """Context-parallel degree: sequences split over cp of the dp ranks (planner/cost/cp.py)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -78,7 +81,7 @@ def _divisors(n: int) -> list[int]:
 def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int) -> None:
     n, gpn = cluster.world_size, cluster.gpus_per_node
     problems = []
-    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages", "ep", "shard_degree"):
+    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages", "ep", "shard_degree", "cp"):
         value = getattr(pins, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be positive (got {value})")
@@ -114,6 +117,11 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         problems.append("--offload needs ZeRO >= 1 (FSDP2's CPUOffloadPolicy)")
     if (pins.shard_degree or pins.offload) and pins.ep and pins.ep > 1:
         problems.append("--shard-degree/--offload with --ep: expert parallelism folds its own groups onto dp")
+    if pins.cp and pins.cp > 1 and ((pins.pp or 1) > 1 or (pins.ep or 1) > 1):
+        problems.append("--cp with --pp or --ep: the runtime runs context parallelism with dp and tp only")
+    if pins.cp and pins.dp and pins.dp % pins.cp:
+        problems.append(f"--cp {pins.cp} does not divide --dp {pins.dp} (context parallelism is folded onto the "
+                        "data-parallel ranks)")
     if pins.ep and pins.ep > 1 and pins.sequence_parallel:
         problems.append("--ep with --sequence-parallel: the runtime's router sees whole sequences only")
     if problems:
@@ -154,6 +162,10 @@ def check_model_pins(pins: Pins, profile: Profile) -> None:
         why = tp_refusal(profile, pins.tp)
         if why:
             problems.append(f"--tp {pins.tp}: {why}")
+    if pins.cp and pins.cp > 1:
+        why = cp_refusal(profile.model.sequence_length, pins.cp)
+        if why:
+            problems.append(f"--cp {pins.cp}: {why}")
     if pins.ep and pins.ep > 1:
         counts = expert_counts(profile)
         if not counts:
@@ -221,17 +233,39 @@ def _offloads(pins: Pins, zero_stage: int, dp: int, ep: int, allow_offload: bool
 
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
                       tp_degrees: set[int] | None = None, experts: AbstractSet[int] = frozenset(), allow_offload: bool = False,
-                      states_fit=None):
+                      states_fit=None, sequence_length: int | None = None):
     """Configurations the pins allow; `num_units` bounds the pipeline chunks, `tp_degrees` are the
     TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts,
-    `states_fit(zero, pp, tp, shard) -> bool` whether the model states fit a GPU (hybrid sharding)."""
+    `states_fit(zero, pp, tp, shard) -> bool` whether the model states fit a GPU (hybrid sharding),
+    `sequence_length` the tokens per sample (context parallelism splits them; None: no CP)."""
     n, gpn = cluster.world_size, cluster.gpus_per_node
     for tp in [pins.tp] if pins.tp else [t for t in _divisors(min(n, gpn)) if tp_degrees is None or t in tp_degrees]:
         for pp in [pins.pp] if pins.pp else [p for p in _divisors(n // tp) if p <= num_units]:
             dp = n // (tp * pp)
-            if (n % (tp * pp)) or (pins.dp and pins.dp != dp) or global_batch_size % dp:
+            if (n % (tp * pp)) or (pins.dp and pins.dp != dp):
                 continue
-            local = global_batch_size // dp
+            yield from _batch_variants(pins, global_batch_size, num_units, profiled_mbs, experts, allow_offload,
+                                       states_fit, sequence_length, tp, pp, dp, gpn)
+
+
+def _cp_degrees(pins: Pins, sequence_length: int | None, dp: int, pp: int, experts: AbstractSet[int]) -> list[int]:
+    """Context-parallel degrees to try: 1, and (the runtime runs CP with dp and tp only, not with
+    pipelines or experts) the powers of two dividing dp that split the sequence (cp_refusal)."""
+    if pins.cp:
+        return [pins.cp] if dp % pins.cp == 0 else []
+    if pp > 1 or experts or (pins.ep or 1) > 1:
+        return [1]
+    return cp_degrees(sequence_length, dp)
+
+
+def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled_mbs: list[int], experts, allow_offload,
+                    states_fit, sequence_length, tp: int, pp: int, dp: int, gpn: int):
+    """The configurations of one (tp, pp, dp): cp, micro-batch, sp, schedule, ep, ZeRO, shard, offload."""
+    for cp in _cp_degrees(pins, sequence_length, dp, pp, experts):
+            replicas = dp // cp  # a CP group shares its samples
+            if global_batch_size % replicas:
+                continue
+            local = global_batch_size // replicas
             sizes = [pins.micro_batch_size] if pins.micro_batch_size else [
                 b for b in _divisors(local) if ((b & (b - 1)) == 0 or b in profiled_mbs) and b <= MAX_MICRO_BATCH
             ]
@@ -247,8 +281,8 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
                         offloading = allow_offload or bool(pins.offload)
                         zeros = [pins.zero_stage] if pins.zero_stage is not None else \
                             ([0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
-                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload)
-                               for ep in ep_degrees(pins, experts, dp, sp) for z in zeros
+                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp)
+                               for ep in (ep_degrees(pins, experts, dp, sp) if cp == 1 else [1]) for z in zeros
                                for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
                                                            functools.partial(states_fit, z, pp, tp))
                                for offload in _offloads(pins, z, dp, ep, allow_offload)]
@@ -382,18 +416,19 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # A pinned TP degree is honoured: each unit shards a weight where it can, even where the
     # collectives cost more than the compute they split (the free search would pick dp instead).
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=bool(pins.tp and pins.tp > 1), ep_all_to_all_s=ep_all_to_all(cluster, coll),
+                      require_sharding=bool(pins.tp and pins.tp > 1), ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll),
                       imbalance=moe_imbalance, float8=float8)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
                                                      profile.micro_batch_sizes, tp_degrees, expert_counts(profile),
-                                                     allow_offload, _states_fit(profile, dtype, env.usable_memory_bytes))
+                                                     allow_offload, _states_fit(profile, dtype, env.usable_memory_bytes),
+                                                     profile.model.sequence_length)
                for cfg in variants]
     tick = time.perf_counter()
     tables = {}
     for cfg in configs:
-        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)
+        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)
         if key not in tables:
             tables[key] = costs.table(*key)
     phases["intra_op"] = time.perf_counter() - tick
@@ -401,7 +436,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     bound = TimeBound(env)
     fitting, pruned, least = [], 0, math.inf
     for cfg in configs:
-        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep)]
+        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)]
         memory = bound.memory_bytes(table, cfg)
         if memory > env.usable_memory_bytes:
             pruned, least = pruned + 1, min(least, memory)
@@ -457,10 +492,10 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), imbalance=moe_imbalance,
+                      require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll), imbalance=moe_imbalance,
                       float8=float8)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
-    return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep), cfg, env)
+    return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp), cfg, env)
 
 
 def _states_fit(profile: Profile, dtype: str, usable_bytes: float):
@@ -470,6 +505,16 @@ def _states_fit(profile: Profile, dtype: str, usable_bytes: float):
         states = model_state_bytes(profile.model.num_parameters / (pp * tp), dtype, zero_stage, shard).total
         return states <= usable_bytes
     return fit
+
+
+def cp_collectives(cluster: Cluster, coll: CollectiveModel):
+    """(cp, tp) -> (all_gather_s, reduce_scatter_s) in a CP group: cp data-parallel ranks, tp apart."""
+    @lru_cache(maxsize=None)
+    def of(cp: int, tp: int):
+        group = group_placement(cluster, cp, tp)
+        return lru_cache(maxsize=None)(lambda n: coll.all_gather_s(n, group)), \
+            lru_cache(maxsize=None)(lambda n: coll.reduce_scatter_s(n, group))
+    return of
 
 
 def ep_all_to_all(cluster: Cluster, coll: CollectiveModel):
