@@ -41,16 +41,7 @@ def test_dp_equals_brute_force(data, num_units, num_stages, num_microbatches, me
     # Memory-bound instances: a limit that forbids many ranges; compute-bound: no limit.
     limit = (sum(memory) * 1.5 if memory_bound else np.inf)
     cost = _cost_table(times, num_stages, p2p, memory, limit)
-    try:
-        expected = brute_force_cuts(cost, num_microbatches)
-    except PlannerError:
-        with pytest.raises(PlannerError):
-            solve_cuts(cost, num_microbatches)
-        return
-    got = solve_cuts(cost, num_microbatches)
-    assert got.pipeline_time_s == pytest.approx(expected.pipeline_time_s, rel=1e-12)
-    assert got.bounds[0][0] == 0 and got.bounds[-1][1] == num_units
-    assert all(a[1] == b[0] for a, b in zip(got.bounds, got.bounds[1:], strict=False))
+    _matches_brute_force(cost, cost, num_microbatches, num_units)
 
 
 def test_heavy_layer_gives_non_uniform_cuts():
@@ -95,13 +86,19 @@ def test_shared_rows_dp_equals_brute_force(data, num_units, num_microbatches, nu
     rows = np.stack([_cost_table(times, 1, p2p, memory, limit)[0] for limit in limits])
     row_of_stage = np.array(data.draw(st.lists(st.integers(0, num_rows - 1), min_size=num_stages, max_size=num_stages)))
     shared = SharedRows(rows, row_of_stage)
+    _matches_brute_force(shared, shared.dense(), num_microbatches, num_units)
+
+
+def _matches_brute_force(cost, dense, num_microbatches: int, num_units: int) -> None:
+    """The DP on `cost` finds the brute force's pipeline time on `dense` (the same table), or
+    both refuse; its cuts are contiguous and cover every unit."""
     try:
-        expected = brute_force_cuts(shared.dense(), num_microbatches)
+        expected = brute_force_cuts(dense, num_microbatches)
     except PlannerError:
         with pytest.raises(PlannerError):
-            solve_cuts(shared, num_microbatches)
+            solve_cuts(cost, num_microbatches)
         return
-    got = solve_cuts(shared, num_microbatches)
+    got = solve_cuts(cost, num_microbatches)
     assert got.pipeline_time_s == pytest.approx(expected.pipeline_time_s, rel=1e-12)
     assert got.bounds[0][0] == 0 and got.bounds[-1][1] == num_units
     assert all(a[1] == b[0] for a, b in zip(got.bounds, got.bounds[1:], strict=False))

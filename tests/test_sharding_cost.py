@@ -10,9 +10,6 @@ from planner.cost.sharding import (
     CPU_ADAM_S_PER_PARAMETER,
     PCIE_X16_EFFECTIVE_BYTES_PER_S,
     fsdp_collective_counts,
-    hsdp_links,
-    hsdp_model_state_bytes,
-    hsdp_step_comm,
     offload_step_cost,
     offloaded_state_bytes,
 )
@@ -29,54 +26,6 @@ def test_collective_counts_follow_the_runtime():
     assert fsdp_collective_counts(3, 4) == (4, 8)  # and gathered before each forward and backward
     with pytest.raises(ValueError, match="ZeRO 1-3"):
         fsdp_collective_counts(0, 4)
-
-
-def test_links_of_shard_and_replica_groups():
-    # 8 GPUs per node, tp 2: a shard group of 4 spans 8 ranks (one node); replicas cross nodes.
-    assert hsdp_links(NVLINK, IB, shard_degree=4, dp_degree=16, tp_degree=2, gpus_per_node=8) == (NVLINK, IB)
-    # shard 8 x tp 2 = 16 ranks do not fit in a node of 8.
-    assert hsdp_links(NVLINK, IB, shard_degree=8, dp_degree=16, tp_degree=2, gpus_per_node=8) == (IB, IB)
-    # dp 4 x tp 2 = 8: everything in one node.
-    assert hsdp_links(NVLINK, IB, shard_degree=2, dp_degree=4, tp_degree=2, gpus_per_node=8) == (NVLINK, NVLINK)
-    with pytest.raises(ValueError, match="must divide"):
-        hsdp_links(NVLINK, IB, shard_degree=3, dp_degree=16, tp_degree=1, gpus_per_node=8)
-
-
-def test_hsdp_step_comm_by_hand():
-    # 8 shards x 4 replicas, 1 GB of parameters and of gradients, ZeRO-3 with 2 micro-batches.
-    reductions, gathers = fsdp_collective_counts(3, 2)
-    comm = hsdp_step_comm(GB, GB, shard_degree=8, replica_degree=4, num_reductions=reductions,
-                          num_gathers=gathers, shard_link=NVLINK, replica_link=IB)
-    # Reduce-scatter and all-gather move (s-1)/s of the full tensor per rank (no latency: ring = recursive).
-    assert comm.reduce_scatter_s == pytest.approx(2 * (7 / 8) * GB / 100e9)
-    assert comm.all_gather_s == pytest.approx(4 * (7 / 8) * GB / 100e9)
-    # The all-reduce carries the 1/8 shard over the replicas: 2 (r-1)/r x G/s per rank (ring, halving-doubling).
-    assert comm.all_reduce_s == pytest.approx(2 * 2 * (3 / 4) * (GB / 8) / 25e9)
-    assert comm.total_s == pytest.approx(comm.reduce_scatter_s + comm.all_reduce_s + comm.all_gather_s)
-
-
-def test_hsdp_crosses_the_network_with_an_eighth_of_the_bytes_of_full_sharding():
-    # 32 ranks over 4 nodes. Full sharding's reduce-scatter over 32 ranks on the network link
-    # (flat, the slowest hop paces the ring) against HSDP's 8-rank in-node reduce-scatter plus
-    # the 4-rank all-reduce of 1/8 of the gradient across nodes.
-    hsdp = hsdp_step_comm(GB, GB, 8, 4, num_reductions=1, num_gathers=0, shard_link=NVLINK, replica_link=IB)
-    full_rs = (31 / 32) * GB / 25e9
-    assert hsdp.total_s == pytest.approx((7 / 8) * GB / 100e9 + 2 * (3 / 4) * (GB / 8) / 25e9)
-    assert hsdp.total_s < full_rs / 2
-
-
-def test_one_replica_or_one_shard_costs_no_collective_there():
-    comm = hsdp_step_comm(GB, GB, shard_degree=4, replica_degree=1, num_reductions=1, num_gathers=1,
-                          shard_link=NVLINK, replica_link=IB)
-    assert comm.all_reduce_s == 0.0 and comm.reduce_scatter_s > 0
-
-
-def test_hsdp_memory_divides_by_the_shard_group():
-    n = 7e9
-    states = hsdp_model_state_bytes(n, "bfloat16", zero_stage=3, shard_degree=8)
-    assert (states.weights, states.gradients, states.optimizer) == (2 * n / 8, 2 * n / 8, 12 * n / 8)
-    assert hsdp_model_state_bytes(n, "float32", 1, 8).weights == 4 * n  # ZeRO-1 shards the optimizer only
-    assert hsdp_model_state_bytes(n, "float32", 1, 8).optimizer == 8 * n / 8
 
 
 def test_offload_by_hand():

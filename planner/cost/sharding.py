@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP) and CPU offload, priced per optimizer step. Pure functions, no torch.
+"""Hybrid sharding (HSDP) and CPU offload: the formulas, and offload's per-step price. No torch.
 
 Hybrid sharding (planner/plan.py `Layout.shard_degree`; Zhao et al. 2023, "PyTorch FSDP",
 hybrid sharding). dp = r x s ranks: s = shard_degree consecutive dp indices shard the model
@@ -9,16 +9,14 @@ whole gradient on one GPU, after TP) and per gather of P parameter bytes:
     all-reduce       across the replica group, r ranks, the G / s shard  (on the replica link)
     all-gather       inside the shard group, s ranks, output P           (on the shard link)
 
-each priced with the alpha-beta algorithms of planner/cost/collectives.py `flat_times`,
-cheapest algorithm taken. Against sharding over all dp ranks, the all-gathers (ZeRO-3: two per
-micro-batch) stay on the shard group's link, and only G / s bytes per GPU cross the replica
-link, each GPU of a node on its own NIC (one replica group per shard index). The model states
-per GPU are planner/cost/memory.py `model_state_bytes` with dp replaced by s.
-
-A shard group is s dp indices, tp ranks apart (planner/plan.py rank_of: tp innermost), so it
-spans s x tp consecutive ranks: inside one node when s x tp divides the GPUs per node; its
-replica group runs s x tp ranks apart, inside one node only when the whole dp x tp block is
-(`hsdp_links`).
+Against sharding over all dp ranks, the all-gathers (ZeRO-3: two per micro-batch) stay inside
+the shard group, and only G / s bytes per GPU cross the replica group, each GPU of a node on
+its own NIC (one replica group per shard index). The model states per GPU are
+planner/cost/memory.py `model_state_bytes` with dp replaced by s. The search prices these
+collectives with the cluster's collective model on the groups' real placement (a shard group
+is s dp indices tp ranks apart, a replica group s x tp ranks apart): planner/solver/
+comm_pricing.py `_over_dp` and `_across_replicas`, and the states in planner/solver/search.py
+`gpu_state_bytes`. This module keeps what is particular to offload.
 
 CPU offload (planner/plan.py `Training.offload`; Ren et al. 2021, "ZeRO-Offload", USENIX ATC;
 FSDP2's `CPUOffloadPolicy`): the sharded states live in host memory. Per step and GPU: every
@@ -33,8 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cluster import Link
-from planner.cost.collectives import flat_times
 from planner.cost.memory import ModelStateBytes, model_state_bytes
 
 PCIE_X16_EFFECTIVE_BYTES_PER_S = {"gen4": 25e9, "gen5": 50e9}
@@ -52,23 +48,6 @@ comparison). Roofline check: an fp32 Adam step reads and writes weight, momentum
 and reads the gradient, ~26-34 bytes per parameter, which over such a host's ~200 GB/s of memory
 bandwidth is ~0.15 s per billion: the optimizer is memory-bound, so hosts with other
 memory bandwidths scale it by their ratio."""
-
-
-@dataclass(frozen=True)
-class HSDPStepComm:
-    """Hybrid sharding's data-parallel collectives over one optimizer step, on one GPU, in seconds."""
-
-    reduce_scatter_s: float
-    """Gradient reduce-scatters inside the shard group (all of the step's reductions)."""
-    all_reduce_s: float
-    """All-reduces of the 1/shard_degree gradient shard across the replica group (all reductions)."""
-    all_gather_s: float
-    """Parameter all-gathers inside the shard group (all of the step's gathers)."""
-
-    @property
-    def total_s(self) -> float:
-        """Sum of the terms, none overlapped with compute (planner/cost/overlap.py decides what hides)."""
-        return self.reduce_scatter_s + self.all_reduce_s + self.all_gather_s
 
 
 @dataclass(frozen=True)
@@ -95,10 +74,6 @@ class OffloadStepCost:
         return self.host_to_device_s + self.device_to_host_s
 
 
-def _cheapest(kind: str, n: int, nbytes: float, link: Link) -> float:
-    return min(flat_times(kind, n, nbytes, link).values())
-
-
 def fsdp_collective_counts(zero_stage: int, num_microbatches: int) -> tuple[int, int]:
     """(gradient reductions, parameter all-gathers) per step of one non-pipelined FSDP2 stage, as
     runtime/train.py runs it: ZeRO-1 reduces once after the last micro-batch, ZeRO 2-3 every
@@ -109,38 +84,6 @@ def fsdp_collective_counts(zero_stage: int, num_microbatches: int) -> tuple[int,
     reductions = num_microbatches if zero_stage >= 2 else 1
     gathers = 2 * num_microbatches if zero_stage == 3 else 1
     return reductions, gathers
-
-
-def hsdp_links(intra: Link, inter: Link, shard_degree: int, dp_degree: int, tp_degree: int,
-               gpus_per_node: int) -> tuple[Link, Link]:
-    """(shard-group link, replica-group link) for hybrid sharding (module docstring): the intra-node
-    link where the group's ranks share a node, else the inter-node one."""
-    if shard_degree < 1 or dp_degree % shard_degree:
-        raise ValueError(f"shard_degree {shard_degree} must divide dp_degree {dp_degree}")
-    shard_span, dp_span = shard_degree * tp_degree, dp_degree * tp_degree
-    shard_link = intra if gpus_per_node % shard_span == 0 else inter
-    replica_link = intra if gpus_per_node % dp_span == 0 else inter
-    return shard_link, replica_link
-
-
-def hsdp_step_comm(param_bytes: float, grad_bytes: float, shard_degree: int, replica_degree: int,
-                   num_reductions: int, num_gathers: int, shard_link: Link, replica_link: Link) -> HSDPStepComm:
-    """HSDP's collectives per step (module docstring). `param_bytes`, `grad_bytes`: the whole
-    (unsharded) parameters and gradient of the stage on one GPU, in the dtypes gathered and
-    reduced; counts from `fsdp_collective_counts`."""
-    if shard_degree < 1 or replica_degree < 1:
-        raise ValueError(f"shard_degree {shard_degree} and replica_degree {replica_degree} must be at least 1")
-    return HSDPStepComm(
-        reduce_scatter_s=num_reductions * _cheapest("reduce_scatter", shard_degree, grad_bytes, shard_link),
-        all_reduce_s=num_reductions * _cheapest("all_reduce", replica_degree, grad_bytes / shard_degree, replica_link),
-        all_gather_s=num_gathers * _cheapest("all_gather", shard_degree, param_bytes, shard_link),
-    )
-
-
-def hsdp_model_state_bytes(num_parameters: float, dtype: str, zero_stage: int, shard_degree: int) -> ModelStateBytes:
-    """Model states per GPU under hybrid sharding: ZeRO's division by the shard group's size, not
-    by dp (the replicas hold copies). `num_parameters` already divided by TP where sharded."""
-    return model_state_bytes(num_parameters, dtype, zero_stage, shard_degree)
 
 
 def offloaded_state_bytes(num_parameters: float, dtype: str, zero_stage: int, shard_degree: int) -> ModelStateBytes:
