@@ -188,6 +188,7 @@ class UnitCosts:
         self._ilp: dict[tuple, IntraOpSolution] = {}
         self._tables: dict[tuple, UnitCostTable] = {}
         self._layer_seconds: dict[tuple, dict[int, list[tuple[float, float]]]] = {}  # per (t, sp, b), from `_build`
+        self._groups: list[tuple[Unit, np.ndarray]] | None = None  # `_content_groups`
         self.base_mbs = min(profile.micro_batch_sizes)
 
     @staticmethod
@@ -323,66 +324,92 @@ class UnitCosts:
                        expert_forward_s=exp_fwd, expert_backward_s=exp_bwd, ep_comm_s=comm,
                        recompute_ep_comm_s=rec_comm, ep_degree=ep)
 
+    def _content_groups(self) -> list[tuple[Unit, np.ndarray]]:
+        """The profile's units grouped by everything `_unit_row` reads (a representative and the
+        indices of its group): the blocks of an analytic profile are one group, so a table costs
+        a few unit evaluations, not one per layer (issue #17). A unit's name and index are left
+        out, except with FP8, whose filter and TP plan name modules by FQN; and tied units stay
+        apart (they are never TP-sharded), so the key holds whether a unit is tied."""
+        if self._groups is None:
+            tied = tied_unit_indices(self.profile)
+            by_key: dict[tuple, list[int]] = {}
+            for u in self.profile.units:
+                content = u.model_dump_json(exclude=None if self.float8 else {"name", "index"})
+                by_key.setdefault((content, u.index in tied), []).append(u.index)
+            units = self.profile.units
+            self._groups = [(units[indices[0]], np.array(indices)) for indices in by_key.values()]
+        return self._groups
+
+    def _unit_row(self, u: Unit, t: int, sp: bool, b: float, tied: bool) -> dict:
+        """One unit's entries of the table at (t, sp, b): `_build`'s arrays by name, and its TP
+        plan and MoE layers' (fwd, bwd) seconds."""
+        scale = b / self.base_mbs
+        # Units sharing a weight stay replicated: DTensor would shard each module's copy of it
+        # on its own and untie them (an embedding and an output head also shard it on different dims).
+        sol = self.tp_solution(u, t, sp, b) if (t > 1 and u.ops and not tied) else None
+        sharded_ops = {name for name, s in sol.strategies.items() if s in SHARDED} if sol else set()
+        is_sharded = bool(sharded_ops)
+        row: dict = {}
+        row["fwd"], row["bwd"], row["layers"] = self._unit_seconds(u, t, sp, b, sharded_ops)
+        row["comm"] = sol.comm_time_s if sol else 0.0
+        row["plan"] = dict(sol.tp_plan) if (sol and is_sharded) else {}
+        if self.float8:
+            fp8 = price_fp8_unit(u, b, self.compute.gpu, t, skip_fqns=self.fp8_skip,
+                                 tp_plan={f"{u.name}.{m}" if m else u.name: v for m, v in row["plan"].items()} if t > 1 else None)
+            # The saving is taken from the unit's time, which is never below zero (a unit
+            # whose roofline is memory-bound gains less than its GEMMs' difference).
+            row["fwd"] = max(row["fwd"] - fp8.forward_saved_s * self.compute.slowdown, 0.0)
+            row["bwd"] = max(row["bwd"] - fp8.backward_saved_s * self.compute.slowdown, 0.0)
+            row["fp8_weights"] = fp8.fp8_weight_elements
+            converted = set(fp8.converted)
+            row["fp8_flops"] = 3 * sum(op.forward_flops for op in u.ops if op.name in converted) * scale
+        op_weight = sum(math.prod(op.weight_shape) for op in u.ops if op.weight_shape)
+        op_weight_tp = sol.parameter_bytes / self.dtype_bytes if sol else op_weight
+        row["params"] = max(u.num_parameters - op_weight + op_weight_tp, 0)
+        f_fwd, f_bwd = self.compute.forward_flops(u, b), self.compute.backward_flops(u, b)
+        row["flops"] = f_fwd + f_bwd
+        core = _attention_flop_share(u)
+        row["rec_comm"] = sol.forward_comm_time_s if sol else 0.0
+        row[("rec", "full")], row[("rec_flops", "full")] = row["fwd"] + row["rec_comm"], f_fwd
+        row[("rec", "selective")], row[("rec_flops", "selective")] = row["fwd"] * core, f_fwd * core
+        row[("rec", "none")], row[("rec_flops", "none")] = 0.0, 0.0
+        c = u.costs
+        saved = interpolate({k: v.saved_bytes for k, v in c.items()}, b)
+        out_b = interpolate({k: v.output_bytes for k, v in c.items()}, b)
+        in_b = interpolate({k: v.input_bytes for k, v in c.items()}, b)
+        scores = _score_bytes(u, scale, self.dtype_bytes)
+        for mode in RECOMPUTE_MODES:
+            a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded)
+            row[("act", mode)], row[("transient", mode)] = a.stored, a.transient
+        return row
+
     def _build(self, t: int, sp: bool, b: float) -> UnitCostTable:
         units = self.profile.units
         n = len(units)
-        fwd, bwd, comm, rec_comm, params, flops = (np.zeros(n) for _ in range(6))
-        rec = {m: np.zeros(n) for m in RECOMPUTE_MODES}
-        rec_flops = {m: np.zeros(n) for m in RECOMPUTE_MODES}
-        act = {m: np.zeros(n) for m in RECOMPUTE_MODES}
-        transient = {m: np.zeros(n) for m in RECOMPUTE_MODES}
-        plans: list[dict[str, str]] = []
-        fp8_weights, fp8_flops = np.zeros(n), np.zeros(n)
+        arrays = {name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "flops", "fp8_weights", "fp8_flops")}
+        arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
+        plans: list[dict[str, str]] = [{} for _ in range(n)]
         layer_seconds: dict[int, list[tuple[float, float]]] = {}  # unit -> its MoE layers' experts' (fwd, bwd) s
         self._layer_seconds[(t, sp, b)] = layer_seconds
-        scale = b / self.base_mbs
         tied = tied_unit_indices(self.profile)
-        for u in units:
-            i = u.index
-            # Units sharing a weight stay replicated: DTensor would shard each module's copy of it
-            # on its own and untie them (an embedding and an output head also shard it on different dims).
-            sol = self.tp_solution(u, t, sp, b) if (t > 1 and u.ops and i not in tied) else None
-            sharded_ops = {name for name, s in sol.strategies.items() if s in SHARDED} if sol else set()
-            is_sharded = bool(sharded_ops)
-            fwd[i], bwd[i], layers = self._unit_seconds(u, t, sp, b, sharded_ops)
-            if layers:
-                layer_seconds[i] = layers
-            comm[i] = sol.comm_time_s if sol else 0.0
-            plans.append(dict(sol.tp_plan) if (sol and is_sharded) else {})
-            if self.float8:
-                fp8 = price_fp8_unit(u, b, self.compute.gpu, t, skip_fqns=self.fp8_skip,
-                                     tp_plan={f"{u.name}.{m}" if m else u.name: v for m, v in plans[-1].items()} if t > 1 else None)
-                # The saving is taken from the unit's time, which is never below zero (a unit
-                # whose roofline is memory-bound gains less than its GEMMs' difference).
-                fwd[i] = max(fwd[i] - fp8.forward_saved_s * self.compute.slowdown, 0.0)
-                bwd[i] = max(bwd[i] - fp8.backward_saved_s * self.compute.slowdown, 0.0)
-                fp8_weights[i] = fp8.fp8_weight_elements
-                converted = set(fp8.converted)
-                fp8_flops[i] = 3 * sum(op.forward_flops for op in u.ops if op.name in converted) * scale
-            op_weight = sum(math.prod(op.weight_shape) for op in u.ops if op.weight_shape)
-            op_weight_tp = sol.parameter_bytes / self.dtype_bytes if sol else op_weight
-            params[i] = max(u.num_parameters - op_weight + op_weight_tp, 0)
-            f_fwd, f_bwd = self.compute.forward_flops(u, b), self.compute.backward_flops(u, b)
-            flops[i] = f_fwd + f_bwd
-            core = _attention_flop_share(u)
-            rec_comm[i] = sol.forward_comm_time_s if sol else 0.0
-            rec["full"][i], rec_flops["full"][i] = fwd[i] + rec_comm[i], f_fwd
-            rec["selective"][i], rec_flops["selective"][i] = fwd[i] * core, f_fwd * core
-            c = u.costs
-            saved = interpolate({k: v.saved_bytes for k, v in c.items()}, b)
-            out_b = interpolate({k: v.output_bytes for k, v in c.items()}, b)
-            in_b = interpolate({k: v.input_bytes for k, v in c.items()}, b)
-            scores = _score_bytes(u, scale, self.dtype_bytes)
-            for mode in RECOMPUTE_MODES:
-                a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded)
-                act[mode][i], transient[mode][i] = a.stored, a.transient
+        for u, indices in self._content_groups():
+            row = self._unit_row(u, t, sp, b, u.index in tied)
+            for name, values in arrays.items():
+                values[indices] = row.get(name, 0.0)
+            for i in indices.tolist():
+                plans[i] = dict(row["plan"])
+                if row["layers"]:
+                    layer_seconds[i] = row["layers"]
+        fwd, bwd = arrays["fwd"], arrays["bwd"]
+        by_mode = lambda kind: {m: arrays[(kind, m)] for m in RECOMPUTE_MODES}  # noqa: E731
         cut = np.zeros(n)
         for crossing in self.profile.cuts:
             cut[crossing.after_index] = interpolate({k: float(v) for k, v in crossing.bytes.items()}, b) / (t if sp else 1)
-        table = UnitCostTable(fwd, bwd, comm, rec, rec_comm, params, act, transient, cut, flops, rec_flops, plans,
-                              tied_weights(self.profile))
+        params = arrays["params"]
+        table = UnitCostTable(fwd, bwd, arrays["comm"], by_mode("rec"), arrays["rec_comm"], params, by_mode("act"),
+                              by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, tied_weights(self.profile))
         if self.float8:
-            table = replace(table, fp8_weight_parameters=fp8_weights, fp8_flops=fp8_flops)
+            table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)
                            if u.parameter_bytes else 0.0 for u in units])  # (the schema fills trainable bytes)
         if frozen.any():  # the share of each unit's parameters that is frozen, after TP alike
