@@ -1,8 +1,12 @@
-"""Activation recomputation per stage: `full` checkpoints every unit, `selective` only the
-attention modules inside units (Korthikanti et al. 2022 recompute the attention core;
-here the whole attention module, found by name: `attn`, `attention`, `self_attn`)."""
+"""Activation recomputation per unit: `full` checkpoints the unit, `selective` only the
+attention modules inside it (Korthikanti et al. 2022 recompute the attention core;
+here the whole attention module, found by name: `attn`, `attention`, `self_attn`).
+A plan gives each unit its mode (planner/plan.py `Stage.unit_modes`), so one stage may
+checkpoint some units and not others (`apply_unit_recompute`)."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -37,3 +41,9 @@ def apply_recompute(model: nn.Module, units: list[str], mode: str) -> None:
             targets += [f"{unit}.{n}" for n, _ in present[unit].named_modules() if n.rpartition(".")[2] in ATTENTION_NAMES]
     for name in targets:
         _wrap(model, name)
+
+
+def apply_unit_recompute(model: nn.Module, modes: Mapping[str, str]) -> None:
+    """Each unit (FQN) its own mode, e.g. a stage's `Stage.unit_modes()`; units this chunk lacks are skipped."""
+    for mode in ("selective", "full"):
+        apply_recompute(model, [unit for unit, r in modes.items() if r == mode], mode)

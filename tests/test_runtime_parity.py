@@ -99,3 +99,23 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity(case, tmp_path):
     check_parity(make_plan(**CASES[case]), tmp_path)
+
+
+# Recomputation per unit (planner/plan.py `Stage.unit_recompute`): full, selective and none
+# units in one stage. Layout, then unit -> mode over the stages' `recompute` ("none").
+UNIT_RECOMPUTE_CASES = {
+    "unit-recompute-mixed-pp2": (dict(pp=2, m=2), {"blocks.0": "full", "blocks.1": "selective", "blocks.3": "full"}),
+    "unit-recompute-mixed-dp2": (dict(dp=2), {"blocks.0": "full", "blocks.2": "selective"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", sorted(UNIT_RECOMPUTE_CASES))
+def test_parity_unit_recompute(case, tmp_path):
+    layout, modes = UNIT_RECOMPUTE_CASES[case]
+    plan = make_plan(**layout)
+    stages = [type(s).model_validate({**s.model_dump(), "unit_recompute": {u: r for u, r in modes.items() if u in s.units}})
+              for s in plan.stages]
+    assert len({r for s in stages for r in s.unit_modes().values()}) == 3  # the three modes in the plan
+    check_parity(plan.model_copy(update={"stages": stages}), tmp_path)

@@ -91,7 +91,7 @@ def test_memory_pressure_turns_on_recomputation_or_zero(gpt_profile):
     small = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=int(needed * 0.7 / 0.9)))
     tight = solve(gpt_profile, small, 256, pins)
     assert max(tight.prediction.peak_memory_bytes) <= needed * 0.7 * (1 + 1e-9)
-    assert tight.stages[0].recompute != "none"
+    assert any(r != "none" for r in tight.stages[0].unit_modes().values())  # some units, not necessarily all
     assert tight.prediction.iteration_time_s > roomy.prediction.iteration_time_s
     # Unpinned, sharding optimizer state (ZeRO) is the cheaper way to fit.
     free = solve(gpt_profile, small, 256, Pins(pp=1, tp=1, dp=8, micro_batch_size=32))

@@ -230,8 +230,8 @@ def cluster_of(plan: Plan) -> Cluster:
 
 
 def plan_layout(plan: Plan) -> EngineLayout:
-    """A plan as an EngineLayout (its exact cuts; its recompute if every stage agrees, else `mixed`)."""
-    lay, modes = plan.layout, {s.recompute for s in plan.stages}
+    """A plan as an EngineLayout (its exact cuts; its recompute if every unit of every stage agrees, else `mixed`)."""
+    lay, modes = plan.layout, {r for s in plan.stages for r in s.unit_modes().values()}
     return EngineLayout(
         pp_degree=lay.pp_degree, tp_degree=lay.tp_degree, dp_degree=lay.dp_degree, zero_stage=lay.zero_stage,
         sequence_parallel=lay.sequence_parallel, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
@@ -243,9 +243,9 @@ def plan_layout(plan: Plan) -> EngineLayout:
 
 
 def strongest_recompute(plan: Plan) -> str:
-    """One mode for all stages that keeps every stage within memory: the most recomputing one used."""
+    """One mode for all stages that keeps every stage within memory: the most recomputing one any unit uses."""
     order = ("none", "selective", "full")
-    return max((s.recompute for s in plan.stages), key=order.index)
+    return max((r for s in plan.stages for r in s.unit_modes().values()), key=order.index)
 
 
 def one_recompute_mode(plan: Plan, mapped: EngineLayout, changes: list[str], why: str) -> EngineLayout:
@@ -254,7 +254,9 @@ def one_recompute_mode(plan: Plan, mapped: EngineLayout, changes: list[str], why
     if mapped.recompute != "mixed":
         return mapped
     mode = strongest_recompute(plan)
-    changes.append(f"per-stage recompute {[s.recompute for s in plan.stages]} -> {mode} on every stage ({why})")
+    from planner.plan_report import recompute_summary
+
+    changes.append(f"per-stage recompute {[recompute_summary(s) for s in plan.stages]} -> {mode} on every stage ({why})")
     return replace(mapped, recompute=mode)
 
 

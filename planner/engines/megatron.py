@@ -100,6 +100,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     """What Megatron-LM will run, and each change from the plan."""
     lay, mapped = plan.layout, plan_layout(plan)
     changes: list[str] = []
+    mapped = _unit_recompute(plan, names, mapped, changes)
     mapped = one_recompute_mode(plan, mapped, changes, "--recompute-granularity is one setting")
     if lay.pp_degree > 1:
         megatron = "interleaved-1f1b" if lay.virtual_stages > 1 else "1f1b"
@@ -121,6 +122,39 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
         changes.append(f"TP layout: Megatron-LM shards every attention and MLP linear, the plan leaves {replicated[:4]} "
                        "replicated (priced with the solver's own TP layout for the pinned degree)")
     return mapped, changes
+
+
+def block_recompute_layers(plan: Plan, names: list[str]) -> int | None:
+    """k when every stage fully recomputes its first min(k, its layers) transformer layers and no
+    other unit, and some stage mixes modes: Megatron-LM's `--recompute-method block
+    --recompute-num-layers k`, which checkpoints the first k layers of each pipeline stage (each
+    virtual chunk's TransformerBlock); else None."""
+    _, blocks, _ = model_parts(names)
+    block_set = set(blocks)
+    stages = [[r for u, r in s.unit_modes().items() if u in block_set] for s in plan.stages]
+    others = [r for s in plan.stages for u, r in s.unit_modes().items() if u not in block_set]
+    leading = [next((n for n, r in enumerate(modes) if r != "full"), len(modes)) for modes in stages]
+    k = max(leading, default=0)
+    exact = all(modes == ["full"] * min(k, len(modes)) + ["none"] * (len(modes) - min(k, len(modes))) for modes in stages)
+    mixed = any(0 < lead < len(modes) for lead, modes in zip(leading, stages, strict=True))
+    return k if exact and mixed and all(r == "none" for r in others) else None
+
+
+def _unit_recompute(plan: Plan, names: list[str], mapped: EngineLayout, changes: list[str]) -> EngineLayout:
+    """Per-unit recomputation (planner/plan.py `Stage.unit_recompute`) as Megatron-LM runs it: the
+    first k layers of each stage (`block_recompute_layers`, written by `render`; priced as full
+    recomputation of every layer, EngineLayout's one mode), else the strongest mode used on every
+    layer, the nearest setting that stays within memory (noted)."""
+    if not any(s.unit_recompute for s in plan.stages):
+        return mapped
+    if block_recompute_layers(plan, names) is not None:
+        return replace(mapped, recompute="full")
+    order = ("none", "selective", "full")
+    used = {r for s in plan.stages for r in s.unit_modes().values()}
+    mode = max(used, key=order.index)
+    changes.append(f"per-unit recompute ({', '.join(sorted(used))} by unit) -> {mode} on every layer (Megatron-LM "
+                   "recomputes one mode, or fully the first k layers of each stage)")
+    return replace(mapped, recompute=mode)
 
 
 def _split_args(counts: list[int], pp: int, v: int) -> list[str]:
@@ -146,7 +180,10 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         args += _split_args(list(mapped.split.blocks), mapped.pp_degree, mapped.virtual_stages)
     if mapped.sequence_parallel:
         args.append("--sequence-parallel")
-    if mapped.recompute == "full":  # every layer checkpointed on its own: the planner's per-unit full recomputation
+    block_layers = block_recompute_layers(plan, names) if mapped.recompute == "full" else None
+    if block_layers is not None:  # the plan's first k layers of each stage, fully
+        args += ["--recompute-granularity full", "--recompute-method block", f"--recompute-num-layers {block_layers}"]
+    elif mapped.recompute == "full":  # every layer checkpointed on its own: the planner's per-unit full recomputation
         args += ["--recompute-granularity full", "--recompute-method uniform", "--recompute-num-layers 1"]
     elif mapped.recompute == "selective":
         args.append("--recompute-granularity selective")

@@ -58,6 +58,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
 
     lay, mapped = plan.layout, plan_layout(plan)
     changes: list[str] = []
+    mapped = _unit_recompute(plan, names, mapped, changes)
     mapped = one_recompute_mode(plan, mapped, changes, "[activation_checkpoint] mode is one setting")
     if lay.tp_degree > 1 and not lay.sequence_parallel:
         changes.append("sequence parallelism off -> on (torchtitan's TP plans shard norms along the sequence)")
@@ -74,10 +75,56 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     if mapped.ep_degree > 1 and not (mapped.zero_stage >= 1 and mapped.dp > 1):
         changes.append("ZeRO 0 -> 2 (torchtitan's expert parallelism borrows FSDP's data_parallel_shard_degree)")
         mapped = replace(mapped, zero_stage=2)
+    if mapped.schedule == "pipedream-2bw":
+        changes.append("schedule pipedream-2bw -> 1f1b (torchtitan has no asynchronous schedule: synchronous updates, "
+                       "with the 1F1B bubble the asynchronous one avoids)")
+        mapped = replace(mapped, schedule="1f1b")
     if plan.training.dtype == "float16":
         changes.append("float16 -> bfloat16 (mixed_precision_param has no float16)")
         mapped = replace(mapped, dtype="bfloat16")
     return mapped, changes
+
+
+def every_nth_layer(plan: Plan, names: list[str]) -> int | None:
+    """N >= 2 when each pipeline rank fully recomputes exactly its N-th, 2N-th, ... transformer
+    layers (counted over its chunks in order) and nothing else: torchtitan's layer-level
+    selective AC, `selective_ac_option = "N"`, whose counter runs over the layers a process
+    wraps (torchtitan/distributed/activation_checkpoint.py); else None."""
+    from planner.engines.common import model_parts
+
+    _, blocks, _ = model_parts(names)
+    block_set = set(blocks)
+    pp = plan.layout.pp_degree
+    per_rank: list[list[str]] = [[] for _ in range(pp)]
+    for k, stage in enumerate(plan.stages):
+        for unit, mode in stage.unit_modes().items():
+            if unit not in block_set and mode != "none":
+                return None
+            if unit in block_set:
+                per_rank[k % pp].append(mode)
+    firsts = [modes.index("full") + 1 for modes in per_rank if "full" in modes]
+    if not firsts or min(firsts) < 2:
+        return None
+    n = min(firsts)
+    exact = all(mode == ("full" if (c + 1) % n == 0 else "none") for modes in per_rank for c, mode in enumerate(modes))
+    return n if exact else None
+
+
+def _unit_recompute(plan: Plan, names: list[str], mapped: EngineLayout, changes: list[str]) -> EngineLayout:
+    """Per-unit recomputation (planner/plan.py `Stage.unit_recompute`) as torchtitan runs it: every
+    N-th layer fully (`every_nth_layer`, written by `render`; priced as full recomputation of
+    every layer, EngineLayout's one mode), else the strongest mode used on every layer, the
+    nearest setting that stays within memory (noted)."""
+    if not any(s.unit_recompute for s in plan.stages):
+        return mapped
+    if every_nth_layer(plan, names) is not None:
+        return replace(mapped, recompute="full")
+    order = ("none", "selective", "full")
+    used = {r for s in plan.stages for r in s.unit_modes().values()}
+    mode = max(used, key=order.index)
+    changes.append(f"per-unit recompute ({', '.join(sorted(used))} by unit) -> {mode} on every layer (torchtitan "
+                   "recomputes one mode, or fully every N-th layer)")
+    return replace(mapped, recompute=mode)
 
 
 def _toml_value(value) -> str:
@@ -129,7 +176,10 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
     if mapped.offload:
         training["enable_cpu_offload"] = True
     ac: dict[str, object] = {"mode": mapped.recompute}
-    if mapped.recompute == "selective":
+    nth = every_nth_layer(plan, names) if mapped.recompute == "full" else None
+    if nth is not None:  # layer-level selective AC: full recomputation of every nth layer
+        ac = {"mode": "selective", "selective_ac_option": str(nth)}
+    elif mapped.recompute == "selective":
         ac["selective_ac_option"] = "op"  # per-op SAC: nearest to recomputing attention's core (Korthikanti et al. 2022)
     sections: dict[str, dict] = {"training": training, "parallelism": parallelism, "activation_checkpoint": ac}
     float8 = _float8(mapped, names)

@@ -1,7 +1,8 @@
 """Lower bounds that let the search skip a configuration without running the inter-op DP.
 
-Both are exact: no plan of the configuration, whatever its cuts and per-stage
-recomputation, can beat them under the price of `planner.solver.search._price`.
+Both are exact: no plan of the configuration, whatever its cuts and per-unit
+recomputation (each unit its own mode, planner/solver/unit_recompute.py), can beat them under
+the price of `planner.solver.search._price`.
 
 Time (`TimeBound`). Unit u under recompute mode r takes t_r,u seconds per
 micro-batch (compute, the exposed TP collectives, ZeRO 2/3 traffic: `stage_arrays`; a

@@ -40,6 +40,11 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     range's last reduce-scatter s_i is exposed; its last unit keeps its parameters from the
     forward (torchtitan leaves the last block unresharded for this reason). Overlap off: every
     collective in series, two gathers per unit.
+
+    Modes are chosen per unit (planner/solver/unit_recompute.py) and unit u's entry under mode r
+    takes unit u-1's backward window at r too: exact for a range of one mode; in a mixed range
+    the window differs by unit u-1's recomputation, an approximation the cost table and the
+    price (`_price`) share, so the DP's bounds stay exact about what it prices.
     """
     num_units = len(table.parameters)
     nothing = np.zeros(num_units)
@@ -102,7 +107,7 @@ MEGATRON_BUCKET_PARAMS = 40_000_000
 DDP's 25 MiB default is of the same order."""
 
 
-def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[list[float], list[float]]:
+def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np.ndarray) -> tuple[list[float], list[float]]:
     """Per pipeline rank, once per step: the exposed gradient reduction (ZeRO 0: all-reduce,
     ZeRO 1: reduce-scatter) and the exposed parameter all-gather (ZeRO 1, 2).
 
@@ -112,14 +117,15 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, recompute) -> tuple[
     plays the same on its communication streams, tests/test_overlap.py). The gather hides
     behind the first forward (the first bucket is exposed, the mirror image). ZeRO 2 and 3
     reduce every micro-batch (`zero_unit_s`). Not overlapped: one collective over the flat
-    buffer, in series.
+    buffer, in series. `unit_recompute_s`: each unit's recomputation seconds under its own mode
+    (modes are chosen per unit), part of the backward window.
     """
     grad_s, gather_s = [0.0] * cfg.pp, [0.0] * cfg.pp
     if cfg.dp == 1 or cfg.zero_stage == 3:
         return grad_s, gather_s
     overlap = env.overlap
     grad_bytes = 4 if env.dtype == "float32" else 2
-    backward = [float((table.backward_s + table.recompute_s[r])[i:j].sum()) for (i, j), r in zip(bounds, recompute, strict=False)]
+    backward = [float((table.backward_s + unit_recompute_s)[i:j].sum()) for i, j in bounds]
     slack = drain_slack_s(cfg.schedule, backward, cfg.pp)
     for rank in range(cfg.pp):
         chunks = [k for k in range(len(bounds)) if k % cfg.pp == rank]

@@ -79,10 +79,16 @@ def _alternative(e: Evaluation, winner: Evaluation) -> Alternative:
         num_microbatches=e.config.num_microbatches,
         stage_units=[j - i for i, j in e.bounds],
         recompute=list(e.stage_recompute),
+        unit_recompute=[list(modes) for modes in e.unit_recompute] if _mixed(e) else [],
         iteration_time_s=e.iteration_time_s,
         peak_memory_bytes=[int(m) for m in e.peak_memory_bytes],
         why_lost=why_lost(e, winner) if e is not winner else "best",
     )
+
+
+def _mixed(e: Evaluation) -> bool:
+    """Whether some stage of `e` runs more than one recomputation mode."""
+    return any(len(set(modes)) > 1 for modes in e.unit_recompute)
 
 
 def _mfu_fp8(best: Evaluation, table, cluster: Cluster, iteration_s: float) -> float:
@@ -100,15 +106,17 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)
     names = profile.unit_names()
     stages = []
-    for k, ((i, j), recompute) in enumerate(zip(best.bounds, best.stage_recompute, strict=False)):
+    for k, ((i, j), recompute, unit_modes) in enumerate(zip(best.bounds, best.stage_recompute, best.unit_recompute,
+                                                             strict=True)):
         tp_plan = {}
         if cfg.tp > 1:
             for u in range(i, j):
                 tp_plan.update({module_fqn(names[u], module): style for module, style in table.tp_plans[u].items()})
         experts = {module_fqn(names[u], layer.experts): layer.num_experts // cfg.ep
                    for u in range(i, j) for layer in profile.units[u].moe} if cfg.ep > 1 else {}
-        stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute, tp_plan=tp_plan,
-                            experts=experts))
+        unit_recompute = {names[u]: r for u, r in zip(range(i, j), unit_modes, strict=True) if r != recompute}
+        stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute,
+                            unit_recompute=unit_recompute, tp_plan=tp_plan, experts=experts))
     n = cluster.world_size
     t = best.iteration_time_s
     samples = global_batch_size / t

@@ -4,16 +4,19 @@ The outer search over configurations is planner/solver/solve.py `search`. For ea
 sequence parallel, pp, ep, micro-batch size, schedule, virtual stages, ZeRO stage, hybrid
 shard degree, offload) it enumerates, `evaluate_config` builds the stage cost table
 
-    cost[k, i, j] = min over recompute r (allowed, fitting in stage k's memory) of
-                    sum_{u in [i, j)} (fwd_u + bwd_u + recompute_r,u + tp_comm_u + zero_u)
-                    + first_i                            (ZeRO 2/3: the range's exposed first
+    cost[k, i, j] = min over per-unit recompute r_u (allowed; the range fitting in stage k's memory) of
+                    sum_{u in [i, j)} (fwd_u + bwd_u + recompute_{r_u},u + tp_comm_u + zero_{r_u},u)
+                    + first_{r_i},i                      (ZeRO 2/3: the range's exposed first
                                                           gather and last reduce-scatter)
                     + 2 * p2p(bytes crossing cut j)      (only without `pipeline_p2p` overlap;
                                                           as 1/tp slices + a TP all-gather
                                                           across nodes without SP: `scatter_gather`)
                     + the cluster's pipeline_overhead_s  (pp > 1: the schedule's bookkeeping)
 
-where zero_u is what ZeRO 2/3 communication adds per micro-batch: with the `param_gather` /
+The minimum over per-unit modes is a multiple-choice knapsack per range and in-flight level
+(planner/solver/unit_recompute.py: exact Pareto frontiers of (time, activation bytes), thinned
+conservatively past 64 points); with one allowed mode (`--recompute` pinned) every unit runs
+it (`_uniform_range_costs`). Where zero_u is what ZeRO 2/3 communication adds per micro-batch: with the `param_gather` /
 `grad_reduce` overlaps (planner/cost/overlap.py) each unit's all-gather hides behind the
 previous unit's forward and its reduce-scatter (with the next gather) behind the next unit's
 backward, so zero_u is only their excess; without, their sum (planner/solver/comm_pricing.py
@@ -22,8 +25,8 @@ prices every overlapped piece).
 (stage memory = model states under ZeRO, a copy of every tied weight the range uses but
 whose first unit it lacks included (`UnitCostTable.copy_parameters`) + in-flight
 micro-batches x stored activations + the largest recomputation transient + send/receive
-buffers), lets the DP (planner/solver/inter_op.py) pick the cuts and per-stage
-recomputation, and prices the result (`_price`) with the schedule's closed form
+buffers; the transient as soon as one unit recomputes fully), lets the DP
+(planner/solver/inter_op.py) pick the cuts and each unit's recomputation, and prices the result (`_price`) with the schedule's closed form
 (planner/cost/schedules.py; the first micro-batch's p2p hops through the fill and drain as
 its latency when p2p is overlapped) plus, once per step, the part of the data-parallel
 gradient reduction the backward does not hide (`dp_tail_s`), the all-reduce of each tied
@@ -64,6 +67,7 @@ from planner.errors import PlannerError
 from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
 from planner.solver.inter_op import SharedRows, least_bottleneck, range_allowed, solve_cuts
+from planner.solver.unit_recompute import UnitChoices, fastest_fitting
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,9 @@ class Evaluation:
     iteration_time_s: float = math.inf
     bounds: tuple = ()
     stage_recompute: tuple = ()
+    """Per stage: the mode most of its units run (`majority_mode`), all of them when uniform."""
+    unit_recompute: tuple = ()
+    """Per stage: the mode of each of its units, in order."""
     stage_forward_s: tuple = ()
     stage_backward_s: tuple = ()
     peak_memory_bytes: tuple = ()
@@ -184,10 +191,18 @@ def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
     Memoised in `env.memo` (read-only arrays) by what it reads of cfg: tp, sp, ep, the ZeRO
     stage, dp, the hybrid shard degree and offload."""
     key = ("stage_arrays", id(table), cfg.tp, cfg.sequence_parallel, cfg.ep, cfg.zero_stage, cfg.dp, cfg.shard_degree,
-           cfg.offload)
+           cfg.offload, cfg.schedule == "pipedream-2bw")
     held = env.memo.get(key)
     if held is None:
-        held = env.memo[key] = (table, _stage_arrays(table, cfg, env))  # the table held: its id stays its own
+        times, first, states, zero = _stage_arrays(table, cfg, env)
+        if cfg.schedule == "pipedream-2bw":  # + the second weight version (planner/cost/memory.py `stashed_weight_bytes`)
+            from planner.cost.memory import stashed_weight_bytes
+
+            trained = table.trained_dense_parameters()
+            experts = 0.0 if table.expert_parameters is None else \
+                stashed_weight_bytes(table.expert_parameters, env.dtype, cfg.zero_stage, cfg.expert_dp)
+            states = states + stashed_weight_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp) + experts
+        held = env.memo[key] = (table, (times, first, states, zero))  # the table held: its id stays its own
     return held[1]
 
 
@@ -267,8 +282,10 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
     start, end = np.triu_indices(size, k=1)
     if fixed_bounds is None and math.isfinite(time_cap_s):
-        fastest = np.min(np.stack([prefix(times[r])[end] - prefix(times[r])[start] + first[r][start]
-                                   for r in env.allowed_recompute]), axis=0)
+        # A lower bound on every range's time: each unit at its fastest mode, the fastest start term.
+        unit_fastest = np.min(np.stack([times[r] for r in env.allowed_recompute]), axis=0)
+        start_fastest = np.min(np.stack([first[r] for r in env.allowed_recompute]), axis=0)
+        fastest = prefix(unit_fastest)[end] - prefix(unit_fastest)[start] + start_fastest[start]
         keep = fastest <= time_cap_s / cfg.num_microbatches
         start, end = start[keep], end[keep]
         if start.size == 0:
@@ -283,25 +300,21 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                       for rank in range(cfg.pp)]
     in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
     levels, row_of_stage = np.unique(in_flight, return_inverse=True)
-    buffers = 2 * table.cut_bytes[end - 1]
-    per_mode = []  # (time per range, memory per [in-flight level, range]) per recompute mode
-    for r in env.allowed_recompute:
-        p_time, p_act = prefix(times[r]), prefix(table.activations[r])
-        fixed = p_states[end] - p_states[start] + copy_states + buffers + (_transient_max(table, env)[start, end] if r == "full" else 0.0)
-        per_mode.append((p_time[end] - p_time[start] + first[r][start] + p2p[end - 1],
-                         fixed[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]))
-    min_needed = min(float(memory.min()) for _, memory in per_mode)
+    fixed = p_states[end] - p_states[start] + copy_states + 2 * table.cut_bytes[end - 1]
+    transient = _transient_max(table, env)[start, end]
+    width = 0  # per-unit modes: K, the frontier columns per set in the table's choices
+    if len(env.allowed_recompute) == 1:
+        range_costs, min_needed = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
+                                                       first[env.allowed_recompute[0]], start, end, fixed, transient, p2p, levels)
+    else:
+        range_costs, min_needed, width = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed, transient,
+                                                               p2p, levels)
 
     def stage_costs(limit: float):
-        """cost[k, i, j] (inf where the range does not fit `limit`), the recompute mode chosen
-        (per in-flight level, `row_of_stage` maps stage k to its level), and the distinct finite
-        costs ascending (the DP's bottleneck candidates)."""
-        level_cost = np.full((len(levels), start.size), np.inf)
-        level_choice = np.full((len(levels), start.size), -1)
-        for ri, (t, memory) in enumerate(per_mode):
-            better = (memory <= limit) & (t[None, :] < level_cost)
-            level_cost = np.where(better, t[None, :], level_cost)
-            level_choice = np.where(better, ri, level_choice)
+        """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
+        column (per in-flight level, `row_of_stage` maps stage k to its level; `stage_modes`
+        reads it), and the distinct finite costs ascending (the DP's bottleneck candidates)."""
+        level_cost, level_choice = range_costs(limit)
         if env.cut_allowed is not None:
             level_cost[:, ~range_allowed(start, end, np.array(env.cut_allowed))] = np.inf
         cost = np.full((len(levels), size, size), np.inf)
@@ -309,6 +322,13 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
         cost[:, start, end], choice[:, start, end] = level_cost, level_choice
         values = np.unique(level_cost[np.isfinite(level_cost)])
         return SharedRows(cost, row_of_stage), choice, values
+
+    def stage_modes(choice: np.ndarray, bounds) -> list[tuple[int, ...]]:
+        """Per stage, the mode index (into env.allowed_recompute) of each of its units."""
+        if len(env.allowed_recompute) == 1:
+            return [(0,) * (j - i) for i, j in bounds]
+        choices = unit_choices(table, cfg, env)
+        return [choices.modes(i, j, int(choice[row_of_stage[k], i, j]), width) for k, (i, j) in enumerate(bounds)]
 
     # A rank's v chunks share its memory, a constraint that couples stages the DP places
     # independently. First each chunk may use what the other v - 1 leave at the least (a
@@ -334,13 +354,67 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                 dominated = math.isfinite(time_cap_s)
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
                                   min_memory_bytes=math.inf if dominated else min_needed)
-        evaluation = _price(table, cfg, env, bounds, [int(choice[row_of_stage[k], i, j]) for k, (i, j) in enumerate(bounds)],
-                            times, first, states, zero, p2p, hops)
+        evaluation = _price(table, cfg, env, bounds, stage_modes(choice, bounds), times, first, states, zero, p2p, hops)
         if evaluation.feasible or attempt + 1 == len(limits):
             break
     evaluation.p2p_scatter_gather = sliced
     evaluation.overlap = tuple(env.overlap.names())
     return evaluation
+
+
+def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
+                         start: np.ndarray, end: np.ndarray, fixed: np.ndarray, transient: np.ndarray, p2p: np.ndarray,
+                         levels: np.ndarray):
+    """One allowed mode (`--recompute` pinned): every unit of every range runs it. Returns
+    (limit -> (cost [level, range], choice [level, range]: 0 or -1), least bytes of any range)."""
+    prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
+    p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
+    time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
+    held = fixed + (transient if env.allowed_recompute[0] == "full" else 0.0)
+    memory = held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]
+
+    def costs(limit: float):
+        fits = memory <= limit
+        return np.where(fits, time_s[None, :], np.inf), np.where(fits, 0, -1)
+    return costs, float(memory.min())
+
+
+def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
+                          transient: np.ndarray, p2p: np.ndarray, levels: np.ndarray):
+    """Modes per unit (planner/solver/unit_recompute.py): per range and level the fastest
+    frontier point that fits. Returns as `_uniform_range_costs`, the choice a `padded` column,
+    and the padded width K (`UnitChoices.modes` reads the column with it)."""
+    rows = choices.rows(start, end)
+    _, act_all, lasts_all = choices.padded
+    held = np.stack([fixed, fixed + transient], axis=1)  # [range, set]: the transient only with a full unit
+    least_act = act_all[rows[:, None], lasts_all[rows]]
+    min_needed = float((held + levels.min() * least_act).min())
+    offset = p2p[end - 1][None, :]
+
+    def costs(limit: float):
+        cost, choice = fastest_fitting(choices, rows, limit - held, levels)
+        return cost + offset, choice
+    return costs, min_needed, choices.width
+
+
+def unit_choices(table: UnitCostTable, cfg: Config, env: Environment) -> UnitChoices:
+    """The per-unit recomputation frontiers of every range (planner/solver/unit_recompute.py),
+    memoised in `env.memo` as `stage_arrays` is (they read only its times, its start terms and
+    the table's activations)."""
+    times, first, _, _ = stage_arrays(table, cfg, env)
+    key = ("unit_choices", id(times))
+    held = env.memo.get(key)
+    if held is None:
+        modes = env.allowed_recompute
+        inputs = (np.stack([times[r] for r in modes]), np.stack([first[r] for r in modes]),
+                  np.stack([table.activations[r] for r in modes]))
+        # Configurations that differ only where the frontiers do not look (dp under ZeRO 0/1,
+        # say) share them: keyed by content as well.
+        content = ("unit_choices_of",) + tuple(a.tobytes() for a in inputs)
+        if content not in env.memo:
+            env.memo[content] = UnitChoices(*inputs, full=modes.index("full") if "full" in modes else None)
+        held = env.memo[key] = (times, env.memo[content])  # the times held: their id stays their own
+    return held[1]
 
 
 def _bottleneck_bound_s(table: UnitCostTable, cfg: Config, env: Environment, least_bottleneck_s: float,
@@ -425,21 +499,36 @@ def _range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, end
     return prefix[modes, ends] - prefix[modes, starts]
 
 
-def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, first, states, zero, p2p, hops) -> Evaluation:
-    recompute = tuple(env.allowed_recompute[r] for r in recompute_idx)
-    modes, (starts, ends) = np.array(recompute_idx), np.array(bounds).T
+def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, first, states, zero, p2p, hops) -> Evaluation:
+    """The iteration time and its breakdown for cuts `bounds` with `stage_modes[k][u]`, the mode
+    index (into env.allowed_recompute) of stage k's u-th unit. Sums per unit as the cost table
+    does (a range's start term at its first unit's mode; the full-recomputation transient, the
+    range's largest, as soon as one unit is full)."""
     all_modes = env.allowed_recompute
+    unit_mode = np.array([r for modes in stage_modes for r in modes])
+    units = np.arange(unit_mode.size)
+    recompute = tuple(tuple(all_modes[r] for r in modes) for modes in stage_modes)
+    full_units = np.array([all_modes[r] == "full" for r in unit_mode])
+    starts, ends = np.array(bounds).T
+    zeros = np.zeros(len(bounds), dtype=int)
+
+    def per_unit(per_mode: dict) -> np.ndarray:
+        return np.stack([per_mode[r] for r in all_modes])[unit_mode, units]
+
+    def sums(values: np.ndarray) -> np.ndarray:
+        return _range_sums(values[None], zeros, starts, ends)
+
+    unit_recompute_s = per_unit(table.recompute_s)
     # Per stage, all stages at once: forward (with recomputation), time, stored activations.
-    forward = _range_sums(np.stack([table.forward_s + table.recompute_s[r] for r in all_modes]), modes, starts, ends)
-    total = (_range_sums(np.stack([times[r] for r in all_modes]), modes, starts, ends)
-             + np.array([first[r][i] for r, i in zip(recompute, starts, strict=True)]) + p2p[ends - 1])
-    stored = _range_sums(np.stack([table.activations[r] for r in all_modes]), modes, starts, ends)
-    held = _range_sums(states[None], np.zeros_like(modes), starts, ends)
+    forward = sums(table.forward_s + unit_recompute_s)
+    start_s = np.stack([first[r] for r in all_modes])[unit_mode[starts], starts]
+    total = sums(per_unit(times)) + start_s + p2p[ends - 1]
+    stored = sums(per_unit(table.activations))
+    held = sums(states)
     rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
                       for rank in range(cfg.pp)]
     in_flight = np.array(rank_in_flight)[np.arange(len(bounds)) % cfg.pp]
-    transient = np.array([float(table.transient[r][i:j].max()) if r == "full" else 0.0
-                          for (i, j), r in zip(bounds, recompute, strict=True)])
+    transient = np.array([float(table.transient["full"][i:j].max()) if full_units[i:j].any() else 0.0 for i, j in bounds])
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
     memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1]
@@ -459,7 +548,7 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     rank_work = [sum(fwd[k] + bwd[k] for k in range(rank, len(fwd), cfg.pp)) for rank in range(cfg.pp)]
     # Once per step: the gradient reduction the backward does not hide, the tied weights'
     # all-reduce and the optimizer step, per pipeline rank.
-    grad_s, gather_s = dp_tail_s(table, cfg, env, bounds, recompute)
+    grad_s, gather_s = dp_tail_s(table, cfg, env, bounds, unit_recompute_s)
     tie_s = _tie_all_reduce_s(table, cfg, env, bounds)
     opt_s, pcie_s = [], []
     updated = _updated_per_stage(table, cfg, starts, ends, copies)
@@ -480,30 +569,35 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
     tail = max(tails)
     slowest = int(np.argmax(tails))
     busiest = int(np.argmax(rank_work))
-    on_busiest = [(k, (i, j), r) for k, ((i, j), r) in enumerate(zip(bounds, recompute, strict=False)) if k % cfg.pp == busiest]
-    compute = m * sum(float((table.forward_s + table.backward_s)[i:j].sum() + table.recompute_s[r][i:j].sum())
-                      for _, (i, j), r in on_busiest)
+    on_busiest = [(i, j) for k, (i, j) in enumerate(bounds) if k % cfg.pp == busiest]
+    busy = np.zeros(unit_mode.size, dtype=bool)  # the busiest rank's units
+    for i, j in on_busiest:
+        busy[i:j] = True
+    busy_full = busy & full_units
+    compute = m * float((table.forward_s + table.backward_s + unit_recompute_s)[busy].sum())
     # Full recomputation replays the forward's TP collectives: communication, not compute.
-    replayed = m * sum(float(table.recompute_tp_comm_s[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
+    replayed = m * float(table.recompute_tp_comm_s[busy_full].sum())
     compute -= replayed
     # EP's all-to-alls and CP's K/V gathers, and their replay under full recomputation.
     token_comm = {}
     for label, (comm, in_recompute) in table.sequence_comm().items():
-        again = m * sum(float(in_recompute[i:j].sum()) for _, (i, j), r in on_busiest if r == "full")
+        again = m * float(in_recompute[busy_full].sum())
         compute -= again
-        token_comm[label] = again + m * sum(float(comm[i:j].sum()) for _, (i, j), _r in on_busiest)
+        token_comm[label] = again + m * float(comm[busy].sum())
     tp_exposed = tp_comm_s(table, cfg, env)
-    tp_comm = replayed + m * sum(float(tp_exposed[i:j].sum()) for _, (i, j), _r in on_busiest)
-    p2p_total = m * sum(float(p2p[j - 1]) for _, (i, j), _r in on_busiest) + fill_s
-    zero_total = m * sum(float(zero[r][0][i:j].sum() + zero[r][1][i]) for _, (i, j), r in on_busiest)
+    tp_comm = replayed + m * float(tp_exposed[busy].sum())
+    p2p_total = m * sum(float(p2p[j - 1]) for i, j in on_busiest) + fill_s
+    zero_total = m * (float(per_unit({r: zero[r][0] for r in all_modes})[busy].sum())
+                      + sum(float(zero[all_modes[unit_mode[i]]][1][i]) for i, j in on_busiest))
     bubble = max(pipeline_s - fill_s - m * rank_work[busiest], 0.0)
     model_flops = m * cfg.dp * float(table.model_flops.sum())
-    hw_flops = model_flops + m * cfg.dp * sum(float(table.recompute_flops[r][i:j].sum()) for (i, j), r in zip(bounds, recompute, strict=False))
+    hw_flops = model_flops + m * cfg.dp * float(per_unit(table.recompute_flops).sum())
     return Evaluation(
         cfg, True,
         iteration_time_s=float(pipeline_s + tail),
         bounds=tuple(bounds),
-        stage_recompute=recompute,
+        stage_recompute=tuple(majority_mode(modes) for modes in recompute),
+        unit_recompute=recompute,
         stage_forward_s=tuple(fwd),
         stage_backward_s=tuple(bwd),
         peak_memory_bytes=tuple(mem),
@@ -522,6 +616,13 @@ def _price(table, cfg: Config, env: Environment, bounds, recompute_idx, times, f
         model_flops=model_flops,
         hardware_flops=hw_flops,
     )
+
+
+def majority_mode(modes: tuple[str, ...]) -> str:
+    """The mode most units run (ties: the one that recomputes least), a stage's `recompute` in
+    the plan; the others are listed per unit (planner/plan.py `Stage.unit_recompute`)."""
+    order = ("none", "selective", "full")
+    return max(order, key=lambda r: (modes.count(r), -order.index(r)))
 
 
 def _tie_all_reduce_s(table, cfg: Config, env: Environment, bounds) -> list[float]:

@@ -1,0 +1,200 @@
+"""Recomputation chosen per unit (planner/solver/unit_recompute.py): the per-range knapsack
+against brute force, the solver checkpointing just enough units, the plan field, the runtime."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from planner.cluster import make_cluster
+from planner.engines import export_plan
+from planner.errors import PlannerError
+from planner.plan import parse_plan
+from planner.plan_report import recompute_summary
+from planner.profiler import profile_model
+from planner.solver.solve import Pins, solve
+from planner.solver.unit_recompute import UnitChoices, fastest_fitting
+from runtime.recompute import apply_unit_recompute
+
+FULL = 2  # mode indices: none, selective, full
+
+
+def _time_s(unit_s, start_s, i, modes) -> float:
+    """An assignment's time, summed unit by unit from the start as the frontier sums it (the
+    start term with the first unit), so that equal assignments give equal floats."""
+    total = unit_s[modes[0], i] + start_s[modes[0], i]
+    for k, r in enumerate(modes[1:], start=1):
+        total += unit_s[r, i + k]
+    return total
+
+
+def _brute_force(unit_s, start_s, act, transient, i, j, level, limit) -> float:
+    """Least time over all 3^(j - i) assignments of [i, j) that fit `limit` (inf: none)."""
+    best = np.inf
+    for modes in itertools.product(range(3), repeat=j - i):
+        time_s = _time_s(unit_s, start_s, i, modes)
+        memory = level * sum(act[r, i + k] for k, r in enumerate(modes)) + (transient[i:j].max() if FULL in modes else 0.0)
+        if memory <= limit:
+            best = min(best, time_s)
+    return best
+
+
+def _table(unit_s, start_s, act, transient, cap, i, j, level, limit):
+    """What the cost table gives [i, j): the fastest fitting frontier point, and its modes."""
+    choices = UnitChoices(unit_s, start_s, act, FULL, cap=cap)
+    rows = choices.rows(np.array([i]), np.array([j]))
+    room = np.array([[limit, limit - transient[i:j].max()]])
+    cost, column = fastest_fitting(choices, rows, room, np.array([level]))
+    modes = choices.modes(i, j, int(column[0, 0]), choices.width) if column[0, 0] >= 0 else None
+    return float(cost[0, 0]), modes
+
+
+@st.composite
+def instances(draw):
+    """Small random instances; small integers make ties (equal times, equal bytes) frequent."""
+    n = draw(st.integers(1, 6))
+    ties = draw(st.booleans())
+    value = st.integers(0, 4).map(float) if ties else st.floats(0.0, 10.0, allow_nan=False)
+    grid = lambda: np.array(draw(st.lists(st.lists(value, min_size=n, max_size=n), min_size=3, max_size=3)))  # noqa: E731
+    unit_s, start_s, act = grid(), grid(), grid()
+    transient = np.array(draw(st.lists(value, min_size=n, max_size=n)))
+    i = draw(st.integers(0, n - 1))
+    j = draw(st.integers(i + 1, n))
+    level = draw(st.integers(1, 4))
+    limit = draw(st.floats(0.0, 60.0, allow_nan=False))
+    return unit_s, start_s, act, transient, i, j, level, limit
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_range_choice_equals_brute_force(instance):
+    unit_s, start_s, act, transient, i, j, level, limit = instance
+    cost, modes = _table(unit_s, start_s, act, transient, None, i, j, level, limit)
+    best = _brute_force(unit_s, start_s, act, transient, i, j, level, limit)
+    # Both sum unit by unit in the same order (`_time_s`): equal floats, so exact equality.
+    assert cost == best
+    if modes is not None:  # the modes read back are an assignment achieving the cost and fitting
+        assert _time_s(unit_s, start_s, i, modes) == cost
+        memory = level * sum(act[r, i + k] for k, r in enumerate(modes)) + (transient[i:j].max() if FULL in modes else 0.0)
+        assert memory <= limit
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances())
+def test_thinned_frontier_is_conservative(instance):
+    # With a frontier cap of 3 points, the table may miss the optimum but never beats it, and
+    # it finds an assignment whenever one fits (the least-memory points are always kept).
+    unit_s, start_s, act, transient, i, j, level, limit = instance
+    cost, _ = _table(unit_s, start_s, act, transient, 3, i, j, level, limit)
+    best = _brute_force(unit_s, start_s, act, transient, i, j, level, limit)
+    assert cost >= best and np.isfinite(cost) == np.isfinite(best)
+
+
+def test_identical_units_share_frontiers():
+    # Six identical units: the ranges starting at units 1..5 reuse unit 0's frontiers.
+    unit_s, act = np.array([[1.0] * 6, [1.5] * 6, [2.0] * 6]), np.array([[4.0] * 6, [2.0] * 6, [1.0] * 6])
+    choices = UnitChoices(unit_s, np.zeros_like(unit_s), act, FULL)
+    choices.rows(*np.triu_indices(7, k=1))
+    assert all(choices.frontiers[i][k] is choices.frontiers[0][k] for i in range(1, 6) for k in range(6 - i))
+
+
+GPT = dict(n_layers=8, d_model=2048, n_heads=16, d_ff=8192, vocab_size=32000, seq_len=1024)
+
+
+@pytest.fixture(scope="module")
+def tight_plans():
+    """A plan on GPUs with 30% less memory than the recomputation-free plan needs, free and
+    with full recomputation pinned (one data-parallel stage, ZeRO off: only recomputation helps)."""
+    profile = profile_model("examples/gpt.py", GPT, [1, 2, 4], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    cluster = make_cluster(8, 8, "a100-80gb")
+    pins = Pins(pp=1, tp=1, dp=8, micro_batch_size=32, zero_stage=0, cp=1)
+    roomy = solve(profile, cluster, 256, pins)
+    needed = max(roomy.prediction.peak_memory_bytes)
+    small = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=int(needed * 0.7 / 0.9)))
+    return roomy, solve(profile, small, 256, pins), solve(profile, small, 256, replace(pins, recompute="full"))
+
+
+def test_solver_recomputes_just_enough_units(tight_plans):
+    roomy, tight, all_full = tight_plans
+    assert all(r == "none" for s in roomy.stages for r in s.unit_modes().values())
+    modes = list(tight.stages[0].unit_modes().values())
+    assert 0 < modes.count("full") < len(modes)  # some units recompute, not all
+    assert tight.prediction.iteration_time_s < all_full.prediction.iteration_time_s
+    assert max(tight.prediction.peak_memory_bytes) <= max(roomy.prediction.peak_memory_bytes) * 0.7 * (1 + 1e-9)
+
+
+def test_mixed_plan_round_trips_and_prints(tight_plans):
+    _, tight, _ = tight_plans
+    again = parse_plan(json.loads(tight.model_dump_json()))
+    assert again.stages[0].unit_modes() == tight.stages[0].unit_modes()
+    assert again.stages[0].unit_recompute  # the mixed stage lists its exceptions
+    full = [u for u, r in tight.stages[0].unit_modes().items() if r == "full"]
+    assert f"full on {len(full)} of 11 units" in recompute_summary(tight.stages[0])
+
+
+def test_unknown_unit_in_unit_recompute_is_refused(tight_plans):
+    data = json.loads(tight_plans[1].model_dump_json())
+    data["stages"][0]["unit_recompute"] = {"blocks.99": "full"}
+    with pytest.raises(PlannerError, match="blocks.99"):
+        parse_plan(data)
+
+
+def test_runtime_applies_each_unit_its_mode():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList([Block() for _ in range(3)])
+    apply_unit_recompute(model, {"blocks.0": "full", "blocks.1": "selective", "blocks.2": "none"})
+    assert isinstance(model.blocks[0], CheckpointWrapper)
+    assert not isinstance(model.blocks[1], CheckpointWrapper) and isinstance(model.blocks[1].attn, CheckpointWrapper)
+    assert not any(isinstance(m, CheckpointWrapper) for m in model.blocks[2].modules())
+
+
+ENGINE_GPT = dict(n_layers=6, d_model=256, n_heads=8, d_ff=1024, vocab_size=1024, seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def engine_plan():
+    """A 2-stage plan of embed, blocks.0-5, norm, head (the DP cuts it 1F1B, no recomputation pinned)."""
+    profile = profile_model("examples/gpt.py", ENGINE_GPT, [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    return solve(profile, make_cluster(2, 2, "a100-80gb"), 8,
+                 Pins(pp=2, tp=1, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero_stage=0, cp=1))
+
+
+def _with_full(plan, units: set[str]):
+    """`plan` with these units fully recomputed (the stages' `unit_recompute`)."""
+    stages = [s.model_copy(update={"unit_recompute": {u: "full" for u in s.units if u in units}}) for s in plan.stages]
+    return plan.model_copy(update={"stages": stages})
+
+
+def test_megatron_exports_the_first_k_layers_of_each_stage(engine_plan):
+    stage_blocks = [[u for u in s.units if u.startswith("blocks.")] for s in engine_plan.stages]
+    assert all(len(b) >= 2 for b in stage_blocks)
+    plan = _with_full(engine_plan, {b[0] for b in stage_blocks})  # the first layer of each stage
+    exported = export_plan(plan, "megatron")
+    assert "--recompute-method block" in exported.text and "--recompute-num-layers 1" in exported.text
+    assert exported.warnings == []
+    # Any other pattern: the nearest one mode, with a warning.
+    other = export_plan(_with_full(engine_plan, {stage_blocks[0][1]}), "megatron")
+    assert "--recompute-method uniform" in other.text and "per-unit recompute" in other.warnings[0]
+
+
+def test_torchtitan_exports_every_nth_layer(engine_plan):
+    # Each pipeline rank's 2nd, 4th, ... layer fully: torchtitan's counter runs per process.
+    plan = _with_full(engine_plan, {b for s in engine_plan.stages
+                                    for n, b in enumerate(u for u in s.units if u.startswith("blocks.")) if n % 2 == 1})
+    exported = export_plan(plan, "torchtitan")
+    assert 'selective_ac_option = "2"' in exported.text and exported.warnings == []
+    other = export_plan(_with_full(engine_plan, {"blocks.0"}), "torchtitan")
+    assert 'mode = "full"' in other.text and "per-unit recompute" in other.warnings[0]
