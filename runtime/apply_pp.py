@@ -10,6 +10,10 @@ per-rank action lists; we pick which):
     1f1b             -> Schedule1F1B                    (one stage per rank)
     interleaved-1f1b -> ScheduleInterleaved1F1B         (v stages per rank, looping)
     zero-bubble      -> ScheduleInterleavedZeroBubble   (v >= 1 stages per rank, looping)
+    pipedream-2bw    -> Schedule1F1B                    (one stage per rank; a batch of PipeDream-2BW
+                                                         is ordered as 1F1B's: torch has no flush-free
+                                                         schedule, so steps are flushed, and the older
+                                                         weights are swapped in around it by runtime/pp_async.py)
 
 Placement: stage s lives on pipeline rank s % pp (planner/plan.py's `stage_ranks`, the
 looping placement of Narayanan et al. 2021). ScheduleZBVZeroBubble needs the V placement
@@ -57,7 +61,8 @@ from runtime.pp_split import (
 
 # Keyed by the plan's schedule names (planner/plan.py `Schedule`), so a name the plan does not
 # define is a type error here.
-SINGLE_STAGE: dict[Schedule, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SINGLE_STAGE: dict[Schedule, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                                                              "pipedream-2bw": Schedule1F1B}
 """Schedules that hold one stage per rank."""
 MULTI_STAGE: dict[Schedule, type[PipelineScheduleMulti]] = {"interleaved-1f1b": ScheduleInterleaved1F1B,
                                                             "zero-bubble": ScheduleInterleavedZeroBubble}

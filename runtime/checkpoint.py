@@ -13,6 +13,12 @@ its own entries on load, whatever chunks the saving plan had. The checkpoint als
 the model fingerprint, the step and the format; another model's checkpoint is refused
 before loading.
 
+Asynchronous pipelining (PipeDream-2BW, runtime/pp_async.py) keeps two weight versions; a
+checkpoint of such a run saves the older one too, as `stash.<fqn>` (sharded like the
+parameter, so it reshards on load as the model does), and its metadata says
+`stashed_weights: true`. Resuming across the synchronous/asynchronous divide is refused
+(`check_resume_schedule`): the saved state does not define the other rule's next step.
+
 Layout and atomicity. A checkpoint directory holds one folder per saved step,
 `step-00000004/` (DCP's files and planner_checkpoint.json). A save never writes into a
 step folder that exists: every rank writes its shard into `.step-00000004.tmp/` beside the
@@ -85,13 +91,14 @@ def has_content(directory: str | Path) -> bool:
     return directory.is_dir() and any(directory.iterdir())
 
 
-def _state(modules: list, optimizers: list) -> dict:
+def _state(modules: list, optimizers: list, stash=None) -> dict:
     """{"model": ..., "optim": ...} over this rank's chunks, keyed by parameter names.
 
     Frozen parameters (requires_grad=False: a LoRA model's base weights) are saved with the
     model, so a resumed run holds exactly what was saved, but they have no optimizer state
     (runtime/train.py gives the optimizer trainable parameters only); a chunk of frozen
-    weights alone has no optimizer (None) and saves its model state only."""
+    weights alone has no optimizer (None) and saves its model state only. `stash`: the older
+    weight version of an asynchronous run (runtime/pp_async.py `WeightStash`), saved as "stash"."""
     model_sd, optim_sd = {}, {}
     for module, optimizer in zip(modules, optimizers, strict=True):
         if optimizer is None:
@@ -101,6 +108,8 @@ def _state(modules: list, optimizers: list) -> dict:
         m, o = get_state_dict(module, optimizer, options=OPTIONS)
         model_sd.update(m)
         optim_sd.update(o)
+    if stash is not None:
+        return {"model": model_sd, "optim": optim_sd, "stash": stash.state_dict()}
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -113,18 +122,20 @@ def _fsync(path: Path) -> None:
 
 
 def save(directory: str | Path, modules: list, optimizers: list, step: int, fingerprint: str,
-         resumed_from: str | Path | None = None) -> Path:
-    """Save `step` atomically (module docstring, Layout and atomicity); every rank calls it."""
+         resumed_from: str | Path | None = None, stash=None) -> Path:
+    """Save `step` atomically (module docstring, Layout and atomicity); every rank calls it.
+    `stash`: an asynchronous run's older weights (module docstring), or None."""
     final, temp = step_dir(directory, step), _temp_dir(directory, step)
     if dist.get_rank() == 0:
         if temp.exists():
             shutil.rmtree(temp)  # a save of this step that a crash cut short
         temp.mkdir(parents=True)
     dist.barrier()  # the folder exists before any rank writes into it
-    dcp.save(_state(modules, optimizers), checkpoint_id=str(temp))  # each file fsynced (FileSystemWriter sync_files)
+    dcp.save(_state(modules, optimizers, stash), checkpoint_id=str(temp))  # each file fsynced (FileSystemWriter sync_files)
     dist.barrier()  # every rank's shard is on disk: only now may the step become visible
     if dist.get_rank() == 0:
-        _publish(directory, temp, final, {"step": step, "fingerprint": fingerprint, "format": FORMAT})
+        _publish(directory, temp, final, {"step": step, "fingerprint": fingerprint, "format": FORMAT,
+                                          "stashed_weights": stash is not None})
         _prune(directory, keep={final, Path(resumed_from) if resumed_from else None})
     dist.barrier()
     return final
@@ -210,9 +221,26 @@ def check_files(folder: str | Path) -> None:
                                f"({index.name}) needs {size}.", DAMAGED_HINT)
 
 
-def load(directory: str | Path, modules: list, optimizers: list) -> None:
-    """Load the step folder `directory` (read_meta's `directory`); a failure names the folder."""
-    state = _state(modules, optimizers)
+def check_resume_schedule(meta: dict, asynchronous: bool) -> None:
+    """Refuse to resume an asynchronous run's checkpoint synchronously, or the reverse (module docstring)."""
+    saved = bool(meta.get("stashed_weights", False))
+    if saved == asynchronous:
+        return
+    if saved:
+        raise PlannerError(
+            f"The checkpoint in {meta.get('directory')} is from an asynchronous (pipedream-2bw) run: it holds two weight "
+            "versions, and a synchronous schedule would drop the older one and change the update rule mid-run.",
+            "Resume with a pipedream-2bw plan, or start fresh (--overwrite) with this plan.")
+    raise PlannerError(
+        f"The checkpoint in {meta.get('directory')} is from a synchronous run: it holds one weight version, and "
+        "pipedream-2bw needs the previous step's weights too (W(t+1) = W(t) - lr grad f(W(t-1))).",
+        "Resume with a synchronous plan (e.g. the saving one), or start fresh (--overwrite) with the pipedream-2bw plan.")
+
+
+def load(directory: str | Path, modules: list, optimizers: list, stash=None) -> None:
+    """Load the step folder `directory` (read_meta's `directory`); a failure names the folder.
+    `stash`: an asynchronous run's older weights, loaded in place (module docstring)."""
+    state = _state(modules, optimizers, stash)
     try:
         dcp.load(state, checkpoint_id=str(directory))
     except Exception as exc:

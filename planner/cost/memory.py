@@ -47,6 +47,13 @@ the model states plus one of two phases, whichever is larger:
                          all-reduced in, runtime/apply_dp.py, one gradient-sized copy; the
                          receive buffers and kept outputs above; FSDP2 has resharded)
 
+Asynchronous pipelining (PipeDream-2BW, Narayanan et al. 2021, arXiv 2006.09503, section 3.1;
+planner/plan.py `Schedule`) keeps a second version of each stage's trained weights, the one
+the current batch runs on, beside the one the optimizer updates: `stashed_weight_bytes`, one
+more copy of the weights as the stage holds them (16-bit under mixed precision, fp32 in
+float32; sharded as the weights are under ZeRO 3). Frozen weights never change and need none.
+`StageMemory.stashed_weights` names it; it is held in both phases.
+
 Gradients are held at the activation peak only when some micro-batch's backward ran before the
 last forward of the peak (more micro-batches than in flight, as in 1F1B's steady state or
 gradient accumulation); zero_grad frees them at the step's start, so with all forwards before
@@ -173,11 +180,14 @@ class StageMemory:
     parameters and unsharded gradients, or ZeRO 0's gradient bucket."""
     fragmentation: float
     """The allocator's stated allowance above the tensors (`FRAGMENTATION_ALLOWANCE`; 0 on CPU)."""
+    stashed_weights: float = 0.0
+    """PipeDream-2BW's second weight version (`stashed_weight_bytes`); 0 for synchronous schedules."""
 
     @property
     def tensor_bytes(self) -> float:
         """The tensors alone: what a run's measured tensor peak is held against."""
-        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.transient + self.communication
+        return (self.parameters + self.gradients + self.optimizer_state + self.activations + self.transient
+                + self.communication + self.stashed_weights)
 
     @property
     def total(self) -> float:
@@ -187,14 +197,17 @@ class StageMemory:
     def terms(self) -> dict[str, int]:
         """Every term by name, in bytes (the plan's `Prediction.memory_terms_bytes` entry)."""
         names = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "fragmentation")
-        return {name: int(round(getattr(self, name))) for name in names}
+        terms = {name: int(round(getattr(self, name))) for name in names}
+        if self.stashed_weights:  # only asynchronous schedules hold it (older plans' terms unchanged)
+            terms["stashed_weights"] = int(round(self.stashed_weights))
+        return terms
 
 
 def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: int, activation_bytes: float,
                  in_flight: float, num_microbatches: int, transient_bytes: float = 0.0, p2p_bytes: float = 0.0,
                  largest_unit_parameters: float = 0.0, largest_unit_pair_parameters: float = 0.0,
                  kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
-                 device: str = "gpu") -> StageMemory:
+                 device: str = "gpu", stashed_parameters: float = 0.0) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -211,7 +224,9 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     end (torch's `return_outputs`, on the last stage: m x the model output's bytes);
     `largest_parameter`: elements of the stage's largest parameter tensor per GPU (the CPU
     optimizer's transient, `optimizer_transient_bytes`);
-    `device`: "cpu" leaves the fragmentation allowance out and steps AdamW tensor by tensor.
+    `device`: "cpu" leaves the fragmentation allowance out and steps AdamW tensor by tensor;
+    `stashed_parameters`: under PipeDream-2BW the trained parameters per GPU after TP whose
+    older version the stage keeps (`stashed_weight_bytes`), 0 otherwise.
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
@@ -243,10 +258,20 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
         gradients, activations = states.gradients, 0.0
         transient = step_transient if step_transient >= bucket else 0.0
         communication = (bucket if bucket > step_transient else 0.0) + p2p_bytes + kept_output_bytes
-    tensors = states.weights + states.optimizer + gradients + activations + transient + communication
+    stashed = stashed_weight_bytes(stashed_parameters, dtype, zero_stage, dp_degree)
+    tensors = states.weights + states.optimizer + gradients + activations + transient + communication + stashed
     return StageMemory(parameters=states.weights, gradients=gradients, optimizer_state=states.optimizer,
                        activations=activations, transient=transient, communication=communication,
-                       fragmentation=0.0 if device == "cpu" else FRAGMENTATION_ALLOWANCE * tensors)
+                       fragmentation=0.0 if device == "cpu" else FRAGMENTATION_ALLOWANCE * tensors,
+                       stashed_weights=stashed)
+
+
+def stashed_weight_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp_degree: int) -> Amount:
+    """PipeDream-2BW's second weight version of `num_parameters` trained parameters (after TP) on one
+    GPU: one more copy of the weights as held (`ModelStateBytes.weights`: 16-bit under mixed
+    precision, sharded over dp under ZeRO 3). Narayanan et al. 2021, arXiv 2006.09503, section 3.1:
+    2BW double-buffers the weights (two versions per stage); the optimizer state is not duplicated."""
+    return model_state_bytes(num_parameters, dtype, zero_stage, dp_degree).weights
 
 
 def p2p_buffer_bytes(num_microbatches: int, incoming_cut_bytes: float, outgoing_cut_bytes: float) -> float:

@@ -56,6 +56,22 @@ schedule in the simulator. Activations are counted until W (W still needs the la
 inputs): rank i holds min(m v, (v-1) m_r + p) chunk-micro-batches, every rank alike; for
 v = 1 that is min(m, p), 1F1B's peak on rank 0, as the paper states for ZB-H1.
 
+PipeDream-2BW (Narayanan et al. 2021a, arXiv 2006.09503, section 3: the asynchronous
+schedule of planner/plan.py `Schedule`): within a batch the order is 1F1B's, but consecutive
+batches are not separated by a flush: the next batch's warm-up forwards fill the previous
+one's drain, so in the steady state every rank is busy and one batch costs
+
+    T = m max_k (f_k + b_k)                     bubble 0,
+
+the fill and drain ((p - 1) max_k (f_k + b_k) on uniform stages) paid once per training run,
+not per step: amortised over steps, left out (so is the first micro-batch's p2p latency, for
+the same reason). Rank i holds 1F1B's min(m, p - i) micro-batches (the paper's "same as
+PipeDream-Flush"), and each stage one more version of its weights (planner/cost/memory.py
+`stashed_weight_bytes`). A plan needs m >= p (planner/plan.py refuses fewer: paper, section 3.1,
+two weight versions do not suffice then; the forms here still evaluate). The event simulator plays one batch in isolation, which is
+the 1F1B timeline (what our runtime runs: torch.distributed.pipelining has no flush-free
+schedule, runtime/pp_async.py), so it is slower than this form by exactly the fill and drain.
+
 p2p: a pure latency per chunk boundary (sends are asynchronous and take no compute time);
 the first micro-batch crosses 2 (p v - 1) boundaries there and back, each adding p2p_s.
 Exact for GPipe, and for interleaved 1F1B while p2p_s is below a chunk's forward time (the
@@ -82,7 +98,7 @@ def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual
     if num_ranks < 1 or num_microbatches < 1 or virtual_stages < 1:
         raise ValueError(f"pipeline ranks ({num_ranks}), micro-batches ({num_microbatches}) and virtual stages "
                          f"({virtual_stages}) must all be positive (at least 1)")
-    if virtual_stages > 1 and schedule in ("gpipe", "1f1b"):
+    if virtual_stages > 1 and schedule in ("gpipe", "1f1b", "pipedream-2bw"):
         raise ValueError(f"{schedule} runs one chunk per rank; use interleaved-1f1b or zero-bubble for "
                          f"{virtual_stages} virtual stages")
     if schedule == "interleaved-1f1b" and virtual_stages > 1 and num_microbatches % num_ranks:
@@ -116,6 +132,8 @@ def bubble_fraction(schedule: str, num_ranks: int, num_microbatches: int, virtua
     """
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
     p, m, v = num_ranks, num_microbatches, virtual_stages
+    if schedule == "pipedream-2bw":  # no flush: the steady state has no bubble (module docstring)
+        return 0.0
     if schedule in ("gpipe", "1f1b") or (schedule == "interleaved-1f1b" and v == 1):
         return (p - 1) / (m + p - 1)
     if schedule == "interleaved-1f1b":
@@ -133,6 +151,8 @@ def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward
     p, m, v = num_chunks // virtual_stages, num_microbatches, virtual_stages
     check_schedule(schedule, p, m, v)
     work = [f + b for f, b in zip(stage_forward_s, stage_backward_s, strict=False)]
+    if schedule == "pipedream-2bw":  # steady state, fill/drain and first hops amortised (module docstring)
+        return m * max(work)
     latency_s = 2 * (num_chunks - 1) * p2p_s  # the first micro-batch's hops there and back
     if schedule == "interleaved-1f1b" and v > 1:
         rank_work = [sum(work[k] for k in range(r, num_chunks, p)) for r in range(p)]
@@ -167,7 +187,7 @@ def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int,
         raise ValueError(f"rank {i} is not a pipeline rank of {p}")
     if schedule == "gpipe":
         return float(m)
-    if schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):
+    if schedule in ("1f1b", "pipedream-2bw") or (schedule == "interleaved-1f1b" and v == 1):
         return float(min(m, p - i))
     if schedule == "interleaved-1f1b":
         return min(m * v, (v - 1) * p + 2 * (p - 1 - i) + 1) / v

@@ -120,7 +120,9 @@ def schedule_actions(schedule: str, num_ranks: int, num_microbatches: int, virtu
     if schedule == "gpipe":
         # GPipe (Huang et al. 2019): all forwards, then all backwards.
         return [[("F", r, j) for j in range(m)] + [("BW", r, j) for j in range(m)] for r in range(p)]
-    if schedule == "1f1b" or (schedule == "interleaved-1f1b" and v == 1):
+    if schedule in ("1f1b", "pipedream-2bw") or (schedule == "interleaved-1f1b" and v == 1):
+        # PipeDream-2BW orders a batch as 1F1B does; played alone (one batch, as our runtime
+        # flushes between steps), its timeline is 1F1B's (planner/cost/schedules.py).
         # PipeDream-Flush (Narayanan et al. 2021a): p - r - 1 warm-up forwards, then one
         # forward / one backward, then the remaining backwards.
         return [_looped(r, p, m, 1, min(p - r - 1, m), zero_bubble=False) for r in range(p)]
