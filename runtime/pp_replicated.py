@@ -1,0 +1,246 @@
+"""PipeDream stage replication at run time: 1F1B-RR over stages with their own replica counts.
+
+The plan (planner/plan.py `Layout.stage_replicas`) gives stage s r_s replicas on consecutive
+ranks (`stage_ranks`). Micro-batch i of a step runs on replica i mod r_s of every stage s
+(1F1B-RR, Narayanan et al., "PipeDream", SOSP 2019, section 3.2), so its activations go from
+replica i mod r_s of stage s to replica i mod r_{s+1} of stage s + 1 and its gradients back.
+After the step's last backward, the replicas of a stage sum their gradients (one all-reduce
+per stage, in a group of its ranks, runtime/mesh.py `build_replica_groups`).
+
+Why not torch.distributed.pipelining: its stages hold one rank per stage of a pipeline group
+(`PipelineStage(..., group=pp_group)`, a stage's peers are fixed ranks `stage_index -/+ 1`),
+and its schedules send every micro-batch to the same peer, so a stage that fans out to a
+different replica per micro-batch cannot be expressed. The executor here is written in its
+style: a schedule is per-rank lists of actions (`actions`: ("F", i) / ("B", i)), stage
+modules are the same `make_stage` products (runtime/pp_split.py, the model's own forward
+replayed per stage), p2p is `dist.isend` / `dist.irecv` (gloo on CPU, NCCL on GPU).
+
+Order and deadlock freedom. Sends never block (isend, waited at the end of the step); a rank
+blocks only on a receive, and between two ranks the messages of one direction are of one kind
+(activations forward, gradients back), posted in increasing micro-batch order on both sides,
+so receives match sends in order. `actions` orders a rank's work by a key: forward of
+micro-batch j at j, backward of i at i + D_s, where D_s = r_s + ... + r_{S-1} (the ranks from
+stage s on), a backward first on a tie. That is 1F1B: without replicas D_s = p - s, the
+p - s forwards in flight of stage s (Narayanan et al. 2021); with them a replica holds the
+micro-batches of [i, i + D_s) that are its own, ceil(D_s / r_s), what planner/solver/
+replication.py prices. No deadlock: give forward (s, j) the time j + s / 2 and backward (s, i)
+the time i + D_s + s / 2. Every rank runs its actions in non-decreasing time, and every
+dependency goes strictly forward in time: forward (s, j) after forward (s - 1, j) (+1/2),
+backward (s, i) after backward (s + 1, i) (D_s - D_{s+1} - 1/2 = r_s - 1/2 > 0) and after
+forward (s, i) (D_s >= 1). So the actions in time order are a valid run. `gpipe` runs all
+forwards, then all backwards: D_s = M + S - s puts every backward past every forward, and
+the same proof holds (D_s - D_{s+1} = 1).
+
+Gradient scale. Each micro-batch's loss is divided by M (micro-batches per step) before its
+backward, so a replica accumulates sum over its micro-batches of grad(loss_i) / M; summing over
+the stage's replicas covers every micro-batch once: the gradient of the mean loss over the
+global batch, the one-process reference's (equal micro-batches, mean-reduced loss).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planner.errors import PlannerError
+from planner.plan import Plan, stage_ranks
+from runtime.build import build_meta_model, init_mode, materialize
+from runtime.metrics import RunResult, StageTimer, build_metrics, merge_stage_times, peak_memory, synchronize
+from runtime.pp_flow import CutLayout, trace_layout
+from runtime.pp_split import check_splittable, cross_stage_ties, make_stage, restore_output, stage_spec
+from runtime.recompute import apply_unit_recompute
+
+
+def stage_and_replica(plan: Plan, rank: int) -> tuple[int, int]:
+    """(stage, replica index) of global `rank` (stages on consecutive ranks, planner/plan.py)."""
+    for s in range(len(plan.stages)):
+        ranks = stage_ranks(plan.layout, s)
+        if rank in ranks:
+            return s, ranks.index(rank)
+    raise PlannerError(f"Rank {rank} holds no stage of the plan.", "Launch with the plan's world size.")
+
+
+def peer(plan: Plan, stage: int, microbatch: int) -> int:
+    """The rank running `microbatch` on `stage`: its replica microbatch mod r_stage (1F1B-RR)."""
+    ranks = stage_ranks(plan.layout, stage)
+    return ranks[microbatch % len(ranks)]
+
+
+def actions(plan: Plan, stage: int, replica: int) -> list[tuple[str, int]]:
+    """This replica's schedule as data: ("F", i) / ("B", i) for its micro-batches i (those with
+    i mod r_stage == replica), ordered as the module docstring says (1F1B-RR, or GPipe)."""
+    replicas = plan.layout.stage_replicas or []
+    m = plan.batch.num_microbatches
+    mine = [i for i in range(m) if i % replicas[stage] == replica]
+    later = sum(replicas[stage:]) if plan.layout.schedule == "1f1b" else m + len(replicas) - stage  # D_s
+    keyed = [(i, 1, "F", i) for i in mine] + [(i + later, 0, "B", i) for i in mine]  # 0: a backward first on a tie
+    return [(kind, i) for _, _, kind, i in sorted(keyed)]
+
+
+def check_replicated(plan: Plan, meta: nn.Module, checkpoint_dir: str | None = None) -> None:
+    """Refuse what this executor does not run, before any process group exists."""
+    check_splittable(meta, plan)
+    if cross_stage_ties(meta, plan):
+        raise PlannerError("Stage replication with a weight tied across stages is not supported (the copies' gradients "
+                           "would have to be summed over the replicas of several stages).",
+                           "Put the tied units in one stage, or drop stage_replicas.")
+    if checkpoint_dir:
+        raise PlannerError("Stage replication does not save checkpoints yet.", "Drop --checkpoint-dir.")
+    if plan.training.grad_clip:
+        raise PlannerError("Stage replication does not clip gradients yet.", "Set training.grad_clip to null.")
+
+
+class ReplicatedStage:
+    """One rank's stage module and its p2p with the replicas of the neighbouring stages."""
+
+    def __init__(self, plan: Plan, module: nn.Module, layout: CutLayout, stage: int, device: torch.device, loss_fn):
+        self.plan, self.module, self.layout, self.stage, self.device = plan, module, layout, stage, device
+        self.loss_fn = loss_fn
+        self.last = stage == len(plan.stages) - 1
+        spec = stage_spec(module)
+        self.in_keys, self.out_keys = spec.in_keys, spec.out_keys
+        self._pending: list = []
+        self._inputs: dict[int, tuple] = {}
+        self._outputs: dict[int, Any] = {}
+        """Per micro-batch in flight: the last stage's scaled loss, else the stage's output tensors."""
+
+    def _recv(self, keys, src: int, grads: bool) -> list[torch.Tensor]:
+        """Tensors of `keys` (shapes and dtypes of the trace) from `src`; gradients only of floating ones."""
+        out = []
+        for key in keys:
+            dtype, shape = self.layout.traced[key]
+            if grads and not dtype.is_floating_point:
+                continue
+            buffer = torch.empty(shape, dtype=dtype, device=self.device)
+            work = dist.irecv(buffer, src)
+            assert work is not None, "irecv without a work handle: this rank is not in the default group"
+            work.wait()
+            out.append(buffer)
+        return out
+
+    def _send(self, tensors, keys, dst: int, grads: bool) -> None:
+        for key, t in zip(keys, tensors, strict=True):
+            dtype, shape = self.layout.traced[key]
+            if grads and not dtype.is_floating_point:
+                continue
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise PlannerError(f"Stage {self.stage} sends {key} as {t.dtype} {tuple(t.shape)}, the trace made it "
+                                   f"{dtype} {tuple(shape)}.", "Run replicated stages in float32 with static shapes.")
+            t = t.detach().contiguous()
+            self._pending.append(dist.isend(t, dst))
+
+    def forward(self, microbatch: int, inputs: tuple, targets) -> torch.Tensor | None:
+        """Forward of `microbatch`; on the last stage its loss / M (for the report), else None."""
+        if self.stage == 0:
+            args = inputs
+        else:
+            received = self._recv(self.in_keys, peer(self.plan, self.stage - 1, microbatch), grads=False)
+            args = tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in received)
+        output = self.module(*args)
+        self._inputs[microbatch] = args
+        if self.last:
+            loss = self.loss_fn(restore_output(self.module, output), targets) / self.plan.batch.num_microbatches
+            self._outputs[microbatch] = loss
+            return loss.detach()
+        self._outputs[microbatch] = output
+        self._send(output, self.out_keys, peer(self.plan, self.stage + 1, microbatch), grads=False)
+        return None
+
+    def backward(self, microbatch: int) -> None:
+        output, args = self._outputs.pop(microbatch), self._inputs.pop(microbatch)
+        if self.last:
+            torch.autograd.backward(output)
+        else:
+            grads = iter(self._recv(self.out_keys, peer(self.plan, self.stage + 1, microbatch), grads=True))
+            pairs = [(t, next(grads)) for t in output if t.is_floating_point()]
+            pairs = [(t, g) for t, g in pairs if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if self.stage > 0:
+            floats = [t for t in args if t.is_floating_point()]
+            sent = [t.grad if t.grad is not None else torch.zeros_like(t) for t in floats]
+            keys = [k for k, t in zip(self.in_keys, args, strict=True) if t.is_floating_point()]
+            self._send(sent, keys, peer(self.plan, self.stage - 1, microbatch), grads=True)
+
+    def finish(self) -> None:
+        """Wait for this step's sends (their buffers must live until then)."""
+        for work in self._pending:
+            work.wait()
+        self._pending = []
+
+
+def run_step(stage: ReplicatedStage, plan: Plan, replica: int, inputs: tuple, targets, timer: StageTimer) -> torch.Tensor:
+    """One step's forwards and backwards on this rank (`actions`); the sum of its losses / M."""
+    from runtime.train import _slice
+
+    mbs, loss = plan.batch.micro_batch_size, torch.zeros((), device=stage.device)
+    for kind, i in actions(plan, stage.stage, replica):
+        lo, hi = i * mbs, (i + 1) * mbs
+        if kind == "F":
+            with timer.time(stage.stage, "forward"):
+                part = stage.forward(i, tuple(_slice(x, lo, hi) for x in inputs), _slice(targets, lo, hi))
+            if part is not None:
+                loss += part.float()
+        else:
+            with timer.time(stage.stage, "backward"):
+                stage.backward(i)
+    stage.finish()
+    return loss
+
+
+def sum_replica_gradients(module: nn.Module, group) -> None:
+    """Sum the trained parameters' gradients over the stage's replicas (module docstring, scale)."""
+    if group is None:
+        return
+    for p in module.parameters():
+        if p.requires_grad:
+            if p.grad is None:  # a replica whose micro-batches never reached p still joins the sum
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+
+
+def train_replicated(plan: Plan, mf, settings, device: torch.device) -> RunResult:
+    """`runtime.train` for a plan with `stage_replicas` (every rank, under torchrun)."""
+    from runtime.mesh import build_replica_groups
+    from runtime.train import _autocast, _fp32, _full_parameters, _gather, _local_batch, make_optimizer, meta_inputs
+
+    if plan.layout.world_size != dist.get_world_size():
+        raise PlannerError(f"The plan needs {plan.layout.world_size} ranks; {dist.get_world_size()} were started.",
+                           "Launch with `planner run`, which starts the plan's world size.")
+    meta = build_meta_model(mf)
+    check_replicated(plan, meta, settings.checkpoint_dir)
+    stage_index, replica = stage_and_replica(plan, dist.get_rank())
+    groups = build_replica_groups(plan.layout.stage_replicas or [])
+    layout = trace_layout(meta, plan, meta_inputs(mf, plan.batch.micro_batch_size))
+    module = make_stage(meta, layout, stage_index, meta_inputs(mf, plan.batch.micro_batch_size),
+                        forward_context=lambda: _autocast(plan, device))
+    materialize(module, settings.seed, device, init_mode(meta), mf)
+    modes: dict[str, str] = dict(plan.stages[stage_index].unit_modes())
+    apply_unit_recompute(module, modes)  # per unit, as runtime/train.py does
+    optimizer = make_optimizer(module, settings.lr, plan.training.weight_decay)
+    stage = ReplicatedStage(plan, module, layout, stage_index, device, lambda out, tgt: mf.loss(_fp32(out), tgt))
+    timer = StageTimer(device)
+    reports, times = [], []
+    for step in range(settings.first_step, settings.first_step + settings.steps):
+        timer.step = step - settings.first_step
+        inputs, targets = _local_batch(mf, plan, settings.seed, step, 0, device)
+        start = time.perf_counter()
+        if optimizer is not None:
+            optimizer.zero_grad()
+        reports.append(run_step(stage, plan, replica, inputs, targets, timer))
+        sum_replica_gradients(module, groups[stage_index])
+        if optimizer is not None:
+            optimizer.step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    total = torch.stack(reports) if reports else torch.zeros(0, device=device)
+    dist.all_reduce(total)  # the last stage's replicas hold the loss / M of their micro-batches: the sum is the mean
+    params = _full_parameters([module], keep=replica == 0)
+    peaks, stage_times = _gather(peak_memory()), _gather(timer.summary())
+    dist.barrier()  # every rank past its last collective before any tears the group down
+    return build_metrics(plan, total.tolist(), times, peaks, merge_stage_times(stage_times), params,
+                         world_size=dist.get_world_size())
