@@ -12,10 +12,10 @@ meta device for an H100 (`planner profile --hf-config`), its experts recognised 
 1. **published layout**: exactly the reference's degrees (planner/solver/solve.py
    `price_config`), the stage cuts and recomputation chosen by the DP. EP 8 over DP 4 x TP 2 is
    Megatron-Core's parallel folding (EP groups span the TP ranks, which sequence parallelism
-   gives different tokens): the cost model prices it (planner/cost/moe.py), but the runtime
-   folds EP onto the data-parallel ranks only, so the search does not offer it.
+   gives different tokens): priced by planner/cost/moe.py, searched, and run by the runtime
+   (runtime/apply_ep.py, runtime/mesh.py `build_ep_mesh(fold_tp=True)`).
 2. **best with EP 8**: the search with EP pinned to the published degree and everything else
-   free (the best layout the runtime can run that spreads the experts as the reference does).
+   free (the best layout that spreads the experts as the reference does).
 3. **free choice**: the search with nothing pinned.
 
 Megatron-Core's overlaps (gradient reduce and parameter gather bucketed, pipeline p2p) are the

@@ -20,7 +20,8 @@ and P_e the mean router probability of e (1 when perfectly balanced), computed *
 sequence* and averaged over sequences (DeepSeek-V3's sequence-wise form, Liu et al. 2024,
 eq. 17-20). Per sequence, it is a mean over samples, as the cross-entropy is, so splitting a
 batch into data-parallel replicas and micro-batches leaves the loss and its gradient
-unchanged; the batch-wide form would not be. Each MoE layer adds its (B,) per-sequence aux
+unchanged; the batch-wide form would not be. The two means over the sequence go through
+`MoE.sequence_mean`, which a runtime that splits sequences over ranks replaces. Each MoE layer adds its (B,) per-sequence aux
 loss to a running total that flows through the blocks beside the hidden state (so it
 crosses pipeline cuts as an activation); the model returns (logits, aux [B]) and `loss_fn`
 is cross-entropy + aux_loss_coef * mean(aux). The coefficient is applied in the layers.
@@ -151,10 +152,17 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         # Switch's f_e (no gradient: a count) and P_e, per sequence (module docstring).
-        assigned = F.one_hot(index.view(b, -1), self.num_experts).to(probs.dtype).mean(dim=1)  # [B, E]
-        mean_prob = probs.view(b, s, -1).mean(dim=1)  # [B, E]
+        per_token = F.one_hot(index.view(b, s, -1), self.num_experts).to(probs.dtype).sum(dim=2)  # [B, S, E]
+        assigned = self.sequence_mean(per_token) / index.shape[-1]  # [B, E], f_e: a share of the T k copies
+        mean_prob = self.sequence_mean(probs.view(b, s, -1))  # [B, E]
         aux = self.num_experts * (assigned * mean_prob).sum(dim=-1)
         return out, self.aux_loss_coef * aux
+
+    def sequence_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Mean over dim 1 (the sequence) of per-token statistics [B, S, E]. A method of its own so
+        that a runtime holding only a chunk of each sequence (sequence parallelism) can replace it
+        by the mean over the whole sequence (runtime/apply_ep.py `apply_moe_sequence_parallel`)."""
+        return x.mean(dim=1)
 
 
 class Block(nn.Module):

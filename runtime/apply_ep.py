@@ -8,7 +8,22 @@ local count on the module that runs the local experts.
 The EP groups. EP is folded onto the data-parallel ranks (planner/plan.py `Layout.ep_degree`,
 Megatron-Core's "parallel folding", torchtitan): the dp axis of the (pp, dp, tp) mesh is viewed
 as (edp, ep) with ep innermost (runtime/mesh.py `build_ep_mesh`); the ep ranks of one group
-hold different experts, the edp ranks holding the same experts see different data.
+hold different experts, the edp ranks holding the same experts see different data. With
+sequence parallelism each TP rank holds its own tokens, so the (dp, tp) ranks of a stage are
+viewed as (edp, ep) instead and an EP group may span TP ranks (EP x expert-DP = DP x TP).
+
+Sequence parallelism (`apply_moe_sequence_parallel`). The MoE block's input stays
+sequence-sharded (runtime/apply_tp.py hands it the local chunk as a plain tensor and sums the
+router's gradients over TP), so the router and the experts see this rank's T/tp tokens and the
+output leaves sequence-sharded. What a token's route depends on is its own hidden state, the
+same as in one process. What is not per token is the load-balancing loss: examples/moe.py's is
+per sequence, E sum_e f_e P_e with f_e and P_e means over the sequence, and a product of
+chunk means is not the sequence's. The block's `sequence_mean` is replaced by the mean over
+the whole sequence (`whole_sequence_mean`: local sums all-reduced over TP), so every TP rank
+computes the one-process loss. (Hugging Face's Qwen3-MoE computes its load-balancing loss
+only with `output_router_logits`, off in its configs, from the router logits of the whole
+forward at the top of the model: batch-wide, so not per-replica exact under DP either; a
+model whose aux loss has no `sequence_mean` gets chunk-wise statistics under SP.)
 
 Placement. After the whole model is initialised as the reference is (runtime/build.py), each
 experts parameter becomes a DTensor `Shard(0)` over the ep mesh holding this rank's E/ep
@@ -31,11 +46,14 @@ on gloo): its backward is the reverse all-to-all, so each token's gradient retur
 and each expert's weight gradient sums the contributions of every rank in the EP group.
 Gradients over expert-dp: runtime/apply_dp.py `average_gradients` (ZeRO 0) and `apply_fsdp`
 (ZeRO 1-3: the experts are their own FSDP group on the expert-dp mesh, as torchtitan shards them).
+Either way the sum over every rank of the (dp, tp) grid is divided by dp_degree: the TP ranks'
+contributions are different tokens of the same samples, so they add, as the router's do.
 """
 
 from __future__ import annotations
 
 import copy
+from functools import partial
 from typing import cast
 
 import torch
@@ -56,8 +74,6 @@ def check_ep(plan: Plan, model: nn.Module) -> None:
     if lay.ep_degree == 1:
         return
     problems = []
-    if lay.sequence_parallel:
-        problems.append("sequence_parallel with ep_degree > 1: the router would see this rank's sequence chunk only")
     experts = find_experts(model)
     if not experts:
         problems.append(f"ep_degree is {lay.ep_degree} but the model has no experts module (a module whose "
@@ -70,8 +86,8 @@ def check_ep(plan: Plan, model: nn.Module) -> None:
                         + (f" and {len(uneven) - 1} more modules" if len(uneven) > 1 else ""))
     if problems:
         raise PlannerError("The plan's expert parallelism does not fit: " + "; ".join(problems) + ".",
-                           "Pick an ep_degree that divides dp_degree and every experts module's number of experts, "
-                           "without sequence parallelism.")
+                           "Pick an ep_degree that divides every experts module's number of experts and dp_degree "
+                           "(dp_degree x tp_degree with sequence parallelism).")
 
 
 def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -136,6 +152,45 @@ def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_d
         return torch.zeros_like(hidden_states).index_add_(0, token, back.to(hidden_states.dtype))
 
     return forward
+
+
+def apply_moe_sequence_parallel(module: nn.Module, tp_mesh: DeviceMesh, experts_replicated: bool) -> None:
+    """Sequence parallelism through the MoE blocks of `module` (module docstring, Sequence
+    parallelism). `experts_replicated`: no EP over the TP ranks (ep_degree 1), so every TP rank
+    holds all experts and computes its own tokens' share of their gradients, summed over TP
+    after backward like the router's (runtime/apply_tp.py `sum_partial_gradients`)."""
+    group = tp_mesh.get_group()
+    local_blocks = set(getattr(module, "_sp_moe_blocks", ()))  # the blocks apply_tp hands local tokens
+    experts = {name: m for name, m in find_experts(module).items() if name.rpartition(".")[0] in local_blocks}
+    outside = sorted(set(find_experts(module)) - set(experts))
+    if outside and not experts_replicated:
+        raise PlannerError(f"Expert parallelism spans the TP ranks, but {outside[0]} lies in a unit the tp_plan does "
+                           "not shard, so every TP rank would dispatch the same tokens.",
+                           "Give each MoE unit a column/row pair in its tp_plan, or turn sequence_parallel off.")
+    for name in experts:
+        block = module.get_submodule(name.rpartition(".")[0])
+        if callable(getattr(block, "sequence_mean", None)):
+            # An instance attribute shadows the class's method (nn.Module keeps plain values in __dict__).
+            block.sequence_mean = partial(whole_sequence_mean, group=group)  # type: ignore[assignment]
+    if experts_replicated:
+        partial_grads: list[str] = getattr(module, "_tp_partial_gradients", [])
+        partial_grads += [f"{name}.{p}" for name, m in experts.items() for p, _ in m.named_parameters()]
+        module._tp_partial_gradients = partial_grads  # type: ignore[assignment]
+
+
+def whole_sequence_mean(x: torch.Tensor, group) -> torch.Tensor:
+    """The mean over dim 1 of a statistic whose dim 1 is this rank's chunk of the sequence, taken
+    over the whole sequence (every TP rank holds an equal chunk): the local sums all-reduced.
+
+    The value is the whole sequence's on every TP rank, so the loss is the same on each, as
+    everywhere else under TP; the gradient reaches the local sum only (forward all-reduce,
+    backward identity: Megatron-LM's `reduce_from_tensor_model_parallel_region`), since each
+    rank's copy of the loss differentiates through its own tokens and the router's gradient
+    is then summed over TP."""
+    local = x.sum(dim=1)
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    return (local + (total - local.detach())) / (x.shape[1] * dist.get_world_size(group))
 
 
 def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:

@@ -105,17 +105,22 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
         elif style != "replicate":
             raise PlannerError(f"tp_plan style {style!r} for {name} is not runnable here.",
                                "Use colwise, rowwise, sequence_parallel or replicate.")
+    moe_local = _moe_block_parameters(module, region, tp_plan, pairs) if region else []
     if region:
         styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
     parallelize_module(module, tp_mesh, styles)
     if any(getattr(m, "inplace", False) is True for m in module.modules()):
         _copy_local_outputs(present, [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))])
     # Read by sum_partial_gradients. (torch types nn.Module.__setattr__ for tensors and modules only.)
-    module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs)  # type: ignore[assignment]
+    module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs) + moe_local  # type: ignore[assignment]
     if region:
         for owner in sorted(pairs):
             if any(_in_unit(owner, u) for u in region):
                 _gather_first_input(present[owner], tp_mesh)
+        local_blocks = sorted(b for b in _moe_blocks(present) if any(_in_unit(b, u) for u in region))
+        for block in local_blocks:  # its local tokens as a plain tensor (`_moe_block_parameters`)
+            present[block].register_forward_pre_hook(_first_input_hook(_to_local), with_kwargs=True)
+        module._sp_moe_blocks = local_blocks  # type: ignore[assignment]  # read by runtime/apply_ep.py
         _mark_region_boundaries(present, [u for u in units or () if u in present], set(region), tp_mesh)
 
 
@@ -290,9 +295,40 @@ def _explicit_sp(plan: Mapping[str, str]) -> set[str]:
     return {n for n, s in plan.items() if s == "sequence_parallel"}
 
 
+def _moe_blocks(present: dict) -> set[str]:
+    """FQNs of the modules that call an experts module (its parent: planner/moe.py `find_experts`)."""
+    from planner.moe import find_experts
+
+    return {_parent(name) for name in find_experts(present[""])}
+
+
+def _moe_block_parameters(module: nn.Module, region: list[str], plan: Mapping[str, str], pairs: set[str]) -> list[str]:
+    """Under sequence parallelism, the parameters of an MoE block's modules (the router) that
+    the plan leaves unsharded (unstyled or `replicate`) outside a column/row pair, its experts
+    excepted.
+
+    The block runs on this rank's tokens (its input stays sequence-sharded), but it flattens
+    them to [T, D], whose dim 1 is features, so SequenceParallel (sequence dim 1) cannot wrap
+    these modules. They run with plain replicated weights on the local tokens, which is exact
+    for per-token maths, and their gradients are summed over the TP group after backward
+    (`sum_partial_gradients`), as SequenceParallel's would be. The experts are expert
+    parallelism's (runtime/apply_ep.py `apply_moe_sequence_parallel`)."""
+    from planner.moe import find_experts
+
+    present = dict(module.named_modules())
+    skip = {name for name, style in plan.items() if style != "replicate"} | pairs | set(find_experts(module))
+    found = []
+    for block in sorted(b for b in _moe_blocks(present) if any(_in_unit(b, u) for u in region)):
+        for name, mod in present.items():
+            if _in_unit(name, block) and not any(_in_unit(name, c) for c in skip):
+                found += [f"{name}.{p}" for p, _ in mod.named_parameters(recurse=False)]
+    return found
+
+
 def _implicit_sequence_parallel(present: dict, region: list[str], plan: Mapping[str, str], pairs: set[str]) -> dict:
-    """SequenceParallel for every other parameter-owning module in the region (the norms)."""
-    covered = set(plan) | pairs
+    """SequenceParallel for every other parameter-owning module in the region (the norms), except
+    inside an MoE block (`_moe_block_parameters`)."""
+    covered = set(plan) | pairs | _moe_blocks(present)
     out = {}
     for name, mod in present.items():
         if not any(_in_unit(name, u) for u in region) or not any(True for _ in mod.parameters(recurse=False)):
@@ -313,6 +349,11 @@ def _first_input_hook(convert):
             kwargs = {**kwargs, name: convert(kwargs[name])}
         return args, kwargs
     return hook
+
+
+def _to_local(x):
+    """A sequence-sharded DTensor's local chunk (its backward puts the chunk's gradient back in place)."""
+    return x.to_local() if isinstance(x, DTensor) else x
 
 
 def _gather_first_input(owner: nn.Module, mesh: DeviceMesh) -> None:

@@ -1,7 +1,7 @@
 """The (pp, dp, tp) device mesh and the process groups beside it, built once. tp is innermost,
-as planner/plan.py's rank_of says. Expert layers see dp as (edp, ep) (`build_ep_mesh`); hybrid
-sharding sees it as (dp_replicate, dp_shard) (`build_fsdp_mesh`); context parallelism as
-(dp_outer, cp) (`build_cp_mesh`)."""
+as planner/plan.py's rank_of says. Expert layers see dp (dp x tp with sequence parallelism)
+as (edp, ep) (`build_ep_mesh`); hybrid sharding sees it as (dp_replicate, dp_shard)
+(`build_fsdp_mesh`); context parallelism as (dp_outer, cp) (`build_cp_mesh`)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,24 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (lay.pp_degree, lay.dp_degree, lay.tp_degree), mesh_dim_names=("pp", "dp", "tp"))
 
 
-def build_ep_mesh(mesh: DeviceMesh, ep_degree: int) -> DeviceMesh | None:
-    """The (pp, edp, ep, tp) view of the mesh for expert layers (planner/plan.py `Layout.ep_degree`):
-    dp = edp x ep with ep innermost, so an EP group is ep consecutive dp indices (ranks
-    `tp_degree` apart) and the edp ranks beside it hold the same experts. Same ranks as `mesh`,
-    new groups for the two axes; None without expert parallelism."""
+def build_ep_mesh(mesh: DeviceMesh, ep_degree: int, fold_tp: bool = False) -> DeviceMesh | None:
+    """The view of the mesh for expert layers (planner/plan.py `Layout.ep_degree`), with axes
+    "edp" and "ep", ep innermost; None without expert parallelism. Same ranks as `mesh`, new
+    groups for the two axes.
+
+    - Unfolded, (pp, edp, ep, tp): dp = edp x ep, so an EP group is ep consecutive dp indices
+      (ranks `tp_degree` apart), the tp ranks beside it dispatch the same tokens in their own
+      groups, and the edp ranks beside it hold the same experts.
+    - `fold_tp` (sequence parallelism: each TP rank holds its own tokens), (edp, ep): the
+      (dp, tp) ranks of a stage flattened (tp innermost, as planner/plan.py's rank_of) and viewed
+      as dp x tp = edp x ep, so an EP group is ep consecutive ranks, spanning the tp ranks
+      first (inside a node), and edp = dp x tp / ep ranks hold the same experts (Megatron-Core's
+      parallel folding: Liu et al. 2025, "MoE Parallel Folding", arXiv:2504.14960)."""
     if ep_degree == 1:
         return None
+    if fold_tp:
+        flat = mesh["dp", "tp"]._flatten("dp_tp")
+        return flat._unflatten(0, (flat.size() // ep_degree, ep_degree), ("edp", "ep"))
     dp_degree = mesh["dp"].size()
     return mesh._unflatten("dp", (dp_degree // ep_degree, ep_degree), ("edp", "ep"))
 
@@ -76,3 +87,17 @@ def build_tie_groups(mesh: DeviceMesh, pp_ranks_per_tie: list[tuple[int, ...]]) 
                         mine = group
         out.append(mine)
     return out
+
+
+def build_replica_groups(stage_replicas: list[int]) -> list[object]:
+    """Per stage of a replicated pipeline (planner/plan.py `Layout.stage_replicas`): the process
+    group of its replicas, r_s consecutive ranks, which sum the stage's gradients
+    (runtime/pp_replicated.py); None for a stage of one rank. Every rank creates every group
+    (`new_group` is collective over the world), in stage order."""
+    groups: list[object] = []
+    first = 0
+    for replicas in stage_replicas:
+        ranks = list(range(first, first + replicas))
+        groups.append(dist.new_group(ranks) if replicas > 1 else None)
+        first += replicas
+    return groups

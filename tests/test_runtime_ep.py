@@ -108,6 +108,10 @@ def test_experts_are_found_by_structure():
 
 @pytest.mark.parametrize("layout,ep,message", [
     (dict(dp=4), 3, "ep_degree 3 does not divide dp_degree 4"),
+    # Without sequence parallelism the tp ranks hold the same tokens: EP stays on dp.
+    (dict(dp=1, tp=2, tp_plan=MOE_TP, args={"shared_expert": True}), 2, "ep_degree 2 does not divide dp_degree 1"),
+    (dict(dp=2, tp=2, tp_plan=MOE_TP, args={"shared_expert": True}, sequence_parallel=True), 8,
+     "ep_degree 8 does not divide dp_degree x tp_degree = 2 x 2"),
 ])
 def test_ep_not_dividing_dp_is_refused_with_the_plan(layout, ep, message):
     with pytest.raises(ValueError, match=message):
@@ -122,8 +126,6 @@ def test_ep_the_model_cannot_take_is_refused_before_training():
         model = load_moe().build_model(**{**MOE_ARGS, "num_experts": 3})
     with pytest.raises(PlannerError, match=r"ep_degree 2 does not divide the number of experts of layers.0.moe.experts \(3\)"):
         check_ep(moe_plan(ep=2, dp=2, args={"num_experts": 3}), model)
-    with pytest.raises(PlannerError, match="sequence_parallel with ep_degree > 1"):
-        check_ep(moe_plan(ep=2, dp=2, tp=2, sequence_parallel=True), model)
     with torch.device("meta"):
         dense = load_moe().build_model(**MOE_ARGS).layers[0].attention
     with pytest.raises(PlannerError, match="the model has no experts module"):
@@ -136,6 +138,55 @@ def test_run_refuses_ep_not_dividing_the_experts(tmp_path):
     done = cli("run", str(plan), "--steps", "1", "--output", str(tmp_path / "metrics.json"), timeout=120)
     assert done.returncode == 1 and "does not divide the number of experts" in " ".join(done.stderr.split())
     assert not (tmp_path / "metrics.json").exists()  # refused before the first step
+
+
+def test_solver_folds_ep_over_tp_only_with_sequence_parallelism():
+    from planner.cluster import make_cluster
+    from planner.errors import PlannerError
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, ep_degrees, solve
+
+    assert ep_degrees(Pins(), {8}, dp=1, sp=True, tp=2) == [1, 2]
+    assert ep_degrees(Pins(), {8}, dp=2, sp=True, tp=4) == [1, 2, 4, 8]
+    assert ep_degrees(Pins(), {8}, dp=1, sp=False, tp=2) == [1]
+    profile = profile_model(str(EXAMPLES / "moe.py"), {**MOE_ARGS, "shared_expert": True}, [1, 2], device="meta",
+                            gpu="a100-80gb")
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=2, tp=2, dp=1, sequence_parallel=True))
+    assert (plan.layout.ep_degree, plan.layout.tp_degree, plan.layout.sequence_parallel) == (2, 2, True)
+    with pytest.raises(PlannerError, match=r"--ep 2 does not divide --dp 1 \(expert parallelism"):
+        solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=2, tp=2, dp=1, sequence_parallel=False))
+    with pytest.raises(PlannerError, match=r"--ep 4 does not divide --dp 1 x --tp 2"):
+        solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=4, tp=2, dp=1, sequence_parallel=True))
+
+
+@pytest.mark.slow
+def test_solver_plan_with_ep_folded_over_tp_runs_with_parity(tmp_path):
+    from planner.cluster import make_cluster
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+
+    args = {**MOE_ARGS, "shared_expert": True}
+    profile = profile_model(str(EXAMPLES / "moe.py"), args, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=2, tp=2, dp=1, sequence_parallel=True))
+    assert any(style in ("colwise", "rowwise") for st in plan.stages for style in st.tp_plan.values())
+    check_parity(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_hugging_face_qwen3_moe_plan_with_ep_folded_over_tp_runs_with_parity(tmp_path):
+    """The unmodified Qwen3-MoE (shrunk as tests/test_hf_models.py shrinks it; no aux loss:
+    `output_router_logits` is off in its config) solved with EP 2 over TP 2 under SP."""
+    pytest.importorskip("transformers")
+    import planner.hf_config_model as hf
+    from planner.cluster import make_cluster
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+    from tests.test_hf_models import args_of
+
+    profile = profile_model(hf.__file__, args_of("qwen3-30b-a3b"), [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=2, tp=2, dp=1, sequence_parallel=True))
+    assert plan.layout.ep_degree == 2 and plan.layout.sequence_parallel
+    check_parity(plan, tmp_path)
 
 
 # ---- gradients of one step, spawned gloo ranks ----
@@ -197,6 +248,66 @@ def _gradient_worker(rank: int, world: int, port: int, ep: int, zero: int) -> No
                                             pytest.param(4, 2, 3, marks=pytest.mark.slow)])
 def test_expert_gradients_equal_the_one_process_gradients(world, ep, zero):
     mp.spawn(_gradient_worker, args=(world, _free_port(), ep, zero), nprocs=world, join=True)
+
+
+def _sp_gradient_worker(rank: int, world: int, port: int, dp: int, ep: int, zero: int) -> None:
+    """One backward under dp x tp (tp = world / dp) with sequence parallelism and EP folded over
+    dp x tp, reduced as runtime/train.py `_reduce_gradients` reduces them: every full gradient
+    equals the one-process one. This is the check of the experts' divisor (dp, whatever the
+    expert-dp size) and of the aux loss's whole-sequence statistics, which Adam's scale
+    invariance would hide in the parity runs."""
+    from planner.model_file import load_model_file
+    from runtime.apply_dp import apply_fsdp, average_gradients, scale_gradients
+    from runtime.apply_ep import apply_ep, apply_moe_sequence_parallel, expert_parameters
+    from runtime.apply_tp import apply_tp, sum_partial_gradients
+    from runtime.build import build_meta_model, materialize
+    from runtime.mesh import build_ep_mesh, build_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        tp = world // dp
+        plan = moe_plan(ep=ep, dp=dp, tp=tp, zero=zero, tp_plan=MOE_TP, sequence_parallel=True,
+                        args={"shared_expert": True})
+        mf = load_model_file(str(EXAMPLES / "moe.py"), plan.model.args)
+        mesh = build_mesh(plan, "cpu")
+        ep_mesh = build_ep_mesh(mesh, ep, fold_tp=True)
+        # An EP group is ep consecutive ranks, over the tp ranks first (the cost model's placement).
+        first = rank // ep * ep
+        assert ep_mesh["ep"].mesh.tolist() == list(range(first, first + ep))
+        assert ep_mesh["edp"].mesh.tolist() == list(range(rank % ep, world, ep))
+        cpu = torch.device("cpu")
+        reference = materialize(build_meta_model(mf), 0, cpu, "per-module", mf)
+        model = materialize(build_meta_model(mf), 0, cpu, "per-module", mf)
+        apply_tp(model, mesh["tp"], plan.stages[0].tp_plan, True, MOE_UNITS)
+        apply_ep(model, ep_mesh["ep"])
+        apply_moe_sequence_parallel(model, mesh["tp"], experts_replicated=False)
+        if zero:
+            apply_fsdp(model, mesh["dp"], MOE_UNITS, zero, ep_mesh["edp"])
+        torch.manual_seed(1)
+        tokens, targets = mf.make_batch(2 * dp)
+        mf.loss(reference(tokens), targets).backward()
+        mine = slice(2 * (rank // tp), 2 * (rank // tp) + 2)  # pp = 1: the dp index is rank // tp
+        mf.loss(model(tokens[mine]), targets[mine]).backward()
+        if zero:
+            scale_gradients(expert_parameters([model]), ep_mesh["edp"].size() / dp)
+        else:
+            average_gradients([model], mesh["dp"].get_group(), expert_parameters([model]), ep_mesh["edp"].get_group())
+        sum_partial_gradients([model], mesh["tp"].get_group())
+        for name, p in model.named_parameters():
+            grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            torch.testing.assert_close(grad, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as in _gradient_worker
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,dp,ep,zero", [(2, 1, 2, 0), (4, 2, 2, 0), (4, 2, 4, 0), (4, 2, 2, 3)])
+def test_folded_expert_gradients_equal_the_one_process_gradients(world, dp, ep, zero):
+    mp.spawn(_sp_gradient_worker, args=(world, _free_port(), dp, ep, zero), nprocs=world, join=True)
 
 
 def _hf_worker(rank: int, world: int, port: int) -> None:
@@ -264,6 +375,19 @@ EP_CASES = {
     # FSDP: the experts sharded over expert-dp (2 ranks), the rest over dp (4).
     "ep2-dp4-zero3": dict(ep=2, dp=4, zero=3),
     "ep2-dp4-zero1-m2": dict(ep=2, dp=4, zero=1, m=2),
+    # Sequence parallelism: each TP rank routes its own half of every sequence, the EP group is
+    # the two TP ranks (folded over dp x tp) and the aux loss takes whole-sequence statistics.
+    "ep2-tp2-sp": dict(ep=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
+    # EP over the TP ranks, expert-dp over dp (2); then one EP group of all four ranks.
+    "ep2-dp2-tp2-sp": dict(ep=2, dp=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
+    # The aux loss crosses the pipeline cut; each stage's EP group is its two TP ranks.
+    "ep2-pp2-tp2-sp": dict(ep=2, pp=2, tp=2, m=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
+    "ep4-dp2-tp2-sp": dict(ep=4, dp=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
+    # FSDP with folded EP: the experts sharded over expert-dp = dp x tp / ep = 2 ranks (one per dp index).
+    "ep2-dp2-tp2-sp-zero3": dict(ep=2, dp=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, zero=3,
+                                 args={"shared_expert": True}),
+    # ep 1 under SP: the experts replicated, each TP rank computing its tokens' share of their gradients.
+    "ep1-tp2-sp": dict(ep=1, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
 }
 
 
@@ -291,6 +415,11 @@ RESUMES = {
     "ep2-to-ep1": (dict(ep=2, dp=2), dict(ep=1, dp=2)),
     "ep1-to-ep2": (dict(ep=1, dp=2), dict(ep=2, dp=2)),
     "ep2-zero3-to-ep1": (dict(ep=2, dp=2, zero=3), dict(ep=1, dp=2)),
+    # EP folded over the TP ranks (SP) saved, resumed with EP over dp, and back (same global batch: 4).
+    "ep2-tp2-sp-to-ep2-dp2": (dict(ep=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
+                              dict(ep=2, dp=2, m=1, args={"shared_expert": True})),
+    "ep2-dp2-to-ep2-tp2-sp": (dict(ep=2, dp=2, m=1, args={"shared_expert": True}),
+                              dict(ep=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True})),
 }
 
 
