@@ -42,6 +42,8 @@ overlap with compute, nor the device memory saved; those show only on a GPU.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -64,7 +66,8 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_st
     units' FSDP groups leave its parameters out. Its reduce-scatter sums over expert-dp what the
     all-to-all's backward summed over the EP group, so the sum must be divided by the whole dp
     degree (see `average_gradients`, Scale); FSDP divides by the expert-dp size, and
-    `scale_gradients` divides by ep after the step's backward. (FSDP's own
+    `scale_gradients` multiplies by expert-dp / dp after the step's backward (1 / ep, or tp / ep
+    with EP folded over the TP ranks: runtime/mesh.py `build_ep_mesh`). (FSDP's own
     set_gradient_divide_factor reduces with PREMUL_SUM, which gloo lacks.)"""
     present = dict(module.named_modules())
     reshard = zero_stage >= 3
@@ -176,3 +179,149 @@ def sum_tied_gradients(copies: list[list[nn.Parameter]], groups: list) -> None:
                 _local(p.grad).copy_(total)
             elif not hasattr(p, "_local_tensor"):  # a copy its stage did not use this step
                 p.grad = total.clone()
+
+
+BUCKET_BYTES = 25 * 1024 * 1024
+"""Gradient bucket size of `GradientReducer`: DDP's default `bucket_cap_mb` (25 MiB,
+torch.nn.parallel.DistributedDataParallel; Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3)."""
+
+
+class GradientReducer:
+    """ZeRO 0's gradient averaging (`average_gradients`' sums and divisors) overlapped with the
+    backward, as the cost model prices `grad_reduce` (planner/cost/overlap.py `exposed_s`): DDP's
+    buckets, written here because DDP does not compose with torch's pipeline schedules and
+    DTensor (TP) parameters as simply (module docstring).
+
+    Buckets. Parameters are put in buckets of about `BUCKET_BYTES`, one list per (process group,
+    dtype): at first in reverse order of registration (the order a backward roughly produces
+    their gradients), then, after the first step, in the order their gradients became ready in
+    it, as DDP rebuilds its buckets; the first rank's order is broadcast so that every rank
+    holds the same buckets.
+
+    Launch. Each parameter's post-accumulate-grad hook counts the backward passes that reached
+    it; at the step's last one (`expected`: one per micro-batch, `start_step`) it is ready, and
+    every bucket whose parameters are all ready is all-reduced asynchronously, in bucket order
+    (every rank issues the same collectives in the same order, as a collective needs), while the
+    backward goes on. `finish` launches what is left (parameters whose gradients arrive without
+    the hook: zero-bubble's weight step accumulates them by hand, or a parameter no micro-batch
+    reached), waits, and writes the averages back. A parameter without a gradient on this rank
+    contributes zeros to the sum and keeps no gradient (it takes no optimizer step, as before).
+    A parameter whose hook fires more than `expected` times (a gradient accumulated twice per
+    micro-batch) may have been sent early: `finish` then sums every bucket again from the final
+    gradients, so the result is always `average_gradients`'. On gloo the asynchronous
+    collectives run on the process group's own threads, so the overlap is real on CPU processes
+    as on NCCL streams."""
+
+    def __init__(self, modules: list[nn.Module], dp_group, expert_params=(), expert_dp_group=None,
+                 bucket_bytes: int = BUCKET_BYTES):
+        self.divisor = dist.get_world_size(dp_group)
+        self.bucket_bytes = bucket_bytes
+        experts = {id(p) for p in expert_params}
+        dense = [p for module in modules for p in module.parameters() if p.requires_grad and id(p) not in experts]
+        groups = [(dense, dp_group), ([p for p in expert_params if p.requires_grad], expert_dp_group)]
+        # One list per (group, dtype), in launch order; groups of one rank are only divided (`finish`).
+        self._lists: list[tuple[list[nn.Parameter], Any]] = [
+            ([p for p in reversed(params) if _local(p).dtype == dtype], group)
+            for params, group in groups if group is not None and dist.get_world_size(group) > 1
+            for dtype in dict.fromkeys(_local(p).dtype for p in params)]
+        listed = {id(p) for params, _ in self._lists for p in params}
+        self._unreduced = [p for params, _ in groups for p in params if id(p) not in listed]
+        self._make_buckets()
+        self._ready_order: list[int] | None = []  # ids in hook order during the first step; None once rebuilt
+        self._seen: dict[int, int] = {}
+        self._work: list[tuple[Any, torch.Tensor, bool]] = []  # (work, flat sum, launched during the backward)
+        self.expected = 1
+        self.scaled_after = 1.0
+        self._late = False  # a hook past `expected`: a launched bucket may have missed a gradient
+        self.hidden_launches = 0
+        """Buckets launched from a hook, while the backward was still running (for benchmarks/overlap.py)."""
+        for params, _ in self._lists:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._ready)
+
+    def _make_buckets(self) -> None:
+        self.buckets: list[tuple[list[nn.Parameter], Any]] = []  # (parameters, process group)
+        for params, group in self._lists:
+            bucket: list[nn.Parameter] = []
+            for p in params:
+                bucket.append(p)
+                if sum(_local(q).numel() * _local(q).element_size() for q in bucket) >= self.bucket_bytes:
+                    self.buckets.append((bucket, group))
+                    bucket = []
+            if bucket:
+                self.buckets.append((bucket, group))
+        self._bucket_of = {id(p): i for i, (bucket, _) in enumerate(self.buckets) for p in bucket}
+        self._missing = [len(bucket) for bucket, _ in self.buckets]
+
+    def _rebuild(self) -> None:
+        """The lists in the first step's ready order (never-ready parameters last, as they were),
+        the first rank of each group deciding (DDP's `_rebuild_buckets`)."""
+        rank_of = {pid: i for i, pid in enumerate(self._ready_order or [])}
+        for k, (params, group) in enumerate(self._lists):
+            order = sorted(range(len(params)), key=lambda i: rank_of.get(id(params[i]), len(rank_of) + i))
+            box = [order]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            self._lists[k] = ([params[i] for i in box[0]], group)
+        self._ready_order = None
+        self._make_buckets()
+
+    def start_step(self, backward_passes: int, scaled_after: float = 1.0) -> None:
+        """Before a step whose backward reaches each parameter `backward_passes` times (its
+        micro-batches). `scaled_after`: the factor the caller multiplies the gradients by after
+        the backward and before `finish` (torch's pipeline schedules divide by the number of
+        micro-batches at the end of their step, `scale_grads=True`); buckets launched during the
+        backward carry the gradients before it, so `finish` applies it to their sums."""
+        self.expected = backward_passes
+        self.scaled_after = scaled_after
+        self._seen.clear()
+        self._missing = [len(bucket) for bucket, _ in self.buckets]
+        self._work.clear()
+        self.hidden_launches = 0
+        self._late = False
+
+    def _ready(self, p: torch.Tensor) -> None:
+        seen = self._seen.get(id(p), 0) + 1
+        self._seen[id(p)] = seen
+        self._late |= seen > self.expected
+        if seen == self.expected:
+            if self._ready_order is not None:
+                self._ready_order.append(id(p))
+            self._missing[self._bucket_of[id(p)]] -= 1
+            before = len(self._work)
+            self._launch(only_ready=True, during_backward=True)
+            self.hidden_launches += len(self._work) - before
+
+    def _launch(self, only_ready: bool, during_backward: bool = False) -> None:
+        """All-reduce the next buckets in order: while they are ready, or (`only_ready` False) all."""
+        while len(self._work) < len(self.buckets):
+            i = len(self._work)
+            if only_ready and self._missing[i] > 0:
+                return
+            bucket, group = self.buckets[i]
+            flat = torch.cat([_local(p.grad).reshape(-1) if p.grad is not None else _local(p).new_zeros(_local(p).numel())
+                              for p in bucket])
+            self._work.append((dist.all_reduce(flat, group=group, async_op=True), flat, during_backward))
+
+    def finish(self) -> None:
+        """After the step's backward: the remaining buckets, then every average written back."""
+        self._launch(only_ready=False)
+        if self._late:  # a parameter accumulated more often than `expected`: sum again, from the final gradients
+            for work, _, _ in self._work:
+                work.wait()
+            self._work.clear()
+            self._launch(only_ready=False)
+        for (bucket, _), (work, flat, early) in zip(self.buckets, self._work, strict=True):
+            work.wait()
+            flat.mul_((self.scaled_after if early else 1.0) / self.divisor)
+            offset = 0
+            for p in bucket:
+                n = _local(p).numel()
+                if p.grad is not None:
+                    _local(p.grad).copy_(flat[offset:offset + n].view_as(_local(p.grad)))
+                offset += n
+        for p in self._unreduced:  # groups of one rank: the divisor alone (`average_gradients`)
+            if p.grad is not None:
+                _local(p.grad).div_(self.divisor)
+        self._work.clear()
+        if self._ready_order is not None:
+            self._rebuild()
