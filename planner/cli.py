@@ -283,7 +283,8 @@ def solve(
     tp: Optional[int] = typer.Option(None, "--tp", help="Pin the tensor-parallel degree."),
     dp: Optional[int] = typer.Option(None, "--dp", help="Pin the data-parallel degree."),
     micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Pin the micro-batch size."),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="Pin: gpipe, 1f1b, interleaved-1f1b, zero-bubble."),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="Pin: gpipe, 1f1b, interleaved-1f1b, zero-bubble "
+                                           "(pipedream-2bw with --allow-async)."),
     virtual_stages: Optional[int] = typer.Option(None, "--virtual-stages", help="Pin chunks per pipeline rank."),
     recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin: none, selective, full."),
     zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3)."),
@@ -301,6 +302,12 @@ def solve(
                                            "that fits or is faster; --no-offload (default) never."),
     fp8: bool = typer.Option(False, "--fp8", help="Run the linears in FP8 (torchao Float8 training, bf16 otherwise; "
                              "H100/H200): priced at the FP8 rate and recorded in the plan."),
+    allow_async: bool = typer.Option(False, "--allow-async", help="Also consider the asynchronous pipedream-2bw schedule "
+                                     "(no pipeline bubble, one extra weight copy per stage): it changes the optimisation, "
+                                     "W(t+1) = W(t) - lr grad f(W(t-1)), and the plan says so."),
+    allow_replication: bool = typer.Option(False, "--allow-replication", help="Also consider PipeDream's per-stage "
+                                           "replication (each stage on its own number of GPUs, micro-batches round-robin "
+                                           "over a stage's replicas, as its data parallelism: tp 1, ZeRO 0): the plan's notes say whether it won."),
     top: int = typer.Option(3, "--top", help="Keep the K best configurations in the plan."),
     output: Path = typer.Option(Path("plan.json"), "--output", "-o", help="Where to write the plan."),
     allow_device_mismatch: bool = typer.Option(False, "--allow-device-mismatch", help="Solve with a profile whose times "
@@ -331,7 +338,8 @@ def solve(
                 cp=cp)
     with err_console.status("solving"):
         plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
-                          moe_imbalance=moe_imbalance, float8=fp8, allow_offload=bool(offload))
+                          moe_imbalance=moe_imbalance, float8=fp8, allow_offload=bool(offload), allow_async=allow_async,
+                          allow_replication=allow_replication)
     plan.save(output)
     print_plan(plan, console=console)
     console.print(f"wrote {output}")

@@ -26,7 +26,22 @@ from planner.errors import PlannerError
 
 PLAN_SCHEMA_VERSION = 1
 
-Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "pipedream-2bw"]
+"""Pipeline schedules. All but `pipedream-2bw` are synchronous: a step's gradient is taken at
+the weights it updates (the pipeline flushes between steps), so they train as one process does.
+
+`pipedream-2bw` (PipeDream-2BW, Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
+Training", ICML, arXiv 2006.09503, section 3.1) is asynchronous: each stage keeps two weight
+versions, a step's m micro-batches run forward and backward on the older one, and the
+gradient accumulated over them updates the newer one. With W(t) the weights before step t
+(t = 0, 1, ...) and W(-1) = W(0) (the first step has no older version):
+
+    W(t+1) = W(t) - lr * grad f(W(t-1))        (AdamW: AdamW's step applied to W(t) with the
+                                                gradient taken at W(t-1); its moments as usual)
+
+The loss reported for step t is f(W(t-1)). It changes the optimisation, not only the speed:
+the solver picks it only with `planner solve --allow-async`. Needs m >= pp micro-batches
+(with fewer, two weight versions do not suffice: paper, section 3.1) and one chunk per rank."""
 Recompute = Literal["none", "selective", "full"]
 TPStyle = Literal["colwise", "rowwise", "sequence_parallel", "replicate"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
@@ -108,7 +123,10 @@ class Layout(_Model):
     expert layers' ranks form an (expert_dp, ep) grid with ep innermost, so an EP group is a run
     of ep consecutive dp indices and expert_dp = dp_degree / ep_degree ranks hold the same experts.
     Adds no ranks (world size stays pp x dp x tp); ep_degree must divide dp_degree and the number
-    of experts."""
+    of experts. With sequence_parallel (tp > 1) each TP rank routes its own tokens and EP is folded
+    onto the dp x tp ranks of a stage instead (tp innermost, so an EP group spans tp ranks first):
+    ep_degree must divide dp_degree x tp_degree, and expert_dp = dp x tp / ep (runtime/mesh.py
+    `build_ep_mesh`)."""
     cp_degree: int = Field(1, gt=0)
     """Context-parallel degree: each sequence is split over cp ranks and attention gathers the
     keys and values of the whole sequence over them (all-gather CP, Llama 3 paper, Dubey et al.
@@ -141,8 +159,19 @@ class Layout(_Model):
     sequence parallelism (whose activations are already sharded), and every tensor crossing a cut
     replicated across the TP group, as the solver's TP plans leave them."""
 
+    stage_replicas: list[int] | None = None
+    """PipeDream stage replication (Narayanan et al., SOSP 2019, section 3.1): per pipeline stage
+    its number of replicas r_s (>= 1, one entry per stage, pp_degree of them); the world is
+    their sum, stage s on the r_s consecutive ranks after the earlier stages' (`stage_ranks`).
+    Micro-batch i runs on replica i mod r_s of stage s (1F1B-RR) and a stage's replicas sum
+    their gradients (runtime/pp_replicated.py): replication IS the data parallelism, so
+    dp_degree and tp_degree stay 1, with zero_stage 0 and one chunk per rank (gpipe or 1f1b
+    order). None: every stage on dp_degree x tp_degree ranks."""
+
     @property
     def world_size(self) -> int:
+        if self.stage_replicas is not None:
+            return sum(self.stage_replicas)
         return self.pp_degree * self.dp_degree * self.tp_degree
 
 
@@ -152,13 +181,29 @@ class Stage(_Model):
     ranks: list[int]
     """Global ranks holding this stage (dp_degree * tp_degree of them)."""
     recompute: Recompute = "none"
-    """Activation recomputation for this stage's units."""
+    """Activation recomputation for this stage's units (those not in `unit_recompute`)."""
+    unit_recompute: dict[str, Recompute] = {}
+    """Unit FQN -> its recomputation where it differs from `recompute` (the solver chooses it per
+    unit: "checkpoint just enough layers to fit"); each key one of `units`. A dict of
+    exceptions rather than a list per unit keeps uniform stages, and older plans, as they were."""
     tp_plan: dict[str, TPStyle] = {}
     """Module FQN (from the model root) -> tensor-parallel style."""
     experts: dict[str, int] = {}
     """With ep_degree > 1: each MoE experts module of the stage (FQN from the model root) -> the
     experts one EP rank holds, E / ep_degree: EP rank i of a group holds experts
     [i E/ep, (i+1) E/ep), in every expert-dp replica alike (runtime/apply_ep.py)."""
+
+    @model_validator(mode="after")
+    def _known_recompute_units(self) -> "Stage":
+        unknown = sorted(set(self.unit_recompute) - set(self.units))
+        if unknown:
+            raise ValueError(f"unit_recompute names {unknown}, which are not units of this stage ({self.units}); "
+                             "list only the stage's own units")
+        return self
+
+    def unit_modes(self) -> dict[str, Recompute]:
+        """Each unit's recomputation, in order: `unit_recompute` over `recompute`."""
+        return {u: self.unit_recompute.get(u, self.recompute) for u in self.units}
 
 
 class Prediction(_Model):
@@ -208,7 +253,10 @@ class Alternative(BaseModel):
     stage_units: list[int]
     """Units per stage, in stage order."""
     recompute: list[Recompute]
-    """Recomputation per stage."""
+    """Recomputation per stage (the mode most of its units run)."""
+    unit_recompute: list[list[Recompute]] = []
+    """Per stage, each unit's recomputation in order, where some stage mixes modes (empty: every
+    stage runs its `recompute` on all its units)."""
     iteration_time_s: float
     peak_memory_bytes: list[int]
     """Predicted peak per stage."""
@@ -241,6 +289,9 @@ class SearchReport(BaseModel):
     """The plan's predicted backward time per stage and micro-batch."""
     alternatives: list[Alternative] = []
     """The next best configurations, fastest first."""
+    notes: list[str] = []
+    """What the reader must know about the search beyond the numbers, e.g. that asynchronous
+    schedules were allowed (`planner solve --allow-async`) and what that changes."""
 
 
 class Plan(_Model):
@@ -283,7 +334,11 @@ def rank_of(layout: Layout, pp_index: int, dp_index: int, tp_index: int) -> int:
 
 
 def stage_ranks(layout: Layout, stage_index: int) -> list[int]:
-    """Ranks that hold stage `stage_index` (looping placement for virtual stages)."""
+    """Ranks that hold stage `stage_index` (looping placement for virtual stages; with
+    `stage_replicas`, the stage's r_s consecutive ranks)."""
+    if layout.stage_replicas is not None:
+        first = sum(layout.stage_replicas[:stage_index])
+        return list(range(first, first + layout.stage_replicas[stage_index]))
     pp_index = stage_index % layout.pp_degree
     return [
         rank_of(layout, pp_index, d, t) for d in range(layout.dp_degree) for t in range(layout.tp_degree)
@@ -306,9 +361,14 @@ def check_plan_consistency(plan: Plan) -> None:
             f"pp x dp x tp = {lay.pp_degree} x {lay.dp_degree} x {lay.tp_degree} = {lay.world_size} "
             f"!= cluster devices {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node}"
         )
-    if lay.dp_degree % lay.ep_degree:
+    if lay.sequence_parallel and lay.tp_degree > 1:
+        if lay.dp_degree * lay.tp_degree % lay.ep_degree:
+            problems.append(f"ep_degree {lay.ep_degree} does not divide dp_degree x tp_degree = {lay.dp_degree} x "
+                            f"{lay.tp_degree} (with sequence parallelism expert parallelism is folded onto the data- "
+                            "and tensor-parallel ranks)")
+    elif lay.dp_degree % lay.ep_degree:
         problems.append(f"ep_degree {lay.ep_degree} does not divide dp_degree {lay.dp_degree} (expert parallelism is "
-                        "folded onto the data-parallel ranks)")
+                        "folded onto the data-parallel ranks; with sequence_parallel onto the tensor-parallel ones too)")
     if lay.cp_degree > 1:
         if lay.dp_degree % lay.cp_degree:
             problems.append(f"cp_degree {lay.cp_degree} does not divide dp_degree {lay.dp_degree} (context parallelism "
@@ -324,6 +384,9 @@ def check_plan_consistency(plan: Plan) -> None:
         problems.append("p2p_scatter_gather needs pp_degree > 1, tp_degree > 1 and no sequence parallelism")
     if lay.virtual_stages > 1 and lay.schedule not in ("interleaved-1f1b", "zero-bubble"):
         problems.append(f"virtual_stages = {lay.virtual_stages} needs schedule interleaved-1f1b or zero-bubble")
+    if lay.schedule == "pipedream-2bw" and batch.num_microbatches < lay.pp_degree:
+        problems.append(f"pipedream-2bw needs num_microbatches >= pp_degree (got {batch.num_microbatches} < "
+                        f"{lay.pp_degree}): with fewer, two weight versions do not suffice (Narayanan et al. 2021, 3.1)")
     num_stages = lay.pp_degree * lay.virtual_stages
     if len(plan.stages) != num_stages:
         problems.append(f"{len(plan.stages)} stages listed, pp_degree x virtual_stages = {num_stages}")
@@ -342,6 +405,7 @@ def check_plan_consistency(plan: Plan) -> None:
     if lay.tp_degree == 1 and any(s.tp_plan for s in plan.stages):
         problems.append("a stage has a tp_plan but tp_degree is 1")
     problems += _sharding_problems(lay, plan.training)
+    problems += _replication_problems(lay, plan.training, batch)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -360,6 +424,29 @@ def _sharding_problems(lay: Layout, training: Training) -> list[str]:
                             "parallelism folds its own (expert_dp, ep) view onto dp); drop one of them")
     if training.offload != "none" and lay.zero_stage == 0:
         problems.append(f"offload {training.offload!r} needs zero_stage >= 1 (FSDP2's CPUOffloadPolicy)")
+    return problems
+
+
+def _replication_problems(lay: Layout, training: Training, batch: Batch) -> list[str]:
+    """PipeDream stage replication (`Layout.stage_replicas`): what runtime/pp_replicated.py runs."""
+    replicas = lay.stage_replicas
+    if replicas is None:
+        return []
+    problems = []
+    if len(replicas) != lay.pp_degree or min(replicas, default=0) < 1:
+        problems.append(f"stage_replicas {replicas} must give each of the pp_degree = {lay.pp_degree} stages at least "
+                        "one replica")
+    others = {"dp_degree": lay.dp_degree, "tp_degree": lay.tp_degree, "ep_degree": lay.ep_degree,
+              "cp_degree": lay.cp_degree, "virtual_stages": lay.virtual_stages}
+    if any(v != 1 for v in others.values()) or lay.zero_stage != 0 or lay.shard_degree is not None:
+        problems.append(f"stage_replicas needs dp/tp/ep/cp degrees, virtual_stages 1 and zero_stage 0 (replication is "
+                        f"the data parallelism); got {others}, zero_stage {lay.zero_stage}")
+    if lay.schedule not in ("gpipe", "1f1b") or training.offload != "none" or lay.p2p_scatter_gather:
+        problems.append(f"stage_replicas runs schedule gpipe or 1f1b without offload or p2p_scatter_gather "
+                        f"(got {lay.schedule!r})")
+    if replicas and batch.num_microbatches < max(replicas):
+        problems.append(f"num_microbatches {batch.num_microbatches} < the largest stage_replicas {max(replicas)}: "
+                        "a replica would get no micro-batch (1F1B-RR routes micro-batch i to replica i mod r_s)")
     return problems
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from planner.plan import Plan, SearchReport
+from planner.plan import Plan, SearchReport, Stage
 from planner.report import format_bytes, format_time, memory_terms_table
 
 
@@ -36,6 +36,26 @@ def _units_summary(units: list[str]) -> str:
     return ", ".join(parts)
 
 
+def recompute_summary(stage: Stage) -> str:
+    """A stage's recomputation in a few words: its mode, then each other mode's units
+    ("none; full on 3 of 8 units: blocks.0-2")."""
+    modes = stage.unit_modes()
+    parts: list[str] = [stage.recompute]
+    for mode in ("none", "selective", "full"):
+        units = [u for u, r in modes.items() if r == mode and r != stage.recompute]
+        if units:
+            parts.append(f"{mode} on {len(units)} of {len(modes)} units: {_units_summary(units)}")
+    return "; ".join(parts)
+
+
+def replication_note(replicas: list[int]) -> str:
+    """What `Layout.stage_replicas` means, for `planner show`."""
+    per_stage = ", ".join(f"stage {k} x{r}" for k, r in enumerate(replicas))
+    return (f"PipeDream stage replication ({per_stage}; {sum(replicas)} ranks): micro-batch i runs on replica "
+            "i mod r of each stage (1F1B-RR, Narayanan et al. 2019), and a stage's replicas sum their gradients "
+            "once per step; the dp column is 1 because the replication is the data parallelism.")
+
+
 def print_plan(plan: Plan, console: Console | None = None) -> None:
     console = console or Console()
     lay, batch = plan.layout, plan.batch
@@ -60,10 +80,14 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     for k, s in enumerate(plan.stages):
         t = format_time(pred.stage_time_s[k]) if pred and k < len(pred.stage_time_s) else "-"
         m = format_bytes(pred.peak_memory_bytes[k]) if pred and k < len(pred.peak_memory_bytes) else "-"
-        stages.add_row(str(k), _units_summary(s.units), ",".join(map(str, s.ranks)), s.recompute, str(len(s.tp_plan)), t, m)
+        stages.add_row(str(k), _units_summary(s.units), ",".join(map(str, s.ranks)), recompute_summary(s), str(len(s.tp_plan)), t, m)
     console.print(stages)
     if (memory := memory_terms_table(plan)) is not None:
         console.print(memory)
+    if plan.layout.schedule == "pipedream-2bw":
+        console.print(ASYNC_SCHEDULE_NOTE)
+    if plan.layout.stage_replicas is not None:
+        console.print(replication_note(plan.layout.stage_replicas))
     if pred is None:
         console.print("no prediction (hand-written plan)")
         return
@@ -100,6 +124,15 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         console.print(alt)
     if search is not None and search.phase_times_s:
         print_search(search, console)
+    for note in search.notes if search is not None else []:
+        console.print(f"note: {note}")
+
+
+ASYNC_SCHEDULE_NOTE = ("asynchronous schedule pipedream-2bw (PipeDream-2BW): each stage keeps the previous weights; step t "
+                       "takes its gradient at W(t-1) and updates W(t): W(t+1) = W(t) - lr grad f(W(t-1)), W(-1) = W(0). "
+                       "No pipeline bubble in the steady state, one extra weight copy per stage; it trains to other "
+                       "parameters than the synchronous schedules (planner/plan.py `Schedule`).")
+"""What `planner show` says about a plan with the asynchronous schedule."""
 
 
 def print_search(search: SearchReport, console: Console) -> None:
@@ -180,6 +213,8 @@ def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
     lay, pred = plan.layout, plan.prediction
     timeline = simulated_timeline(plan)
     title = f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}"
+    if lay.schedule == "pipedream-2bw":  # planner/cost/schedules.py: the prediction is the flush-free steady state
+        title += " (one batch alone; the prediction is the steady state without fill and drain)"
     if pred is None:
         return draw_gantt(timeline, path, title=title, row_labels=gantt_row_labels(plan))
     after = after_schedule_terms(plan, timeline.makespan_s)

@@ -12,8 +12,9 @@ The order of construction is fixed, and each step needs the one before it:
    draw different random numbers than the one-process reference (parity by construction);
 5. tensor parallelism (runtime/apply_tp.py), then expert parallelism (runtime/apply_ep.py):
    both slice initialised full tensors; EP keeps this rank's experts as DTensor shards on
-   the ep axis (dp viewed as (edp, ep), runtime/mesh.py), and its all-to-alls run inside
-   the recompute wrapper of step 6 so that recomputation replays them;
+   the ep axis (dp, or dp x tp with SP, viewed as (edp, ep), runtime/mesh.py), and its
+   all-to-alls run inside the recompute wrapper of step 6 so that recomputation replays them;
+   with SP the MoE blocks then take their router statistics over whole sequences;
 6. activation checkpointing (runtime/recompute.py), inside the TP hooks so that recompute
    replays the TP collectives;
 7. FSDP (runtime/apply_dp.py) last, wrapping the TP-sharded parameters on the dp mesh;
@@ -60,8 +61,8 @@ from planner.model_file import call_user, load_model_file
 from planner.plan import Plan
 from runtime import checkpoint
 from runtime.apply_cp import apply_cp, check_cp, shard_batch
-from runtime.apply_dp import apply_fsdp, average_gradients, scale_gradients, sum_tied_gradients
-from runtime.apply_ep import apply_ep, check_ep, expert_parameters
+from runtime.apply_dp import GradientReducer, apply_fsdp, average_gradients, scale_gradients, sum_tied_gradients
+from runtime.apply_ep import apply_ep, apply_moe_sequence_parallel, check_ep, expert_parameters
 from runtime.apply_fp8 import apply_float8
 from runtime.apply_pp import PipelineRunner, build_schedule, build_stage_modules
 from runtime.apply_tp import apply_tp, check_tp_plan, sum_partial_gradients
@@ -83,8 +84,9 @@ from runtime.metrics import (
     synchronize,
     timeline_of,
 )
+from runtime.pp_async import WeightStash
 from runtime.pp_split import CrossStageTie, check_splittable, cross_stage_ties
-from runtime.recompute import apply_recompute
+from runtime.recompute import apply_unit_recompute
 
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=120)  # a dead peer fails the job instead of hanging it
 T = TypeVar("T")
@@ -168,8 +170,13 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
         from planner.units import model_fingerprint
 
         fingerprint = model_fingerprint(meta, units)
-        first_step, resume_from = _resume_point(checkpoint_dir, fingerprint) if resume else (0, None)
+        first_step, resume_from = _resume_point(checkpoint_dir, fingerprint, WeightStash.asynchronous(plan)) \
+            if resume else (0, None)
         settings = RunSettings(steps, seed, lr, checkpoint_dir, resume_from, first_step, fingerprint, measure_tensor_peak)
+        if plan.layout.stage_replicas is not None:  # PipeDream stage replication: its own executor
+            from runtime.pp_replicated import train_replicated
+
+            return train_replicated(plan, mf, settings, device)
         return _train_parallel(plan, mf, settings, device)
     finally:
         dist.destroy_process_group()
@@ -194,11 +201,13 @@ def _init_process_group() -> torch.device:
     return device
 
 
-def _resume_point(checkpoint_dir: str | None, fingerprint: str) -> tuple[int, str]:
-    """The newest complete step saved in `checkpoint_dir` and its directory."""
+def _resume_point(checkpoint_dir: str | None, fingerprint: str, asynchronous: bool = False) -> tuple[int, str]:
+    """The newest complete step saved in `checkpoint_dir` and its directory; `asynchronous`: the plan's
+    schedule keeps two weight versions (runtime/pp_async.py), which the checkpoint must match."""
     if checkpoint_dir is None:  # runtime/launch.py `check_checkpoint_dir` says so before launch
         raise PlannerError("--resume needs --checkpoint-dir.", "Pass the directory a previous run saved to.")
     saved = checkpoint.read_meta(checkpoint_dir, fingerprint)
+    checkpoint.check_resume_schedule(saved, asynchronous)
     first_step, resume_from = saved["step"], saved["directory"]
     if dist.get_rank() == 0:
         print(f"resuming from step {first_step} ({resume_from})", flush=True)
@@ -215,6 +224,7 @@ def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float) -> t
 def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> RunResult:
     model = materialize(meta, seed, torch.device("cpu"), init_mode(meta), mf)
     optimizer = make_optimizer(model, lr, plan.training.weight_decay)
+    stash = WeightStash.of(plan, [model])  # pipedream-2bw: the same rule in one process (runtime/pp_async.py)
     losses, times = [], []
     timer = StageTimer(torch.device("cpu"))
     for step in range(steps):
@@ -222,11 +232,15 @@ def _train_reference(plan: Plan, mf, meta, steps: int, seed: int, lr: float) -> 
         inputs, targets = batch_for_step(mf, plan.batch.global_batch_size, seed, step)
         start = time.perf_counter()
         model.zero_grad()
+        if stash is not None:
+            stash.swap_in()  # the gradient is taken at W(t-1)
         with timer.time(0, "forward"), _autocast(plan, torch.device("cpu")):
             out = model(*inputs)
             loss = mf.loss(_fp32(out), targets)
         with timer.time(0, "backward"):
             loss.backward()
+        if stash is not None:
+            stash.restore()  # the step updates W(t)
         if plan.training.grad_clip:
             clip_grad_norm([model], plan.training.grad_clip)
         if optimizer is not None:
@@ -279,6 +293,11 @@ class RankModel:
     """One per chunk (None for a chunk without trainable parameters)."""
     runner: PipelineRunner | None
     """The pipeline schedule over the chunks; None without pipelining."""
+    stash: WeightStash | None = None
+    """The older weight version of an asynchronous schedule (runtime/pp_async.py); None when synchronous."""
+    reducer: GradientReducer | None = None
+    """ZeRO 0 over dp > 1 with the `grad_reduce` overlap the plan assumes: the gradient averaging,
+    bucketed and launched during the backward (runtime/apply_dp.py); None: `average_gradients` after it."""
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -305,7 +324,7 @@ def _train_parallel(plan: Plan, mf, settings: RunSettings, device: torch.device)
     timer = StageTimer(device, tensor_peak.timing_warmup_steps())  # the measured step is not timed when others follow
     if settings.resume_from:
         _check_tied_resume(settings.resume_from, model.ties)
-        checkpoint.load(settings.resume_from, model.modules, model.optimizers)
+        checkpoint.load(settings.resume_from, model.modules, model.optimizers, model.stash)
     reports, times = [], []
     for step in range(settings.first_step, settings.first_step + settings.steps):
         loss, seconds = _train_step(plan, mf, model, settings, step, device, timer, tensor_peak)
@@ -321,7 +340,8 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
 
     lay = plan.layout
     mesh = build_mesh(plan, device.type)
-    ep_mesh = build_ep_mesh(mesh, lay.ep_degree)  # (pp, edp, ep, tp); None without EP
+    # (pp, edp, ep, tp), or this stage's (edp, ep) folded over dp x tp with SP; None without EP
+    ep_mesh = build_ep_mesh(mesh, lay.ep_degree, fold_tp=lay.sequence_parallel and lay.tp_degree > 1)
     fsdp_mesh = build_fsdp_mesh(mesh, lay.shard_degree)  # dp, or (dp_replicate, dp_shard) for HSDP
     meta = build_meta_model(mf)
     mode = init_mode(meta)
@@ -344,7 +364,22 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
         example, _ = _local_batch(mf, plan, settings.seed, settings.first_step, mesh["dp"].get_local_rank(), device)
         example_microbatch = tuple(_slice(x, 0, plan.batch.micro_batch_size) for x in example)
         runner = build_schedule(chunks, plan, mesh["pp"].get_group(), device, loss_fn, example_microbatch)
-    return RankModel(mesh, ep_mesh, chunks, ties, tie_copies, tie_groups, optimizers, runner)
+    # Asynchronous schedule: the older weights, W(-1) = W(0) (a checkpoint loaded later fills them).
+    stash = WeightStash.of(plan, [m for _, m in chunks])
+    reducer = None
+    if lay.zero_stage == 0 and lay.dp_degree > 1 and overlaps_gradient_reduction(plan):
+        modules = [m for _, m in chunks]
+        reducer = GradientReducer(modules, mesh["dp"].get_group(), expert_parameters(modules),
+                                  ep_mesh["edp"].get_group() if ep_mesh is not None else None)
+    return RankModel(mesh, ep_mesh, chunks, ties, tie_copies, tie_groups, optimizers, runner, stash, reducer)
+
+
+def overlaps_gradient_reduction(plan: Plan) -> bool:
+    """Whether the runtime overlaps ZeRO 0's gradient reduction with the backward: as the plan's
+    prediction assumes (`Prediction.overlap` names `grad_reduce`), and by default for a plan
+    predicted before overlaps were recorded or written by hand without a prediction."""
+    overlap = plan.prediction.overlap if plan.prediction is not None else None
+    return overlap is None or "grad_reduce" in overlap
 
 
 def _stage_chunks(plan: Plan, mf, meta: nn.Module, mesh: DeviceMesh, device: torch.device) -> list[tuple[int, nn.Module]]:
@@ -370,7 +405,9 @@ def _parallelize_chunks(plan: Plan, mf, chunks: list[tuple[int, nn.Module]], see
         apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel, stage.units)
         if ep_mesh is not None:
             apply_ep(model, ep_mesh["ep"])
-        apply_recompute(model, stage.units, stage.recompute)
+        if lay.sequence_parallel and lay.tp_degree > 1:  # MoE blocks on local tokens: whole-sequence router statistics
+            apply_moe_sequence_parallel(model, mesh["tp"], experts_replicated=ep_mesh is None)
+        apply_unit_recompute(model, stage.unit_modes())
         if lay.zero_stage >= 1 and (lay.dp_degree > 1 or plan.training.offload != "none"):  # offload: FSDP2 even on one dp rank
             apply_fsdp(model, fsdp_mesh, stage.units, lay.zero_stage, ep_mesh["edp"] if ep_mesh is not None else None,
                        offload=plan.training.offload)
@@ -387,6 +424,11 @@ def _train_step(plan: Plan, mf, model: RankModel, settings: RunSettings, step: i
     for optimizer in model.stepping:
         optimizer.zero_grad()
     tensor_peak.start(index)  # after zero_grad: the gradients it frees are not the step's
+    if model.reducer is not None:  # each parameter's gradient is final after its m-th backward
+        # torch's schedules divide the gradients by m after their backward (runtime/apply_pp.py)
+        model.reducer.start_step(plan.batch.num_microbatches, 1 / plan.batch.num_microbatches if model.runner else 1.0)
+    if model.stash is not None:  # pipedream-2bw: forward and backward at W(t-1) (runtime/pp_async.py)
+        model.stash.swap_in()
     if model.runner is not None:
         mean_loss = model.runner.step(inputs, targets)  # the last stage's mean over micro-batches, else None
         local_loss = mean_loss.float() if mean_loss is not None else torch.zeros((), device=device)
@@ -394,6 +436,8 @@ def _train_step(plan: Plan, mf, model: RankModel, settings: RunSettings, step: i
     else:
         local_loss = _forward_backward(plan, mf, model.modules[0], inputs, targets, timer, device)
     _reduce_gradients(plan, model)
+    if model.stash is not None:  # the gradient taken at W(t-1) updates W(t)
+        model.stash.restore()
     if plan.training.grad_clip:  # after the dp reduction: the norm of the averaged gradient
         clip_grad_norm(model.modules, plan.training.grad_clip, model.mesh["pp"].get_group(), model.uncounted())
     for optimizer in model.stepping:
@@ -440,12 +484,14 @@ def _reduce_gradients(plan: Plan, model: RankModel) -> None:
     """The gradient reductions FSDP and the pipeline schedule do not do themselves: data
     parallelism without ZeRO, expert parameters, TP's partial gradients, tied copies."""
     lay, modules, ep_mesh = plan.layout, model.modules, model.ep_mesh
-    if lay.zero_stage == 0:
+    if lay.zero_stage == 0 and model.reducer is not None:
+        model.reducer.finish()  # the same sums and divisors, launched during the backward
+    elif lay.zero_stage == 0:
         # Expert parameters over expert-dp, divided by the whole dp degree (apply_dp.average_gradients).
         average_gradients(modules, model.mesh["dp"].get_group(), expert_parameters(modules),
                           ep_mesh["edp"].get_group() if ep_mesh is not None else None)
     elif ep_mesh is not None:  # FSDP divided the experts' sums by expert-dp, not dp (apply_dp.apply_fsdp)
-        scale_gradients(expert_parameters(modules), 1.0 / lay.ep_degree)
+        scale_gradients(expert_parameters(modules), ep_mesh["edp"].size() / lay.dp_degree)
     if lay.tp_degree > 1:  # replicated parameters inside a column/row pair saw a share of the heads
         sum_partial_gradients(modules, model.mesh["tp"].get_group())
     if model.ties:  # tied copies take the same step: their gradients summed (runtime/pp_split.py)
@@ -465,7 +511,7 @@ def _report(plan: Plan, model: RankModel, settings: RunSettings, reports: list[t
     losses = (total / lay.dp_degree).tolist()
     if settings.checkpoint_dir:
         checkpoint.save(settings.checkpoint_dir, model.modules, model.optimizers, settings.first_step + settings.steps,
-                        settings.fingerprint, resumed_from=settings.resume_from)
+                        settings.fingerprint, resumed_from=settings.resume_from, stash=model.stash)
     # A tied weight under the reference's name for it (named_parameters() keeps the first).
     aliases = {name: t.names[0] for t in model.ties for name in t.names}
     params = _full_parameters(model.modules, keep=dp_rank == 0 and tp_rank == 0, aliases=aliases)

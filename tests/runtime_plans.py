@@ -43,3 +43,9 @@ def make_plan(model: str = "gpt", pp=1, dp=1, tp=1, zero=0, schedule="1f1b", v=1
         layout=lay,
         stages=stages,
     )
+
+
+def make_2bw_plan(**kwargs) -> Plan:
+    """A hand-written plan with the asynchronous pipedream-2bw schedule (planner/plan.py `Schedule`);
+    m defaults to 4, at least pp as 2BW needs."""
+    return make_plan(schedule="pipedream-2bw", **{"m": 4, **kwargs})

@@ -386,7 +386,8 @@ class UnitCosts:
     def _build(self, t: int, sp: bool, b: float) -> UnitCostTable:
         units = self.profile.units
         n = len(units)
-        arrays = {name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "flops", "fp8_weights", "fp8_flops")}
+        arrays: dict[str | tuple[str, str], np.ndarray] = {
+            name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "flops", "fp8_weights", "fp8_flops")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
         layer_seconds: dict[int, list[tuple[float, float]]] = {}  # unit -> its MoE layers' experts' (fwd, bwd) s

@@ -106,9 +106,13 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         problems.append("--sequence-parallel needs --tp > 1")
     if pins.dp and global_batch_size % pins.dp:
         problems.append(f"--global-batch {global_batch_size} is not divisible by --dp {pins.dp}")
-    if pins.ep and pins.dp and pins.dp % pins.ep:
+    # EP folds onto dp, and onto dp x tp with sequence parallelism (runtime/mesh.py build_ep_mesh).
+    if pins.ep and pins.dp and not pins.sequence_parallel and pins.dp % pins.ep:
         problems.append(f"--ep {pins.ep} does not divide --dp {pins.dp} (expert parallelism is folded onto the "
-                        "data-parallel ranks)")
+                        "data-parallel ranks; with --sequence-parallel onto the tensor-parallel ones too)")
+    if pins.ep and pins.dp and pins.tp and pins.sequence_parallel and pins.dp * pins.tp % pins.ep:
+        problems.append(f"--ep {pins.ep} does not divide --dp {pins.dp} x --tp {pins.tp} (with sequence parallelism "
+                        "expert parallelism is folded onto the data- and tensor-parallel ranks)")
     if pins.shard_degree and pins.dp and (pins.dp % pins.shard_degree or pins.shard_degree < 2):
         problems.append(f"--shard-degree {pins.shard_degree} must be at least 2 and divide --dp {pins.dp}")
     if pins.shard_degree and pins.zero_stage == 0:
@@ -122,8 +126,6 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
     if pins.cp and pins.dp and pins.dp % pins.cp:
         problems.append(f"--cp {pins.cp} does not divide --dp {pins.dp} (context parallelism is folded onto the "
                         "data-parallel ranks)")
-    if pins.ep and pins.ep > 1 and pins.sequence_parallel:
-        problems.append("--ep with --sequence-parallel: the runtime's router sees whole sequences only")
     if problems:
         raise PlannerError("Invalid pins: " + "; ".join(problems) + ".", "Change the pinned values (see `planner solve --help`).")
 
@@ -183,15 +185,16 @@ def expert_counts(profile: Profile) -> set[int]:
     return {layer.num_experts for u in profile.units for layer in u.moe}
 
 
-def ep_degrees(pins: Pins, experts: AbstractSet[int], dp: int, sp: bool) -> list[int]:
+def ep_degrees(pins: Pins, experts: AbstractSet[int], dp: int, sp: bool, tp: int = 1) -> list[int]:
     """EP degrees to try with dp data-parallel ranks: divisors of every layer's number of experts
-    that divide dp (the runtime folds EP onto the dp ranks, without sequence parallelism:
-    runtime/apply_ep.py)."""
+    that divide dp, or dp x tp with sequence parallelism (each TP rank then routes its own
+    tokens, so the runtime folds EP over the (dp, tp) ranks: runtime/mesh.py `build_ep_mesh`)."""
     if not experts:
         return [1]
     common = math.gcd(*experts)
     choices = [pins.ep] if pins.ep else _divisors(common)
-    return [e for e in choices if common % e == 0 and dp % e == 0 and (e == 1 or not sp)]
+    ranks = dp * tp if sp else dp
+    return [e for e in choices if common % e == 0 and ranks % e == 0]
 
 
 def _shard_degrees(pins: Pins, zero_stage: int, dp: int, tp: int, gpus_per_node: int, ep: int,
@@ -233,8 +236,8 @@ def _offloads(pins: Pins, zero_stage: int, dp: int, ep: int, allow_offload: bool
 
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
                       tp_degrees: set[int] | None = None, experts: AbstractSet[int] = frozenset(), allow_offload: bool = False,
-                      states_fit=None, sequence_length: int | None = None):
-    """Configurations the pins allow; `num_units` bounds the pipeline chunks, `tp_degrees` are the
+                      states_fit=None, sequence_length: int | None = None, allow_async: bool = False):
+    """Configurations the pins allow (`allow_async`: the asynchronous pipedream-2bw schedule too); `num_units` bounds the pipeline chunks, `tp_degrees` are the
     TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts,
     `states_fit(zero, pp, tp, shard) -> bool` whether the model states fit a GPU (hybrid sharding),
     `sequence_length` the tokens per sample (context parallelism splits them; None: no CP)."""
@@ -245,7 +248,7 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
             if (n % (tp * pp)) or (pins.dp and pins.dp != dp):
                 continue
             yield from _batch_variants(pins, global_batch_size, num_units, profiled_mbs, experts, allow_offload,
-                                       states_fit, sequence_length, tp, pp, dp, gpn)
+                                       states_fit, sequence_length, tp, pp, dp, gpn, allow_async)
 
 
 def _cp_degrees(pins: Pins, sequence_length: int | None, dp: int, pp: int, experts: AbstractSet[int]) -> list[int]:
@@ -259,7 +262,7 @@ def _cp_degrees(pins: Pins, sequence_length: int | None, dp: int, pp: int, exper
 
 
 def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled_mbs: list[int], experts, allow_offload,
-                    states_fit, sequence_length, tp: int, pp: int, dp: int, gpn: int):
+                    states_fit, sequence_length, tp: int, pp: int, dp: int, gpn: int, allow_async: bool = False):
     """The configurations of one (tp, pp, dp): cp, micro-batch, sp, schedule, ep, ZeRO, shard, offload."""
     for cp in _cp_degrees(pins, sequence_length, dp, pp, experts):
             replicas = dp // cp  # a CP group shares its samples
@@ -276,28 +279,31 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                 for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else ([False, True] if tp > 1 else [False]):
                     if sp and tp == 1:
                         continue
-                    for schedule, v in _schedules(pins, pp, m, num_units):
+                    for schedule, v in _schedules(pins, pp, m, num_units, allow_async):
                         # One data-parallel rank shards nothing: ZeRO only to offload (FSDP2 on one GPU).
                         offloading = allow_offload or bool(pins.offload)
                         zeros = [pins.zero_stage] if pins.zero_stage is not None else \
                             ([0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
                         yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp)
-                               for ep in (ep_degrees(pins, experts, dp, sp) if cp == 1 else [1]) for z in zeros
+                               for ep in (ep_degrees(pins, experts, dp, sp, tp) if cp == 1 else [1]) for z in zeros
                                for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
                                                            functools.partial(states_fit, z, pp, tp))
                                for offload in _offloads(pins, z, dp, ep, allow_offload)]
 
 
-def _schedules(pins: Pins, pp: int, m: int, num_units: int):
+def _schedules(pins: Pins, pp: int, m: int, num_units: int, allow_async: bool = False):
     """(schedule, virtual stages) pairs for pp ranks and m micro-batches: every v with pp x v
     chunks of at least one unit each (interleaved 1F1B: v > 1 and m % pp == 0, Megatron's rule).
+    The asynchronous pipedream-2bw only with `allow_async` (it changes the optimisation: planner/plan.py
+    `Schedule`); without a pipeline it gains nothing, so it is tried there only when pinned.
     The bounds (planner/solver/bounds.py) discard the hopeless ones before the DP."""
     if pp == 1:
-        if pins.schedule in (None, "1f1b", "gpipe"):
+        if pins.schedule in (None, "1f1b", "gpipe", "pipedream-2bw"):
             yield (pins.schedule or "1f1b"), 1
         return
     # GPipe runs as fast as 1F1B in this model and holds more activations: searched only when pinned.
-    names = [pins.schedule] if pins.schedule else ["1f1b", "interleaved-1f1b", "zero-bubble"]
+    names = [pins.schedule] if pins.schedule else ["1f1b", "interleaved-1f1b", "zero-bubble"] + \
+        (["pipedream-2bw"] if allow_async else [])
     most = num_units // pp
     for name in names:
         if not torch_builds(name, pp, m):
@@ -317,9 +323,9 @@ def _schedules(pins: Pins, pp: int, m: int, num_units: int):
 
 def torch_builds(schedule: str, pp: int, num_microbatches: int) -> bool:
     """Whether torch.distributed.pipelining (which the runtime runs) accepts this many micro-batches:
-    1F1B needs at least one per stage; the looped schedules split them into rounds of pp
-    (`max(1, m // pp)` rounds, which must divide m)."""
-    if schedule == "1f1b":
+    1F1B (and pipedream-2bw, run as 1F1B batches: runtime/pp_async.py) needs at least one per
+    stage; the looped schedules split them into rounds of pp (`max(1, m // pp)` rounds, which must divide m)."""
+    if schedule in ("1f1b", "pipedream-2bw"):
         return num_microbatches >= pp
     if schedule in ("interleaved-1f1b", "zero-bubble"):
         return num_microbatches % max(1, num_microbatches // pp) == 0
@@ -388,7 +394,8 @@ class SearchResult:
 
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
            memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False,
-           moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False) -> SearchResult:
+           moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
+           allow_async: bool = False) -> SearchResult:
     """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline).
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
@@ -400,7 +407,9 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     bottleneck bound, `_bottleneck_bound_s`). `moe_imbalance` is the MoE
     routing's busiest-rank load over the balanced one (planner/cost/moe.py); `float8` runs the
     linears in FP8 (planner/cost/fp8.py), a choice of numerics the user makes, not searched;
-    `allow_offload` lets the search keep model states in host memory (`Pins.offload`)."""
+    `allow_offload` lets the search keep model states in host memory (`Pins.offload`);
+    `allow_async` adds the asynchronous pipedream-2bw schedule (planner/plan.py `Schedule`), which
+    a pin may name only with it (`check_async_pin`)."""
     if not moe_imbalance >= 1.0:
         raise PlannerError(f"--moe-imbalance must be at least 1.0 (got {moe_imbalance}): it is the busiest EP rank's "
                            "share of tokens over the balanced share.", "Pass 1.0 for balanced routing, or e.g. 1.2.")
@@ -409,6 +418,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     dtype = dtype or profile.dtype
     if float8:
         check_float8(cluster, dtype)
+    check_async_pin(pins, allow_async)
     check_pins(pins, cluster, global_batch_size, len(profile.units))
     check_model_pins(pins, profile)
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
@@ -423,7 +433,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
                                                      profile.micro_batch_sizes, tp_degrees, expert_counts(profile),
                                                      allow_offload, _states_fit(profile, dtype, env.usable_memory_bytes),
-                                                     profile.model.sequence_length)
+                                                     profile.model.sequence_length, allow_async)
                for cfg in variants]
     tick = time.perf_counter()
     tables = {}
@@ -442,7 +452,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
             pruned, least = pruned + 1, min(least, memory)
             continue
         fitting.append((table, cfg))
-    time_bounds = bound.many(fitting)
+    time_bounds = async_time_bounds(bound.many(fitting), [cfg for _, cfg in fitting])
     order = np.argsort(time_bounds, kind="stable")  # ascending bound, ties in enumeration order
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
@@ -486,8 +496,8 @@ def check_float8(cluster: Cluster, dtype: str) -> None:
 def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = Pins(), dtype: str | None = None,
                  memory_fraction: float = MEMORY_FRACTION, moe_imbalance: float = 1.0, float8: bool = False) -> Evaluation:
     """One configuration priced exactly as the search prices it (the DP chooses its cuts), including
-    layouts the search does not enumerate because the runtime does not run them (EP folded over
-    TP ranks, as Megatron-Core runs it): for benchmarks against published runs."""
+    layouts the search does not enumerate because the runtime does not run them: for benchmarks
+    against published runs."""
     dtype = dtype or profile.dtype
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
@@ -541,12 +551,17 @@ def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pi
 
 def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), top_k: int = 3,
           dtype: str | None = None, profile_path: str | None = None, memory_fraction: float = MEMORY_FRACTION,
-          uniform_cuts: bool = False, moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False) -> Plan:
-    """The best plan, or a PlannerError that says what does not fit and by how much."""
+          uniform_cuts: bool = False, moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
+          allow_async: bool = False, allow_replication: bool = False) -> Plan:
+    """The best plan, or a PlannerError that says what does not fit and by how much. `allow_async`:
+    the asynchronous pipedream-2bw schedule is one more candidate, and the plan's notes say so.
+    `allow_replication`: PipeDream's per-stage replication is priced too and wins when faster
+    (planner/solver/replication_search.py `consider_replication`; the notes say which won)."""
     if global_batch_size < 1:
         raise PlannerError(f"--global-batch must be positive (got {global_batch_size}).", "Pass the samples per optimizer step.")
     result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1),
-                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance, float8=float8, allow_offload=allow_offload)
+                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance, float8=float8, allow_offload=allow_offload,
+                    allow_async=allow_async)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
         if result.evaluated == 0 and result.pruned == 0:
@@ -563,4 +578,38 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
         )
     from planner.solver.plan_builder import build_plan
 
-    return build_plan(profile, cluster, global_batch_size, result, top_k, dtype or profile.dtype, profile_path)
+    plan = build_plan(profile, cluster, global_batch_size, result, top_k, dtype or profile.dtype, profile_path)
+    if allow_async and plan.search is not None:
+        plan.search.notes.append(ASYNC_NOTE)
+    if allow_replication and not (pins.tp and pins.tp > 1) and not (pins.dp and pins.dp > 1):
+        from planner.solver.replication_search import consider_replication
+
+        plan = consider_replication(plan, profile, cluster, global_batch_size, dtype or profile.dtype, result.costs, pins,
+                                    memory_fraction)
+    return plan
+
+
+ASYNC_NOTE = ("asynchronous: changes the optimisation, W(t+1) = W(t) - lr grad f(W(t-1)); pipedream-2bw was a "
+              "candidate (--allow-async): a plan or alternative with that schedule trains on one-step-stale "
+              "weights (planner/plan.py `Schedule`), the others are synchronous")
+"""The plan's `search.notes` entry when the search was allowed the asynchronous schedule."""
+
+
+def check_async_pin(pins: Pins, allow_async: bool) -> None:
+    """Refuse a pinned asynchronous schedule unless the user allowed asynchrony: it changes what is
+    trained, not only how fast, so it is never chosen silently."""
+    if pins.schedule == "pipedream-2bw" and not allow_async:
+        raise PlannerError(
+            "--schedule pipedream-2bw is asynchronous: it changes the optimisation (W(t+1) = W(t) - lr grad f(W(t-1)), "
+            "gradients taken at one-step-stale weights), so it is not planned without consent.",
+            "Add --allow-async to plan it, or pin a synchronous schedule (1f1b, interleaved-1f1b, zero-bubble, gpipe).")
+
+
+def async_time_bounds(bounds: np.ndarray, configs: list) -> np.ndarray:
+    """`TimeBound.many` prices pipedream-2bw with 1F1B's closed form (its default form), which is
+    not below 2BW's m max_k work_k. Scaled by m / (m + S - 1) it is (S = pp x v chunks): 1F1B's
+    pipeline bound W (1 + (m - 1) / S) becomes m W / S, which 2BW's m max_k work_k >= m W / S
+    respects, and the fill and optimizer terms only shrink, so the bound stays a lower bound."""
+    scale = np.array([cfg.num_microbatches / (cfg.num_microbatches + cfg.pp * cfg.virtual_stages - 1)
+                      if cfg.schedule == "pipedream-2bw" else 1.0 for cfg in configs])
+    return bounds * scale if len(configs) else bounds
