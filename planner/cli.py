@@ -290,6 +290,9 @@ def solve(
     zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3)."),
     sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel", help="Pin sequence parallelism."),
     ep: Optional[int] = typer.Option(None, "--ep", help="Pin the expert-parallel degree (MoE models; divides the experts and dp)."),
+    expert_tp: Optional[int] = typer.Option(None, "--expert-tp", help="Pin expert tensor parallelism (MoE models): each "
+                                            "expert split over the TP group; 1 or --tp, without sequence parallelism. "
+                                            "Never searched (default 1)."),
     moe_imbalance: float = typer.Option(1.0, "--moe-imbalance", help="MoE routing: the busiest EP rank's tokens over the "
                                         "balanced share (1.0 = balanced; the profile reports the measured spread)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
@@ -335,7 +338,7 @@ def solve(
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PlannerError(f"Unknown --dtype {dtype!r}.", "Use float32, bfloat16 or float16.")
     pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep, shard_degree,
-                cp=cp)
+                cp=cp, expert_tp=expert_tp)
     with err_console.status("solving"):
         plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
                           moe_imbalance=moe_imbalance, float8=fp8, allow_offload=bool(offload), allow_async=allow_async,

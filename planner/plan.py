@@ -127,6 +127,12 @@ class Layout(_Model):
     onto the dp x tp ranks of a stage instead (tp innermost, so an EP group spans tp ranks first):
     ep_degree must divide dp_degree x tp_degree, and expert_dp = dp x tp / ep (runtime/mesh.py
     `build_ep_mesh`)."""
+    expert_tp_degree: int = Field(1, gt=0)
+    """Expert tensor parallelism (Megatron-Core's ETP, `--expert-tensor-parallel-size`): each expert's
+    gate/up projections split by columns and its down projection by rows over the TP group, the
+    experts' output summed over it (runtime/apply_ep.py, planner/cost/moe.py). 1 (experts whole on
+    every TP rank, the default and all the search picks) or tp_degree (pinned: `planner solve
+    --expert-tp`); not with sequence_parallel (the TP ranks must hold the same tokens). Adds no ranks."""
     cp_degree: int = Field(1, gt=0)
     """Context-parallel degree: each sequence is split over cp ranks and attention gathers the
     keys and values of the whole sequence over them (all-gather CP, Llama 3 paper, Dubey et al.
@@ -369,6 +375,12 @@ def check_plan_consistency(plan: Plan) -> None:
     elif lay.dp_degree % lay.ep_degree:
         problems.append(f"ep_degree {lay.ep_degree} does not divide dp_degree {lay.dp_degree} (expert parallelism is "
                         "folded onto the data-parallel ranks; with sequence_parallel onto the tensor-parallel ones too)")
+    if lay.expert_tp_degree not in (1, lay.tp_degree):
+        problems.append(f"expert_tp_degree {lay.expert_tp_degree} must be 1 or tp_degree ({lay.tp_degree}): experts are "
+                        "split over the whole TP group or not at all")
+    elif lay.expert_tp_degree > 1 and lay.sequence_parallel:
+        problems.append(f"expert_tp_degree {lay.expert_tp_degree} with sequence_parallel is not supported: expert TP "
+                        "needs the same tokens on every TP rank; turn sequence_parallel off or set expert_tp_degree 1")
     if lay.cp_degree > 1:
         if lay.dp_degree % lay.cp_degree:
             problems.append(f"cp_degree {lay.cp_degree} does not divide dp_degree {lay.dp_degree} (context parallelism "

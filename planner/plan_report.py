@@ -65,7 +65,8 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     p2p = "-" if lay.pp_degree == 1 else ("tp slices" if lay.p2p_scatter_gather else "whole")
     zero = (f"{lay.zero_stage}{f' hsdp {lay.shard_degree}' if lay.shard_degree else ''}"
             f"{' +offload' if plan.training.offload != 'none' else ''}")
-    head.add_row(str(lay.pp_degree), str(lay.dp_degree), str(lay.tp_degree), str(lay.ep_degree), str(lay.cp_degree), "yes" if lay.sequence_parallel else "no",
+    head.add_row(str(lay.pp_degree), str(lay.dp_degree), str(lay.tp_degree),
+                 f"{lay.ep_degree}{f' etp{lay.expert_tp_degree}' if lay.expert_tp_degree > 1 else ''}", str(lay.cp_degree), "yes" if lay.sequence_parallel else "no",
                  zero, lay.schedule, str(lay.virtual_stages), p2p, str(batch.micro_batch_size),
                  str(batch.num_microbatches), str(batch.global_batch_size), plan.training.dtype)
     console.print(head)

@@ -44,6 +44,27 @@ Dispatch (the wrapped forward; GShard's all-to-all, Lepikhin et al. 2020, sectio
 The data all-to-alls are `all_to_all_single_autograd` (torch's functional collectives; works
 on gloo): its backward is the reverse all-to-all, so each token's gradient returns to its rank
 and each expert's weight gradient sums the contributions of every rank in the EP group.
+Expert tensor parallelism (`Layout.expert_tp_degree` = tp_degree, pinned only; Megatron-Core's
+ETP). Each expert's MLP is split as Megatron-LM splits a dense one (Shoeybi et al. 2019, section 3):
+every per-expert matrix has one dim of the expert width F (`expert_tp_dims`: gate/up [F or 2F, D]
+split by columns, down [D, F] by rows), and TP rank j keeps the j-th 1/t block of it; a fused
+gate/up of 2F (Hugging Face's `gate_up_proj`, chunked in halves) keeps the j-th block of each
+half, a `_StridedShard(dim, split_factor=2)` (the placement FSDP2 x TP uses for strided blocks).
+The parameters are DTensors on the (ep, tp) mesh (or tp alone), sliced from the reference's
+values, so `full_tensor()` gives the whole experts. The experts' input passes through Megatron's
+f (identity forward, gradient all-reduced over TP backward: the router's and the hidden states'
+gradients are then whole on every TP rank), the local matrices compute a partial output, and
+Megatron's g all-reduces it (backward identity). Tokens must be the same on the TP ranks, so expert
+TP runs without sequence parallelism (planner/plan.py refuses the pair; a reduce-scatter form
+would first all-gather the sequence-sharded tokens). With EP the dispatch is done identically
+by every TP rank in its own EP group (the unfolded mesh: EP groups are dp ranks tp apart), and
+f/g wrap the local experts' computation on what arrived. ZeRO 1-3 (FSDP2 over the strided
+blocks) is not run with expert TP (`check_ep`), and torch.distributed.checkpoint cannot save a
+`_StridedShard` (its planner reads the blocks as contiguous chunks): such tensors (the fused
+gate/up and its optimizer state) are saved whole and each rank takes its blocks back on load
+(`strided_as_whole`, `load_strided_blocks`), so a checkpoint under expert TP is the same file as
+one without it and resumes under any other plan.
+
 Gradients over expert-dp: runtime/apply_dp.py `average_gradients` (ZeRO 0) and `apply_fsdp`
 (ZeRO 1-3: the experts are their own FSDP group on the expert-dp mesh, as torchtitan shards them).
 Either way the sum over every rank of the (dp, tp) grid is divided by dp_degree: the TP ranks'
@@ -61,7 +82,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from planner.errors import PlannerError
 from planner.moe import find_experts, num_experts
@@ -71,6 +93,8 @@ from planner.plan import Plan
 def check_ep(plan: Plan, model: nn.Module) -> None:
     """Refuse, before any process group exists, an EP layout this runtime or model cannot run."""
     lay = plan.layout
+    if lay.expert_tp_degree > 1:
+        check_expert_tp(plan, model)
     if lay.ep_degree == 1:
         return
     problems = []
@@ -90,17 +114,83 @@ def check_ep(plan: Plan, model: nn.Module) -> None:
                            "(dp_degree x tp_degree with sequence parallelism).")
 
 
-def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
+def check_expert_tp(plan: Plan, model: nn.Module) -> None:
+    """Refuse expert TP where this runtime cannot run it: no experts, matrices without a clear
+    expert-width dim, a width the TP degree does not divide, or ZeRO 1-3 (module docstring)."""
+    lay = plan.layout
+    experts = find_experts(model)
+    hint = "Set layout.expert_tp_degree to 1 (experts whole on every TP rank)."
+    if not experts:
+        raise PlannerError(f"expert_tp_degree is {lay.expert_tp_degree} but the model has no experts module.", hint)
+    if lay.zero_stage >= 1:
+        raise PlannerError(f"expert_tp_degree {lay.expert_tp_degree} with zero_stage {lay.zero_stage} is not run: FSDP2 "
+                           "would shard the experts' strided TP blocks again.", hint + " Or use zero_stage 0.")
+    for name, module in experts.items():
+        width = _expert_width(module, name)
+        if width % lay.expert_tp_degree:
+            raise PlannerError(f"expert_tp_degree {lay.expert_tp_degree} does not divide the expert width {width} of "
+                               f"{name}.", hint)
+
+
+def _expert_width(experts: nn.Module, name: str = "experts") -> int:
+    """F, the expert width: the smallest dim other than the model dim D, which every per-expert
+    matrix has (`expert_tp_dims`)."""
+    dims = expert_tp_dims(experts, name)
+    return min(experts._parameters[p].shape[d] // (2 if fused else 1)  # type: ignore[union-attr]
+               for p, (d, fused) in dims.items())
+
+
+def expert_tp_dims(experts: nn.Module, name: str = "experts") -> dict[str, tuple[int, bool]]:
+    """Per parameter of an experts module: (the dim expert TP splits, whether it is a fused
+    gate/up of 2F to split by halves). Every parameter must be a stack of matrices [E, a, b]
+    sharing exactly one dim D (the model dim); its other dim is F, or 2F for a fused gate/up."""
+    params = {n: p for n, p in experts._parameters.items() if p is not None}
+    if any(p.dim() != 3 for p in params.values()):
+        raise PlannerError(f"Expert TP splits matrices, but {name} has a parameter that is not a stack of them "
+                           "(a bias?).", "Set layout.expert_tp_degree to 1.")
+    common = set.intersection(*(set(p.shape[1:]) for p in params.values()))
+    if len(common) != 1 or any(p.shape[1] == p.shape[2] for p in params.values()):
+        raise PlannerError(f"Expert TP cannot tell the model dim from the expert width in {name} (shapes "
+                           f"{[tuple(p.shape) for p in params.values()]}).", "Set layout.expert_tp_degree to 1.")
+    model_dim = common.pop()
+    other = {n: (2 if p.shape[1] == model_dim else 1) for n, p in params.items()}
+    width = min(params[n].shape[d] for n, d in other.items())
+    dims = {}
+    for n, d in other.items():
+        size = params[n].shape[d]
+        if size not in (width, 2 * width):
+            raise PlannerError(f"Expert TP: {name}.{n} has dim {size}, neither the expert width {width} nor twice it.",
+                               "Set layout.expert_tp_degree to 1.")
+        dims[n] = (d, size == 2 * width)
+    return dims
+
+
+def _tp_block(param: torch.Tensor, dim: int, fused: bool, rank: int, degree: int) -> torch.Tensor:
+    """TP rank `rank`'s block of `param` along `dim` (of each half when `fused`)."""
+    if not fused:
+        size = param.shape[dim] // degree
+        return param.narrow(dim, rank * size, size)
+    halves = param.unflatten(dim, (2, param.shape[dim] // 2))
+    size = halves.shape[dim + 1] // degree
+    return halves.narrow(dim + 1, rank * size, size).flatten(dim, dim + 1)
+
+
+def apply_ep(module: nn.Module, experts_mesh: DeviceMesh | None, expert_tp: bool = False) -> None:
     """Keep this rank's experts of every experts module in `module` (a model or a stage) and
-    route tokens to the others' by all-to-all (module docstring). Records the experts modules in
-    `module._ep_modules` for FSDP and the gradient reduction (`expert_parameters`)."""
-    ep_degree = ep_mesh.size()
+    route tokens to the others' by all-to-all (module docstring). `experts_mesh`: the "ep" axis,
+    or with `expert_tp` the ("ep", "tp") axes, or "tp" alone (ep 1; module docstring, Expert
+    tensor parallelism). Records the experts modules EP shards in `module._ep_modules` for FSDP
+    and the gradient reduction (`expert_parameters`); expert TP alone records none (the experts
+    are then averaged over dp like the dense parameters)."""
     ep_modules: list[nn.Module] = []
     # nn.Module.__setattr__ takes any value at run time; torch types it Tensor | Module only.
     module._ep_modules = ep_modules  # type: ignore[assignment]
-    if ep_degree == 1:
+    if experts_mesh is None or experts_mesh.size() == 1:
         return
-    rank = ep_mesh.get_local_rank()
+    names = experts_mesh.mesh_dim_names or ()
+    ep_mesh = experts_mesh["ep"] if "ep" in names else None
+    tp_mesh = experts_mesh["tp"] if expert_tp else None
+    ep_degree = ep_mesh.size() if ep_mesh is not None else 1
     for experts in find_experts(module).values():
         total = num_experts(experts)
         local = total // ep_degree
@@ -110,15 +200,86 @@ def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         runner.__dict__["_parameters"] = {}
         if isinstance(getattr(experts, "num_experts", None), int):
             runner.num_experts = local  # type: ignore[assignment]  # as `_ep_modules` above: any value is fine
-        for name, param in list(experts._parameters.items()):
-            if param is None:  # a parameter slot registered empty: nothing to shard
-                continue
-            shard = param.detach()[rank * local:(rank + 1) * local].clone()
-            sharded = nn.Parameter(DTensor.from_local(shard, ep_mesh, (Shard(0),), run_check=False),
-                                   requires_grad=param.requires_grad)
-            experts.register_parameter(name, sharded)
+        _shard_experts(experts, experts_mesh, ep_mesh, tp_mesh)
+        tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        if ep_mesh is None:
+            experts.forward = _expert_tp_forward(experts, runner, tp_group)
+            continue
         ep_modules.append(experts)
-        experts.forward = _dispatching_forward(experts, runner, total, ep_degree, ep_mesh.get_group())
+        experts.forward = _dispatching_forward(experts, runner, total, ep_degree, ep_mesh.get_group(), tp_group)
+
+
+def _shard_experts(experts: nn.Module, mesh: DeviceMesh, ep_mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None) -> None:
+    """Replace each parameter by this rank's slice of it as a DTensor on `mesh`: experts dim
+    Shard(0) over ep, the expert-width dim over tp (module docstring)."""
+    tp_dims = expert_tp_dims(experts) if tp_mesh is not None else {}
+    for name, param in list(experts._parameters.items()):
+        if param is None:  # a parameter slot registered empty: nothing to shard
+            continue
+        shard, placements = param.detach(), list[Placement]()
+        if ep_mesh is not None:
+            local = shard.shape[0] // ep_mesh.size()
+            shard = shard[ep_mesh.get_local_rank() * local:][:local]
+            placements.append(Shard(0))
+        if tp_mesh is not None:
+            dim, fused = tp_dims[name]
+            shard = _tp_block(shard, dim, fused, tp_mesh.get_local_rank(), tp_mesh.size())
+            placements.append(_StridedShard(dim, split_factor=2) if fused else Shard(dim))
+        sharded = nn.Parameter(DTensor.from_local(shard.clone(memory_format=torch.contiguous_format), mesh, tuple(placements),
+                                                  run_check=False), requires_grad=param.requires_grad)
+        experts.register_parameter(name, sharded)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron-LM's f (`copy_to_tensor_model_parallel_region`): identity in the forward, the
+    gradient summed over the TP group in the backward (each rank's partial experts see the input)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron-LM's g (`reduce_from_tensor_model_parallel_region`): the partial outputs summed
+    over the TP group in the forward, the gradient passed through in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _tp_compute(compute, runner: nn.Module, tp_group, hidden: torch.Tensor, index: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """The experts' own forward on this rank's blocks, between f and g when `tp_group` is set."""
+    if tp_group is None:
+        return compute(runner, hidden, index, weights)
+    hidden, weights = _CopyToTP.apply(hidden, tp_group), _CopyToTP.apply(weights, tp_group)
+    return _ReduceFromTP.apply(compute(runner, hidden, index, weights), tp_group)
+
+
+def _expert_tp_forward(experts: nn.Module, runner: nn.Module, tp_group):
+    compute = type(experts).forward
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        runner.__dict__["_parameters"] = _local_slices(experts)
+        out = _tp_compute(compute, runner, tp_group, hidden_states, top_k_index, top_k_weights)
+        runner.__dict__["_parameters"] = {}  # hold no activations' graph between calls
+        return out
+
+    return forward
 
 
 def _local_slices(experts: nn.Module) -> dict[str, torch.Tensor]:
@@ -126,7 +287,7 @@ def _local_slices(experts: nn.Module) -> dict[str, torch.Tensor]:
     return {n: cast(DTensor, p).to_local() for n, p in experts._parameters.items() if p is not None}
 
 
-def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_degree: int, group):
+def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_degree: int, group, tp_group=None):
     local = total // ep_degree
     compute = type(experts).forward
 
@@ -145,7 +306,7 @@ def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_d
         which = torch.arange(local, device=flat.device).repeat(ep_degree).repeat_interleave(received.reshape(-1))
         runner.__dict__["_parameters"] = _local_slices(experts)
         ones = torch.ones(which.shape[0], 1, dtype=arrived.dtype, device=arrived.device)
-        out = compute(runner, arrived, which[:, None], ones)
+        out = _tp_compute(compute, runner, tp_group, arrived, which[:, None], ones)
         runner.__dict__["_parameters"] = {}  # hold no activations' graph between calls
         back = all_to_all_single_autograd(out, send_splits, recv_splits, group)
         back = back * top_k_weights.reshape(-1)[order, None]
@@ -197,3 +358,39 @@ def expert_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
     """The parameters of the experts modules `apply_ep` sharded, over every stage chunk (read from
     the modules: FSDP replaces the parameter objects)."""
     return [p for m in modules for experts in getattr(m, "_ep_modules", ()) for p in experts.parameters()]
+
+
+def _is_strided(value) -> bool:
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def strided_as_whole(state: dict) -> dict:
+    """A copy of the (nested) state dict `state` in which every DTensor with a `_StridedShard`
+    placement (expert TP's fused gate/up, its optimizer state) is its whole value, a plain tensor
+    torch.distributed.checkpoint can save and load (module docstring). A collective: every rank
+    calls it on the same keys, as DCP's save and load are."""
+    return {k: strided_as_whole(v) if isinstance(v, dict) else v.full_tensor() if _is_strided(v) else v
+            for k, v in state.items()}
+
+
+def load_strided_blocks(whole: dict, state: dict) -> None:
+    """After loading into `whole = strided_as_whole(state)`: copy this rank's blocks of each
+    whole value into the DTensor it stands for in `state`, in place."""
+    for k, v in state.items():
+        if isinstance(v, dict):
+            load_strided_blocks(whole[k], v)
+        elif _is_strided(v):
+            v.to_local().copy_(_local_block(whole[k], v))
+
+
+def _local_block(value: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's block of the whole `value` under `like`'s placements (Shard and _StridedShard)."""
+    mesh = like.device_mesh
+    for axis, placement in enumerate(like.placements):
+        rank, size = mesh.get_local_rank(axis), mesh.size(axis)
+        if isinstance(placement, _StridedShard):
+            dim, parts = placement.dim, placement.split_factor
+            value = value.unflatten(dim, (parts, -1)).chunk(size, dim=dim + 1)[rank].flatten(dim, dim + 1)
+        elif isinstance(placement, Shard):
+            value = value.chunk(size, dim=placement.dim)[rank]
+    return value

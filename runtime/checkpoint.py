@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from planner.errors import PlannerError
+from runtime.apply_ep import load_strided_blocks, strided_as_whole
 
 META = "planner_checkpoint.json"
 FORMAT = 2
@@ -131,7 +132,7 @@ def save(directory: str | Path, modules: list, optimizers: list, step: int, fing
             shutil.rmtree(temp)  # a save of this step that a crash cut short
         temp.mkdir(parents=True)
     dist.barrier()  # the folder exists before any rank writes into it
-    dcp.save(_state(modules, optimizers, stash), checkpoint_id=str(temp))  # each file fsynced (FileSystemWriter sync_files)
+    dcp.save(strided_as_whole(_state(modules, optimizers, stash)), checkpoint_id=str(temp))  # each file fsynced (FileSystemWriter sync_files)
     dist.barrier()  # every rank's shard is on disk: only now may the step become visible
     if dist.get_rank() == 0:
         _publish(directory, temp, final, {"step": step, "fingerprint": fingerprint, "format": FORMAT,
@@ -241,8 +242,10 @@ def load(directory: str | Path, modules: list, optimizers: list, stash=None) -> 
     """Load the step folder `directory` (read_meta's `directory`); a failure names the folder.
     `stash`: an asynchronous run's older weights, loaded in place (module docstring)."""
     state = _state(modules, optimizers, stash)
+    whole = strided_as_whole(state)  # expert TP's strided shards saved as whole tensors (runtime/apply_ep.py)
     try:
-        dcp.load(state, checkpoint_id=str(directory))
+        dcp.load(whole, checkpoint_id=str(directory))
+        load_strided_blocks(whole, state)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise PlannerError(f"Loading the checkpoint in {directory} failed ({type(exc).__name__}: {first[:300]}).", DAMAGED_HINT) from None

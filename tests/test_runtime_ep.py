@@ -34,15 +34,17 @@ from tests.test_runtime_parity import check_parity
 MOE_ARGS = dict(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=16, num_experts=4, top_k=2, moe_d_ff=32,
                 aux_loss_coef=0.1)
 MOE_UNITS = ["embed", "layers.0", "layers.1", "norm", "output"]
+# Expert TP needs the expert width apart from the model dim (runtime/apply_ep.py `expert_tp_dims`).
+ETP_ARGS = {"shared_expert": True, "moe_d_ff": 48}
 MOE_TP = megatron_tp_plan("layers", 2, ("attention.wq", "attention.wk", "attention.wv"),
                           ("moe.shared_expert.w1", "moe.shared_expert.w3"), "moe.shared_expert.w2", "attention.wo")
 
 
 def moe_plan(ep: int = 1, args: dict | None = None, sequence_parallel: bool = False, grad_clip: float | None = None,
-             **layout) -> Plan:
+             expert_tp: int = 1, **layout) -> Plan:
     plan = make_plan(model="moe", args={**MOE_ARGS, **(args or {})}, units=MOE_UNITS, **layout)
     data = plan.model_dump()
-    data["layout"].update(ep_degree=ep, sequence_parallel=sequence_parallel)
+    data["layout"].update(ep_degree=ep, sequence_parallel=sequence_parallel, expert_tp_degree=expert_tp)
     data["training"]["grad_clip"] = grad_clip
     return Plan.model_validate(data)  # check_plan_consistency runs again, with ep
 
@@ -388,6 +390,13 @@ EP_CASES = {
                                  args={"shared_expert": True}),
     # ep 1 under SP: the experts replicated, each TP rank computing its tokens' share of their gradients.
     "ep1-tp2-sp": dict(ep=1, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
+    # Expert TP (tests/test_expert_tp.py): each expert's gate/up by columns, down by rows over tp;
+    # alone, and with EP over dp (each tp rank dispatching in its own EP group).
+    "etp2-tp2": dict(expert_tp=2, tp=2, tp_plan=MOE_TP, args=ETP_ARGS),
+    "ep2-etp2-dp2-tp2": dict(ep=2, expert_tp=2, dp=2, tp=2, tp_plan=MOE_TP, args=ETP_ARGS),
+    # f and g replayed by full recomputation; expert TP in both pipeline stages.
+    "etp2-tp2-recompute-full": dict(expert_tp=2, tp=2, recompute="full", tp_plan=MOE_TP, args=ETP_ARGS),
+    "etp2-pp2-tp2": dict(expert_tp=2, pp=2, tp=2, m=2, tp_plan=MOE_TP, args=ETP_ARGS),
 }
 
 
@@ -420,6 +429,10 @@ RESUMES = {
                               dict(ep=2, dp=2, m=1, args={"shared_expert": True})),
     "ep2-dp2-to-ep2-tp2-sp": (dict(ep=2, dp=2, m=1, args={"shared_expert": True}),
                               dict(ep=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True})),
+    # Expert TP saved whole (apply_ep strided_as_whole), resumed without it and back.
+    "etp2-tp2-to-etp1-tp2": (dict(expert_tp=2, tp=2, tp_plan=MOE_TP, args=ETP_ARGS), dict(tp=2, tp_plan=MOE_TP, args=ETP_ARGS)),
+    "etp1-dp2-to-ep2-etp2-dp2-tp2": (dict(dp=2, m=2, args=ETP_ARGS),
+                                     dict(ep=2, expert_tp=2, dp=2, tp=2, tp_plan=MOE_TP, args=ETP_ARGS)),
 }
 
 

@@ -32,6 +32,21 @@ option, default 1.0).
 - **Memory.** Experts' parameters divided by ep; their gradients and optimizer state further
   by expert data parallelism under ZeRO (`expert_dp_degree`). Stored activations do not
   change with ep (a rank still holds its c T k copies; the profile's saved bytes count them).
+- **Expert tensor parallelism** (pinned only: `Layout.expert_tp_degree` t, equal to the TP degree;
+  Megatron-Core's ETP, `--expert-tensor-parallel-size`; runtime/apply_ep.py). Each expert's
+  gate/up projections are split by columns and its down projection by rows over the t TP ranks
+  (Shoeybi et al. 2019, "Megatron-LM", section 3, the MLP split), so one expert's GEMM has F / t
+  FLOPs per copy and W / t weight bytes, and a copy moves (2d + 4f / t) x dtype bytes (the
+  intermediate is split, the input and output are not):
+      R(ep, t) = (E / ep) max(m F / (t P), (W / t + m A_t) / B),   A_t = (2d + 4f / t) x dtype,
+  and the experts' time is rescaled by R(ep, t) / R(1, 1) (`expert_time_ratio`). The expert
+  output is a partial sum on each TP rank: one all-reduce of the layer's T d x dtype bytes over
+  the TP group in the forward, and one of the input's gradient in the backward (Megatron's g
+  and f operators; `ETP_ALL_REDUCES_PER_STEP` = 2, plus the forward's again under full
+  recomputation). Tokens are the same on the t ranks (no sequence parallelism: the plan
+  refuses it with expert_tp_degree > 1), so no all-gather is needed. Memory: the experts'
+  parameters, gradients and optimizer state / (ep t). The experts' saved activations are
+  not divided (an upper bound: their intermediates shrink by t, their inputs do not).
 """
 
 from __future__ import annotations
@@ -42,6 +57,8 @@ from planner.cost.compute import interpolate
 
 ALL_TO_ALLS_PER_STEP = 4
 """Forward dispatch and combine, and their reverses in the backward."""
+ETP_ALL_REDUCES_PER_STEP = 2
+"""Expert TP: the experts' output summed over TP in the forward, their input's gradient in the backward."""
 
 
 @dataclass(frozen=True)
@@ -93,20 +110,32 @@ def moe_shapes(unit, micro_batch_size: float, dtype_bytes: int, tokens_divisor: 
     return shapes
 
 
-def _roofline_s(shape: MoEShape, ep: int, flops_per_s: float, bytes_per_s: float, imbalance: float) -> float:
-    """R(ep): the local experts' GEMM time, each expert's rows from the whole EP group."""
+def _roofline_s(shape: MoEShape, ep: int, flops_per_s: float, bytes_per_s: float, imbalance: float,
+                expert_tp: int = 1) -> float:
+    """R(ep, t): the local experts' GEMM time, each expert's rows from the whole EP group and
+    its matrices split t ways (module docstring)."""
     rows = imbalance * shape.tokens * shape.top_k * ep / shape.num_experts
-    per_expert = max(rows * shape.flops_per_copy / flops_per_s,
-                     (shape.expert_weight_bytes + rows * shape.copy_activation_bytes) / bytes_per_s)
+    edges = 2 * shape.model_dim * shape.dtype_bytes  # a copy's input and output, whole under expert TP
+    copy_bytes = edges + (shape.copy_activation_bytes - edges) / expert_tp
+    per_expert = max(rows * shape.flops_per_copy / (expert_tp * flops_per_s),
+                     (shape.expert_weight_bytes / expert_tp + rows * copy_bytes) / bytes_per_s)
     return shape.num_experts / ep * per_expert
 
 
-def expert_time_ratio(shape: MoEShape, ep: int, flops_per_s: float, bytes_per_s: float, imbalance: float = 1.0) -> float:
-    """Experts' time at ep over their profiled time at ep 1 (module docstring)."""
-    if ep == 1 or shape.tokens <= 0:
+def expert_time_ratio(shape: MoEShape, ep: int, flops_per_s: float, bytes_per_s: float, imbalance: float = 1.0,
+                      expert_tp: int = 1) -> float:
+    """Experts' time at ep (and expert TP t) over their profiled time at ep 1, t 1 (module docstring)."""
+    if (ep == 1 and expert_tp == 1) or shape.tokens <= 0:
         return 1.0
     base = _roofline_s(shape, 1, flops_per_s, bytes_per_s, 1.0)
-    return _roofline_s(shape, ep, flops_per_s, bytes_per_s, imbalance) / base if base > 0 else 1.0
+    busiest = imbalance if ep > 1 else 1.0  # on one EP rank every copy is computed whatever the routing
+    return _roofline_s(shape, ep, flops_per_s, bytes_per_s, busiest, expert_tp) / base if base > 0 else 1.0
+
+
+def expert_tp_all_reduce_bytes(shape: MoEShape, expert_tp: int) -> float:
+    """Bytes of one expert-TP all-reduce: the layer's T x d output (or its input's gradient),
+    summed over the TP group (0 without expert TP)."""
+    return 0.0 if expert_tp == 1 else shape.tokens * shape.model_dim * shape.dtype_bytes
 
 
 def permutation_s(shape: MoEShape, ep: int, bytes_per_s: float, imbalance: float = 1.0) -> float:

@@ -24,8 +24,10 @@ from planner.cost.fp8 import price_fp8_unit, skipped_units
 from planner.cost.memory import unit_activation_bytes
 from planner.cost.moe import (
     ALL_TO_ALLS_PER_STEP,
+    ETP_ALL_REDUCES_PER_STEP,
     dispatch_bytes_per_rank,
     expert_time_ratio,
+    expert_tp_all_reduce_bytes,
     moe_shapes,
     permutation_s,
 )
@@ -175,7 +177,8 @@ class UnitCosts:
     """Builds `UnitCostTable`s, caching ILP solutions per (fingerprint, t, sp)."""
 
     def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str, require_sharding: bool = False,
-                 ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False, cp_collectives=None):
+                 ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False, cp_collectives=None,
+                 expert_tp: int = 1):
         self.profile, self.compute, self.dtype = profile, compute, dtype
         self.require_sharding = require_sharding  # TP pinned: each unit shards a weight where it can
         self.dtype_bytes = DTYPE_BYTES[dtype]
@@ -183,6 +186,7 @@ class UnitCosts:
         self.ep_all_to_all_s = ep_all_to_all_s  # (bytes one rank sends, ep, tp, folded) -> s
         self.cp_collectives = cp_collectives  # (cp, tp) -> (all_gather_s(nbytes), reduce_scatter_s(nbytes)) in a CP group
         self.imbalance = imbalance  # MoE routing: busiest rank's load over the balanced one
+        self.expert_tp = expert_tp  # experts split over the TP ranks (pinned only: Pins.expert_tp; planner/cost/moe.py)
         self.float8 = float8  # linears in FP8 (planner/cost/fp8.py); the runtime's filter skips the same units
         self.fp8_skip = skipped_units(profile) if float8 else ()
         self._ilp: dict[tuple, IntraOpSolution] = {}
@@ -231,7 +235,9 @@ class UnitCosts:
                 assert ep == 1, "the search never combines EP and CP (both fold onto dp)"
                 self._tables[key] = self._with_cp(self._build(t, sp, b / cp), t, b, cp)
             else:
-                self._tables[key] = self._build(t, sp, b) if ep == 1 else self._with_ep(self.table(t, sp, b), t, sp, b, ep)
+                etp = self.expert_tp > 1  # priced from the plain table: `table(t, sp, b)` would carry it already
+                self._tables[key] = self._build(t, sp, b) if ep == 1 and not etp else \
+                    self._with_ep(self._build(t, sp, b) if etp else self.table(t, sp, b), t, sp, b, ep)
         return self._tables[key]
 
     def _with_cp(self, part: UnitCostTable, t: int, b: int, cp: int) -> UnitCostTable:
@@ -303,13 +309,18 @@ class UnitCosts:
         gpu = self.compute.gpu
         flops_per_s, bytes_per_s = gpu.achievable_flops(self.dtype), gpu.achievable_bandwidth
         folded = sp and t > 1
+        etp = self.expert_tp
+        assert etp == 1 or (etp == t and not sp), "check_pins keeps expert TP at the TP degree, without SP"
         for u in self.profile.units:
             i = u.index
             for (f, bk), shape in zip(self._layer_seconds[(t, sp, b)].get(i, []),
                                       moe_shapes(u, b, self.dtype_bytes, t if sp else 1), strict=True):
-                ratio = expert_time_ratio(shape, ep, flops_per_s, bytes_per_s, self.imbalance)
+                ratio = expert_time_ratio(shape, ep, flops_per_s, bytes_per_s, self.imbalance, etp)
                 perm = permutation_s(shape, ep, bytes_per_s, self.imbalance) * self.compute.slowdown
                 a2a = self.ep_all_to_all_s(dispatch_bytes_per_rank(shape, ep, self.imbalance), ep, t, folded)
+                if etp > 1:  # expert TP's all-reduces ride with the all-to-alls: 2 per step, the forward's replayed
+                    a2a += self.tp_collectives(t).all_reduce_s(expert_tp_all_reduce_bytes(shape, etp)) \
+                        * ETP_ALL_REDUCES_PER_STEP / ALL_TO_ALLS_PER_STEP
                 exp_fwd[i] += f * ratio
                 exp_bwd[i] += bk * ratio
                 fwd[i] += f * (ratio - 1) + perm
@@ -318,7 +329,7 @@ class UnitCosts:
                 rec_comm[i] += 2 * a2a
                 comm[i] += ALL_TO_ALLS_PER_STEP * a2a
         assert base.expert_parameters is not None, "only a model with experts is priced with ep > 1"
-        experts = base.expert_parameters / ep
+        experts = base.expert_parameters / (ep * etp)
         return replace(base, forward_s=fwd, backward_s=bwd, recompute_s=rec,
                        parameters=base.parameters - base.expert_parameters + experts, expert_parameters=experts,
                        expert_forward_s=exp_fwd, expert_backward_s=exp_bwd, ep_comm_s=comm,

@@ -28,6 +28,7 @@ def _layout(e: Evaluation) -> Layout:
         pp_degree=c.pp, dp_degree=c.dp, tp_degree=c.tp, zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel, schedule=c.schedule, virtual_stages=c.virtual_stages,
         p2p_scatter_gather=e.p2p_scatter_gather, ep_degree=c.ep, shard_degree=c.shard_degree, cp_degree=c.cp,
+        expert_tp_degree=c.expert_tp,
     ))
 
 

@@ -92,6 +92,8 @@ class Config:
     cp: int = 1
     """Context-parallel degree (planner/cost/cp.py): folded onto the dp ranks, each group of cp
     shares its samples and splits their sequences; the table is priced at micro-batch b / cp."""
+    expert_tp: int = 1
+    """Expert tensor-parallel degree: 1, or tp when pinned (`Pins.expert_tp`; planner/cost/moe.py)."""
 
     @property
     def zero_dp(self) -> int:

@@ -72,6 +72,9 @@ class Pins:
     allowed it (`allow_offload`): it trades speed for memory, so it is offered, not assumed."""
     cp: int | None = None
     """Context-parallel degree: sequences split over cp of the dp ranks (planner/cost/cp.py)."""
+    expert_tp: int | None = None
+    """Expert tensor-parallel degree (MoE models only): 1 or the pinned --tp; never searched
+    (issue #14: expert TP off unless pinned; planner/cost/moe.py, runtime/apply_ep.py)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -81,7 +84,7 @@ def _divisors(n: int) -> list[int]:
 def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int) -> None:
     n, gpn = cluster.world_size, cluster.gpus_per_node
     problems = []
-    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages", "ep", "shard_degree", "cp"):
+    for name in ("pp", "tp", "dp", "micro_batch_size", "virtual_stages", "ep", "shard_degree", "cp", "expert_tp"):
         value = getattr(pins, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be positive (got {value})")
@@ -126,6 +129,11 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
     if pins.cp and pins.dp and pins.dp % pins.cp:
         problems.append(f"--cp {pins.cp} does not divide --dp {pins.dp} (context parallelism is folded onto the "
                         "data-parallel ranks)")
+    if pins.expert_tp and pins.expert_tp > 1 and (pins.tp != pins.expert_tp or pins.sequence_parallel):
+        problems.append(f"--expert-tp {pins.expert_tp} needs --tp {pins.expert_tp} and no --sequence-parallel (experts "
+                        "split over the whole TP group, whose ranks hold the same tokens)")
+    if pins.expert_tp and pins.expert_tp > 1 and (pins.zero_stage or pins.shard_degree or pins.offload):
+        problems.append(f"--expert-tp {pins.expert_tp} runs with ZeRO 0 only (FSDP2 would shard the experts' TP blocks again)")
     if problems:
         raise PlannerError("Invalid pins: " + "; ".join(problems) + ".", "Change the pinned values (see `planner solve --help`).")
 
@@ -175,6 +183,8 @@ def check_model_pins(pins: Pins, profile: Profile) -> None:
         elif any(c % pins.ep for c in counts):
             problems.append(f"--ep {pins.ep} does not divide the number of experts ({', '.join(map(str, sorted(counts)))}): "
                             f"each EP rank must hold a whole share of every layer's experts")
+    if pins.expert_tp and pins.expert_tp > 1 and not expert_counts(profile):
+        problems.append(f"--expert-tp {pins.expert_tp}: the model has no mixture-of-experts layer (the profile records none)")
     if problems:
         raise PlannerError("The model cannot honour the pins: " + "; ".join(problems) + ".",
                            "Pin a degree the model allows, or leave that dimension to the search.")
@@ -276,15 +286,17 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                 if local % b:
                     continue
                 m = local // b
-                for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else ([False, True] if tp > 1 else [False]):
+                for sp in [pins.sequence_parallel] if pins.sequence_parallel is not None else \
+                        ([False, True] if tp > 1 and (pins.expert_tp or 1) == 1 else [False]):  # expert TP: no SP
                     if sp and tp == 1:
                         continue
                     for schedule, v in _schedules(pins, pp, m, num_units, allow_async):
                         # One data-parallel rank shards nothing: ZeRO only to offload (FSDP2 on one GPU).
                         offloading = allow_offload or bool(pins.offload)
                         zeros = [pins.zero_stage] if pins.zero_stage is not None else \
-                            ([0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
-                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp)
+                            ([0] if (pins.expert_tp or 1) > 1 else  # the runtime runs expert TP with ZeRO 0 only
+                             [0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
+                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp, pins.expert_tp or 1)
                                for ep in (ep_degrees(pins, experts, dp, sp, tp) if cp == 1 else [1]) for z in zeros
                                for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
                                                            functools.partial(states_fit, z, pp, tp))
@@ -427,7 +439,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # collectives cost more than the compute they split (the free search would pick dp instead).
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       require_sharding=bool(pins.tp and pins.tp > 1), ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll),
-                      imbalance=moe_imbalance, float8=float8)
+                      imbalance=moe_imbalance, float8=float8, expert_tp=pins.expert_tp or 1)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
@@ -503,7 +515,7 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll), imbalance=moe_imbalance,
-                      float8=float8)
+                      float8=float8, expert_tp=cfg.expert_tp)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp), cfg, env)
 
