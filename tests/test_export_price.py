@@ -365,3 +365,21 @@ def test_hybrid_sharding_and_offload_spellings_read_back(gpt_h100):
     assert any("without offload_param" in n for n in ds.notes)
     resolved, _ = resolve(ds, make_cluster(8, 8, "h100-80gb"), None)
     assert (resolved.dp, resolved.shard_degree) == (8, 4)
+
+
+def test_expert_tp_round_trips_through_megatron_and_torchtitan(moe_h100):
+    """Expert TP (pinned) is written in each engine's name and read back; Megatron is told the
+    experts' TP size whenever EP is on, since unset it would split them over the whole TP group."""
+    cluster = make_cluster(8, 8, "h100-80gb")
+    plan = solve(moe_h100, cluster, BATCH, Pins(pp=1, tp=2, dp=4, ep=2, expert_tp=2, micro_batch_size=1, zero_stage=0,
+                                               sequence_parallel=False))
+    assert plan.layout.expert_tp_degree == 2
+    expected = {"megatron": "--expert-tensor-parallel-size 2", "torchtitan": "expert_tensor_parallel_degree = 2"}
+    for engine, snippet in expected.items():
+        exported = export_plan(plan, engine, moe_h100, cluster)
+        assert snippet in exported.text, exported.text
+        assert _read_back(engine, exported).expert_tp_degree == 2
+    whole = solve(moe_h100, cluster, BATCH, Pins(pp=1, tp=2, dp=4, ep=2, micro_batch_size=1, zero_stage=0, sequence_parallel=True))
+    assert "--expert-tensor-parallel-size 1" in export_plan(whole, "megatron", moe_h100, cluster).text
+    unset = megatron.parse("--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --num-experts 8 --bf16")
+    assert unset.expert_tp_degree == 1 and any("--expert-tensor-parallel-size not given" in n for n in unset.notes)

@@ -67,6 +67,8 @@ class EngineLayout:
     export, what the user must do outside the file (model code) for the engine to run the plan."""
     ep_degree: int = 1
     """Expert-parallel degree, folded onto the data-parallel ranks (planner/plan.py `Layout.ep_degree`)."""
+    expert_tp_degree: int = 1
+    """Experts split over the TP ranks (planner/plan.py `Layout.expert_tp_degree`): 1 or tp."""
     cp_degree: int = 1
     """Context-parallel degree, folded onto the data-parallel ranks: dp_degree counts the cp ranks
     (planner/plan.py `Layout.cp_degree`), where Megatron-LM and torchtitan count them apart."""
@@ -238,7 +240,7 @@ def plan_layout(plan: Plan) -> EngineLayout:
         micro_batch_size=plan.batch.micro_batch_size, global_batch_size=plan.batch.global_batch_size,
         recompute=modes.pop() if len(modes) == 1 else "mixed",
         split=Split("units", tuple(tuple(s.units) for s in plan.stages)), dtype=plan.training.dtype,
-        grad_clip=plan.training.grad_clip, ep_degree=lay.ep_degree, cp_degree=lay.cp_degree, shard_degree=lay.shard_degree,
+        grad_clip=plan.training.grad_clip, ep_degree=lay.ep_degree, expert_tp_degree=lay.expert_tp_degree, cp_degree=lay.cp_degree, shard_degree=lay.shard_degree,
         offload=plan.training.offload == "cpu", float8=plan.training.float8)
 
 
@@ -266,7 +268,7 @@ def differences(a: EngineLayout, b: EngineLayout, bounds_a=None, bounds_b=None) 
     for label, name in (("pp", "pp_degree"), ("dp", "dp_degree"), ("tp", "tp_degree"), ("zero", "zero_stage"),
                         ("sequence parallel", "sequence_parallel"), ("schedule", "schedule"), ("virtual stages", "virtual_stages"),
                         ("micro-batch", "micro_batch_size"), ("recompute", "recompute"), ("dtype", "dtype"),
-                        ("ep", "ep_degree"), ("cp", "cp_degree"), ("offload", "offload"), ("fp8", "float8")):
+                        ("ep", "ep_degree"), ("expert tp", "expert_tp_degree"), ("cp", "cp_degree"), ("offload", "offload"), ("fp8", "float8")):
         x, y = getattr(a, name), getattr(b, name)
         if x is not None and y is not None and x != y:
             out.append(f"{label} {x} -> {y}")

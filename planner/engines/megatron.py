@@ -26,6 +26,9 @@ The newer dimensions (same file and commit unless named):
                                         next to TP, consecutive data-parallel indices as the plan's.
                                         "--use-torch-fsdp2 is not supported with expert parallelism"
                                         (validate_args), so EP with ZeRO 2/3 becomes ZeRO 1.
+    --expert-tensor-parallel-size       expert TP ("Degree of expert model parallelism"; unset, it
+                                        takes the TP size), written whenever EP or expert TP is on so
+                                        that the experts stay whole as the plan keeps them.
     --context-parallel-size             CP; Megatron's data-parallel size excludes the CP ranks, the
                                         plan's dp_degree counts them (world = tp x pp x dp here).
     --num-distributed-optimizer-instances N
@@ -176,6 +179,8 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
     args = [f"--tensor-model-parallel-size {mapped.tp_degree}", f"--pipeline-model-parallel-size {mapped.pp_degree}",
             f"--context-parallel-size {mapped.cp_degree}", f"--expert-model-parallel-size {mapped.ep_degree}",
             f"--num-layers {len(blocks)}"]
+    if mapped.ep_degree > 1 or mapped.expert_tp_degree > 1:  # unset, Megatron-Core splits experts over the whole TP group
+        args.append(f"--expert-tensor-parallel-size {mapped.expert_tp_degree}")
     if mapped.pp_degree > 1:
         args += _split_args(list(mapped.split.blocks), mapped.pp_degree, mapped.virtual_stages)
     if mapped.sequence_parallel:
@@ -310,6 +315,9 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
     fraction = float(args.get("--optimizer-offload-fraction", 1.0))
     if offload and fraction != 1.0:
         notes.append(f"--optimizer-offload-fraction {fraction} priced as the whole optimizer offloaded")
+    if args.get("--num-experts") and tp > 1 and args.get("--expert-tensor-parallel-size") is None:
+        notes.append("--expert-tensor-parallel-size not given (Megatron-Core then splits the experts over the TP group): "
+                     "priced with whole experts, expert TP 1")
     float8 = args.get("--fp8-format") not in (None, True)
     recipe = str(args.get("--fp8-recipe", "delayed"))  # Megatron-LM's default recipe
     if float8 and (recipe, args["--fp8-format"]) != ("tensorwise", "hybrid"):
@@ -321,5 +329,6 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         global_batch_size=glob, local_batch_size=mbs, recompute=recompute, split=split,
         dtype="bfloat16" if args.get("--bf16") else "float16" if args.get("--fp16") else "float32",
         grad_clip=clip or None, notes=tuple(notes), ep_degree=num("--expert-model-parallel-size", 1),
+        expert_tp_degree=num("--expert-tensor-parallel-size", 1),
         cp_degree=num("--context-parallel-size", 1), replicate_degree=instances if instances > 1 and zero == 1 else None,
         offload=offload, float8=float8)

@@ -99,7 +99,8 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
         check_float8(cluster, dtype)
     pins = Pins(layout.pp_degree, layout.tp_degree, layout.dp_degree, layout.micro_batch_size, layout.schedule,
                 layout.virtual_stages, layout.recompute, layout.zero_stage, layout.sequence_parallel,
-                ep=layout.ep_degree, shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree)
+                ep=layout.ep_degree, shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree,
+                expert_tp=layout.expert_tp_degree)
     check_pins(pins, cluster, batch, len(profile.units))
     check_model_pins(pins, profile)
     bounds = stage_bounds(layout, profile)
@@ -107,12 +108,12 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       require_sharding=layout.tp_degree > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll),
-                      float8=layout.float8, cp_collectives=cp_collectives(cluster, coll))
+                      float8=layout.float8, cp_collectives=cp_collectives(cluster, coll), expert_tp=layout.expert_tp_degree)
     env = replace(_environment(cluster, compute, dtype, pins, UNBOUNDED_MEMORY_FRACTION), cut_allowed=_cut_allowed(profile))
     m = batch * layout.cp_degree // (layout.dp * layout.micro_batch)  # a CP group shares its samples
     cfg = Config(layout.tp_degree, layout.sequence_parallel, layout.pp_degree, layout.dp, layout.micro_batch, m,
                  layout.schedule, layout.virtual_stages, layout.zero_stage, ep=layout.ep_degree,
-                 shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree)
+                 shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree, expert_tp=layout.expert_tp_degree)
     table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)
     evaluation = evaluate_config(table, cfg, env, bounds)
     if not evaluation.feasible:

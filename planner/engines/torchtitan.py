@@ -20,6 +20,8 @@ Option names and meanings are torchtitan's `torchtitan/config/job_config.py` (co
                                                    (parallel_dims.py `_build_mesh_with_ep`:
                                                    ep % cp == 0, (shard x cp) % ep == 0), so EP needs
                                                    FSDP: a ZeRO 0 plan with EP becomes ZeRO 2
+                  expert_tensor_parallel_degree    expert TP, 1 or tp; written with EP only ("no effect
+                                                   ... when ep = 1", ParallelismConfig)
                   replicate > 1 with shard > 1     HSDP: FSDP over shard (x cp) consecutive dp ranks,
                                                    replicated across `replicate` groups = the plan's
                                                    shard_degree
@@ -161,6 +163,8 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         "context_parallel_degree": cp,
         "expert_parallel_degree": mapped.ep_degree,
     }
+    if mapped.ep_degree > 1:  # "1 means disabled ... no effect when ep = 1" (ParallelismConfig); else 1 or tp
+        parallelism["expert_tensor_parallel_degree"] = mapped.expert_tp_degree
     if mapped.pp_degree > 1:
         parallelism["pipeline_parallel_schedule"] = SCHEDULES[mapped.schedule]
         parallelism["pipeline_parallel_microbatch_size"] = mapped.micro_batch_size
@@ -233,6 +237,7 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         virtual_stages=v, micro_batch_size=mbs, global_batch_size=None if glob in (-1, None) else int(glob), local_batch_size=local,
         recompute=mode, split=split, dtype="float32" if train.get("mixed_precision_param") == "float32" else "bfloat16",
         grad_clip=train.get("max_norm"), notes=tuple(notes), ep_degree=int(par.get("expert_parallel_degree", 1)),
+        expert_tp_degree=int(par.get("expert_tensor_parallel_degree", 1)) if int(par.get("expert_parallel_degree", 1)) > 1 else 1,
         cp_degree=cp, shard_degree=shard * cp if hsdp and shard != -1 else None,
         replicate_degree=replicate if hsdp and shard == -1 else None, offload=bool(train.get("enable_cpu_offload", False)),
         float8=float8)
