@@ -250,6 +250,23 @@ def strongest_recompute(plan: Plan) -> str:
     return max((r for s in plan.stages for r in s.unit_modes().values()), key=order.index)
 
 
+def nearest_unit_recompute(plan: Plan, mapped: EngineLayout, changes: list[str], expressible: bool, engine: str) -> EngineLayout:
+    """A plan's per-unit recomputation (planner/plan.py `Stage.unit_recompute`) in an engine with one
+    mode: priced as full recomputation of every layer (EngineLayout's one mode) when the engine can
+    write the pattern itself (`expressible`: Megatron-LM's first k layers, torchtitan's every N-th
+    layer), else the strongest mode used, on every layer: the nearest setting that stays within
+    memory, noted in `changes` with what `engine` can say."""
+    if not any(s.unit_recompute for s in plan.stages):
+        return mapped
+    if expressible:
+        return replace(mapped, recompute="full")
+    order = ("none", "selective", "full")
+    used = {r for s in plan.stages for r in s.unit_modes().values()}
+    mode = max(used, key=order.index)
+    changes.append(f"per-unit recompute ({', '.join(sorted(used))} by unit) -> {mode} on every layer ({engine})")
+    return replace(mapped, recompute=mode)
+
+
 def one_recompute_mode(plan: Plan, mapped: EngineLayout, changes: list[str], why: str) -> EngineLayout:
     """`mapped` with one recompute mode for every stage (engines have one setting; `why` names it),
     the change noted in `changes`."""

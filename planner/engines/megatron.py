@@ -144,20 +144,12 @@ def block_recompute_layers(plan: Plan, names: list[str]) -> int | None:
 
 
 def _unit_recompute(plan: Plan, names: list[str], mapped: EngineLayout, changes: list[str]) -> EngineLayout:
-    """Per-unit recomputation (planner/plan.py `Stage.unit_recompute`) as Megatron-LM runs it: the
-    first k layers of each stage (`block_recompute_layers`, written by `render`; priced as full
-    recomputation of every layer, EngineLayout's one mode), else the strongest mode used on every
-    layer, the nearest setting that stays within memory (noted)."""
-    if not any(s.unit_recompute for s in plan.stages):
-        return mapped
-    if block_recompute_layers(plan, names) is not None:
-        return replace(mapped, recompute="full")
-    order = ("none", "selective", "full")
-    used = {r for s in plan.stages for r in s.unit_modes().values()}
-    mode = max(used, key=order.index)
-    changes.append(f"per-unit recompute ({', '.join(sorted(used))} by unit) -> {mode} on every layer (Megatron-LM "
-                   "recomputes one mode, or fully the first k layers of each stage)")
-    return replace(mapped, recompute=mode)
+    """Per-unit recomputation as Megatron-LM runs it: the first k layers of each stage
+    (`block_recompute_layers`, written by `render`), else the nearest one mode (common.py)."""
+    from planner.engines.common import nearest_unit_recompute
+
+    return nearest_unit_recompute(plan, mapped, changes, block_recompute_layers(plan, names) is not None,
+                                  "Megatron-LM recomputes one mode, or fully the first k layers of each stage")
 
 
 def _split_args(counts: list[int], pp: int, v: int) -> list[str]:

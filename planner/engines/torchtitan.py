@@ -113,20 +113,12 @@ def every_nth_layer(plan: Plan, names: list[str]) -> int | None:
 
 
 def _unit_recompute(plan: Plan, names: list[str], mapped: EngineLayout, changes: list[str]) -> EngineLayout:
-    """Per-unit recomputation (planner/plan.py `Stage.unit_recompute`) as torchtitan runs it: every
-    N-th layer fully (`every_nth_layer`, written by `render`; priced as full recomputation of
-    every layer, EngineLayout's one mode), else the strongest mode used on every layer, the
-    nearest setting that stays within memory (noted)."""
-    if not any(s.unit_recompute for s in plan.stages):
-        return mapped
-    if every_nth_layer(plan, names) is not None:
-        return replace(mapped, recompute="full")
-    order = ("none", "selective", "full")
-    used = {r for s in plan.stages for r in s.unit_modes().values()}
-    mode = max(used, key=order.index)
-    changes.append(f"per-unit recompute ({', '.join(sorted(used))} by unit) -> {mode} on every layer (torchtitan "
-                   "recomputes one mode, or fully every N-th layer)")
-    return replace(mapped, recompute=mode)
+    """Per-unit recomputation as torchtitan runs it: every N-th layer fully (`every_nth_layer`,
+    written by `render`), else the nearest one mode (common.py)."""
+    from planner.engines.common import nearest_unit_recompute
+
+    return nearest_unit_recompute(plan, mapped, changes, every_nth_layer(plan, names) is not None,
+                                  "torchtitan recomputes one mode, or fully every N-th layer")
 
 
 def _toml_value(value) -> str:
