@@ -10,10 +10,10 @@ per-rank action lists; we pick which):
     1f1b             -> Schedule1F1B                    (one stage per rank)
     interleaved-1f1b -> ScheduleInterleaved1F1B         (v stages per rank, looping)
     zero-bubble      -> ScheduleInterleavedZeroBubble   (v >= 1 stages per rank, looping)
-    pipedream-2bw    -> Schedule1F1B                    (one stage per rank; a batch of PipeDream-2BW
-                                                         is ordered as 1F1B's: torch has no flush-free
-                                                         schedule, so steps are flushed, and the older
-                                                         weights are swapped in around it by runtime/pp_async.py)
+    pipedream-2bw    -> Schedule1F1B                    (one stage per rank, for layouts the flush-free
+                                                         executor of runtime/pp_async.py does not run: a
+                                                         batch of PipeDream-2BW ordered as 1F1B's, flushed,
+                                                         the older weights swapped in around it)
 
 Placement: stage s lives on pipeline rank s % pp (planner/plan.py's `stage_ranks`, the
 looping placement of Narayanan et al. 2021). ScheduleZBVZeroBubble needs the V placement

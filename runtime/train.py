@@ -58,7 +58,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from planner.errors import PlannerError
 from planner.model_file import call_user, load_model_file
-from planner.plan import Plan
+from planner.plan import Plan, flush_free_blocker
 from runtime import checkpoint
 from runtime.apply_cp import apply_cp, check_cp, shard_batch
 from runtime.apply_dp import GradientReducer, apply_fsdp, average_gradients, scale_gradients, sum_tied_gradients
@@ -84,7 +84,7 @@ from runtime.metrics import (
     synchronize,
     timeline_of,
 )
-from runtime.pp_async import WeightStash
+from runtime.pp_async import WeightStash, train_flush_free
 from runtime.pp_split import CrossStageTie, check_splittable, cross_stage_ties
 from runtime.recompute import apply_unit_recompute
 
@@ -177,6 +177,9 @@ def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | N
             from runtime.pp_replicated import train_replicated
 
             return train_replicated(plan, mf, settings, device)
+        if WeightStash.asynchronous(plan) and plan.layout.pp_degree > 1 and \
+                flush_free_blocker(plan.layout, plan.training) is None:  # PipeDream-2BW without a flush
+            return train_flush_free(plan, mf, settings, device)
         return _train_parallel(plan, mf, settings, device)
     finally:
         dist.destroy_process_group()
@@ -333,9 +336,11 @@ def _train_parallel(plan: Plan, mf, settings: RunSettings, device: torch.device)
     return _report(plan, model, settings, reports, times, timer, tensor_peak, device)
 
 
-def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.device) -> RankModel:
+def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.device, flush_free: bool = False) -> RankModel:
     """Steps 2-8 of the module docstring: the meshes, this rank's chunks with every parallelism
-    applied in order, the tied-weight groups, the optimizers and the pipeline schedule."""
+    applied in order, the tied-weight groups, the optimizers and the pipeline schedule.
+    `flush_free`: for runtime/pp_async.py's executor, which runs the chunk itself: no torch
+    schedule and no overlapped gradient reducer (its hooks would see one weight version only)."""
     from runtime.mesh import build_cp_mesh, build_ep_mesh, build_fsdp_mesh, build_mesh, build_tie_groups
 
     lay = plan.layout
@@ -359,7 +364,7 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
     # weights only) has none.
     optimizers = [make_optimizer(m, settings.lr, plan.training.weight_decay) for _, m in chunks]
     runner = None
-    if lay.pp_degree > 1:
+    if lay.pp_degree > 1 and not flush_free:
         loss_fn = lambda out, tgt: mf.loss(_fp32(out), tgt)  # noqa: E731  (16-bit logits: loss in fp32)
         example, _ = _local_batch(mf, plan, settings.seed, settings.first_step, mesh["dp"].get_local_rank(), device)
         example_microbatch = tuple(_slice(x, 0, plan.batch.micro_batch_size) for x in example)
@@ -367,7 +372,7 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
     # Asynchronous schedule: the older weights, W(-1) = W(0) (a checkpoint loaded later fills them).
     stash = WeightStash.of(plan, [m for _, m in chunks])
     reducer = None
-    if lay.zero_stage == 0 and lay.dp_degree > 1 and overlaps_gradient_reduction(plan):
+    if lay.zero_stage == 0 and lay.dp_degree > 1 and overlaps_gradient_reduction(plan) and not flush_free:
         modules = [m for _, m in chunks]
         reducer = GradientReducer(modules, mesh["dp"].get_group(), expert_parameters(modules),
                                   ep_mesh["edp"].get_group() if ep_mesh is not None else None)
