@@ -442,14 +442,13 @@ def _sharding_problems(lay: Layout, training: Training) -> list[str]:
 def flush_free_blocker(lay: Layout, training: Training) -> str | None:
     """Why the runtime cannot run this pipedream-2bw layout without a flush between steps, or None
     when it can (runtime/pp_async.py `train_flush_free`: one stage module per rank, its parameters
-    plain or TP DTensors, so each weight version can be its own set of tensors). Elsewhere a 2BW
+    plain or TP/EP DTensors (with or without SP), so each weight version can be its own set of tensors). Elsewhere a 2BW
     step runs as torch's Schedule1F1B with the older weights swapped in, flushed between steps,
     and planner/cost/schedules.py prices it with 1F1B's bubble. None for a synchronous schedule."""
     if lay.schedule != "pipedream-2bw":
         return None
     reasons = {"zero_stage > 0 (FSDP2 owns the parameters)": lay.zero_stage > 0,
-               "expert parallelism": lay.ep_degree > 1, "context parallelism": lay.cp_degree > 1,
-               "sequence parallelism": lay.sequence_parallel and lay.tp_degree > 1,
+               "context parallelism": lay.cp_degree > 1,
                "stage replication": lay.stage_replicas is not None, "virtual stages": lay.virtual_stages > 1,
                "offload": training.offload != "none", "p2p_scatter_gather": lay.p2p_scatter_gather}
     found = [name for name, hit in reasons.items() if hit]

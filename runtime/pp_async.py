@@ -22,15 +22,16 @@ The reference (`python -m runtime PLAN --reference`, runtime/train.py) applies t
 
 Two executors. torch.distributed.pipelining has no flush-free schedule: a schedule's `step`
 runs one batch and returns after its last backward. So where the layout allows
-(planner/plan.py `flush_free_blocker`: one stage module per rank, parameters plain or TP
-DTensors, ZeRO 0), `train_flush_free` runs the whole run as one pipeline that never flushes
-(`flush_free_actions`: step t + 1's forwards start while step t's backwards drain), each
-weight version its own set of parameter tensors (`WeightVersions`): the bubble-free steady
-state the cost model prices (planner/cost/schedules.py). Elsewhere (FSDP2 owns the parameters,
-or EP, CP, SP, virtual stages) a step runs its batch as torch's Schedule1F1B with the older
-version swapped in by `swap_in` / `restore` above, flushed between steps: 2BW's numbers with
-1F1B's timing, which is how the cost model prices those layouts. Both apply the same rule, so
-both match the reference, and a checkpoint of one resumes under the other.
+(planner/plan.py `flush_free_blocker`: one stage module per rank, parameters plain or TP/EP
+DTensors, with or without SP, ZeRO 0), `train_flush_free` runs the whole run as one pipeline
+that never flushes (`flush_free_actions`: step t + 1's forwards start while step t's backwards
+drain), each weight version its own set of parameter tensors (`WeightVersions`): the
+bubble-free steady state the cost model prices (planner/cost/schedules.py). Elsewhere (FSDP2
+owns the parameters, or CP, virtual stages, replicas) a step runs its batch as torch's
+Schedule1F1B with the older version swapped in by `swap_in` / `restore` above, flushed between
+steps: 2BW's numbers with 1F1B's timing, which is how the cost model prices those layouts.
+Both apply the same rule, so both match the reference, and a checkpoint of one resumes under
+the other.
 
 Frozen parameters (requires_grad False) never change, so they get no stash. The memory cost
 is one copy of the trained weights per rank (planner/cost/memory.py `stashed_weight_bytes`)

@@ -110,3 +110,33 @@ def test_flush_free_2bw_with_a_tied_head_and_clipping(write_model, tmp_path):
 def test_flush_free_2bw_resumes_with_both_versions(tmp_path):
     """3 steps flush-free under pp2 saved, 3 resumed flushed under dp2 (ZeRO-3): the reference's 6."""
     check_resume_matches_reference(make_2bw_plan(pp=2), make_2bw_plan(dp=2, zero=3, m=2), tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_solved_2bw_plan_with_sequence_parallelism_runs_flush_free(tmp_path):
+    """A solver plan (pp2 x tp2 with SP, the unmodified llama example): the stages send sequence-
+    sharded activations, whose shapes the first message's header carries (runtime/pp_p2p.py)."""
+    from planner.cluster import make_cluster
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+    from tests.conftest import EXAMPLES
+    from tests.runtime_plans import LLAMA_ARGS
+
+    profile = profile_model(str(EXAMPLES / "llama.py"), LLAMA_ARGS, [2], device="cpu", repeats=1)
+    pins = Pins(pp=2, tp=2, dp=1, sequence_parallel=True, schedule="pipedream-2bw", micro_batch_size=2)
+    plan = solve(profile, make_cluster(4, gpu="cpu"), 8, pins, allow_async=True)
+    assert plan.layout.sequence_parallel and flush_free_blocker(plan.layout, plan.training) is None
+    check_parity(plan, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_flush_free_2bw_with_expert_parallelism(tmp_path):
+    """Experts over ep2 inside each stage of pp2 x dp2: the all-to-alls run inside the actions,
+    in the same order on every rank of a stage; the expert gradients reduce over expert-dp."""
+    from tests.test_runtime_ep import moe_plan
+
+    plan = moe_plan(ep=2, pp=2, dp=2, m=4, schedule="pipedream-2bw")
+    assert flush_free_blocker(plan.layout, plan.training) is None
+    check_parity(plan, tmp_path)
