@@ -87,6 +87,22 @@ def _alternative(e: Evaluation, winner: Evaluation) -> Alternative:
     )
 
 
+def _memory_terms_bytes(best: Evaluation, cluster: Cluster, memory_fraction: float) -> list[dict[str, int]] | None:
+    """The plan's `Prediction.memory_terms_bytes`: the search's terms per stage (planner/solver/
+    search.py `memory_terms`), rounded so that all but fragmentation sum to the stage's peak, and
+    the fragmentation allowance: the share of the GPU the search keeps free (`memory_fraction`),
+    none on CPU, where a run's measured peak counts tensors only (planner/cost/memory.py)."""
+    if not best.memory_terms:
+        return None
+    allowance = 0 if cluster.gpu.name == "cpu" else int(cluster.gpu.memory_bytes * (1 - memory_fraction))
+    out = []
+    for terms, peak in zip(best.memory_terms, best.peak_memory_bytes, strict=True):
+        rounded = {name: int(round(v)) for name, v in terms.items()}
+        rounded["activations"] += int(peak) - sum(rounded.values())  # rounding only: the terms sum to the peak
+        out.append({**rounded, "fragmentation": allowance})
+    return out
+
+
 def _mixed(e: Evaluation) -> bool:
     """Whether some stage of `e` runs more than one recomputation mode."""
     return any(len(set(modes)) > 1 for modes in e.unit_recompute)
@@ -134,6 +150,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         mfu_fp8=_mfu_fp8(best, table, cluster, t) if result.costs.float8 else None,
         bubble_fraction=best.bubble_fraction,
         peak_memory_bytes=[int(m) for m in best.peak_memory_bytes],
+        memory_terms_bytes=_memory_terms_bytes(best, cluster, result.memory_fraction),
         stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s, strict=False)],
         breakdown_s=best.breakdown_s,
         overlap=list(best.overlap),

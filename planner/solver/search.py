@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.cost.memory import model_state_bytes
+from planner.cost.memory import ModelStateBytes, model_state_bytes
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
 from planner.cost.schedules import in_flight_microbatches, iteration_time_s
@@ -153,6 +153,8 @@ class Evaluation:
     """Activations cross the cuts as TP slices (`scatter_gather`)."""
     overlap: tuple[str, ...] = ()
     """Communication the price assumes hidden behind compute (planner/cost/overlap.py names)."""
+    memory_terms: tuple = ()
+    """Per stage, `peak_memory_bytes` by term ({name: bytes}, `memory_terms`): they sum to it."""
 
 
 @dataclass(frozen=True)
@@ -221,25 +223,45 @@ def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
 def state_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
     """Model states per unit and GPU: dense parameters under ZeRO over dp, experts' over
     expert-dp (`model_state_bytes` is linear in the parameters, so this is vectorised)."""
-    states = gpu_state_bytes(table.dense_parameters(), cfg, env, table.frozen_parameters)
+    return state_parts(table, cfg, env).total
+
+
+def state_parts(table: UnitCostTable, cfg: Config, env: Environment) -> ModelStateBytes:
+    """`state_bytes` by kind (weights, gradients, optimizer state), per unit."""
+    states = gpu_state_parts(table.dense_parameters(), cfg, env, table.frozen_parameters)
     if table.expert_parameters is None:
         return states
-    return states + model_state_bytes(table.expert_parameters, env.dtype, cfg.zero_stage, cfg.expert_dp).total
+    return _add(states, model_state_bytes(table.expert_parameters, env.dtype, cfg.zero_stage, cfg.expert_dp))
 
 
 def gpu_state_bytes(num_parameters, cfg: Config, env: Environment, frozen=None):
     """Dense model states on the GPU: ZeRO over `zero_dp`, less what offload keeps on the host;
     `frozen` of the parameters hold weights only (no gradient, no optimizer state)."""
+    return gpu_state_parts(num_parameters, cfg, env, frozen).total
+
+
+def gpu_state_parts(num_parameters, cfg: Config, env: Environment, frozen=None) -> ModelStateBytes:
+    """`gpu_state_bytes` by kind (weights, gradients, optimizer state)."""
     trained = num_parameters if frozen is None else num_parameters - frozen
-    states = model_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp).total
+    states = model_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp)
     if frozen is not None:
-        states = states + model_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp).weights
+        states = _add(states, _weights_only(model_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp)))
     if not cfg.offload:
         return states
-    states = states - offloaded_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp).total
+    states = _add(states, offloaded_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp), -1.0)
     if frozen is not None:
-        states = states - offloaded_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp).weights
+        states = _add(states, _weights_only(offloaded_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp)), -1.0)
     return states
+
+
+def _weights_only(states: ModelStateBytes) -> ModelStateBytes:
+    """Frozen parameters' states: their weights, no gradient, no optimizer state."""
+    return ModelStateBytes(weights=states.weights, gradients=0.0 * states.weights, optimizer=0.0 * states.weights)
+
+
+def _add(a: ModelStateBytes, b: ModelStateBytes, sign: float = 1.0) -> ModelStateBytes:
+    return ModelStateBytes(weights=a.weights + sign * b.weights, gradients=a.gradients + sign * b.gradients,
+                           optimizer=a.optimizer + sign * b.optimizer)
 
 
 def updated_parameters(table: UnitCostTable, cfg: Config, start: int, end: int) -> float:
@@ -501,6 +523,37 @@ def _range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, end
     return prefix[modes, ends] - prefix[modes, starts]
 
 
+def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
+                 held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
+                 communication: np.ndarray) -> tuple[dict[str, float], ...]:
+    """Per stage [starts[k], ends[k]), the terms of `_price`'s memory by name (planner/cost/memory.py
+    `StageMemory.terms`): the model states split into parameters, gradients and optimizer state
+    (the stage's units and its tied copies, ZeRO and offload applied), PipeDream-2BW's stashed
+    weights (what `held` holds beyond them, `stage_arrays`), the activations of the micro-batches
+    in flight, full recomputation's transient, and the communication buffers (a cut's activation
+    and its gradient). They sum to the stage's memory exactly."""
+    key = ("state_parts", id(table), cfg.tp, cfg.sequence_parallel, cfg.ep, cfg.zero_stage, cfg.dp, cfg.shard_degree,
+           cfg.offload)
+    held_parts = env.memo.get(key)
+    if held_parts is None:
+        parts = state_parts(table, cfg, env)
+        held_parts = env.memo[key] = (table, [np.broadcast_to(np.asarray(a, dtype=float), table.parameters.shape)
+                                              for a in (parts.weights, parts.gradients, parts.optimizer)])
+    zeros = np.zeros(len(starts), dtype=int)
+    weights, gradients, optimizer = (_range_sums(a[None], zeros, starts, ends) for a in held_parts[1])
+    copy = gpu_state_parts(copies, cfg, env)
+    stashed = held - (weights + gradients + optimizer)
+    out = []
+    for k in range(len(starts)):
+        terms = {"parameters": float(weights[k] + copy.weights[k]), "gradients": float(gradients[k] + copy.gradients[k]),
+                 "optimizer_state": float(optimizer[k] + copy.optimizer[k]), "activations": float(activations[k]),
+                 "transient": float(transient[k]), "communication": float(communication[k])}
+        if cfg.schedule == "pipedream-2bw":
+            terms["stashed_weights"] = float(stashed[k])
+        out.append(terms)
+    return tuple(out)
+
+
 def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, first, states, zero, p2p, hops) -> Evaluation:
     """The iteration time and its breakdown for cuts `bounds` with `stage_modes[k][u]`, the mode
     index (into env.allowed_recompute) of stage k's u-th unit. Sums per unit as the cost table
@@ -534,6 +587,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
     memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1]
+    terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient,
+                         2 * table.cut_bytes[ends - 1])
     half_p2p = p2p[ends - 1] / 2
     fwd = (forward + half_p2p).tolist()
     bwd = np.maximum(total - forward - half_p2p, 0.0).tolist()  # a unit without backward (rotary) can round below 0
@@ -603,6 +658,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         stage_forward_s=tuple(fwd),
         stage_backward_s=tuple(bwd),
         peak_memory_bytes=tuple(mem),
+        memory_terms=terms,
         breakdown_s={
             "compute": compute,
             "tp_comm": tp_comm,

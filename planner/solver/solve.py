@@ -402,6 +402,8 @@ class SearchResult:
     phase_times_s: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the search: `intra_op` (TP ILPs and per-unit cost tables), `bounds`,
     `inter_op` (the DPs over stage cuts and the pricing of their cuts)."""
+    memory_fraction: float = MEMORY_FRACTION
+    """Share of each GPU's memory the tensors may fill; the rest is the fragmentation allowance."""
 
 
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
@@ -492,7 +494,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
               {k: round(v, 3) for k, v in phases.items()})
     ranked.sort(key=lambda e: e.iteration_time_s)
     return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs,
-                        candidates=len(configs), pruned_by_time=len(fitting) - evaluated, phase_times_s=phases)
+                        candidates=len(configs), pruned_by_time=len(fitting) - evaluated, phase_times_s=phases,
+                        memory_fraction=memory_fraction)
 
 
 def check_float8(cluster: Cluster, dtype: str) -> None:
