@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -13,6 +14,9 @@ EXAMPLES = ROOT / "examples"
 
 # Spawned ranks and the test process itself stay on one thread each: the machine has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Solved tensor-parallel ILPs are kept on disk (planner/solver/intra_op.py `CACHE_ENV`): the tests
+# keep theirs in a folder of this session, so a run never reads answers a previous one stored.
+os.environ.setdefault("PLANNER_CACHE_DIR", tempfile.mkdtemp(prefix="planner-cache-"))
 
 
 @pytest.fixture

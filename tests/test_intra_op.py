@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -129,3 +130,36 @@ def test_ilp_matches_brute_force(gpt_block, bandwidth, flops, sp):
     problem = IntraOpProblem(ops, 2, 2, 1 / flops, Ring(2, bandwidth), sequence_parallel=sp)
     sol = solve_intra_op(problem)
     assert sol.compute_time_s + sol.comm_time_s == pytest.approx(_brute_force(problem), rel=1e-6)
+
+
+# --- the solved ILPs kept on disk (planner/solver/intra_op.py `_cache_path`) ---------------------
+
+def test_a_solved_ilp_is_read_back_from_the_cache(gpt_block, tmp_path, monkeypatch):
+    import planner.solver.intra_op as intra_op
+
+    monkeypatch.setenv(intra_op.CACHE_ENV, str(tmp_path))
+    ops, _ = gpt_block
+    problem = _problem(ops, 4)
+    first = solve_intra_op(problem)
+    (stored,) = (tmp_path / "intra_op").iterdir()
+    solved = []
+    real = intra_op._solve_ilp
+    monkeypatch.setattr(intra_op, "_solve_ilp", lambda *a: solved.append(a) or real(*a))
+    assert solve_intra_op(problem) == first and not solved  # read back, not solved again
+    # Other collective times are another problem: solved, and kept beside the first.
+    slower = IntraOpProblem(ops, 4, 2, 1 / 250e12, Ring(4, bandwidth=1e9))
+    solve_intra_op(slower)
+    assert len(solved) == 1 and len(list((tmp_path / "intra_op").iterdir())) == 2
+    # A damaged file is ignored: the ILP is solved again and the file rewritten.
+    stored.write_text("{not json")
+    assert solve_intra_op(problem) == first and len(solved) == 2
+    assert json.loads(stored.read_text()) == first.strategies
+
+
+def test_an_empty_cache_variable_turns_the_cache_off(gpt_block, monkeypatch):
+    import planner.solver.intra_op as intra_op
+
+    monkeypatch.setenv(intra_op.CACHE_ENV, "")
+    ops, _ = gpt_block
+    problem = _problem(ops, 2)
+    assert intra_op._cache_path(problem, intra_op._build_graph(problem)) is None

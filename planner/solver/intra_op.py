@@ -68,8 +68,13 @@ sizes.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import pulp
@@ -363,11 +368,77 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str]) -> IntraOpSolu
 
 
 def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
-    """Build and solve the ILP of the module docstring; raise if the memory bound cannot be met."""
+    """Build and solve the ILP of the module docstring; raise if the memory bound cannot be met.
+    An optimal answer is kept on disk (`_cached`): a later solve of the same problem (the next
+    "what if" on the same model and GPU) reads it instead of building and solving the ILP."""
     graph = _build_graph(problem)
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     if all(len(s) == 1 for s in free.values()):
         return evaluate(problem, {v: next(iter(s)) for v, s in free.items()})
+    cache = _cache_path(problem, graph)
+    chosen = _cached(cache, free)
+    if chosen is None:
+        chosen = _solve_ilp(problem, graph, free)
+        _store(cache, chosen)
+    return evaluate(problem, chosen)
+
+
+CACHE_ENV = "PLANNER_CACHE_DIR"
+"""Where solved ILPs are kept: this variable's folder, else $XDG_CACHE_HOME/torch-planner
+(~/.cache/torch-planner); an empty value turns the cache off."""
+
+
+def _cache_path(problem: IntraOpProblem, graph: _Graph) -> Path | None:
+    """The file of this problem's answer: named by a hash of the problem (its ops, shapes, TP
+    degree, GPU speed, memory limit) with the collectives as the times they give (at the sizes
+    of the graph's tensors and at powers of 4 from 1 B to 1 TiB: a collective model is a
+    function, and its object has no stable text), and of this file's source and pulp's version
+    (a changed formulation or solver is a different answer)."""
+    folder = os.environ.get(CACHE_ENV)
+    if folder == "":
+        return None
+    root = Path(folder) if folder else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torch-planner"
+    coll = problem.collectives
+    sizes = sorted({*graph.nbytes.values(), *(4.0 ** k for k in range(21))})
+    times = [(f(n) for f in (coll.all_reduce_s, coll.all_gather_s, coll.reduce_scatter_s, coll.all_to_all_s))
+             for n in sizes]
+    text = repr(dataclasses.replace(problem, collectives=None)) + repr([tuple(t) for t in times])
+    key = hashlib.sha256(text.encode() + _SOURCE_DIGEST + pulp.__version__.encode()).hexdigest()
+    return root / "intra_op" / f"{key}.json"
+
+
+_SOURCE_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).digest()
+
+
+def _cached(path: Path | None, free: dict) -> dict[str, str] | None:
+    """The stored strategies, if present and still a choice for every free node (else None: solve)."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        chosen = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(chosen, dict) or set(chosen) != set(free) or any(chosen[v] not in free[v] for v in free):
+        return None
+    return chosen
+
+
+def _store(path: Path | None, chosen: dict[str, str]) -> None:
+    """Write the answer atomically (rename); a cache that cannot be written is skipped silently:
+    it saves time, it is never needed."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(chosen, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def _solve_ilp(problem: IntraOpProblem, graph: _Graph, free: dict) -> dict[str, str]:
+    """The ILP of the module docstring, solved by CBC: the chosen strategy per free node."""
     by_name = {op.name: op for op in problem.ops}
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     # x[v, s]: node v uses strategy s (1) or not (0).
@@ -394,8 +465,7 @@ def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
             f"constraint {' and '.join(named) or 'one_strategy'} cannot be met.",
             "Raise the memory available per GPU or the TP degree.",
         )
-    chosen = {v: s for (v, s), var in x.items() if var.value() > 0.5}
-    return evaluate(problem, chosen)
+    return {v: s for (v, s), var in x.items() if var.value() > 0.5}
 
 
 def _add_one_strategy(model, x, free) -> None:
