@@ -402,7 +402,8 @@ def _cache_path(problem: IntraOpProblem, graph: _Graph) -> Path | None:
     sizes = sorted({*graph.nbytes.values(), *(4.0 ** k for k in range(21))})
     times = [(f(n) for f in (coll.all_reduce_s, coll.all_gather_s, coll.reduce_scatter_s, coll.all_to_all_s))
              for n in sizes]
-    text = repr(dataclasses.replace(problem, collectives=None)) + repr([tuple(t) for t in times])
+    fields = [(f.name, getattr(problem, f.name)) for f in dataclasses.fields(problem) if f.name != "collectives"]
+    text = repr(fields) + repr([tuple(t) for t in times])
     key = hashlib.sha256(text.encode() + _SOURCE_DIGEST + pulp.__version__.encode()).hexdigest()
     return root / "intra_op" / f"{key}.json"
 
