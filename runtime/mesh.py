@@ -101,3 +101,17 @@ def build_replica_groups(stage_replicas: list[int]) -> list[object]:
         groups.append(dist.new_group(ranks) if replicas > 1 else None)
         first += replicas
     return groups
+
+
+def build_replicated_tie_groups(stage_replicas: list[int], stages_per_tie: list[tuple[int, ...]]) -> list[object]:
+    """Per weight tied across the stages of a replicated pipeline (runtime/pp_replicated.py): the
+    process group of every replica of every stage holding a copy (`stages_per_tie`), which sums
+    the copies' gradients in one all-reduce; None where this rank holds no copy. Every rank
+    creates every group (`new_group` is collective over the world), in tie order."""
+    firsts = [sum(stage_replicas[:s]) for s in range(len(stage_replicas))]
+    me, out = dist.get_rank(), []
+    for stages in stages_per_tie:
+        ranks = [r for s in stages for r in range(firsts[s], firsts[s] + stage_replicas[s])]
+        group = dist.new_group(ranks)
+        out.append(group if me in ranks else None)
+    return out

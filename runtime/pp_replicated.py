@@ -35,11 +35,35 @@ Gradient scale. Each micro-batch's loss is divided by M (micro-batches per step)
 backward, so a replica accumulates sum over its micro-batches of grad(loss_i) / M; summing over
 the stage's replicas covers every micro-batch once: the gradient of the mean loss over the
 global batch, the one-process reference's (equal micro-batches, mean-reduced loss).
+
+Weights tied across stages (runtime/pp_split.py `cross_stage_ties`: a head tied to the token
+embedding, cut apart) are held as a copy per stage, as runtime/train.py holds them. Each copy's
+gradient must be the sum over every micro-batch of every use, on every replica of every stage
+holding one, so that all copies take the same step. One all-reduce per tie, in the group of all
+the replicas of those stages (runtime/mesh.py `build_replicated_tie_groups`), sums each rank's
+own micro-batches' gradient; the replica all-reduce skips tied copies, so nothing is counted
+twice. Clipping (`training.grad_clip`) takes the global norm as runtime/grad_clip.py does:
+squared norms summed over the world, to which only replica 0 of each stage contributes, a tie
+counted on its first stage (`uncounted`); every rank then applies the same scale. Checkpoints
+are runtime/checkpoint.py's (DCP, keyed by parameter name): the replicas of a stage save the
+same keys with equal values, which DCP's save planner writes once (`dedup_save_plans`), so a
+replicated run resumes under a plain pipeline and the reverse.
+
+Collective order. After the step's last backward (its p2p sends waited) every rank runs, in
+this order: its stage's replica all-reduces (parameter order of the stage module, the same on
+every replica), the tie all-reduces (tie order, on every rank of the stages holding each tie),
+the clipping norm's all-reduce over the world. A rank joins a group only with ranks that reach
+the same point in that sequence (replicas of one stage run the same sequence; stages share a
+tie group only after each finished its replica all-reduces, which involve no other stage), so
+every collective is matched and none waits on a rank blocked in another group. The loss
+all-reduce, the checkpoint's barriers and DCP's collectives and the report's gathers come after
+the last step, on every rank.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,10 +72,12 @@ from torch import nn
 
 from planner.errors import PlannerError
 from planner.plan import Plan, stage_ranks
+from runtime import checkpoint
 from runtime.build import build_meta_model, init_mode, materialize
+from runtime.grad_clip import clip_grad_norm
 from runtime.metrics import RunResult, StageTimer, build_metrics, merge_stage_times, peak_memory, synchronize
 from runtime.pp_flow import CutLayout, trace_layout
-from runtime.pp_split import check_splittable, cross_stage_ties, make_stage, restore_output, stage_spec
+from runtime.pp_split import CrossStageTie, check_splittable, cross_stage_ties, make_stage, restore_output, stage_spec
 from runtime.recompute import apply_unit_recompute
 
 
@@ -81,17 +107,9 @@ def actions(plan: Plan, stage: int, replica: int) -> list[tuple[str, int]]:
     return [(kind, i) for _, _, kind, i in sorted(keyed)]
 
 
-def check_replicated(plan: Plan, meta: nn.Module, checkpoint_dir: str | None = None) -> None:
+def check_replicated(plan: Plan, meta: nn.Module) -> None:
     """Refuse what this executor does not run, before any process group exists."""
     check_splittable(meta, plan)
-    if cross_stage_ties(meta, plan):
-        raise PlannerError("Stage replication with a weight tied across stages is not supported (the copies' gradients "
-                           "would have to be summed over the replicas of several stages).",
-                           "Put the tied units in one stage, or drop stage_replicas.")
-    if checkpoint_dir:
-        raise PlannerError("Stage replication does not save checkpoints yet.", "Drop --checkpoint-dir.")
-    if plan.training.grad_clip:
-        raise PlannerError("Stage replication does not clip gradients yet.", "Set training.grad_clip to null.")
 
 
 class ReplicatedStage:
@@ -192,37 +210,93 @@ def run_step(stage: ReplicatedStage, plan: Plan, replica: int, inputs: tuple, ta
     return loss
 
 
-def sum_replica_gradients(module: nn.Module, group) -> None:
-    """Sum the trained parameters' gradients over the stage's replicas (module docstring, scale)."""
-    if group is None:
-        return
-    for p in module.parameters():
-        if p.requires_grad:
-            if p.grad is None:  # a replica whose micro-batches never reached p still joins the sum
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+def _all_reduce_grad(p: nn.Parameter, group) -> None:
+    if p.grad is None:  # a replica whose micro-batches never reached p still joins the sum
+        p.grad = torch.zeros_like(p)
+    dist.all_reduce(p.grad, group=group)
 
 
-def train_replicated(plan: Plan, mf, settings, device: torch.device) -> RunResult:
-    """`runtime.train` for a plan with `stage_replicas` (every rank, under torchrun)."""
-    from runtime.mesh import build_replica_groups
-    from runtime.train import _autocast, _fp32, _full_parameters, _gather, _local_batch, make_optimizer, meta_inputs
+def sum_replica_gradients(module: nn.Module, group, tied: list[tuple[nn.Parameter, Any]] | None = None) -> None:
+    """Sum the trained parameters' gradients over the stage's replicas, then each tied copy's
+    over every replica of the stages holding its tie (`tied`: (copy, that group)), so every
+    micro-batch's gradient counts once (module docstring: scale, ties, collective order)."""
+    tied = tied or []
+    skip = {id(p) for p, _ in tied}
+    if group is not None:
+        for p in module.parameters():
+            if p.requires_grad and id(p) not in skip:
+                _all_reduce_grad(p, group)
+    for p, tie_group in tied:
+        if p.requires_grad:  # a frozen tied weight (every copy alike) takes no step
+            _all_reduce_grad(p, tie_group)
 
-    if plan.layout.world_size != dist.get_world_size():
-        raise PlannerError(f"The plan needs {plan.layout.world_size} ranks; {dist.get_world_size()} were started.",
-                           "Launch with `planner run`, which starts the plan's world size.")
+
+def clip_replicated(module: nn.Module, max_norm: float, replica: int, tie_uncounted: list[nn.Parameter]) -> torch.Tensor:
+    """runtime/grad_clip.py's global norm over the world, each parameter counted once: replica 0
+    of each stage counts its stage (tied copies on their first stage only); others count nothing.
+    Returns the norm before clipping (the same on every rank)."""
+    uncounted = list(module.parameters()) if replica != 0 else tie_uncounted
+    return clip_grad_norm([module], max_norm, dist.group.WORLD, uncounted)
+
+
+@dataclass
+class ReplicaModel:
+    """This rank's stage of a replicated pipeline and what its steps reduce over."""
+
+    stage: ReplicatedStage
+    """The stage module and its p2p with the neighbouring stages' replicas."""
+    replica: int
+    """This rank's replica index in its stage (0 reports the parameters and counts the norm)."""
+    optimizer: torch.optim.Optimizer | None
+    """AdamW over the stage's trained parameters; None when it has none."""
+    replica_group: Any
+    """The stage's replicas (runtime/mesh.py `build_replica_groups`); None for a stage of one rank."""
+    ties: list[CrossStageTie]
+    """Weights tied across stages (runtime/pp_split.py), each held as a copy per stage."""
+    tied: list[tuple[CrossStageTie, nn.Parameter, Any]]
+    """This rank's tied copies: (tie, copy, the group of every replica of the tie's stages)."""
+
+    def uncounted(self) -> list[nn.Parameter]:
+        """Tied copies other than on each tie's first stage: the norm counts them there."""
+        return [p for t, p, _ in self.tied if self.stage.stage != t.stages[0]]
+
+
+def build_replica_model(plan: Plan, mf, settings, device: torch.device) -> ReplicaModel:
+    """This rank's stage module, materialised (the reference's values), recompute-wrapped and
+    with its optimizer, and the replica and tie groups (every rank creates every group)."""
+    from runtime.mesh import build_replica_groups, build_replicated_tie_groups
+    from runtime.train import _autocast, _fp32, make_optimizer, meta_inputs
+
     meta = build_meta_model(mf)
-    check_replicated(plan, meta, settings.checkpoint_dir)
+    check_replicated(plan, meta)
     stage_index, replica = stage_and_replica(plan, dist.get_rank())
-    groups = build_replica_groups(plan.layout.stage_replicas or [])
+    replicas = plan.layout.stage_replicas or []
+    groups = build_replica_groups(replicas)
+    ties = cross_stage_ties(meta, plan)
+    tie_groups = build_replicated_tie_groups(replicas, [t.stages for t in ties])
     layout = trace_layout(meta, plan, meta_inputs(mf, plan.batch.micro_batch_size))
     module = make_stage(meta, layout, stage_index, meta_inputs(mf, plan.batch.micro_batch_size),
                         forward_context=lambda: _autocast(plan, device))
     materialize(module, settings.seed, device, init_mode(meta), mf)
-    modes: dict[str, str] = dict(plan.stages[stage_index].unit_modes())
-    apply_unit_recompute(module, modes)  # per unit, as runtime/train.py does
+    apply_unit_recompute(module, dict(plan.stages[stage_index].unit_modes()))  # per unit, as runtime/train.py does
+    tied = [(t, p, group) for t, group in zip(ties, tie_groups, strict=True) for _, p in t.copies([(stage_index, module)])]
     optimizer = make_optimizer(module, settings.lr, plan.training.weight_decay)
     stage = ReplicatedStage(plan, module, layout, stage_index, device, lambda out, tgt: mf.loss(_fp32(out), tgt))
+    return ReplicaModel(stage, replica, optimizer, groups[stage_index], ties, tied)
+
+
+def train_replicated(plan: Plan, mf, settings, device: torch.device) -> RunResult:
+    """`runtime.train` for a plan with `stage_replicas` (every rank, under torchrun)."""
+    from runtime.train import _check_tied_resume, _full_parameters, _gather, _local_batch
+
+    if plan.layout.world_size != dist.get_world_size():
+        raise PlannerError(f"The plan needs {plan.layout.world_size} ranks; {dist.get_world_size()} were started.",
+                           "Launch with `planner run`, which starts the plan's world size.")
+    model = build_replica_model(plan, mf, settings, device)
+    module, optimizer = model.stage.module, model.optimizer
+    if settings.resume_from:
+        _check_tied_resume(settings.resume_from, model.ties)
+        checkpoint.load(settings.resume_from, [module], [optimizer])
     timer = StageTimer(device)
     reports, times = [], []
     for step in range(settings.first_step, settings.first_step + settings.steps):
@@ -231,15 +305,21 @@ def train_replicated(plan: Plan, mf, settings, device: torch.device) -> RunResul
         start = time.perf_counter()
         if optimizer is not None:
             optimizer.zero_grad()
-        reports.append(run_step(stage, plan, replica, inputs, targets, timer))
-        sum_replica_gradients(module, groups[stage_index])
+        reports.append(run_step(model.stage, plan, model.replica, inputs, targets, timer))
+        sum_replica_gradients(module, model.replica_group, [(p, g) for _, p, g in model.tied])
+        if plan.training.grad_clip:
+            clip_replicated(module, plan.training.grad_clip, model.replica, model.uncounted())
         if optimizer is not None:
             optimizer.step()
         synchronize(device)
         times.append(time.perf_counter() - start)
     total = torch.stack(reports) if reports else torch.zeros(0, device=device)
     dist.all_reduce(total)  # the last stage's replicas hold the loss / M of their micro-batches: the sum is the mean
-    params = _full_parameters([module], keep=replica == 0)
+    if settings.checkpoint_dir:
+        checkpoint.save(settings.checkpoint_dir, [module], [optimizer], settings.first_step + settings.steps,
+                        settings.fingerprint, resumed_from=settings.resume_from)
+    aliases = {name: t.names[0] for t in model.ties for name in t.names}  # a tied copy under the reference's name
+    params = _full_parameters([module], keep=model.replica == 0, aliases=aliases)
     peaks, stage_times = _gather(peak_memory()), _gather(timer.summary())
     dist.barrier()  # every rank past its last collective before any tears the group down
     return build_metrics(plan, total.tolist(), times, peaks, merge_stage_times(stage_times), params,
