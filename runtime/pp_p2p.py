@@ -13,8 +13,9 @@ the input gradients back; `dist.isend` / `dist.irecv` (gloo on CPU, NCCL on GPU)
 Shapes. A tensor crossing a cut has one shape and dtype for every micro-batch (static shapes),
 but not always the trace's: tensor parallelism with sequence parallelism, autocast, or glue
 that branches on values change them. So, as torch's stages do with their first step's
-metadata inference, the first activation sent under each key goes with a header (its dtype and
-shape); the receiver keeps it for every later micro-batch. Gradients have the shapes and
+metadata inference, the first activation sent under each key to each peer goes with a header
+(its dtype and shape); the receiver keeps it for every later micro-batch from that peer (a
+replicated stage hears from several). Gradients have the shapes and
 dtypes of the activations they belong to, which the receiving stage produced itself.
 
 Order. Sends never block (waited for in `finish`); between two ranks, the messages in one
@@ -55,10 +56,10 @@ class P2PStage:
         self.last = stage == num_stages - 1
         spec = stage_spec(module)
         self.in_keys, self.out_keys = spec.in_keys, spec.out_keys
-        self._received: dict[Any, tuple[torch.dtype, tuple[int, ...]]] = {}
-        """Dtype and shape of each input key, from its first header."""
-        self._headed: set = set()
-        """Output keys whose header was sent."""
+        self._received: dict[tuple[Any, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        """Dtype and shape of each (input key, source rank), from its first header."""
+        self._headed: set[tuple[Any, int]] = set()
+        """(Output key, destination rank) pairs whose header was sent."""
         self._pending: list = []
         self._inputs: dict[int, tuple] = {}
         self._outputs: dict[int, Any] = {}
@@ -73,10 +74,10 @@ class P2PStage:
     def _recv_activations(self, src: int) -> list[torch.Tensor]:
         out = []
         for key in self.in_keys:
-            if key not in self._received:
+            if (key, src) not in self._received:
                 header = self._irecv(torch.empty(HEADER, dtype=torch.int64, device=self.device), src).tolist()
-                self._received[key] = (DTYPES[header[0]], tuple(header[2:2 + header[1]]))
-            dtype, shape = self._received[key]
+                self._received[key, src] = (DTYPES[header[0]], tuple(header[2:2 + header[1]]))
+            dtype, shape = self._received[key, src]
             out.append(self._irecv(torch.empty(shape, dtype=dtype, device=self.device), src))
         return out
 
@@ -86,14 +87,14 @@ class P2PStage:
 
     def _send_activations(self, output, dst: int) -> None:
         for key, t in zip(self.out_keys, output, strict=True):
-            if key not in self._headed:
+            if (key, dst) not in self._headed:
                 if t.dim() > HEADER - 2 or t.dtype not in DTYPES:
                     raise TypeError(f"Stage {self.stage} sends {key} as {t.dtype} {tuple(t.shape)}: a header names "
                                     f"up to {HEADER - 2} dimensions of {DTYPES}.")
                 sizes = list(t.shape) + [0] * (HEADER - 2 - t.dim())
                 self._send(torch.tensor([DTYPES.index(t.dtype), t.dim(), *sizes], dtype=torch.int64,
                                         device=self.device), dst)
-                self._headed.add(key)
+                self._headed.add((key, dst))
             self._send(t, dst)
 
     def forward(self, microbatch: int, inputs: tuple, targets) -> torch.Tensor | None:

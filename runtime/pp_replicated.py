@@ -11,9 +11,10 @@ Why not torch.distributed.pipelining: its stages hold one rank per stage of a pi
 (`PipelineStage(..., group=pp_group)`, a stage's peers are fixed ranks `stage_index -/+ 1`),
 and its schedules send every micro-batch to the same peer, so a stage that fans out to a
 different replica per micro-batch cannot be expressed. The executor here is written in its
-style: a schedule is per-rank lists of actions (`actions`: ("F", i) / ("B", i)), stage
-modules are the same `make_stage` products (runtime/pp_split.py, the model's own forward
-replayed per stage), p2p is `dist.isend` / `dist.irecv` (gloo on CPU, NCCL on GPU).
+style: a schedule is per-rank lists of actions (`actions`: ("F", i) / ("B", i)) run by a
+`P2PStage` (runtime/pp_p2p.py: the same `make_stage` module torch's stages run, its messages
+`dist.isend` / `dist.irecv`, gloo on CPU, NCCL on GPU) whose peers are the replicas of the
+neighbouring stages that run each micro-batch (`peer`).
 
 Order and deadlock freedom. Sends never block (isend, waited at the end of the step); a rank
 blocks only on a receive, and between two ranks the messages of one direction are of one kind
@@ -76,8 +77,9 @@ from runtime import checkpoint
 from runtime.build import build_meta_model, init_mode, materialize
 from runtime.grad_clip import clip_grad_norm
 from runtime.metrics import RunResult, StageTimer, build_metrics, merge_stage_times, peak_memory, synchronize
-from runtime.pp_flow import CutLayout, trace_layout
-from runtime.pp_split import CrossStageTie, check_splittable, cross_stage_ties, make_stage, restore_output, stage_spec
+from runtime.pp_flow import trace_layout
+from runtime.pp_p2p import P2PStage
+from runtime.pp_split import CrossStageTie, check_splittable, cross_stage_ties, make_stage
 from runtime.recompute import apply_unit_recompute
 
 
@@ -112,86 +114,7 @@ def check_replicated(plan: Plan, meta: nn.Module) -> None:
     check_splittable(meta, plan)
 
 
-class ReplicatedStage:
-    """One rank's stage module and its p2p with the replicas of the neighbouring stages."""
-
-    def __init__(self, plan: Plan, module: nn.Module, layout: CutLayout, stage: int, device: torch.device, loss_fn):
-        self.plan, self.module, self.layout, self.stage, self.device = plan, module, layout, stage, device
-        self.loss_fn = loss_fn
-        self.last = stage == len(plan.stages) - 1
-        spec = stage_spec(module)
-        self.in_keys, self.out_keys = spec.in_keys, spec.out_keys
-        self._pending: list = []
-        self._inputs: dict[int, tuple] = {}
-        self._outputs: dict[int, Any] = {}
-        """Per micro-batch in flight: the last stage's scaled loss, else the stage's output tensors."""
-
-    def _recv(self, keys, src: int, grads: bool) -> list[torch.Tensor]:
-        """Tensors of `keys` (shapes and dtypes of the trace) from `src`; gradients only of floating ones."""
-        out = []
-        for key in keys:
-            dtype, shape = self.layout.traced[key]
-            if grads and not dtype.is_floating_point:
-                continue
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            work = dist.irecv(buffer, src)
-            assert work is not None, "irecv without a work handle: this rank is not in the default group"
-            work.wait()
-            out.append(buffer)
-        return out
-
-    def _send(self, tensors, keys, dst: int, grads: bool) -> None:
-        for key, t in zip(keys, tensors, strict=True):
-            dtype, shape = self.layout.traced[key]
-            if grads and not dtype.is_floating_point:
-                continue
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise PlannerError(f"Stage {self.stage} sends {key} as {t.dtype} {tuple(t.shape)}, the trace made it "
-                                   f"{dtype} {tuple(shape)}.", "Run replicated stages in float32 with static shapes.")
-            t = t.detach().contiguous()
-            self._pending.append(dist.isend(t, dst))
-
-    def forward(self, microbatch: int, inputs: tuple, targets) -> torch.Tensor | None:
-        """Forward of `microbatch`; on the last stage its loss / M (for the report), else None."""
-        if self.stage == 0:
-            args = inputs
-        else:
-            received = self._recv(self.in_keys, peer(self.plan, self.stage - 1, microbatch), grads=False)
-            args = tuple(t.requires_grad_(True) if t.is_floating_point() else t for t in received)
-        output = self.module(*args)
-        self._inputs[microbatch] = args
-        if self.last:
-            loss = self.loss_fn(restore_output(self.module, output), targets) / self.plan.batch.num_microbatches
-            self._outputs[microbatch] = loss
-            return loss.detach()
-        self._outputs[microbatch] = output
-        self._send(output, self.out_keys, peer(self.plan, self.stage + 1, microbatch), grads=False)
-        return None
-
-    def backward(self, microbatch: int) -> None:
-        output, args = self._outputs.pop(microbatch), self._inputs.pop(microbatch)
-        if self.last:
-            torch.autograd.backward(output)
-        else:
-            grads = iter(self._recv(self.out_keys, peer(self.plan, self.stage + 1, microbatch), grads=True))
-            pairs = [(t, next(grads)) for t in output if t.is_floating_point()]
-            pairs = [(t, g) for t, g in pairs if t.requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        if self.stage > 0:
-            floats = [t for t in args if t.is_floating_point()]
-            sent = [t.grad if t.grad is not None else torch.zeros_like(t) for t in floats]
-            keys = [k for k, t in zip(self.in_keys, args, strict=True) if t.is_floating_point()]
-            self._send(sent, keys, peer(self.plan, self.stage - 1, microbatch), grads=True)
-
-    def finish(self) -> None:
-        """Wait for this step's sends (their buffers must live until then)."""
-        for work in self._pending:
-            work.wait()
-        self._pending = []
-
-
-def run_step(stage: ReplicatedStage, plan: Plan, replica: int, inputs: tuple, targets, timer: StageTimer) -> torch.Tensor:
+def run_step(stage: P2PStage, plan: Plan, replica: int, inputs: tuple, targets, timer: StageTimer) -> torch.Tensor:
     """One step's forwards and backwards on this rank (`actions`); the sum of its losses / M."""
     from runtime.train import _slice
 
@@ -243,7 +166,7 @@ def clip_replicated(module: nn.Module, max_norm: float, replica: int, tie_uncoun
 class ReplicaModel:
     """This rank's stage of a replicated pipeline and what its steps reduce over."""
 
-    stage: ReplicatedStage
+    stage: P2PStage
     """The stage module and its p2p with the neighbouring stages' replicas."""
     replica: int
     """This rank's replica index in its stage (0 reports the parameters and counts the norm)."""
@@ -281,7 +204,9 @@ def build_replica_model(plan: Plan, mf, settings, device: torch.device) -> Repli
     apply_unit_recompute(module, dict(plan.stages[stage_index].unit_modes()))  # per unit, as runtime/train.py does
     tied = [(t, p, group) for t, group in zip(ties, tie_groups, strict=True) for _, p in t.copies([(stage_index, module)])]
     optimizer = make_optimizer(module, settings.lr, plan.training.weight_decay)
-    stage = ReplicatedStage(plan, module, layout, stage_index, device, lambda out, tgt: mf.loss(_fp32(out), tgt))
+    stage = P2PStage(module, stage_index, len(plan.stages), device, lambda i: peer(plan, stage_index + 1, i),
+                     lambda i: peer(plan, stage_index - 1, i), lambda out, tgt: mf.loss(_fp32(out), tgt),
+                     plan.batch.num_microbatches)
     return ReplicaModel(stage, replica, optimizer, groups[stage_index], ties, tied)
 
 
