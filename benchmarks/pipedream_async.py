@@ -8,8 +8,14 @@ recomputation) left to the search:
 
 - `one_f_one_b_s`: the best plan with the 1F1B schedule (PipeDream-Flush: a bubble of
   (p - 1) / (m + p - 1) of the step);
-- `pipedream_2bw_s`: the best plan with pipedream-2bw (`--allow-async`: no bubble in the
-  steady state, planner/cost/schedules.py), and `speedup` = one_f_one_b_s / pipedream_2bw_s;
+- `pipedream_2bw_s`: the best plan with pipedream-2bw (`--allow-async`), and `speedup` =
+  one_f_one_b_s / pipedream_2bw_s. 2BW is priced as it runs (planner/cost/schedules.py): without
+  a bubble only on the layouts runtime/pp_async.py `train_flush_free` runs, those planner/plan.py
+  `flush_free_blocker` passes (one stage per rank, ZeRO 0, no offload, CP or stage replication,
+  activations not sent as TP slices); elsewhere as the flushed 1F1B it runs as, plus its stashed
+  weights, so it never beats 1F1B there. Here the search picks ZeRO 0 with sequence parallelism
+  (tp 8 spans a node, and without SP the activations would cross nodes as TP slices, which the
+  flush-free executor does not run); `pipedream_2bw_runs` says "flush-free" or why not;
 - `extra_memory_bytes`: on the 2BW plan's configuration, its largest per-stage peak less the
   same configuration's under 1F1B (`price_config`): the stashed weight version
   (planner/cost/memory.py `stashed_weight_bytes`), the stage with the most weights.
@@ -32,6 +38,7 @@ import pandas as pd
 
 from planner.cluster import make_cluster
 from planner.errors import PlannerError
+from planner.plan import flush_free_blocker
 from planner.profiler import profile_model
 from planner.solver.search import Config
 from planner.solver.solve import Pins, price_config, solve
@@ -54,7 +61,8 @@ def _config(plan) -> Config:
 
 def _describe(plan) -> str:
     lay = plan.layout
-    return (f"pp{lay.pp_degree} dp{lay.dp_degree} tp{lay.tp_degree} zero{lay.zero_stage} mbs{plan.batch.micro_batch_size}"
+    return (f"pp{lay.pp_degree} dp{lay.dp_degree} tp{lay.tp_degree}{' sp' if lay.sequence_parallel else ''} "
+            f"zero{lay.zero_stage} mbs{plan.batch.micro_batch_size}"
             f" x {plan.batch.num_microbatches} recompute={'/'.join(sorted({s.recompute for s in plan.stages}))}")
 
 
@@ -76,11 +84,13 @@ def async_row(row) -> dict:
     sync_pred, bw_pred = sync.prediction, bw.prediction
     assert sync_pred is not None and bw_pred is not None  # solved plans carry their prediction
     same_as_1f1b = price_config(profile, cluster, dataclasses.replace(_config(bw), schedule="1f1b"))
+    blocker = flush_free_blocker(bw.layout, bw.training)
     extra = max(a - s for a, s in zip(bw_pred.peak_memory_bytes, same_as_1f1b.peak_memory_bytes, strict=True))
     return {**out,
             "one_f_one_b_s": sync_pred.iteration_time_s, "one_f_one_b_layout": _describe(sync),
             "one_f_one_b_bubble": sync_pred.bubble_fraction,
             "pipedream_2bw_s": bw_pred.iteration_time_s, "pipedream_2bw_layout": _describe(bw),
+            "pipedream_2bw_runs": f"flushed: {blocker}" if blocker else "flush-free",
             "speedup": sync_pred.iteration_time_s / bw_pred.iteration_time_s,
             "extra_memory_bytes": int(extra), "pipedream_2bw_peak_bytes": int(max(bw_pred.peak_memory_bytes)),
             "note": ""}
@@ -99,19 +109,19 @@ def main() -> None:
     frame.to_csv(RESULTS / "pipedream_async.csv", index=False)
     for r in frame.itertuples():
         print(f"{r.model:>11} on {r.gpus} GPUs: 1F1B {r.one_f_one_b_s:.3f} s, 2BW {r.pipedream_2bw_s:.3f} s "
-              f"(x{r.speedup:.3f}), +{r.extra_memory_bytes / 2**30:.2f} GiB per GPU", flush=True)
+              f"(x{r.speedup:.3f}, {r.pipedream_2bw_runs}), +{r.extra_memory_bytes / 2**30:.2f} GiB per GPU", flush=True)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(9, 3.5))
-    labels = [f"{r.model}\n{r.gpus} GPUs, pp{r.pp}" for r in frame.itertuples()]
+    labels = [f"{r.model}\n{r.gpus} GPUs, pp{r.pp}\n2BW {r.pipedream_2bw_runs[:20]}" for r in frame.itertuples()]
     speed.bar(labels, frame["speedup"])
     speed.axhline(1.0, color="grey", linewidth=0.8)
     speed.set_ylabel("1F1B step / 2BW step (predicted)")
     memory.bar(labels, frame["extra_memory_bytes"] / 2**30, color="tab:orange")
-    memory.set_ylabel("2BW's extra GiB per GPU (stashed weights)")
+    memory.set_ylabel("2BW's extra GiB per GPU (stash)")
     for ax in (speed, memory):
         ax.tick_params(axis="x", labelsize=7)
     fig.suptitle("PipeDream-2BW against the best 1F1B plan (A100-80GB, Megatron's GPT shapes; asynchronous)", fontsize=9)

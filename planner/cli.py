@@ -320,6 +320,7 @@ def solve(
     from planner.plan_report import print_plan
     from planner.profile_schema import load_profile
     from planner.solver.plan_builder import device_mismatch
+    from planner.solver.pricing import default_workers
     from planner.solver.solve import Pins
     from planner.solver.solve import solve as solve_plan
 
@@ -342,7 +343,7 @@ def solve(
     with err_console.status("solving"):
         plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
                           moe_imbalance=moe_imbalance, float8=fp8, allow_offload=bool(offload), allow_async=allow_async,
-                          allow_replication=allow_replication)
+                          allow_replication=allow_replication, workers=default_workers())
     plan.save(output)
     print_plan(plan, console=console)
     console.print(f"wrote {output}")

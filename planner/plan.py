@@ -142,6 +142,12 @@ class Layout(_Model):
     2 cp - 1 - j of 2 cp (causal load balancing). Adds no ranks; must divide dp_degree, so the
     global batch is micro_batch_size x num_microbatches x dp_degree / cp_degree samples. The
     sequence must split into 2 cp chunks (checked against the model before launch)."""
+    cp_algorithm: Literal["all-gather", "ring"] = "all-gather"
+    """How attention reaches the other CP ranks' keys and values (planner/cost/cp.py prices both,
+    the search keeps the cheaper; runtime/apply_cp.py runs both): "all-gather" gathers the whole
+    sequence's K/V before attention (Llama 3, section 3.3.2); "ring" passes K/V blocks around the
+    CP group, each send overlapped with the attention on the block at hand (Liu et al. 2023, "Ring
+    Attention with Blockwise Transformers", arXiv 2310.01889). Only meaningful with cp_degree > 1."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage: 0 replicated, 1 optimizer state, 2 + gradients, 3 + parameters sharded (FSDP)."""
     shard_degree: int | None = Field(default=None, gt=0)
@@ -381,6 +387,9 @@ def check_plan_consistency(plan: Plan) -> None:
     elif lay.expert_tp_degree > 1 and lay.sequence_parallel:
         problems.append(f"expert_tp_degree {lay.expert_tp_degree} with sequence_parallel is not supported: expert TP "
                         "needs the same tokens on every TP rank; turn sequence_parallel off or set expert_tp_degree 1")
+    if lay.cp_algorithm != "all-gather" and lay.cp_degree == 1:
+        problems.append(f"cp_algorithm {lay.cp_algorithm!r} needs cp_degree > 1 (it says how attention crosses the CP "
+                        "ranks); set cp_degree or leave cp_algorithm at 'all-gather'")
     if lay.cp_degree > 1:
         if lay.dp_degree % lay.cp_degree:
             problems.append(f"cp_degree {lay.cp_degree} does not divide dp_degree {lay.dp_degree} (context parallelism "

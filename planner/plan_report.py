@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from planner.plan import Plan, SearchReport, Stage
+from planner.plan import Plan, SearchReport, Stage, flush_free_blocker
 from planner.report import format_bytes, format_time, memory_terms_table
 
 
@@ -66,7 +66,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     zero = (f"{lay.zero_stage}{f' hsdp {lay.shard_degree}' if lay.shard_degree else ''}"
             f"{' +offload' if plan.training.offload != 'none' else ''}")
     head.add_row(str(lay.pp_degree), str(lay.dp_degree), str(lay.tp_degree),
-                 f"{lay.ep_degree}{f' etp{lay.expert_tp_degree}' if lay.expert_tp_degree > 1 else ''}", str(lay.cp_degree), "yes" if lay.sequence_parallel else "no",
+                 f"{lay.ep_degree}{f' etp{lay.expert_tp_degree}' if lay.expert_tp_degree > 1 else ''}", cp_text(lay), "yes" if lay.sequence_parallel else "no",
                  zero, lay.schedule, str(lay.virtual_stages), p2p, str(batch.micro_batch_size),
                  str(batch.num_microbatches), str(batch.global_batch_size), plan.training.dtype)
     console.print(head)
@@ -118,7 +118,7 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
         for a in search.alternatives:
             lay_a = a.layout
             desc = (f"pp{lay_a.pp_degree} dp{lay_a.dp_degree} tp{lay_a.tp_degree}"
-                    f"{' +sp' if lay_a.sequence_parallel else ''}{f' ep{lay_a.ep_degree}' if lay_a.ep_degree > 1 else ''}{f' cp{lay_a.cp_degree}' if lay_a.cp_degree > 1 else ''}"
+                    f"{' +sp' if lay_a.sequence_parallel else ''}{f' ep{lay_a.ep_degree}' if lay_a.ep_degree > 1 else ''}{f' cp{cp_text(lay_a)}' if lay_a.cp_degree > 1 else ''}"
                     f" zero{lay_a.zero_stage}{f' hsdp{lay_a.shard_degree}' if lay_a.shard_degree else ''} {lay_a.schedule}"
                     f"{' v' + str(lay_a.virtual_stages) if lay_a.virtual_stages > 1 else ''}")
             alt.add_row(desc, f"{a.micro_batch_size} x {a.num_microbatches}", format_time(a.iteration_time_s), a.why_lost)
@@ -214,8 +214,10 @@ def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
     lay, pred = plan.layout, plan.prediction
     timeline = simulated_timeline(plan)
     title = f"{lay.schedule}, pp={lay.pp_degree}, m={plan.batch.num_microbatches}"
-    if lay.schedule == "pipedream-2bw":  # planner/cost/schedules.py: the prediction is the flush-free steady state
-        title += " (one batch alone; the prediction is the steady state without fill and drain)"
+    if lay.schedule == "pipedream-2bw":  # planner/cost/schedules.py: flush-free steady state, or 1F1B's when flushed
+        blocker = flush_free_blocker(lay, plan.training)
+        title += (" (one batch alone; the prediction is the steady state without fill and drain)" if blocker is None
+                  else f" (runs flushed, as 1F1B: {blocker})")
     if pred is None:
         return draw_gantt(timeline, path, title=title, row_labels=gantt_row_labels(plan))
     after = after_schedule_terms(plan, timeline.makespan_s)
@@ -224,3 +226,8 @@ def draw_plan_gantt(plan: Plan, path: str | Path) -> Path:
     title += (f"\nsimulated schedule {format_time(timeline.makespan_s)} + once per step ({once}) = predicted iteration "
               f"{format_time(pred.iteration_time_s)}\nschedule terms on the busiest rank: {inside}")
     return draw_gantt(timeline, path, title=title, row_labels=gantt_row_labels(plan), after=after, end_s=pred.iteration_time_s)
+
+
+def cp_text(layout) -> str:
+    """The CP degree with its algorithm when it has one to say (planner/plan.py `Layout.cp_algorithm`)."""
+    return f"{layout.cp_degree} {layout.cp_algorithm}" if layout.cp_degree > 1 else str(layout.cp_degree)

@@ -122,14 +122,21 @@ def predicted_bubble(plan: Plan) -> float | None:
     pipeline's makespan (`Timeline.bubble_fraction`), from the plan's schedule simulated on its
     predicted per-stage times (which hold the stage's p2p and per-micro-batch overhead, so they
     are not idle time here; a run shows those as gaps). None without predicted stage times
-    (a hand-written plan, or one solved before they were recorded)."""
+    (a hand-written plan, or one solved before they were recorded). A pipedream-2bw plan the
+    runtime runs without a flush: the steady state's idle share."""
     from planner.cost.simulator import simulate
+    from planner.plan import flush_free_blocker
 
     search = plan.search
     forward, backward = (search.stage_forward_s, search.stage_backward_s) if search else (None, None)
     if plan.prediction is None or not forward or not backward:
         return None
     lay = plan.layout
+    if lay.schedule == "pipedream-2bw" and flush_free_blocker(lay, plan.training) is None:
+        # Without a flush the steady state is paced by the slowest stage (planner/cost/schedules.py):
+        # the others idle for the difference, and no fill or drain is left to count.
+        work = [f + b for f, b in zip(forward, backward, strict=True)]
+        return 1 - sum(work) / (len(work) * max(work)) if max(work) > 0 else 0.0
     return simulate(lay.schedule, forward, backward, plan.batch.num_microbatches, lay.virtual_stages).bubble_fraction()
 
 

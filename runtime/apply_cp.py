@@ -1,6 +1,7 @@
 """Context parallelism (planner/plan.py `Layout.cp_degree`): one sequence split over cp ranks,
 attention computed across the split as all-gather CP (planner/cost/cp.py states the design and
-its cost; Llama 3 paper, Dubey et al. 2024, section 3.3.2).
+its cost; Llama 3 paper, Dubey et al. 2024, section 3.3.2) or as ring attention (`Layout.cp_algorithm`,
+runtime/cp_ring.py).
 
 Why not torch's own. `torch.distributed.tensor.experimental.context_parallel` shards buffers
 and swaps attention at the aten level, for the flash / memory-efficient / cuDNN SDPA kernels
@@ -26,6 +27,11 @@ do. Grouped-query attention passes through (`enable_gqa`, or K/V already repeate
 model). Accepted: `is_causal=True`, no mask (bidirectional attention), and an explicit mask
 that is plain causal over the local tokens (bool `tril`, or an additive 0 / -inf one); any
 other mask cannot be translated to the gathered keys and is refused.
+
+**Ring** (`cp_algorithm = "ring"`, runtime/cp_ring.py): the same checks, then K/V blocks go around
+the CP group with point-to-point sends, each overlapped with the attention on the block at hand,
+partial results merged by log-sum-exp; nothing of the other ranks' K/V is kept for the backward.
+Written by hand for the reason above (torch's ring wraps the CUDA SDPA kernels only); no dropout.
 
 **Positions: the contract.** A model computes its tokens' positions itself (a learned
 embedding of `arange(T)`, rotary tables of `arange(T)`, Hugging Face's
@@ -65,6 +71,7 @@ from torch.overrides import TorchFunctionMode
 
 from planner.errors import PlannerError
 from planner.plan import Plan
+from runtime.cp_ring import Ring, ring_attention
 
 SEQUENCE_DIM = 1  # (batch, sequence, ...) inputs and targets, as the profiler records them
 _KV_SEQUENCE_DIM = -2  # SDPA's (batch, heads, sequence, head_dim)
@@ -139,13 +146,18 @@ def is_plain_causal(mask: torch.Tensor) -> bool:
 
 class ContextParallel(TorchFunctionMode):
     """Active while the model's modules run, in the forward and in recomputation (`apply_cp`): SDPA
-    as all-gather CP over `group`, `torch.arange` of the local length as global positions, diffs
+    as all-gather or ring CP over `group`, `torch.arange` of the local length as global positions, diffs
     along positions as one run (module docstring). One per run."""
 
-    def __init__(self, group: dist.ProcessGroup, seq_len: int, cp: int, cp_rank: int, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, seq_len: int, cp: int, cp_rank: int, device: torch.device,
+                 algorithm: str = "all-gather") -> None:
         super().__init__()
         self.group = group
         """The CP group: cp consecutive data-parallel ranks holding the same samples (runtime/mesh.py `build_cp_mesh`)."""
+        self.algorithm = algorithm
+        """planner/plan.py `Layout.cp_algorithm`: "all-gather" or "ring" (module docstring)."""
+        self.ring = Ring(group, cp_rank, cp)
+        """The CP group as a ring (runtime/cp_ring.py), for the "ring" algorithm."""
         self.seq_len = seq_len
         """T, the whole sequence."""
         self.positions = local_positions(seq_len, cp, cp_rank).to(device)
@@ -213,7 +225,8 @@ class ContextParallel(TorchFunctionMode):
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):
-        """SDPA of the local queries over the gathered keys and values (module docstring, Attention)."""
+        """SDPA of the local queries over the whole sequence's keys and values, gathered or passed around
+        the ring (module docstring, Attention and Ring)."""
         if attn_mask is not None:
             if is_causal or not is_plain_causal(attn_mask):
                 raise PlannerError(
@@ -227,6 +240,12 @@ class ContextParallel(TorchFunctionMode):
                 f"Context parallelism met an attention over {query.shape[_KV_SEQUENCE_DIM]} queries and "
                 f"{key.shape[_KV_SEQUENCE_DIM]} keys; this rank holds {len(self.positions)} tokens of each sequence.",
                 "Only self-attention over the model's input sequence can be split; run the plan with cp_degree 1.")
+        if self.algorithm == "ring":
+            if dropout_p > 0:
+                raise PlannerError(f"Ring context parallelism met attention dropout {dropout_p}: the ring's hand-written "
+                                   "attention applies none.", "Train with attention dropout 0, or set the plan's "
+                                   "layout.cp_algorithm to 'all-gather'.")
+            return ring_attention(query, key, value, self.ring, is_causal, scale, enable_gqa)
         keys, values = self._gather(key), self._gather(value)
         mask = self.mask if is_causal else None
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
@@ -240,9 +259,11 @@ class ContextParallel(TorchFunctionMode):
         return gathered.index_select(0, self.restore).movedim(0, _KV_SEQUENCE_DIM)
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, inputs: tuple, device: torch.device) -> ContextParallel:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, inputs: tuple, device: torch.device,
+             algorithm: str = "all-gather") -> ContextParallel:
     """Context parallelism on `model` (a whole model, every other parallelism applied): the
     attention mode over the 1-D CP mesh `cp_mesh` (runtime/mesh.py `build_cp_mesh(...)["cp"]`),
+    computing attention by `algorithm` (the plan's `layout.cp_algorithm`),
     for sequences as long as `inputs`' (a sample batch), made active by forward hooks on every
     module while the outermost one runs. Hooks, not a `with` around forward and backward: the
     autograd engine runs the backward with an empty torch-function mode stack, so the
@@ -251,7 +272,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, inputs: tuple, device: torch
     after each forward, that attention went through SDPA (`check_attention_seen`)."""
     length = sequence_length(inputs)
     assert length is not None, "check_cp refuses, before launch, inputs that are not a (batch, sequence) token tensor"
-    mode = ContextParallel(cp_mesh.get_group(), length, cp_mesh.size(), cp_mesh.get_local_rank(), device)
+    mode = ContextParallel(cp_mesh.get_group(), length, cp_mesh.size(), cp_mesh.get_local_rank(), device, algorithm)
     for module in model.modules():
         module.register_forward_pre_hook(mode.enter_module)
         # always_call: a recomputation stopped early (checkpoint's early stop raises) still leaves the mode.

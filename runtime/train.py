@@ -355,7 +355,7 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
     _parallelize_chunks(plan, mf, chunks, settings.seed, mode, device, mesh, ep_mesh, fsdp_mesh)
     cp_mesh = build_cp_mesh(mesh, lay.cp_degree)  # (pp, dp_outer, cp, tp); None without CP
     if cp_mesh is not None:  # last: its hooks cover every module as it runs, recomputed ones too (runtime/apply_cp.py)
-        apply_cp(chunks[0][1], cp_mesh["cp"], as_tuple(mf.make_batch(1)[0]), device)  # pp is 1 under CP (check_cp)
+        apply_cp(chunks[0][1], cp_mesh["cp"], as_tuple(mf.make_batch(1)[0]), device, lay.cp_algorithm)  # pp is 1 under CP (check_cp)
     tie_groups = build_tie_groups(mesh, [t.pp_ranks for t in ties])
     tie_copies = [t.copies(chunks) for t in ties]  # after FSDP, which replaces the parameters
     # One optimizer per chunk (AdamW is per parameter, so this is the same update): each

@@ -76,7 +76,9 @@ def test_solver_finds_cp_for_long_sequences(long_llama):
     # A CP group shares its samples: global batch = micro-batch x micro-batches x dp / cp.
     lay, batch = plan.layout, plan.batch
     assert batch.micro_batch_size * batch.num_microbatches * lay.dp_degree // lay.cp_degree == 4
-    assert plan.prediction.breakdown_s["cp_comm"] > 0
+    # 64k tokens: attention (T^2) hides each ring step's K/V block (T), so the ring wins and exposes
+    # nothing; the all-gather would expose its gather and reduce-scatter.
+    assert lay.cp_algorithm == "ring" and plan.prediction.breakdown_s["cp_comm"] == 0
 
 
 def test_cp_pins_are_checked(long_llama):
@@ -107,3 +109,66 @@ def test_solver_cp_plan_runs_with_parity(tmp_path):
     plan = solve(profile, make_cluster(2, gpu="cpu"), 2, Pins(cp=2, dp=2, pp=1, tp=1))
     assert plan.layout.cp_degree == 2
     check_parity(plan, tmp_path)
+
+
+# ---- ring or all-gather (issue #15): both priced for each cp, the cheaper kept and recorded ----
+
+
+def test_each_algorithm_is_priced_by_its_own_closed_form(llama):
+    from planner.cost.cp import CpCollectives, attention_share, cp_unit_s, saved_kv_bytes
+
+    collectives = CpCollectives(lambda n: 1e-5 + n / 1e11, lambda n: 2e-5 + n / 1e11, lambda n: 1e-6 + n / 5e10)
+    kv, cp = 4e8, 4
+    assert cp_unit_s("all-gather", kv, cp, collectives, 0.02, 0.04) == all_gather_cp_s(
+        kv, cp, collectives.all_gather_s, collectives.reduce_scatter_s)
+    assert cp_unit_s("ring", kv, cp, collectives, 0.02, 0.04) == ring_cp_s(kv, cp, collectives.p2p_s, 0.02, 0.04)
+    # All-gather keeps the other ranks' K/V for its backward; the ring passes them around again.
+    assert saved_kv_bytes(8.0, 4, "all-gather") == 6.0 and saved_kv_bytes(8.0, 4, "ring") == 0.0
+    # The ring hides its sends behind attention: the block's attention FLOPs over the unit's.
+    block = next(u for u in llama.units if u.name == "layers.0")
+    attention = sum(op.forward_flops for op in block.ops if op.kind == "attention")
+    assert attention_share(block) == pytest.approx(attention / block.costs[1].forward_flops)
+    assert 0 < attention_share(block) < 1 and attention_share(next(u for u in llama.units if u.name == "embed")) == 0
+
+
+@pytest.mark.parametrize("seq_len,kv_heads,expected", [
+    # 64k tokens: attention (T^2) hides every ring step's K/V block (T), even across nodes.
+    (65536, 4, "ring"),
+    # 2k tokens and full-width K/V over a CP group spanning 2 nodes: the ring's 7 cross-node steps
+    # are exposed, its backward sends twice the bytes of the reduce-scatter: all-gather is cheaper.
+    (2048, 16, "all-gather"),
+])
+def test_solver_keeps_the_cheaper_cp_algorithm(seq_len, kv_heads, expected):
+    from planner.cluster import make_cluster
+    from planner.cost.cp import CP_METHODS
+    from planner.solver.search import Config
+    from planner.solver.solve import Pins, price_config, solve
+
+    args = dict(n_layers=2, d_model=2048, n_heads=16, n_kv_heads=kv_heads, vocab_size=32000, seq_len=seq_len)
+    profile = profile_model(str(EXAMPLES / "llama.py"), args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    cluster, pins = make_cluster(8, 4, "h100-80gb"), Pins(cp=8, tp=1, pp=1, recompute="none")
+    plan = solve(profile, cluster, 2, pins)
+    lay, batch = plan.layout, plan.batch
+    assert lay.cp_degree == 8 and lay.cp_algorithm == expected
+    # Brute force: the chosen configuration priced under each algorithm.
+    seconds = {alg: price_config(profile, cluster, Config(
+        lay.tp_degree, lay.sequence_parallel, lay.pp_degree, lay.dp_degree, batch.micro_batch_size,
+        batch.num_microbatches, lay.schedule, lay.virtual_stages, lay.zero_stage, shard_degree=lay.shard_degree,
+        cp=lay.cp_degree, cp_algorithm=alg), pins).iteration_time_s for alg in CP_METHODS}
+    assert seconds[expected] == min(seconds.values()) and len(set(seconds.values())) == 2
+    assert plan.prediction.iteration_time_s == pytest.approx(seconds[expected])
+
+
+def test_planner_show_prints_the_cp_algorithm(long_llama):
+    import io
+
+    from rich.console import Console
+
+    from planner.cluster import make_cluster
+    from planner.plan_report import print_plan
+    from planner.solver.solve import Pins, solve
+
+    plan = solve(long_llama, make_cluster(8, 8, "h100-80gb"), 8, Pins(cp=4, tp=1))
+    out = io.StringIO()
+    print_plan(plan, Console(file=out, width=250))
+    assert f"{plan.layout.cp_degree} {plan.layout.cp_algorithm}" in out.getvalue()

@@ -140,3 +140,25 @@ def test_flush_free_2bw_with_expert_parallelism(tmp_path):
     plan = moe_plan(ep=2, pp=2, dp=2, m=4, schedule="pipedream-2bw")
     assert flush_free_blocker(plan.layout, plan.training) is None
     check_parity(plan, tmp_path)
+
+
+def test_validate_holds_a_flush_free_plan_to_its_steady_state_bubble():
+    """`planner validate`'s predicted bubble of a flush-free 2BW plan is the steady state's idle
+    share (stages paced by the slowest), not a single batch's fill and drain."""
+    from planner.cluster import make_cluster
+    from planner.cost.simulator import simulate
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+    from planner.validate import predicted_bubble
+    from tests.conftest import EXAMPLES
+
+    gpt = dict(n_layers=8, d_model=1024, n_heads=16, d_ff=4096, vocab_size=32000, seq_len=1024)
+    profile = profile_model(str(EXAMPLES / "gpt.py"), gpt, [1, 2], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    plan = solve(profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=4, dp=2, zero_stage=0, schedule="pipedream-2bw"),
+                 allow_async=True)
+    assert flush_free_blocker(plan.layout, plan.training) is None
+    work = [f + b for f, b in zip(plan.search.stage_forward_s, plan.search.stage_backward_s, strict=True)]
+    assert predicted_bubble(plan) == pytest.approx(1 - sum(work) / (len(work) * max(work)))
+    one_batch = simulate("1f1b", plan.search.stage_forward_s, plan.search.stage_backward_s,
+                         plan.batch.num_microbatches).bubble_fraction()
+    assert predicted_bubble(plan) < one_batch

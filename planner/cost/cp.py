@@ -28,14 +28,22 @@ The group is cp data-parallel ranks, tp apart (CP folds onto the dp ranks, as EP
 planner/cost/moe.py); its gradient reduction is the data-parallel one, since every rank of
 the group trains the same weights on different tokens.
 
-**Memory**: stored activations / cp (above), plus the gathered K/V in flight during one
-attention's forward or backward (`gathered_kv_bytes`: the other ranks' share, KV (cp - 1) / cp
-for all-gather, two blocks for the ring).
+The search prices both for each CP configuration and keeps the cheaper (`cp_unit_s`; the plan's
+`Layout.cp_algorithm` records it, runtime/apply_cp.py and runtime/cp_ring.py run it). The ring
+wins where a block's send hides behind its attention (long sequences: attention grows as T^2,
+K/V as T); the all-gather where little attention is left to hide behind (short sequences), the
+ring then exposing cp - 1 steps and sending twice the reduce-scatter's bytes in the backward.
+
+**Memory**: stored activations / cp (above), plus the other ranks' K/V that attention keeps for
+its backward (`saved_kv_bytes`: the gathered KV (cp - 1) / cp for all-gather; none for the ring,
+whose backward passes the blocks around again), and the K/V in flight during one attention
+(`gathered_kv_bytes`: two blocks for the ring, the one at hand and the next).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 CP_METHODS = ("all-gather", "ring")
@@ -71,6 +79,28 @@ def attention_shapes(unit, micro_batch_size: float) -> list[AttentionShape]:
     return shapes
 
 
+@dataclass(frozen=True)
+class CpCollectives:
+    """Seconds of the messages CP sends in one CP group (cp data-parallel ranks, tp apart)."""
+
+    all_gather_s: Callable[[float], float]
+    """One all-gather of this many gathered (output) bytes."""
+    reduce_scatter_s: Callable[[float], float]
+    """One reduce-scatter of this many input bytes."""
+    p2p_s: Callable[[float], float]
+    """One ring step: every rank sends this many bytes to the next (the slowest hop: across nodes
+    when the group spans several)."""
+
+
+def attention_share(unit) -> float:
+    """Share of the unit's forward FLOPs in its attention ops (profile `Unit.ops` of kind
+    `attention`, at the smallest profiled micro-batch; the share does not change with it): the
+    part of the unit's time the ring's sends can hide behind."""
+    total = unit.costs[min(unit.costs)].forward_flops
+    attention = sum(op.forward_flops for op in unit.ops if op.kind == "attention")
+    return min(attention / total, 1.0) if total > 0 else 0.0
+
+
 def kv_bytes(unit, micro_batch_size: float, dtype_bytes: int) -> float:
     """Bytes of K and V of the whole sequence over the unit's attention ops (one micro-batch)."""
     return sum(2 * a.tokens * a.kv_features * dtype_bytes for a in attention_shapes(unit, micro_batch_size))
@@ -96,6 +126,21 @@ def ring_cp_s(kv: float, cp: int, p2p_s, attention_forward_s: float, attention_b
     forward = steps * max(0.0, p2p_s(kv / cp) - attention_forward_s / cp)
     backward = steps * max(0.0, p2p_s(2 * kv / cp) - attention_backward_s / cp)
     return forward, backward
+
+
+def cp_unit_s(method: str, kv: float, cp: int, collectives: CpCollectives, attention_forward_s: float,
+              attention_backward_s: float) -> tuple[float, float]:
+    """(forward, backward) exposed CP seconds of one unit by `method` (one of `CP_METHODS`), for
+    `kv` bytes of K/V and a rank's attention time (forward, backward) in the unit."""
+    if method == "ring":
+        return ring_cp_s(kv, cp, collectives.p2p_s, attention_forward_s, attention_backward_s)
+    assert method == "all-gather", method  # the plan schema admits only CP_METHODS
+    return all_gather_cp_s(kv, cp, collectives.all_gather_s, collectives.reduce_scatter_s)
+
+
+def saved_kv_bytes(kv: float, cp: int, method: str) -> float:
+    """Bytes of other ranks' K/V attention keeps for its backward (module docstring, Memory)."""
+    return gathered_kv_bytes(kv, cp, method) if method == "all-gather" else 0.0
 
 
 def gathered_kv_bytes(kv: float, cp: int, method: str) -> float:

@@ -68,9 +68,17 @@ not per step: amortised over steps, left out (so is the first micro-batch's p2p 
 the same reason). Rank i holds 1F1B's min(m, p - i) micro-batches (the paper's "same as
 PipeDream-Flush"), and each stage one more version of its weights (planner/cost/memory.py
 `stashed_weight_bytes`). A plan needs m >= p (planner/plan.py refuses fewer: paper, section 3.1,
-two weight versions do not suffice then; the forms here still evaluate). The event simulator plays one batch in isolation, which is
-the 1F1B timeline (what our runtime runs: torch.distributed.pipelining has no flush-free
-schedule, runtime/pp_async.py), so it is slower than this form by exactly the fill and drain.
+two weight versions do not suffice then; the forms here still evaluate).
+
+That form holds only where the runtime runs 2BW without a flush (runtime/pp_async.py
+`train_flush_free`: planner/plan.py `flush_free_blocker` returns None). Elsewhere (ZeRO > 0,
+virtual stages, offload, ...: the blocker names why) each 2BW step runs as torch's
+Schedule1F1B with the older weights swapped in, flushed between steps, so it is priced as it
+runs: `flushed=True` gives 1F1B's time and bubble above (the stashed weights' memory stays,
+planner/cost/memory.py). The event simulator plays one batch in isolation, which is the 1F1B
+timeline: the flushed step exactly, and slower than the flush-free form by exactly the fill
+and drain; its `flush_free_step_s` plays batches back to back as the flush-free executor
+orders them and measures this form's m max_k (f_k + b_k) in the steady state (p2p_s = 0).
 
 p2p: a pure latency per chunk boundary (sends are asynchronous and take no compute time);
 the first micro-batch crosses 2 (p v - 1) boundaries there and back, each adding p2p_s.
@@ -123,14 +131,24 @@ def check_stage_lists(stage_forward_s: list[float], stage_backward_s: list[float
     return num_chunks
 
 
+def timed_schedule(schedule: str, flushed: bool) -> str:
+    """The schedule whose closed form times a step: 1F1B's for a pipedream-2bw step the runtime
+    runs flushed (`flushed`: planner/plan.py `flush_free_blocker` gave a reason; runtime/pp_async.py
+    runs it as torch's Schedule1F1B), the schedule itself otherwise (module docstring)."""
+    return "1f1b" if flushed and schedule == "pipedream-2bw" else schedule
+
+
 def bubble_fraction(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1,
-                    backward_weight_fraction: float = 0.5, forward_fraction: float = 1 / 3) -> float:
+                    backward_weight_fraction: float = 0.5, forward_fraction: float = 1 / 3,
+                    flushed: bool = False) -> float:
     """Idle share of the iteration (bubble time / iteration time) on uniform stages.
 
     Only zero-bubble depends on the split of a micro-batch's work: forward_fraction f/(f+b)
-    (1/3: backward twice the forward) and backward_weight_fraction W/b.
+    (1/3: backward twice the forward) and backward_weight_fraction W/b. `flushed`: a
+    pipedream-2bw step run flushed has 1F1B's bubble (`timed_schedule`).
     """
     check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    schedule = timed_schedule(schedule, flushed)
     p, m, v = num_ranks, num_microbatches, virtual_stages
     if schedule == "pipedream-2bw":  # no flush: the steady state has no bubble (module docstring)
         return 0.0
@@ -145,11 +163,14 @@ def bubble_fraction(schedule: str, num_ranks: int, num_microbatches: int, virtua
 
 
 def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
-                     virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5) -> float:
-    """Closed-form time of the pipeline part of one iteration (module docstring); lists per chunk."""
+                     virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5,
+                     flushed: bool = False) -> float:
+    """Closed-form time of the pipeline part of one iteration (module docstring); lists per chunk.
+    `flushed`: a pipedream-2bw step the runtime runs flushed takes 1F1B's time (`timed_schedule`)."""
     num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
     p, m, v = num_chunks // virtual_stages, num_microbatches, virtual_stages
     check_schedule(schedule, p, m, v)
+    schedule = timed_schedule(schedule, flushed)
     work = [f + b for f, b in zip(stage_forward_s, stage_backward_s, strict=False)]
     if schedule == "pipedream-2bw":  # steady state, fill/drain and first hops amortised (module docstring)
         return m * max(work)

@@ -27,6 +27,13 @@ i/k of the way through that action (k: the chunk's share of the buckets), and th
 reduces ready buckets one at a time in the order they become ready. The step ends when both
 streams of every rank are done (`Timeline.step_s`).
 
+PipeDream-2BW: `simulate` plays one batch alone, 1F1B's timeline, which is what the runtime
+runs where it flushes between steps (planner/plan.py `flush_free_blocker` gives a reason):
+the flushed 2BW step, priced as 1F1B (planner/cost/schedules.py `timed_schedule`). Where the
+runtime runs without a flush (runtime/pp_async.py `flush_free_actions`: the whole run one
+1F1B over the global micro-batches g = t m + j, batch t's update after its last backward),
+`flush_free_step_s` plays that run and measures one step in its steady state.
+
 Activations held: a chunk-micro-batch is counted from its F until its BW (or, in
 zero-bubble, its W: the weight gradient still needs the layer inputs, Qi et al. 2023
 section 2). Because a rank's count changes only at its own actions, the peak follows from
@@ -225,6 +232,45 @@ def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list
                          + format_actions(plans, stuck))
     comm = _gradient_buckets(events, p, num_microbatches, grad_sync_s, num_buckets) if grad_sync_s else ()
     return Timeline(schedule, p, tuple(events), max(free_s), tuple(peak_in_flight(a) for a in plans), comm)
+
+
+FLUSH_FREE_WARM_STEPS = 4
+"""Batches per pipeline rank `flush_free_step_s` plays first, before it measures (past the fill)."""
+FLUSH_FREE_MAX_WARM_STEPS = 256
+"""The most it plays: stages whose work differs by a hair take long to settle (module docstring)."""
+
+
+def flush_free_step_s(stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
+                      p2p_s: float = 0.0) -> float:
+    """PipeDream-2BW's step without a flush, played (module docstring): batches run back to back
+    as one 1F1B (runtime/pp_async.py `flush_free_actions` orders each rank so: p - r warm-up
+    forwards, then a backward before each forward); the makespan of K + p batches less that of
+    K, over p (p batches, as the steady state may repeat only every p micro-batches). K starts at
+    FLUSH_FREE_WARM_STEPS x p batches and doubles until two windows agree (1e-10 relative; the makespans' own rounding is ~1e-13 of a step): the
+    run settles into its steady state after a transient that grows as the two slowest stages'
+    works draw together (a few p batches when they differ by a tenth; capped at
+    FLUSH_FREE_MAX_WARM_STEPS x p, where the window is within about that difference of the
+    steady step). Without p2p latency the slowest stage works
+    without pause, so the step is m max_k (f_k + b_k), planner/cost/schedules.py's closed form,
+    on uniform and non-uniform stages alike (tests/test_pipedream_2bw_cost.py). With it, each
+    round trip stretches the steady state as in 1F1B (schedules.py: by m 2 (p - 1) p2p_s / p on
+    uniform stages), which the closed form leaves out. The optimizer step between batches is a
+    per-step term priced apart (planner/solver/search.py), as for 1F1B."""
+    p = len(stage_forward_s)
+    check_schedule("pipedream-2bw", p, num_microbatches)
+
+    def window_s(warm_steps: int) -> float:
+        run = [simulate("1f1b", stage_forward_s, stage_backward_s, (warm_steps + extra) * p * num_microbatches,
+                        p2p_s=p2p_s).makespan_s for extra in (0, 1)]
+        return (run[1] - run[0]) / p
+
+    warm, step = FLUSH_FREE_WARM_STEPS, window_s(FLUSH_FREE_WARM_STEPS)
+    while warm < FLUSH_FREE_MAX_WARM_STEPS:
+        warm, previous = 2 * warm, step
+        step = window_s(warm)
+        if abs(step - previous) <= 1e-10 * step:
+            break
+    return step
 
 
 def _gradient_buckets(events: list[Event], num_ranks: int, num_microbatches: int, grad_sync_s: list[float],

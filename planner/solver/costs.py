@@ -19,7 +19,7 @@ from planner.cost.compute import (
     sharded_flop_fraction,
     tp_time_s,
 )
-from planner.cost.cp import all_gather_cp_s, gathered_kv_bytes, kv_bytes
+from planner.cost.cp import attention_share, cp_unit_s, gathered_kv_bytes, kv_bytes, saved_kv_bytes
 from planner.cost.fp8 import price_fp8_unit, skipped_units
 from planner.cost.memory import unit_activation_bytes
 from planner.cost.moe import (
@@ -184,7 +184,7 @@ class UnitCosts:
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
         self.ep_all_to_all_s = ep_all_to_all_s  # (bytes one rank sends, ep, tp, folded) -> s
-        self.cp_collectives = cp_collectives  # (cp, tp) -> (all_gather_s(nbytes), reduce_scatter_s(nbytes)) in a CP group
+        self.cp_collectives = cp_collectives  # (cp, tp) -> planner/cost/cp.py CpCollectives of a CP group
         self.imbalance = imbalance  # MoE routing: busiest rank's load over the balanced one
         self.expert_tp = expert_tp  # experts split over the TP ranks (pinned only: Pins.expert_tp; planner/cost/moe.py)
         self.float8 = float8  # linears in FP8 (planner/cost/fp8.py); the runtime's filter skips the same units
@@ -228,39 +228,47 @@ class UnitCosts:
             self._ilp[(*key, b)] = evaluate(self._problem(unit, t, sp, b), self._ilp[key].strategies)
         return self._ilp[(*key, b)]
 
-    def table(self, t: int, sp: bool, b: int, ep: int = 1, cp: int = 1) -> UnitCostTable:
-        key = (t, sp, b, ep, cp)
+    def table(self, t: int, sp: bool, b: int, ep: int = 1, cp: int = 1, cp_algorithm: str = "all-gather") -> UnitCostTable:
+        key = (t, sp, b, ep, cp) if cp == 1 else (t, sp, b, ep, cp, cp_algorithm)
         if key not in self._tables:
             if cp > 1:
                 assert ep == 1, "the search never combines EP and CP (both fold onto dp)"
-                self._tables[key] = self._with_cp(self._build(t, sp, b / cp), t, b, cp)
+                self._tables[key] = self._with_cp(self._build(t, sp, b / cp), t, b, cp, cp_algorithm)
             else:
                 etp = self.expert_tp > 1  # priced from the plain table: `table(t, sp, b)` would carry it already
                 self._tables[key] = self._build(t, sp, b) if ep == 1 and not etp else \
                     self._with_ep(self._build(t, sp, b) if etp else self.table(t, sp, b), t, sp, b, ep)
         return self._tables[key]
 
-    def _with_cp(self, part: UnitCostTable, t: int, b: int, cp: int) -> UnitCostTable:
+    def _with_cp(self, part: UnitCostTable, t: int, b: int, cp: int, algorithm: str) -> UnitCostTable:
         """A rank's share under context parallelism (planner/cost/cp.py): `part` is the table at
         micro-batch b / cp (its tokens and its share of the balanced causal attention); to it,
-        all-gather CP's collectives of the whole sequence's K/V (each TP rank its heads' 1/t),
-        and the gathered K/V that attention saves for backward (not under full recomputation)."""
+        `algorithm`'s messages of the whole sequence's K/V (each TP rank its heads' 1/t; the ring's
+        hidden behind the unit's attention time, `attention_share` of its compute), the other
+        ranks' K/V that attention saves for backward (not under full recomputation), and the
+        ring's blocks in flight (transient)."""
         if self.cp_collectives is None:
             raise ValueError("UnitCosts needs cp_collectives to price context parallelism")
-        gather, scatter = self.cp_collectives(cp, t)
+        collectives = self.cp_collectives(cp, t)
         n = len(self.profile.units)
         comm, rec_comm = np.zeros(n), np.zeros(n)
         act = {m: v.copy() for m, v in part.activations.items()}
         rec = {m: v.copy() for m, v in part.recompute_s.items()}
+        transient = {m: v.copy() for m, v in part.transient.items()}
         for u in self.profile.units:
-            kv = kv_bytes(u, b, self.dtype_bytes) / t
-            forward, backward = all_gather_cp_s(kv, cp, gather, scatter)
+            kv, share = kv_bytes(u, b, self.dtype_bytes) / t, attention_share(u)
+            forward, backward = cp_unit_s(algorithm, kv, cp, collectives, part.forward_s[u.index] * share,
+                                          part.backward_s[u.index] * share)
             comm[u.index] = forward + backward
             rec_comm[u.index] = forward
             rec["full"][u.index] += forward
             for mode in ("none", "selective"):
-                act[mode][u.index] += gathered_kv_bytes(kv, cp, "all-gather")
-        return replace(part, cp_comm_s=comm, recompute_cp_comm_s=rec_comm, activations=act, recompute_s=rec)
+                act[mode][u.index] += saved_kv_bytes(kv, cp, algorithm)
+            if algorithm == "ring":
+                for mode in transient:
+                    transient[mode][u.index] += gathered_kv_bytes(kv, cp, algorithm)
+        return replace(part, cp_comm_s=comm, recompute_cp_comm_s=rec_comm, activations=act, recompute_s=rec,
+                       transient=transient)
 
     def _expert_shares(self, unit: Unit, b: float) -> list[tuple[float, float]]:
         """Per MoE layer of the unit: the share of the unit's (forward, backward) time its experts

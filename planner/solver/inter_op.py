@@ -10,6 +10,18 @@ stage k keeps p - k micro-batches in flight). With m micro-batches the pipeline 
 
 (the first micro-batch crosses every stage, the other m-1 are paced by the slowest).
 
+PipeDream-2BW without a flush (`flush_free=True`: the layouts planner/plan.py
+`flush_free_blocker` passes, run by runtime/pp_async.py `train_flush_free`) has no fill or
+drain in its steady state: a step costs
+
+    T_2bw(cuts) = m * max_k t_k                  (Narayanan et al. 2021a, section 3; planner/cost/schedules.py)
+
+so the sum no longer counts and the best cuts are those of the least bottleneck t*
+(`least_bottleneck`). Among them (usually many: every cut away from the slowest stage is
+free) the DP keeps the ones of least sum, the synchronous objective's tie-break: least total
+work, which is also what a flushed step or a run's first step pays for. A 2BW layout the
+runtime runs flushed is 1F1B and takes the synchronous objective.
+
 Method (Alpa's stage-construction DP, section 5.2). For each candidate bottleneck t_max
 (the distinct finite values of `cost`, ascending, from the smallest feasible one, found by
 a min-max DP) solve
@@ -54,10 +66,15 @@ class StageCuts:
     stage_times_s: tuple[float, ...]
     """cost of each stage per micro-batch."""
     pipeline_time_s: float
-    """sum + (m - 1) * max of the stage times."""
+    """The objective at these cuts (`pipeline_time`): sum + (m - 1) * max of the stage times, or
+    m * max without a flush."""
 
 
-def pipeline_time(stage_times: list[float] | tuple[float, ...], num_microbatches: int) -> float:
+def pipeline_time(stage_times: list[float] | tuple[float, ...], num_microbatches: int, flush_free: bool = False) -> float:
+    """The DP's objective (module docstring): Alpa's sum + (m - 1) max, or PipeDream-2BW's m max
+    without a flush (`flush_free`)."""
+    if flush_free:
+        return float(num_microbatches * max(stage_times))
     return float(sum(stage_times) + (num_microbatches - 1) * max(stage_times))
 
 
@@ -144,11 +161,13 @@ def least_bottleneck(cost: np.ndarray | SharedRows) -> float:
 
 
 def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed: np.ndarray | None = None,
-               candidates: np.ndarray | None = None, bottleneck_floor: float | None = None) -> StageCuts:
+               candidates: np.ndarray | None = None, bottleneck_floor: float | None = None,
+               flush_free: bool = False) -> StageCuts:
     """Optimal contiguous cuts for `cost[stage, start, end]` (shape S x (U+1) x (U+1)), cutting only
     where `cut_allowed` (`allowed_cuts`; None: anywhere) permits. `candidates`: the distinct finite
     values of `cost`, ascending, where the caller has them cheaper (stages sharing cost rows);
-    `bottleneck_floor`: `least_bottleneck(cost)` where the caller computed it already."""
+    `bottleneck_floor`: `least_bottleneck(cost)` where the caller computed it already.
+    `flush_free`: PipeDream-2BW's objective without a flush, m * max (module docstring)."""
     num_stages, size, _ = cost.shape
     num_units = size - 1
     if num_stages > num_units:
@@ -165,6 +184,8 @@ def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed
     least = least_bottleneck(cost) if bottleneck_floor is None else bottleneck_floor
     if not np.isfinite(least):
         raise PlannerError("No way to cut the model into stages that each fit in memory.", "Add GPUs, recomputation or ZeRO.")
+    if flush_free:
+        return _flush_free_cuts(cost, num_microbatches, least)
     lo = int(np.searchsorted(candidates, least))  # the smallest feasible bottleneck is a candidate
     # Any cuts whose bottleneck is t take at least least_sum + (m - 1) t, where least_sum is the
     # smallest summed cost of any feasible cuts: once that bound (or m t) passes the best T
@@ -197,6 +218,16 @@ def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed
                 best_total, best_cuts = total, cuts
     times = tuple(_stage_times(cost, best_cuts))
     return StageCuts(tuple(best_cuts), times, float(best_total))
+
+
+def _flush_free_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, least: float) -> StageCuts:
+    """PipeDream-2BW's optimum without a flush: m * t* is reached exactly by the cuts whose every
+    stage costs at most t* (`least`, a value of the table, so the comparison is exact); of those,
+    the ones of least sum (module docstring)."""
+    cuts = _min_sum_cuts(cost, np.array([least]))[0]
+    assert cuts is not None  # the min-max DP found cuts with bottleneck `least`
+    times = tuple(_stage_times(cost, cuts))
+    return StageCuts(tuple(cuts), times, pipeline_time(times, num_microbatches, flush_free=True))
 
 
 def _stage_times(cost: np.ndarray | SharedRows, cuts: list[tuple[int, int]]) -> list[float]:
@@ -279,8 +310,10 @@ def _min_sum_cuts(cost: np.ndarray | SharedRows, t_max: np.ndarray) -> list[list
     return out
 
 
-def brute_force_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray | None = None) -> StageCuts:
-    """Every placement of S-1 cuts among the U-1 positions (the allowed ones); for tests on small instances."""
+def brute_force_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.ndarray | None = None,
+                     flush_free: bool = False) -> StageCuts:
+    """Every placement of S-1 cuts among the U-1 positions (the allowed ones); for tests on small
+    instances. `flush_free`: PipeDream-2BW's objective, ties broken by the least sum (module docstring)."""
     from itertools import combinations
 
     num_stages, size, _ = cost.shape
@@ -292,8 +325,12 @@ def brute_force_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.nd
         times = tuple(float(cost[k, i, j]) for k, (i, j) in enumerate(bounds))
         if not all(np.isfinite(times)):
             continue
-        total = pipeline_time(times, num_microbatches)
-        if best is None or total < best.pipeline_time_s - 1e-15:
+        total = pipeline_time(times, num_microbatches, flush_free)
+        # Without a flush many cuts tie on m * max: the least sum wins among them (1e-15 s: float
+        # noise of equal sums taken in another order, far below any stage time).
+        tied_less_work = flush_free and best is not None and total <= best.pipeline_time_s + 1e-15 \
+            and sum(times) < sum(best.stage_times_s) - 1e-15
+        if best is None or total < best.pipeline_time_s - 1e-15 or tied_less_work:
             best = StageCuts(bounds, times, total)
     if best is None:
         raise PlannerError("No way to cut the model into stages that each fit in memory.", "Add GPUs.")

@@ -27,7 +27,7 @@ def _layout(e: Evaluation) -> Layout:
     return Layout.model_validate(dict(
         pp_degree=c.pp, dp_degree=c.dp, tp_degree=c.tp, zero_stage=c.zero_stage,
         sequence_parallel=c.sequence_parallel, schedule=c.schedule, virtual_stages=c.virtual_stages,
-        p2p_scatter_gather=e.p2p_scatter_gather, ep_degree=c.ep, shard_degree=c.shard_degree, cp_degree=c.cp,
+        p2p_scatter_gather=e.p2p_scatter_gather, ep_degree=c.ep, shard_degree=c.shard_degree, cp_degree=c.cp, cp_algorithm=c.cp_algorithm,
         expert_tp_degree=c.expert_tp,
     ))
 
@@ -120,7 +120,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     best = result.ranked[0]
     cfg = best.config
     layout = _layout(best)
-    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)
+    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm)
     names = profile.unit_names()
     stages = []
     for k, ((i, j), recompute, unit_modes) in enumerate(zip(best.bounds, best.stage_recompute, best.unit_recompute,

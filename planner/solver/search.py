@@ -26,8 +26,10 @@ prices every overlapped piece).
 whose first unit it lacks included (`UnitCostTable.copy_parameters`) + in-flight
 micro-batches x stored activations + the largest recomputation transient + send/receive
 buffers; the transient as soon as one unit recomputes fully), lets the DP
-(planner/solver/inter_op.py) pick the cuts and each unit's recomputation, and prices the result (`_price`) with the schedule's closed form
-(planner/cost/schedules.py; the first micro-batch's p2p hops through the fill and drain as
+(planner/solver/inter_op.py) pick the cuts and each unit's recomputation (a pipedream-2bw the runtime runs
+without a flush by its own objective, m x the slowest stage), and prices the result (`_price`) with the
+schedule's closed form (a pipedream-2bw the runtime runs flushed with 1F1B's: `flush_blocker`;
+planner/cost/schedules.py; the first micro-batch's p2p hops through the fill and drain as
 its latency when p2p is overlapped) plus, once per step, the part of the data-parallel
 gradient reduction the backward does not hide (`dp_tail_s`), the all-reduce of each tied
 weight's gradient over the pipeline ranks holding a copy (Megatron-LM's embedding group:
@@ -94,6 +96,9 @@ class Config:
     shares its samples and splits their sequences; the table is priced at micro-batch b / cp."""
     expert_tp: int = 1
     """Expert tensor-parallel degree: 1, or tp when pinned (`Pins.expert_tp`; planner/cost/moe.py)."""
+    cp_algorithm: str = "all-gather"
+    """How CP's attention reaches the other ranks' K/V (planner/cost/cp.py `CP_METHODS`): both are
+    tried for each cp > 1 and priced in the table (`UnitCosts.table`); "all-gather" when cp is 1."""
 
     @property
     def zero_dp(self) -> int:
@@ -124,7 +129,7 @@ class Config:
     def describe(self) -> str:
         sched = self.schedule + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (f"pp{self.pp} x dp{self.dp} x tp{self.tp}{' +sp' if self.sequence_parallel else ''}"
-                f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' cp{self.cp}' if self.cp > 1 else ''}{f' hsdp{self.shard_degree}' if self.shard_degree else ''}"
+                f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' cp{self.cp}' + (' ring' if self.cp_algorithm == 'ring' else '') if self.cp > 1 else ''}{f' hsdp{self.shard_degree}' if self.shard_degree else ''}"
                 f"{' offload' if self.offload else ''}, "
                 f"mbs {self.micro_batch_size} x {self.num_microbatches}, {sched}, zero {self.zero_stage}")
 
@@ -155,6 +160,9 @@ class Evaluation:
     """Communication the price assumes hidden behind compute (planner/cost/overlap.py names)."""
     memory_terms: tuple = ()
     """Per stage, `peak_memory_bytes` by term ({name: bytes}, `memory_terms`): they sum to it."""
+    flushed_by: str | None = None
+    """pipedream-2bw only: why the runtime runs it flushed, so it was priced with 1F1B's time
+    (`flush_blocker`); None when it runs flush-free, and for synchronous schedules."""
 
 
 @dataclass(frozen=True)
@@ -318,6 +326,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     # Copies of tied weights a range holds (linear in parameters, like `states`).
     copy_states = gpu_state_bytes(table.copy_parameters(start, end), cfg, env)
     hops, p2p, sliced = p2p_arrays(table, cfg, env)
+    blocker = flush_blocker(cfg, sliced)  # pipedream-2bw: flushed (priced as 1F1B) or not (cut by m max)
     # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more). Stage
     # positions holding as many share one row of the cost table (zero bubble: all of them).
     rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
@@ -373,15 +382,18 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             if attempt == 0 and limit >= max(limits) and _bottleneck_bound_s(table, cfg, env, least, hops) >= time_cap_s:
                 return Evaluation(cfg, False, "dominated: its least bottleneck stage is too slow for the best plans")
             try:
-                bounds = solve_cuts(cost, cfg.num_microbatches, candidates=candidates, bottleneck_floor=least).bounds
+                bounds = solve_cuts(cost, cfg.num_microbatches, candidates=candidates, bottleneck_floor=least,
+                                    flush_free=cfg.schedule == "pipedream-2bw" and blocker is None).bounds
             except PlannerError:
                 dominated = math.isfinite(time_cap_s)
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
                                   min_memory_bytes=math.inf if dominated else min_needed)
-        evaluation = _price(table, cfg, env, bounds, stage_modes(choice, bounds), times, first, states, zero, p2p, hops)
+        evaluation = _price(table, cfg, env, bounds, stage_modes(choice, bounds), times, first, states, zero, p2p, hops,
+                            flushed=blocker is not None)
         if evaluation.feasible or attempt + 1 == len(limits):
             break
     evaluation.p2p_scatter_gather = sliced
+    evaluation.flushed_by = blocker
     evaluation.overlap = tuple(env.overlap.names())
     return evaluation
 
@@ -482,6 +494,24 @@ def p2p_arrays(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[np.
     return hops, p2p, sliced
 
 
+def flush_blocker(cfg: Config, sliced: bool) -> str | None:
+    """Why the runtime runs this pipedream-2bw configuration flushed (planner/plan.py
+    `flush_free_blocker` on its layout; `sliced`: `scatter_gather`), None where it runs it without
+    a flush (runtime/pp_async.py `train_flush_free`) and for synchronous schedules. A flushed 2BW
+    step is priced as it runs: 1F1B's time, bubble included, plus the stashed weights' memory
+    (planner/cost/schedules.py `timed_schedule`)."""
+    if cfg.schedule != "pipedream-2bw":
+        return None
+    from planner.plan import Layout, Training, flush_free_blocker
+
+    layout = Layout.model_validate(dict(
+        pp_degree=cfg.pp, dp_degree=cfg.dp, tp_degree=cfg.tp, zero_stage=cfg.zero_stage,
+        sequence_parallel=cfg.sequence_parallel, schedule=cfg.schedule, virtual_stages=cfg.virtual_stages,
+        p2p_scatter_gather=sliced, ep_degree=cfg.ep, shard_degree=cfg.shard_degree, cp_degree=cfg.cp,
+        expert_tp_degree=cfg.expert_tp))
+    return flush_free_blocker(layout, Training(offload="cpu" if cfg.offload else "none"))
+
+
 def scatter_gather(cfg: Config, same_node: bool) -> bool:
     """Whether pipeline activations travel as 1/tp slices (runtime/pp_scatter.py).
 
@@ -554,11 +584,13 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     return tuple(out)
 
 
-def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, first, states, zero, p2p, hops) -> Evaluation:
+def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, first, states, zero, p2p, hops,
+           flushed: bool = False) -> Evaluation:
     """The iteration time and its breakdown for cuts `bounds` with `stage_modes[k][u]`, the mode
     index (into env.allowed_recompute) of stage k's u-th unit. Sums per unit as the cost table
     does (a range's start term at its first unit's mode; the full-recomputation transient, the
-    range's largest, as soon as one unit is full)."""
+    range's largest, as soon as one unit is full). `flushed`: a pipedream-2bw step the runtime
+    runs flushed, timed as 1F1B (`flush_blocker`)."""
     all_modes = env.allowed_recompute
     unit_mode = np.array([r for modes in stage_modes for r in modes])
     units = np.arange(unit_mode.size)
@@ -597,7 +629,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
-    pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages)
+    pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
     fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0
     pipeline_s += fill_s

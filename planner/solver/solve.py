@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import heapq
 import logging
 import math
 import time
@@ -26,7 +25,7 @@ import numpy as np
 from planner.cluster import Cluster
 from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
-from planner.cost.cp import cp_degrees, cp_refusal
+from planner.cost.cp import CP_METHODS, CpCollectives, cp_degrees, cp_refusal
 from planner.cost.memory import model_state_bytes
 from planner.errors import PlannerError
 from planner.plan import (
@@ -39,7 +38,8 @@ from planner.solver.bounds import TimeBound
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
-from planner.solver.search import Config, Environment, Evaluation, evaluate_config
+from planner.solver.pricing import price_in_order
+from planner.solver.search import Config, Environment, Evaluation, evaluate_config, flush_blocker, scatter_gather
 
 log = logging.getLogger(__name__)
 GIB = 1024**3
@@ -296,7 +296,8 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                         zeros = [pins.zero_stage] if pins.zero_stage is not None else \
                             ([0] if (pins.expert_tp or 1) > 1 else  # the runtime runs expert TP with ZeRO 0 only
                              [0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
-                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp, pins.expert_tp or 1)
+                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp, pins.expert_tp or 1, cp_algorithm=alg)
+                               for alg in (CP_METHODS if cp > 1 else CP_METHODS[:1])  # the cheaper wins the search
                                for ep in (ep_degrees(pins, experts, dp, sp, tp) if cp == 1 else [1]) for z in zeros
                                for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
                                                            functools.partial(states_fit, z, pp, tp))
@@ -409,8 +410,9 @@ class SearchResult:
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
            memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False,
            moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
-           allow_async: bool = False) -> SearchResult:
-    """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline).
+           allow_async: bool = False, workers: int = 1) -> SearchResult:
+    """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline);
+    `workers` processes price them (planner/solver/pricing.py: the same top k).
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
     (`memory_lower_bound`, once per setting it reads: `TimeBound.memory_bytes`); the rest are
@@ -452,7 +454,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     tick = time.perf_counter()
     tables = {}
     for cfg in configs:
-        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)
+        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm)
         if key not in tables:
             tables[key] = costs.table(*key)
     phases["intra_op"] = time.perf_counter() - tick
@@ -460,39 +462,31 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     bound = TimeBound(env)
     fitting, pruned, least = [], 0, math.inf
     for cfg in configs:
-        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)]
+        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm)]
         memory = bound.memory_bytes(table, cfg)
         if memory > env.usable_memory_bytes:
             pruned, least = pruned + 1, min(least, memory)
             continue
         fitting.append((table, cfg))
-    time_bounds = async_time_bounds(bound.many(fitting), [cfg for _, cfg in fitting])
+    time_bounds = async_time_bounds(bound.many(fitting), [cfg for _, cfg in fitting], env.gpus_per_node)
     order = np.argsort(time_bounds, kind="stable")  # ascending bound, ties in enumeration order
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    ranked: list[Evaluation] = []
-    best_times: list[float] = []
-    evaluated, cap = 0, math.inf
-    for index in order:
-        if time_bounds[index] >= cap:
-            break
+
+    def price(index: int, cap: float) -> Evaluation:
         table, cfg = fitting[index]
-        evaluated += 1
         bounds = uniform_bounds(len(profile.units), cfg.pp * cfg.virtual_stages) if uniform_cuts else None
-        result = evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
-        if result.feasible:
-            ranked.append(result)
-            heapq.heappush(best_times, -result.iteration_time_s)  # the k fastest so far, slowest on top
-            if len(best_times) > keep:
-                heapq.heappop(best_times)
-            if len(best_times) == keep:
-                cap = -best_times[0]
-        else:
-            least = min(least, result.min_memory_bytes)
+        return evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
+
+    # In ascending bound order until the k-th best time is below the next bound (planner/solver/pricing.py).
+    ranked, evaluated, unfit = price_in_order(price, order.tolist(), time_bounds.tolist(), keep, workers)
+    least = min(least, unfit)
     phases["inter_op"] = time.perf_counter() - tick
     log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", len(configs), pruned, evaluated,
               {k: round(v, 3) for k, v in phases.items()})
-    ranked.sort(key=lambda e: e.iteration_time_s)
+    # A flushed pipedream-2bw ties with 1F1B on the same layout (priced as it: `flush_blocker`) and
+    # holds more memory and stale weights: the synchronous one goes first.
+    ranked.sort(key=lambda e: (e.iteration_time_s, e.flushed_by is not None))
     return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs,
                         candidates=len(configs), pruned_by_time=len(fitting) - evaluated, phase_times_s=phases,
                         memory_fraction=memory_fraction)
@@ -520,7 +514,8 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
                       require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll), imbalance=moe_imbalance,
                       float8=float8, expert_tp=cfg.expert_tp)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
-    return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp), cfg, env)
+    return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm),
+                           cfg, env)
 
 
 def _states_fit(profile: Profile, dtype: str, usable_bytes: float):
@@ -533,12 +528,14 @@ def _states_fit(profile: Profile, dtype: str, usable_bytes: float):
 
 
 def cp_collectives(cluster: Cluster, coll: CollectiveModel):
-    """(cp, tp) -> (all_gather_s, reduce_scatter_s) in a CP group: cp data-parallel ranks, tp apart."""
+    """(cp, tp) -> CpCollectives of a CP group: cp data-parallel ranks, tp apart; a ring step's
+    slowest hop crosses nodes when the group does."""
     @lru_cache(maxsize=None)
-    def of(cp: int, tp: int):
+    def of(cp: int, tp: int) -> CpCollectives:
         group = group_placement(cluster, cp, tp)
-        return lru_cache(maxsize=None)(lambda n: coll.all_gather_s(n, group)), \
-            lru_cache(maxsize=None)(lambda n: coll.reduce_scatter_s(n, group))
+        return CpCollectives(lru_cache(maxsize=None)(lambda n: coll.all_gather_s(n, group)),
+                             lru_cache(maxsize=None)(lambda n: coll.reduce_scatter_s(n, group)),
+                             lru_cache(maxsize=None)(lambda n: coll.p2p_s(n, same_node=group.num_nodes == 1)))
     return of
 
 
@@ -567,8 +564,9 @@ def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pi
 def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), top_k: int = 3,
           dtype: str | None = None, profile_path: str | None = None, memory_fraction: float = MEMORY_FRACTION,
           uniform_cuts: bool = False, moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
-          allow_async: bool = False, allow_replication: bool = False) -> Plan:
-    """The best plan, or a PlannerError that says what does not fit and by how much. `allow_async`:
+          allow_async: bool = False, allow_replication: bool = False, workers: int = 1) -> Plan:
+    """The best plan, or a PlannerError that says what does not fit and by how much. `workers`:
+    processes that price configurations (planner/solver/pricing.py; the CLI uses every CPU). `allow_async`:
     the asynchronous pipedream-2bw schedule is one more candidate, and the plan's notes say so.
     `allow_replication`: PipeDream's per-stage replication is priced too and wins when faster
     (planner/solver/replication_search.py `consider_replication`; the notes say which won)."""
@@ -576,7 +574,7 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
         raise PlannerError(f"--global-batch must be positive (got {global_batch_size}).", "Pass the samples per optimizer step.")
     result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1),
                     uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance, float8=float8, allow_offload=allow_offload,
-                    allow_async=allow_async)
+                    allow_async=allow_async, workers=workers)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
         if result.evaluated == 0 and result.pruned == 0:
@@ -596,6 +594,9 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
     plan = build_plan(profile, cluster, global_batch_size, result, top_k, dtype or profile.dtype, profile_path)
     if allow_async and plan.search is not None:
         plan.search.notes.append(ASYNC_NOTE)
+        flushed = flushed_2bw_note(result.ranked)
+        if flushed:
+            plan.search.notes.append(flushed)
     if allow_replication and not (pins.tp and pins.tp > 1) and not (pins.dp and pins.dp > 1):
         from planner.solver.replication_search import consider_replication
 
@@ -610,6 +611,16 @@ ASYNC_NOTE = ("asynchronous: changes the optimisation, W(t+1) = W(t) - lr grad f
 """The plan's `search.notes` entry when the search was allowed the asynchronous schedule."""
 
 
+def flushed_2bw_note(ranked: list[Evaluation]) -> str | None:
+    """One `search.notes` entry when some pipedream-2bw candidate was priced as flushed (search.py
+    `flush_blocker`), naming each distinct reason once; None when none was."""
+    reasons = list(dict.fromkeys(e.flushed_by for e in ranked if e.flushed_by))
+    if not reasons:
+        return None
+    return (f"pipedream-2bw runs flushed with {'; '.join(reasons)} (runtime/pp_async.py): priced there as 1F1B, "
+            "bubble included, plus the stashed weights")
+
+
 def check_async_pin(pins: Pins, allow_async: bool) -> None:
     """Refuse a pinned asynchronous schedule unless the user allowed asynchrony: it changes what is
     trained, not only how fast, so it is never chosen silently."""
@@ -620,11 +631,19 @@ def check_async_pin(pins: Pins, allow_async: bool) -> None:
             "Add --allow-async to plan it, or pin a synchronous schedule (1f1b, interleaved-1f1b, zero-bubble, gpipe).")
 
 
-def async_time_bounds(bounds: np.ndarray, configs: list) -> np.ndarray:
+def async_time_bounds(bounds: np.ndarray, configs: list, gpus_per_node: int | None = None) -> np.ndarray:
     """`TimeBound.many` prices pipedream-2bw with 1F1B's closed form (its default form), which is
     not below 2BW's m max_k work_k. Scaled by m / (m + S - 1) it is (S = pp x v chunks): 1F1B's
     pipeline bound W (1 + (m - 1) / S) becomes m W / S, which 2BW's m max_k work_k >= m W / S
-    respects, and the fill and optimizer terms only shrink, so the bound stays a lower bound."""
+    respects, and the fill and optimizer terms only shrink, so the bound stays a lower bound.
+    A 2BW the runtime runs flushed is priced as 1F1B (search.py `flush_blocker`; whether its
+    activations travel as TP slices is `scatter_gather`'s, asked as `p2p_arrays` asks it) and
+    keeps 1F1B's bound unscaled; `gpus_per_node` None scales every 2BW (looser, still a bound)."""
+    def flush_free(cfg) -> bool:
+        if cfg.schedule != "pipedream-2bw" or gpus_per_node is None:
+            return cfg.schedule == "pipedream-2bw"
+        return flush_blocker(cfg, scatter_gather(cfg, cfg.dp * cfg.tp < gpus_per_node)) is None
+
     scale = np.array([cfg.num_microbatches / (cfg.num_microbatches + cfg.pp * cfg.virtual_stages - 1)
-                      if cfg.schedule == "pipedream-2bw" else 1.0 for cfg in configs])
+                      if flush_free(cfg) else 1.0 for cfg in configs])
     return bounds * scale if len(configs) else bounds

@@ -1,0 +1,59 @@
+"""Pricing in bound order on several processes (planner/solver/pricing.py) finds the sequential
+loop's top k: the cap only prunes, and the configurations are the same."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+import planner.solver.pricing as pricing
+from planner.solver.search import Evaluation
+
+
+def _instance(seed: int, n: int = 60):
+    rng = random.Random(seed)
+    bounds = [rng.uniform(1, 10) for _ in range(n)]
+    times = [b * rng.uniform(1, 1.6) for b in bounds]  # a bound never exceeds the price
+    fits = [rng.random() > 0.1 for _ in range(n)]
+    order = sorted(range(n), key=lambda i: bounds[i])
+    seen: list[tuple[int, float]] = []
+
+    def price(index: int, cap: float) -> Evaluation:
+        seen.append((index, cap))
+        cfg = SimpleNamespace(index=index)
+        if not fits[index]:
+            return Evaluation(cfg, False, "does not fit", min_memory_bytes=1e9 + index)
+        return Evaluation(cfg, True, iteration_time_s=times[index])
+
+    return price, order, bounds, times, fits, seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", range(4))
+def test_parallel_pricing_keeps_the_sequential_top_k(seed, monkeypatch):
+    monkeypatch.setattr(pricing, "MIN_PARALLEL", 0)
+    price, order, bounds, times, fits, seen = _instance(seed)
+    ranked, evaluated, _ = pricing.price_in_order(price, order, bounds, keep=3, workers=1)
+    assert evaluated == len(seen) < len(order)  # the bound stopped it early
+    in_parallel, priced, _ = pricing.price_in_order(price, order, bounds, keep=3, workers=2)
+    best = sorted(times[i] for i in range(len(times)) if fits[i])[:3]
+    for found in (ranked, in_parallel):
+        assert sorted(e.iteration_time_s for e in found)[:3] == best
+    assert evaluated <= priced <= evaluated + 4  # at most what was in flight when the cap fell
+    positions = {i: k for k, i in enumerate(order)}
+    assert [positions[e.config.index] for e in in_parallel] == sorted(positions[e.config.index] for e in in_parallel)
+
+
+def test_few_configurations_are_priced_in_process(monkeypatch):
+    price, order, bounds, *_ = _instance(0, n=5)
+    monkeypatch.setattr(pricing, "_parallel", lambda *a: pytest.fail("forked for 5 configurations"))
+    pricing.price_in_order(price, order, bounds, keep=3, workers=2)
+
+
+def test_workers_from_the_environment(monkeypatch):
+    monkeypatch.setenv(pricing.WORKERS_ENV, "1")
+    assert pricing.default_workers() == 1
+    monkeypatch.delenv(pricing.WORKERS_ENV)
+    assert pricing.default_workers() >= 1
