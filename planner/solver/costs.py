@@ -255,18 +255,18 @@ class UnitCosts:
         act = {m: v.copy() for m, v in part.activations.items()}
         rec = {m: v.copy() for m, v in part.recompute_s.items()}
         transient = {m: v.copy() for m, v in part.transient.items()}
-        for u in self.profile.units:
+        for u, indices in self._content_groups():  # one evaluation per distinct unit (`_content_groups`)
             kv, share = kv_bytes(u, b, self.dtype_bytes) / t, attention_share(u)
             forward, backward = cp_unit_s(algorithm, kv, cp, collectives, part.forward_s[u.index] * share,
                                           part.backward_s[u.index] * share)
-            comm[u.index] = forward + backward
-            rec_comm[u.index] = forward
-            rec["full"][u.index] += forward
+            comm[indices] = forward + backward
+            rec_comm[indices] = forward
+            rec["full"][indices] += forward
             for mode in ("none", "selective"):
-                act[mode][u.index] += saved_kv_bytes(kv, cp, algorithm)
+                act[mode][indices] += saved_kv_bytes(kv, cp, algorithm)
             if algorithm == "ring":
                 for mode in transient:
-                    transient[mode][u.index] += gathered_kv_bytes(kv, cp, algorithm)
+                    transient[mode][indices] += gathered_kv_bytes(kv, cp, algorithm)
         return replace(part, cp_comm_s=comm, recompute_cp_comm_s=rec_comm, activations=act, recompute_s=rec,
                        transient=transient)
 
