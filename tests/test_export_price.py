@@ -383,3 +383,34 @@ def test_expert_tp_round_trips_through_megatron_and_torchtitan(moe_h100):
     assert "--expert-tensor-parallel-size 1" in export_plan(whole, "megatron", moe_h100, cluster).text
     unset = megatron.parse("--tensor-model-parallel-size 2 --expert-model-parallel-size 2 --num-experts 8 --bf16")
     assert unset.expert_tp_degree == 1 and any("--expert-tensor-parallel-size not given" in n for n in unset.notes)
+
+
+@pytest.mark.parametrize("engine,ring,other", [("megatron", "--cp-comm-type p2p", "--cp-comm-type allgather"),
+                                               ("torchtitan", 'context_parallel_rotate_method = "alltoall"',
+                                                'context_parallel_rotate_method = "allgather"')])
+def test_cp_attention_round_trips(engine, ring, other, gpt_h100):
+    """A CP plan's algorithm in the engine's own words (Megatron-LM's --cp-comm-type, torchtitan's
+    context_parallel_rotate_method) and back; the solved one prices to the plan's time."""
+    cluster = make_cluster(8, 8, "h100-80gb")
+    plan = solve(gpt_h100, cluster, BATCH, Pins(pp=1, tp=1, dp=8, cp=2, micro_batch_size=1))
+    for algorithm in ("ring", "all-gather"):
+        data = plan.model_dump()
+        data["layout"]["cp_algorithm"] = algorithm
+        variant = type(plan).model_validate(data)
+        exported = export_plan(variant, engine, gpt_h100, cluster)
+        assert (ring if algorithm == "ring" else other) in exported.text, exported.text
+        back = _read_back(engine, exported)
+        assert back.cp_degree == 2 and back.cp_algorithm == algorithm
+        priced = price(gpt_h100, cluster, back, BATCH)
+        assert plan_layout(priced).cp_algorithm == algorithm
+        if algorithm == plan.layout.cp_algorithm and not exported.warnings:
+            assert priced.prediction.iteration_time_s == pytest.approx(plan.prediction.iteration_time_s, rel=1e-9)
+
+
+def test_megatron_all_to_all_cp_is_priced_as_the_ring_with_a_note():
+    from planner.engines import megatron
+
+    layout = megatron.parse("--context-parallel-size 2 --cp-comm-type a2a --tensor-model-parallel-size 1")
+    assert layout.cp_algorithm == "ring" and any("a2a" in n for n in layout.notes)
+    assert megatron.parse("--context-parallel-size 2").cp_algorithm == "ring"  # Megatron-LM's default p2p
+    assert megatron.parse("--tensor-model-parallel-size 2").cp_algorithm == "all-gather"  # no CP: unused

@@ -72,6 +72,9 @@ class EngineLayout:
     cp_degree: int = 1
     """Context-parallel degree, folded onto the data-parallel ranks: dp_degree counts the cp ranks
     (planner/plan.py `Layout.cp_degree`), where Megatron-LM and torchtitan count them apart."""
+    cp_algorithm: str = "all-gather"
+    """How CP attention reaches the other ranks' K/V (planner/plan.py `Layout.cp_algorithm`):
+    "all-gather" or "ring"; read only where cp_degree > 1."""
     shard_degree: int | None = None
     """Hybrid sharding: ZeRO states over groups of this many consecutive dp ranks; None: over all."""
     replicate_degree: int | None = None
@@ -241,7 +244,7 @@ def plan_layout(plan: Plan) -> EngineLayout:
         recompute=modes.pop() if len(modes) == 1 else "mixed",
         split=Split("units", tuple(tuple(s.units) for s in plan.stages)), dtype=plan.training.dtype,
         grad_clip=plan.training.grad_clip, ep_degree=lay.ep_degree, expert_tp_degree=lay.expert_tp_degree, cp_degree=lay.cp_degree, shard_degree=lay.shard_degree,
-        offload=plan.training.offload == "cpu", float8=plan.training.float8)
+        cp_algorithm=lay.cp_algorithm, offload=plan.training.offload == "cpu", float8=plan.training.float8)
 
 
 def strongest_recompute(plan: Plan) -> str:
@@ -285,7 +288,8 @@ def differences(a: EngineLayout, b: EngineLayout, bounds_a=None, bounds_b=None) 
     for label, name in (("pp", "pp_degree"), ("dp", "dp_degree"), ("tp", "tp_degree"), ("zero", "zero_stage"),
                         ("sequence parallel", "sequence_parallel"), ("schedule", "schedule"), ("virtual stages", "virtual_stages"),
                         ("micro-batch", "micro_batch_size"), ("recompute", "recompute"), ("dtype", "dtype"),
-                        ("ep", "ep_degree"), ("expert tp", "expert_tp_degree"), ("cp", "cp_degree"), ("offload", "offload"), ("fp8", "float8")):
+                        ("ep", "ep_degree"), ("expert tp", "expert_tp_degree"), ("cp", "cp_degree"), ("cp attention", "cp_algorithm"), ("offload", "offload"),
+                        ("fp8", "float8")):
         x, y = getattr(a, name), getattr(b, name)
         if x is not None and y is not None and x != y:
             out.append(f"{label} {x} -> {y}")

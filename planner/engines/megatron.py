@@ -171,6 +171,8 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
     args = [f"--tensor-model-parallel-size {mapped.tp_degree}", f"--pipeline-model-parallel-size {mapped.pp_degree}",
             f"--context-parallel-size {mapped.cp_degree}", f"--expert-model-parallel-size {mapped.ep_degree}",
             f"--num-layers {len(blocks)}"]
+    if mapped.cp_degree > 1:  # p2p: the ring (Megatron-Core's default), allgather: Llama 3's all-gather of K/V
+        args.append(f"--cp-comm-type {CP_COMM_TYPE[mapped.cp_algorithm]}")
     if mapped.ep_degree > 1 or mapped.expert_tp_degree > 1:  # unset, Megatron-Core splits experts over the whole TP group
         args.append(f"--expert-tensor-parallel-size {mapped.expert_tp_degree}")
     if mapped.pp_degree > 1:
@@ -254,6 +256,21 @@ def _optional_int(args: dict, name: str, source: str) -> int | None:
                            "Replace shell variables by their values (the planner does not run the script).") from None
 
 
+CP_COMM_TYPE = {"ring": "p2p", "all-gather": "allgather"}
+"""The plan's `Layout.cp_algorithm` -> Megatron-LM's --cp-comm-type (arguments.py: "p2p, a2a, allgather
+or a2a+p2p", default p2p; p2p passes K/V blocks around the ring, overlapped with attention)."""
+
+
+def _cp_algorithm(comm_type: str, notes: list[str]) -> str:
+    """--cp-comm-type's (first) value as the plan's algorithm; the all-to-all kinds, which the
+    planner does not model, priced as the ring with a note."""
+    for algorithm, name in CP_COMM_TYPE.items():
+        if comm_type == name:
+            return algorithm
+    notes.append(f"--cp-comm-type {comm_type} (all-to-all over heads) priced as the ring (p2p)")
+    return "ring"
+
+
 def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
     args = tokens(text)
     if not any(k.startswith("--") for k in args):
@@ -310,6 +327,8 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
     if args.get("--num-experts") and tp > 1 and args.get("--expert-tensor-parallel-size") is None:
         notes.append("--expert-tensor-parallel-size not given (Megatron-Core then splits the experts over the TP group): "
                      "priced with whole experts, expert TP 1")
+    cp_algorithm = _cp_algorithm(str(args.get("--cp-comm-type", "p2p")), notes) \
+        if num("--context-parallel-size", 1) > 1 else "all-gather"
     float8 = args.get("--fp8-format") not in (None, True)
     recipe = str(args.get("--fp8-recipe", "delayed"))  # Megatron-LM's default recipe
     if float8 and (recipe, args["--fp8-format"]) != ("tensorwise", "hybrid"):
@@ -322,5 +341,5 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         dtype="bfloat16" if args.get("--bf16") else "float16" if args.get("--fp16") else "float32",
         grad_clip=clip or None, notes=tuple(notes), ep_degree=num("--expert-model-parallel-size", 1),
         expert_tp_degree=num("--expert-tensor-parallel-size", 1),
-        cp_degree=num("--context-parallel-size", 1), replicate_degree=instances if instances > 1 and zero == 1 else None,
+        cp_degree=num("--context-parallel-size", 1), cp_algorithm=cp_algorithm, replicate_degree=instances if instances > 1 and zero == 1 else None,
         offload=offload, float8=float8)

@@ -113,8 +113,9 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     m = batch * layout.cp_degree // (layout.dp * layout.micro_batch)  # a CP group shares its samples
     cfg = Config(layout.tp_degree, layout.sequence_parallel, layout.pp_degree, layout.dp, layout.micro_batch, m,
                  layout.schedule, layout.virtual_stages, layout.zero_stage, ep=layout.ep_degree,
-                 shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree, expert_tp=layout.expert_tp_degree)
-    table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp)
+                 shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree, expert_tp=layout.expert_tp_degree,
+                 cp_algorithm=layout.cp_algorithm if layout.cp_degree > 1 else "all-gather")
+    table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm)
     evaluation = evaluate_config(table, cfg, env, bounds)
     if not evaluation.feasible:
         raise PlannerError(f"The configuration cannot be priced: {evaluation.reason}.", "Check its stages and degrees.")

@@ -141,6 +141,13 @@ def _float8(mapped: EngineLayout, names: list[str]) -> dict | None:
             "precompute_float8_dynamic_scale_for_fsdp": False, "filter_fqns": names[-1:]}
 
 
+ROTATE_METHOD = {"ring": "alltoall", "all-gather": "allgather"}
+"""The plan's `Layout.cp_algorithm` -> torchtitan's parallelism.context_parallel_rotate_method
+(torch.distributed.tensor.experimental context_parallel: "'allgather' means to all-gather all kv
+shards on ranks after the first sub-SDPA computation, 'alltoall' means to all-to-all shuffle the
+kv shards"; default allgather)."""
+
+
 def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | None) -> str:
     dp, cp = mapped.dp, mapped.cp_degree
     sharded = mapped.zero_stage >= 1 and dp > 1
@@ -153,6 +160,8 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         "tensor_parallel_degree": mapped.tp_degree,
         "pipeline_parallel_degree": mapped.pp_degree,
         "context_parallel_degree": cp,
+        # torch's context_parallel: "alltoall" rotates K/V shards around the ring, "allgather" gathers them all
+        "context_parallel_rotate_method": ROTATE_METHOD[mapped.cp_algorithm],
         "expert_parallel_degree": mapped.ep_degree,
     }
     if mapped.ep_degree > 1:  # "1 means disabled ... no effect when ep = 1" (ParallelismConfig); else 1 or tp
@@ -231,6 +240,8 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         grad_clip=train.get("max_norm"), notes=tuple(notes), ep_degree=int(par.get("expert_parallel_degree", 1)),
         expert_tp_degree=int(par.get("expert_tensor_parallel_degree", 1)) if int(par.get("expert_parallel_degree", 1)) > 1 else 1,
         cp_degree=cp, shard_degree=shard * cp if hsdp and shard != -1 else None,
+        cp_algorithm={v: k for k, v in ROTATE_METHOD.items()}.get(str(par.get("context_parallel_rotate_method", "allgather")),
+                                                                   "all-gather"),
         replicate_degree=replicate if hsdp and shard == -1 else None, offload=bool(train.get("enable_cpu_offload", False)),
         float8=float8)
 
