@@ -298,6 +298,9 @@ def solve(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Training dtype (default: the profile's)."),
     cp: Optional[int] = typer.Option(None, "--cp", help="Pin the context-parallel degree (sequences split over cp of "
                                      "the dp ranks; 2 x cp must divide the sequence)."),
+    cp_algorithm: Optional[str] = typer.Option(None, "--cp-algorithm", help="Pin how CP attention reaches the other "
+                                               "ranks' K/V: all-gather (Llama 3) or ring (K/V blocks passed around, "
+                                               "overlapped); default: the cheaper."),
     shard_degree: Optional[int] = typer.Option(None, "--shard-degree", help="Pin hybrid sharding (HSDP): ZeRO states "
                                                "sharded over groups of this many dp ranks, replicated across groups."),
     offload: Optional[bool] = typer.Option(None, "--offload/--no-offload", help="--offload: let the search keep model "
@@ -339,7 +342,7 @@ def solve(
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise PlannerError(f"Unknown --dtype {dtype!r}.", "Use float32, bfloat16 or float16.")
     pins = Pins(pp, tp, dp, micro_batch, schedule, virtual_stages, recompute, zero, sequence_parallel, ep, shard_degree,
-                cp=cp, expert_tp=expert_tp)
+                cp=cp, expert_tp=expert_tp, cp_algorithm=cp_algorithm)
     with err_console.status("solving"):
         plan = solve_plan(prof, clus, global_batch, pins, top_k=max(top, 1), dtype=dtype, profile_path=str(profile_file),
                           moe_imbalance=moe_imbalance, float8=fp8, allow_offload=bool(offload), allow_async=allow_async,

@@ -172,3 +172,19 @@ def test_planner_show_prints_the_cp_algorithm(long_llama):
     out = io.StringIO()
     print_plan(plan, Console(file=out, width=250))
     assert f"{plan.layout.cp_degree} {plan.layout.cp_algorithm}" in out.getvalue()
+
+
+def test_cp_algorithm_pin(long_llama):
+    """--cp-algorithm pins what the search would otherwise choose; bad pins are refused with the reason."""
+    from planner.cluster import make_cluster
+    from planner.errors import PlannerError
+    from planner.solver.solve import Pins, solve
+
+    cluster = make_cluster(8, 8, "h100-80gb")
+    free = solve(long_llama, cluster, 8, Pins(cp=4, tp=1)).layout.cp_algorithm
+    other = "ring" if free == "all-gather" else "all-gather"
+    assert solve(long_llama, cluster, 8, Pins(cp=4, tp=1, cp_algorithm=other)).layout.cp_algorithm == other
+    with pytest.raises(PlannerError, match="is not one of"):
+        solve(long_llama, cluster, 8, Pins(cp=4, cp_algorithm="tree"))
+    with pytest.raises(PlannerError, match="--cp 1"):
+        solve(long_llama, cluster, 8, Pins(cp=1, cp_algorithm="ring"))

@@ -75,6 +75,9 @@ class Pins:
     expert_tp: int | None = None
     """Expert tensor-parallel degree (MoE models only): 1 or the pinned --tp; never searched
     (issue #14: expert TP off unless pinned; planner/cost/moe.py, runtime/apply_ep.py)."""
+    cp_algorithm: str | None = None
+    """How CP attention reaches the other ranks' K/V ("all-gather" or "ring"); None: the cheaper
+    for each cp > 1 (planner/cost/cp.py)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -126,6 +129,10 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         problems.append("--shard-degree/--offload with --ep: expert parallelism folds its own groups onto dp")
     if pins.cp and pins.cp > 1 and ((pins.pp or 1) > 1 or (pins.ep or 1) > 1):
         problems.append("--cp with --pp or --ep: the runtime runs context parallelism with dp and tp only")
+    if pins.cp_algorithm is not None and pins.cp_algorithm not in CP_METHODS:
+        problems.append(f"--cp-algorithm {pins.cp_algorithm!r} is not one of {', '.join(CP_METHODS)}")
+    if pins.cp_algorithm is not None and pins.cp == 1:
+        problems.append("--cp-algorithm with --cp 1: there is no context parallelism to choose it for")
     if pins.cp and pins.dp and pins.dp % pins.cp:
         problems.append(f"--cp {pins.cp} does not divide --dp {pins.dp} (context parallelism is folded onto the "
                         "data-parallel ranks)")
@@ -297,7 +304,8 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                             ([0] if (pins.expert_tp or 1) > 1 else  # the runtime runs expert TP with ZeRO 0 only
                              [0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
                         yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp, pins.expert_tp or 1, cp_algorithm=alg)
-                               for alg in (CP_METHODS if cp > 1 else CP_METHODS[:1])  # the cheaper wins the search
+                               for alg in (CP_METHODS[:1] if cp == 1 else [pins.cp_algorithm] if pins.cp_algorithm
+                                           else CP_METHODS)  # searched: the cheaper wins
                                for ep in (ep_degrees(pins, experts, dp, sp, tp) if cp == 1 else [1]) for z in zeros
                                for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
                                                            functools.partial(states_fit, z, pp, tp))
