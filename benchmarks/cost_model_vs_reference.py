@@ -105,7 +105,8 @@ def modern_case(row) -> dict:
         tflops = float(row.throughput_tflops_per_gpu)
         return dict(source="Megatron-Core H100 (2024)", stack="Megatron-Core", model=row.model, gpu="h100-80gb",
                     dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
-                    pins=StackPins(pp=pp, tp=tp, dp=dp, zero_stage=1, overlap=Overlap(tp_comm=True)),
+                    pins=StackPins(pp=pp, tp=tp, dp=dp, zero_stage=1, overlap=Overlap(tp_comm=True),
+                                   recompute_modes=("none", "selective", "full")),  # Megatron-LM's: no op-level mode
                     schedules=["1f1b", "interleaved-1f1b"] if pp > 1 else [None], profile_mbs=[1, 2],
                     published_s=megatron_core_flops(batch, s, l, h, ffn, vocab) / (tflops * 1e12 * gpus),
                     derived_from="Megatron-Core FLOPs / TFLOP/s", published_tflops=tflops)

@@ -42,11 +42,17 @@ gradient accumulated over them updates the newer one. With W(t) the weights befo
 The loss reported for step t is f(W(t-1)). It changes the optimisation, not only the speed:
 the solver picks it only with `planner solve --allow-async`. Needs m >= pp micro-batches
 (with fewer, two weight versions do not suffice: paper, section 3.1) and one chunk per rank."""
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "op", "full"]
+"""Activation recomputation of a unit, least to most recomputed: `none`; `selective`, the
+attention core (Korthikanti et al. 2022, Megatron-LM's --recompute-granularity selective);
+`op`, op-level selective checkpointing as torchtitan runs it (activation_checkpoint mode
+"selective", selective_ac_option "op": the outputs of attention and of every other matmul are
+saved, everything else recomputed: runtime/recompute.py); `full`, the whole unit from its input."""
 TPStyle = Literal["colwise", "rowwise", "sequence_parallel", "replicate"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 """Schedule names accepted everywhere (planner/cost/schedules.py prices them)."""
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE: tuple[str, ...] = get_args(Recompute)
+"""Recomputation modes, least to most recomputed (the order `majority_mode` and the engines' nearest mode use)."""
 
 
 class _Model(BaseModel):

@@ -7,7 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from planner.plan import Plan, SearchReport, Stage, flush_free_blocker
+from planner.plan import RECOMPUTE, Plan, SearchReport, Stage, flush_free_blocker
 from planner.report import format_bytes, format_time, memory_terms_table
 
 
@@ -41,7 +41,7 @@ def recompute_summary(stage: Stage) -> str:
     ("none; full on 3 of 8 units: blocks.0-2")."""
     modes = stage.unit_modes()
     parts: list[str] = [stage.recompute]
-    for mode in ("none", "selective", "full"):
+    for mode in RECOMPUTE:
         units = [u for u, r in modes.items() if r == mode and r != stage.recompute]
         if units:
             parts.append(f"{mode} on {len(units)} of {len(modes)} units: {_units_summary(units)}")

@@ -33,7 +33,7 @@ def cluster():
 # warning for them is tested below, the round trip holds either way).
 PINS = {
     "torchtitan": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="interleaved-1f1b", virtual_stages=2,
-                       recompute="selective", zero_stage=2, sequence_parallel=True),
+                       recompute="op", zero_stage=2, sequence_parallel=True),
     "megatron": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="1f1b", recompute="full", zero_stage=1,
                      sequence_parallel=True),
     "deepspeed": Pins(pp=2, tp=1, dp=4, micro_batch_size=2, schedule="1f1b", recompute="full", zero_stage=1),
@@ -198,7 +198,7 @@ def new_plans(gpt_h100, moe_h100):
     one = dict(pp=1, tp=1, micro_batch_size=1)
     return {
         "ep": (moe_h100, h100x8, solve(moe_h100, h100x8, BATCH, Pins(dp=8, ep=4, zero_stage=1, **one))),
-        "hsdp": (gpt_h100, h100x8, solve(gpt_h100, h100x8, BATCH, Pins(dp=8, zero_stage=3, shard_degree=2, **one))),
+        "hsdp": (gpt_h100, h100x8, solve(gpt_h100, h100x8, BATCH, Pins(dp=8, zero_stage=3, shard_degree=2, recompute="none", **one))),
         "offload": (gpt_h100, h100x1, solve(gpt_h100, h100x1, BATCH, Pins(zero_stage=3, offload=True), allow_offload=True)),
         "fp8": (gpt_h100, h100x8, solve(gpt_h100, h100x8, BATCH, PINS["megatron"], float8=True)),
     }
@@ -414,3 +414,21 @@ def test_megatron_all_to_all_cp_is_priced_as_the_ring_with_a_note():
     assert layout.cp_algorithm == "ring" and any("a2a" in n for n in layout.notes)
     assert megatron.parse("--context-parallel-size 2").cp_algorithm == "ring"  # Megatron-LM's default p2p
     assert megatron.parse("--tensor-model-parallel-size 2").cp_algorithm == "all-gather"  # no CP: unused
+
+
+def test_op_recompute_through_the_engines(gpt_h100):
+    """torchtitan's selective_ac_option "op" is mode `op` both ways; Megatron-LM and DeepSpeed, which
+    have no op-level mode, get full recomputation (within the plan's memory) with the change priced;
+    `planner price` sets a Megatron-LM file beside a best plan that uses Megatron-LM's modes only."""
+    from planner.engines import megatron, torchtitan
+    from planner.engines.pricing import compare
+
+    cluster = make_cluster(8, 8, "h100-80gb")
+    plan = solve(gpt_h100, cluster, BATCH, Pins(pp=1, tp=1, dp=8, micro_batch_size=1, recompute="op", zero_stage=1))
+    titan = export_plan(plan, "torchtitan", gpt_h100, cluster)
+    assert 'selective_ac_option = "op"' in titan.text and torchtitan.parse(titan.text).recompute == "op"
+    mega = export_plan(plan, "megatron", gpt_h100, cluster)
+    assert "--recompute-granularity full" in mega.text and any("recompute op" in w for w in mega.warnings)
+    result = compare(gpt_h100, cluster, megatron.parse(mega.text), BATCH)
+    assert result.best is not None
+    assert {r for s in result.best.stages for r in s.unit_modes().values()} <= {"none", "selective", "full"}

@@ -147,6 +147,18 @@ def unit_activation_bytes(
     raise ValueError(f"unknown recompute {recompute!r}; use none, selective or full")
 
 
+def op_activation_bytes(kept_bytes: float, input_bytes: float, saved_outputs: float, tp_degree: int,
+                        sequence_parallel: bool, sharded: bool = True) -> ActivationBytes:
+    """A unit under op-level selective checkpointing (torchtitan's selective_ac_option "op"):
+    its input (sharded over tp under SP) and the saved ops' outputs (`saved_outputs`, per GPU:
+    planner/solver/costs.py `op_checkpoint_terms`) are kept, never more than without
+    recomputation (`kept_bytes`, the "none" figure); what it does not keep is rebuilt for a while
+    in its backward (transient)."""
+    t = tp_degree if sharded and sequence_parallel else 1
+    stored = min(input_bytes / t + saved_outputs, kept_bytes)
+    return ActivationBytes(stored, max(kept_bytes - stored, 0.0))
+
+
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none") -> float:
     """Table 2 of Korthikanti et al. 2022: activation bytes of one GPT layer (16-bit)."""
     sbh = s * b * h

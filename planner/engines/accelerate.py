@@ -63,7 +63,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
         changes.append("ZeRO 1 -> 2 (FSDP2 without resharding shards gradients too)")
         mapped = replace(mapped, zero_stage=2)
     mode = mapped.recompute if mapped.recompute != "mixed" else strongest_recompute(plan)
-    mode = "full" if mode == "selective" else mode
+    mode = "full" if mode in ("selective", "op") else mode
     if mode != mapped.recompute:
         changes.append(f"recompute {[s.recompute for s in plan.stages]} -> full (fsdp_activation_checkpointing wraps whole layers)")
         mapped = replace(mapped, recompute=mode)
@@ -149,6 +149,7 @@ def parse(text: str, source: str = "accelerate.yaml") -> EngineLayout:
     if float8 and backend != "AO":
         notes.append(f"FP8 backend {backend} priced as torchao tensorwise dynamic scaling")
     return EngineLayout(
+        recompute_modes=("none", "full"),  # what it can run (planner price's best plan uses only these)
         dp_degree=num_processes, zero_stage=zero, shard_degree=shard if shard and shard < num_processes else None,
         cp_degree=cp, offload=bool(fsdp.get("fsdp_offload_params", False)) and kind == "FSDP", float8=float8, micro_batch_size=mbs,
         local_batch_size=mbs * m if mbs else None,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from planner.cluster import Cluster, make_cluster
 from planner.errors import PlannerError
-from planner.plan import Plan, Prediction
+from planner.plan import RECOMPUTE, Plan, Prediction
 from planner.profile_schema import Profile
 
 GIB = 1024**3
@@ -72,6 +72,9 @@ class EngineLayout:
     cp_degree: int = 1
     """Context-parallel degree, folded onto the data-parallel ranks: dp_degree counts the cp ranks
     (planner/plan.py `Layout.cp_degree`), where Megatron-LM and torchtitan count them apart."""
+    recompute_modes: tuple[str, ...] = RECOMPUTE
+    """The recomputation modes the engine runs (read from its file: its own); `planner price` sets
+    the configuration beside the best plan with these only (planner/engines/pricing.py `compare`)."""
     cp_algorithm: str = "all-gather"
     """How CP attention reaches the other ranks' K/V (planner/plan.py `Layout.cp_algorithm`):
     "all-gather" or "ring"; read only where cp_degree > 1."""
@@ -249,7 +252,7 @@ def plan_layout(plan: Plan) -> EngineLayout:
 
 def strongest_recompute(plan: Plan) -> str:
     """One mode for all stages that keeps every stage within memory: the most recomputing one any unit uses."""
-    order = ("none", "selective", "full")
+    order = RECOMPUTE
     return max((r for s in plan.stages for r in s.unit_modes().values()), key=order.index)
 
 
@@ -263,7 +266,7 @@ def nearest_unit_recompute(plan: Plan, mapped: EngineLayout, changes: list[str],
         return mapped
     if expressible:
         return replace(mapped, recompute="full")
-    order = ("none", "selective", "full")
+    order = RECOMPUTE
     used = {r for s in plan.stages for r in s.unit_modes().values()}
     mode = max(used, key=order.index)
     changes.append(f"per-unit recompute ({', '.join(sorted(used))} by unit) -> {mode} on every layer ({engine})")

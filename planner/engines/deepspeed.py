@@ -60,7 +60,7 @@ from planner.plan import Plan
 def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]]:
     lay, mapped, changes = plan.layout, plan_layout(plan), []
     mode = mapped.recompute if mapped.recompute != "mixed" else strongest_recompute(plan)
-    if mode == "selective":
+    if mode in ("selective", "op"):
         mode = "full"
     if mode != mapped.recompute:
         changes.append(f"recompute {[s.recompute for s in plan.stages]} -> full on every stage "
@@ -173,6 +173,7 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
     bf16, fp16 = _enabled(config.get("bf16")), _enabled(config.get("fp16"))
     auto_dtype = any(isinstance(config.get(k), dict) and config[k].get("enabled") == "auto" for k in ("bf16", "fp16"))
     return EngineLayout(
+        recompute_modes=("none", "full"),  # what it can run (planner price's best plan uses only these)
         pp_degree=pp, tp_degree=int(config.get("tensor_parallel", {}).get("autotp_size", 0) or 1), dp_degree=dp,
         zero_stage=stage, schedule="1f1b", micro_batch_size=mbs, global_batch_size=total,
         local_batch_size=mbs * (gas or 1) if mbs else None,

@@ -105,6 +105,10 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     changes: list[str] = []
     mapped = _unit_recompute(plan, names, mapped, changes)
     mapped = one_recompute_mode(plan, mapped, changes, "--recompute-granularity is one setting")
+    if mapped.recompute == "op":  # no op-level policy: full recomputation keeps within the plan's memory
+        changes.append("recompute op (op-level selective checkpointing) -> full (Megatron-LM's selective recomputes "
+                       "the attention core only, which keeps more than op does)")
+        mapped = replace(mapped, recompute="full")
     if lay.pp_degree > 1:
         megatron = "interleaved-1f1b" if lay.virtual_stages > 1 else "1f1b"
         if lay.schedule != megatron:
@@ -335,6 +339,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         notes.append(f"--fp8-format {args['--fp8-format']} --fp8-recipe {recipe} priced as torchao tensorwise dynamic "
                      "scaling (e4m3 forward, e5m2 gradients)")
     return EngineLayout(
+        recompute_modes=("none", "selective", "full"),  # what it can run (planner price's best plan uses only these)
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,
         global_batch_size=glob, local_batch_size=mbs, recompute=recompute, split=split,

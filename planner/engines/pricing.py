@@ -23,7 +23,7 @@ from planner.engines.common import (
     summary,
 )
 from planner.errors import PlannerError
-from planner.plan import Plan
+from planner.plan import RECOMPUTE, Plan
 from planner.profile_schema import Profile
 
 # evaluate_config may use any amount of memory: a priced configuration is reported, not refused.
@@ -93,8 +93,8 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
 
     layout, batch = resolve(layout, cluster, global_batch_size)
     dtype = layout.dtype or profile.dtype
-    if layout.recompute not in ("none", "selective", "full"):
-        raise PlannerError(f"Recompute {layout.recompute!r} is not one mode for all stages.", "Give one of none, selective, full.")
+    if layout.recompute not in RECOMPUTE:
+        raise PlannerError(f"Recompute {layout.recompute!r} is not one mode for all stages.", f"Give one of {', '.join(RECOMPUTE)}.")
     if layout.float8:
         check_float8(cluster, dtype)
     pins = Pins(layout.pp_degree, layout.tp_degree, layout.dp_degree, layout.micro_batch_size, layout.schedule,
@@ -150,13 +150,15 @@ class Comparison:
 
 def compare(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch_size: int | None = None,
             profile_path: str | None = None) -> Comparison:
-    from planner.solver.solve import MEMORY_FRACTION, solve
+    from planner.solver.solve import MEMORY_FRACTION, Pins, solve
 
     theirs = price(profile, cluster, layout, global_batch_size, profile_path)
     usable = cluster.gpu.memory_bytes * MEMORY_FRACTION
     try:
         # The same numerics (FP8 is the user's choice, not searched); offload offered where theirs uses it.
-        best = solve(profile, cluster, theirs.batch.global_batch_size, dtype=theirs.training.dtype, profile_path=profile_path,
+        # Recomputation as the engine runs it (Megatron-LM has no op-level mode, DeepSpeed no selective one).
+        best = solve(profile, cluster, theirs.batch.global_batch_size, Pins(recompute_modes=layout.recompute_modes),
+                     dtype=theirs.training.dtype, profile_path=profile_path,
                      float8=theirs.training.float8, allow_offload=theirs.training.offload == "cpu")
     except PlannerError:
         return Comparison(theirs, None, [], usable)

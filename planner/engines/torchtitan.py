@@ -62,6 +62,10 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     changes: list[str] = []
     mapped = _unit_recompute(plan, names, mapped, changes)
     mapped = one_recompute_mode(plan, mapped, changes, "[activation_checkpoint] mode is one setting")
+    if mapped.recompute == "selective":  # no attention-core mode: op-level keeps less, so it stays within memory
+        changes.append("recompute selective (attention core) -> op (torchtitan's selective_ac_option = \"op\": the "
+                       "outputs of attention and every other matmul saved, the rest recomputed)")
+        mapped = replace(mapped, recompute="op")
     if lay.tp_degree > 1 and not lay.sequence_parallel:
         changes.append("sequence parallelism off -> on (torchtitan's TP plans shard norms along the sequence)")
         mapped = replace(mapped, sequence_parallel=True)
@@ -180,12 +184,12 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
         training["max_norm"] = mapped.grad_clip
     if mapped.offload:
         training["enable_cpu_offload"] = True
-    ac: dict[str, object] = {"mode": mapped.recompute}
+    ac: dict[str, object] = {"mode": "selective" if mapped.recompute == "op" else mapped.recompute}
     nth = every_nth_layer(plan, names) if mapped.recompute == "full" else None
     if nth is not None:  # layer-level selective AC: full recomputation of every nth layer
         ac = {"mode": "selective", "selective_ac_option": str(nth)}
-    elif mapped.recompute == "selective":
-        ac["selective_ac_option"] = "op"  # per-op SAC: nearest to recomputing attention's core (Korthikanti et al. 2022)
+    elif mapped.recompute == "op":
+        ac["selective_ac_option"] = "op"  # op-level SAC (runtime/recompute.py `op_policy` runs the same policy)
     sections: dict[str, dict] = {"training": training, "parallelism": parallelism, "activation_checkpoint": ac}
     float8 = _float8(mapped, names)
     if float8:
@@ -229,10 +233,13 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     if mode == "selective" and option != "op":
         notes.append(f"selective_ac_option {option} (full AC every {option}th layer) priced as full recomputation")
         mode = "full" if option != "0" else "none"
+    elif mode == "selective":
+        mode = "op"  # op-level selective checkpointing, priced as such (planner/solver/costs.py)
     local = int(train.get("local_batch_size", 8))
     mbs = int(par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
     glob = train.get("global_batch_size", -1)
     return EngineLayout(
+        recompute_modes=("none", "op", "full"),  # what it can run (planner price's best plan uses only these)
         pp_degree=pp, tp_degree=int(par.get("tensor_parallel_degree", 1)), dp_degree=dp, zero_stage=zero,
         sequence_parallel=int(par.get("tensor_parallel_degree", 1)) > 1, schedule=names[sched] if pp > 1 else "1f1b",
         virtual_stages=v, micro_batch_size=mbs, global_batch_size=None if glob in (-1, None) else int(glob), local_batch_size=local,

@@ -21,7 +21,7 @@ from planner.cost.compute import (
 )
 from planner.cost.cp import attention_share, cp_unit_s, gathered_kv_bytes, kv_bytes, saved_kv_bytes
 from planner.cost.fp8 import price_fp8_unit, skipped_units
-from planner.cost.memory import unit_activation_bytes
+from planner.cost.memory import op_activation_bytes, unit_activation_bytes
 from planner.cost.moe import (
     ALL_TO_ALLS_PER_STEP,
     ETP_ALL_REDUCES_PER_STEP,
@@ -31,6 +31,7 @@ from planner.cost.moe import (
     moe_shapes,
     permutation_s,
 )
+from planner.plan import RECOMPUTE
 from planner.profile_schema import Profile, Unit
 from planner.solver.intra_op import (
     SHARDED,
@@ -40,7 +41,7 @@ from planner.solver.intra_op import (
     solve_intra_op,
 )
 
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = RECOMPUTE
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -167,6 +168,32 @@ def _score_bytes(unit: Unit, scale: float, dtype_bytes: int) -> float:
     return total
 
 
+REPLAYING = ("full", "op")
+"""Modes whose recomputed forward replays the unit's collectives (TP's, EP's all-to-alls, CP's
+K/V gathers): `full` replays the whole forward; `op` saves matmul and attention outputs but
+not the collectives' (torchtitan's save list keeps only reduce-scatters; counted as replayed)."""
+
+
+def op_checkpoint_terms(unit: Unit, scale: float, dtype_bytes: int, t: int,
+                        strategies: dict[str, str]) -> tuple[float, float]:
+    """What torchtitan's op-level selective checkpointing keeps of a unit (its policy,
+    torchtitan/distributed/activation_checkpoint.py `_apply_op_sac`: save the outputs of every
+    op in the save list, attention and matmuls, except every second matmul, in forward order;
+    recompute all else): (the saved ops' output bytes per micro-batch per GPU, their share of
+    the unit's forward FLOPs). A saved output is divided by t where TP leaves it sharded
+    (colwise, heads, sequence; a rowwise output is a full partial sum)."""
+    linear = [op for op in unit.ops if op.kind == "linear"]
+    kept = [op for k, op in enumerate(linear) if k % 2 == 0] + [op for op in unit.ops if op.kind == "attention"]
+    out = sum(math.prod(op.output_shape) * dtype_bytes * scale / (t if strategies.get(op.name) in SAVED_SHARDED else 1)
+              for op in kept)
+    total = max(unit.costs[min(unit.costs)].forward_flops, sum(op.forward_flops for op in unit.ops), 1)
+    return out, min(sum(op.forward_flops for op in kept) / total, 1.0)
+
+
+SAVED_SHARDED = {"colwise", "heads", "sequence"}
+"""TP strategies (planner/solver/intra_op.py) whose output each rank holds 1/t of."""
+
+
 def _attention_flop_share(unit: Unit) -> float:
     flops = sum(op.forward_flops for op in unit.ops)
     core = sum(op.forward_flops for op in unit.ops if op.kind in ("attention", "matmul"))
@@ -261,7 +288,8 @@ class UnitCosts:
                                           part.backward_s[u.index] * share)
             comm[indices] = forward + backward
             rec_comm[indices] = forward
-            rec["full"][indices] += forward
+            for mode in REPLAYING:  # the recomputed forward gathers again
+                rec[mode][indices] += forward
             for mode in ("none", "selective"):
                 act[mode][indices] += saved_kv_bytes(kv, cp, algorithm)
             if algorithm == "ring":
@@ -333,7 +361,8 @@ class UnitCosts:
                 exp_bwd[i] += bk * ratio
                 fwd[i] += f * (ratio - 1) + perm
                 bwd[i] += bk * (ratio - 1) + perm
-                rec["full"][i] += f * (ratio - 1) + perm + 2 * a2a
+                for mode in REPLAYING:  # the recomputed forward dispatches and combines again
+                    rec[mode][i] += f * (ratio - 1) + perm + 2 * a2a
                 rec_comm[i] += 2 * a2a
                 comm[i] += ALL_TO_ALLS_PER_STEP * a2a
         assert base.expert_parameters is not None, "only a model with experts is priced with ep > 1"
@@ -397,9 +426,16 @@ class UnitCosts:
         out_b = interpolate({k: v.output_bytes for k, v in c.items()}, b)
         in_b = interpolate({k: v.input_bytes for k, v in c.items()}, b)
         scores = _score_bytes(u, scale, self.dtype_bytes)
-        for mode in RECOMPUTE_MODES:
+        for mode in ("none", "selective", "full"):
             a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded)
             row[("act", mode)], row[("transient", mode)] = a.stored, a.transient
+        # Op-level selective checkpointing (runtime/recompute.py `op_policy`, torchtitan's "op"):
+        # saved outputs of attention and every other linear; the rest of the forward replayed.
+        outputs, share = op_checkpoint_terms(u, scale, self.dtype_bytes, t, sol.strategies if sol else {})
+        a = op_activation_bytes(row[("act", "none")], in_b, outputs, t, sp, sharded=is_sharded)
+        row[("act", "op")], row[("transient", "op")] = a.stored, a.transient
+        row[("rec", "op")] = row["fwd"] * (1 - share) + row["rec_comm"]
+        row[("rec_flops", "op")] = f_fwd * (1 - share)
         return row
 
     def _build(self, t: int, sp: bool, b: float) -> UnitCostTable:

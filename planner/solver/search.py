@@ -66,6 +66,7 @@ from planner.cost.overlap import Overlap
 from planner.cost.schedules import in_flight_microbatches, iteration_time_s
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
+from planner.plan import RECOMPUTE
 from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
 from planner.solver.inter_op import SharedRows, least_bottleneck, range_allowed, solve_cuts
@@ -406,7 +407,7 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
     prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
-    held = fixed + (transient if env.allowed_recompute[0] == "full" else 0.0)
+    held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
     memory = held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]
 
     def costs(limit: float):
@@ -448,7 +449,7 @@ def unit_choices(table: UnitCostTable, cfg: Config, env: Environment) -> UnitCho
         # say) share them: keyed by content as well.
         content = ("unit_choices_of",) + tuple(a.tobytes() for a in inputs)
         if content not in env.memo:
-            env.memo[content] = UnitChoices(*inputs, full=modes.index("full") if "full" in modes else None)
+            env.memo[content] = UnitChoices(*inputs, full=[modes.index(r) for r in REBUILDING if r in modes])
         held = env.memo[key] = (times, env.memo[content])  # the times held: their id stays their own
     return held[1]
 
@@ -530,6 +531,12 @@ def _p2p_s(nbytes: float, tp: int, same_node: bool, sliced: bool, env: Environme
     return env.p2p_s(nbytes / tp, same_node) + env.tp_all_gather_s(nbytes, tp)
 
 
+REBUILDING = ("full", "op")
+"""Modes whose backward rebuilds a unit's activations for a while: a range with such a unit holds
+its largest full-recomputation transient (conservative for `op`, which rebuilds only what it
+did not save: planner/solver/costs.py)."""
+
+
 def _transient_max(table: UnitCostTable, env: Environment) -> np.ndarray:
     """`_range_max` of the table's transient bytes under full recomputation, once per table (`env.memo`)."""
     key = ("transient_max", id(table))
@@ -596,6 +603,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     units = np.arange(unit_mode.size)
     recompute = tuple(tuple(all_modes[r] for r in modes) for modes in stage_modes)
     full_units = np.array([all_modes[r] == "full" for r in unit_mode])
+    rebuilding = np.array([all_modes[r] in REBUILDING for r in unit_mode])
     starts, ends = np.array(bounds).T
     zeros = np.zeros(len(bounds), dtype=int)
 
@@ -615,7 +623,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
                       for rank in range(cfg.pp)]
     in_flight = np.array(rank_in_flight)[np.arange(len(bounds)) % cfg.pp]
-    transient = np.array([float(table.transient["full"][i:j].max()) if full_units[i:j].any() else 0.0 for i, j in bounds])
+    transient = np.array([float(table.transient["full"][i:j].max()) if rebuilding[i:j].any() else 0.0 for i, j in bounds])
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
     memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1]
@@ -711,7 +719,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
 def majority_mode(modes: tuple[str, ...]) -> str:
     """The mode most units run (ties: the one that recomputes least), a stage's `recompute` in
     the plan; the others are listed per unit (planner/plan.py `Stage.unit_recompute`)."""
-    order = ("none", "selective", "full")
+    order = RECOMPUTE
     return max(order, key=lambda r: (modes.count(r), -order.index(r)))
 
 

@@ -78,6 +78,10 @@ class Pins:
     cp_algorithm: str | None = None
     """How CP attention reaches the other ranks' K/V ("all-gather" or "ring"); None: the cheaper
     for each cp > 1 (planner/cost/cp.py)."""
+    recompute_modes: tuple[str, ...] | None = None
+    """The recomputation modes the search may give units when `recompute` is not pinned; None:
+    all of planner/plan.py `RECOMPUTE` (an engine's own, e.g. Megatron-LM's none, selective and
+    full, which has no op-level mode)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -371,7 +375,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         usable_memory_bytes=cluster.gpu.memory_bytes * memory_fraction,
         dtype=dtype,
         dtype_bytes=DTYPE_BYTES[dtype],
-        allowed_recompute=(pins.recompute,) if pins.recompute else ("none", "selective", "full"),
+        allowed_recompute=(pins.recompute,) if pins.recompute else (pins.recompute_modes or RECOMPUTE),
         dp_all_reduce_s=cached(lambda nbytes, dp, tp: coll.all_reduce_s(nbytes, place(dp, tp))),
         dp_reduce_scatter_s=cached(lambda nbytes, dp, tp: coll.reduce_scatter_s(nbytes, place(dp, tp))),
         dp_all_gather_s=cached(lambda nbytes, dp, tp: coll.all_gather_s(nbytes, place(dp, tp))),

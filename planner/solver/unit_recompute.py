@@ -97,13 +97,14 @@ class UnitChoices:
 
     `unit_time[r, u]`: seconds of unit u under mode r inside a range; `start_time[r, u]`: what
     the range starting at u adds under u's mode r; `act[r, u]`: stored activation bytes;
-    `full`: the index of "full" among the modes (None: not allowed)."""
+    `full`: the indices of the modes that rebuild a unit's activations in its backward ("full",
+    "op"; the transient term tells their assignments apart: set 1), or one index, or None."""
 
-    def __init__(self, unit_time: np.ndarray, start_time: np.ndarray, act: np.ndarray, full: int | None,
+    def __init__(self, unit_time: np.ndarray, start_time: np.ndarray, act: np.ndarray, full: int | list[int] | None,
                  cap: int | None = FRONTIER_CAP):
         num_modes, num_units = unit_time.shape
         self._unit_time, self._start_time, self._act, self._cap = unit_time, start_time, act, cap
-        self._full_mode = np.arange(num_modes) == (-1 if full is None else full)
+        self._full_mode = np.isin(np.arange(num_modes), [] if full is None else full)
         self.num_units = num_units
         kinds = np.unique(np.concatenate([unit_time, act]), axis=1, return_inverse=True)[1].ravel()
         starts = np.unique(np.concatenate([unit_time + start_time, act]), axis=1, return_inverse=True)[1].ravel()
