@@ -421,7 +421,7 @@ def test_aux_loss_is_in_the_training(tmp_path):
 
 
 RESUMES = {
-    "ep2-to-ep1": (dict(ep=2, dp=2), dict(ep=1, dp=2)),
+    # ep2 -> ep1 is ep2-zero3-to-ep1's direction without ZeRO: left out to keep the suite in budget.
     "ep1-to-ep2": (dict(ep=1, dp=2), dict(ep=2, dp=2)),
     "ep2-zero3-to-ep1": (dict(ep=2, dp=2, zero=3), dict(ep=1, dp=2)),
     # EP folded over the TP ranks (SP) saved, resumed with EP over dp, and back (same global batch: 4).
