@@ -34,6 +34,12 @@ load (in-process, same rows, same plans) took, old -> new: 175B on 64 GPUs 11.7 
 on 512 14.3-22.8 -> 8.4 s, on 1024 12.3-14.8 -> 8.9-10.2 s, 530B on 2240 4.6-8.4 -> 3.2-3.6 s,
 192 layers on 512 7.9-11.0 -> 6.9-7.2 s, the MoE 22.7-26.7 -> 10.3-13.8 s.
 
+This round (2026-11-24; the space now also holds ring vs all-gather CP and the op-level
+recomputation mode per unit): configurations priced on both cores (planner/solver/pricing.py),
+CP tables once per distinct unit, the ILP disk cache off (`PLANNER_CACHE_DIR=` when this was
+run: a first solve; a repeated "what if" skips the ILPs). 175B on 64 GPUs 2.3 s, on 1024 3.7 s
+(goals 1 s and 2 s: not met), 530B on 2240 1.7 s, 192 layers on 512 4.0 s, the MoE 3.0 s (met).
+
     python benchmarks/solve_scaling.py [--rows 96x64,192x512]
 """
 
