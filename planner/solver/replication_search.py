@@ -104,10 +104,12 @@ def replication_problem(table: UnitCostTable, env: Environment, num_gpus: int, n
 def search_replicated(tables: dict[int, UnitCostTable], env: Environment, num_gpus: int,
                       global_batch_size: int) -> ReplicatedChoice | None:
     """The fastest replicated pipeline over the micro-batch sizes of `tables` (b -> tp = 1 table);
-    None when none fits or the tables have weights tied across units."""
+    None when none fits. Weights tied across units (`tie_terms`) are priced on the partition the
+    partitioner chose without them, which is kept only if it still fits: a valid, honestly priced
+    plan, not always the best replicated one for a tied model."""
     best: ReplicatedChoice | None = None
     for b, table in sorted(tables.items()):
-        if global_batch_size % b or table.tied:
+        if global_batch_size % b:
             continue
         m = global_batch_size // b
         problem = replication_problem(table, env, num_gpus, m, b)
@@ -115,13 +117,38 @@ def search_replicated(tables: dict[int, UnitCostTable], env: Environment, num_gp
             stages = partition(problem)
         except Exception:  # noqa: BLE001  (PlannerError: nothing fits at this micro-batch size)
             continue
-        seconds = step_time_s(problem, stages.bounds, stages.replicas)
+        if max(stages.replicas) > m:  # a replica would get no micro-batch (planner/plan.py refuses it)
+            continue
+        copies, tie_s = tie_terms(table, env, stages, b, m)
+        memory = tuple(held + copy for held, copy in zip(replica_memory_bytes(problem, stages), copies, strict=True))
+        if max(memory) > env.usable_memory_bytes:
+            continue
+        seconds = step_time_s(problem, stages.bounds, stages.replicas) + tie_s
         if best is None or seconds < best.step_time_s:
             times = tuple(float(problem.compute_s[i:j].sum()) + (2 * problem.p2p_s(float(problem.cut_bytes[j - 1]))
                           if j < problem.num_units else 0.0) for i, j in stages.bounds)
-            best = ReplicatedChoice(b, m, stages, seconds, times, tuple(replica_memory_bytes(problem, stages)),
-                                    m * float(table.model_flops.sum()))
+            best = ReplicatedChoice(b, m, stages, seconds, times, memory, m * float(table.model_flops.sum()))
     return best
+
+
+def tie_terms(table: UnitCostTable, env: Environment, stages: ReplicatedStages, micro_batch_size: int,
+              num_microbatches: int) -> tuple[list[float], float]:
+    """Per stage, the bytes of the tied-weight copies it holds (a stage with a unit of a tie but
+    not its first keeps a copy: weights, gradients and AdamW state, `UnitCostTable.copy_parameters`),
+    and the step's seconds for the ties' gradient all-reduces, one per tie over every replica of
+    the stages holding it, after the replicas' own (runtime/pp_replicated.py `sum_replica_gradients`)."""
+    cfg = Config(tp=1, sequence_parallel=False, pp=1, dp=1, micro_batch_size=micro_batch_size,
+                 num_microbatches=num_microbatches, schedule="1f1b", virtual_stages=1, zero_stage=0)
+    starts, ends = np.array(stages.bounds).T
+    copies = [float(x) for x in gpu_state_bytes(table.copy_parameters(starts, ends), cfg, env)]
+    grad_bytes = 4 if env.dtype == "float32" else 2
+    seconds = 0.0
+    for tie in table.tied:
+        holding = [k for k, (i, j) in enumerate(stages.bounds) if any(i <= u < j for u in tie.units)]
+        ranks = sum(stages.replicas[k] for k in holding)
+        if len(holding) > 1 or ranks > 1:
+            seconds += env.dp_all_reduce_s(tie.num_parameters * grad_bytes, ranks, 1)
+    return copies, seconds
 
 
 def replicated_plan(base: Plan, choice: ReplicatedChoice, units: list[str], cluster: Cluster, dtype: str,
@@ -168,7 +195,7 @@ def consider_replication(plan: Plan, profile: Profile, cluster: Cluster, global_
                                                                     pins.micro_batch_size)}
     choice = search_replicated(tables, env, gpus, global_batch_size)
     if choice is None:
-        return _noted(plan, "replicated pipelines (PipeDream) searched: none fits, or weights are tied across units")
+        return _noted(plan, "replicated pipelines (PipeDream) searched: none fits")
     current = plan.prediction.iteration_time_s if plan.prediction else math.inf
     described = (f"stages x{list(choice.stages.replicas)} at micro-batch {choice.micro_batch_size}: "
                  f"{choice.step_time_s * 1e3:.4g} ms against {current * 1e3:.4g} ms")
