@@ -5,8 +5,8 @@ For each (model, sequence length, GPUs) an analytic profile of the public config
 then a free solve with a global batch of one sequence per GPU (so nothing forces CP but memory): the
 context-parallel degree, TP, recomputation and the predicted step time and memory per
 sequence length. Context parallelism (planner/cost/cp.py) is the dimension that divides one
-sequence's activations; the runtime runs it with dp and tp (not with pp), so the search offers
-it there. Writes benchmarks/results/long_context.{csv,png}.
+sequence's activations; the runtime runs it with dp, tp, and pp under gpipe or 1f1b, with
+all-gather or ring attention (`Layout.cp_algorithm`), and the search offers all of these. Writes benchmarks/results/long_context.{csv,png}.
 
     python benchmarks/long_context.py
 """
@@ -48,14 +48,14 @@ def main() -> pd.DataFrame:
                 print(rows[-1], flush=True)
                 continue
             lay = plan.layout
-            rows.append({**row, "cp": lay.cp_degree, "tp": lay.tp_degree, "pp": lay.pp_degree, "dp": lay.dp_degree,
+            rows.append({**row, "cp": lay.cp_degree, "cp_algorithm": lay.cp_algorithm, "tp": lay.tp_degree, "pp": lay.pp_degree, "dp": lay.dp_degree,
                          "sequence_parallel": lay.sequence_parallel, "zero": lay.zero_stage,
                          "recompute": "/".join(sorted({s.recompute for s in plan.stages})),
                          "iteration_s": plan.prediction.iteration_time_s, "mfu": plan.prediction.mfu,
                          "peak_memory_gib": max(plan.prediction.peak_memory_bytes) / 2**30,
                          "cp_comm_s": plan.prediction.breakdown_s.get("cp_comm", 0.0),
                          "seconds_to_plan": time.perf_counter() - started})
-            print({k: rows[-1][k] for k in ("model", "seq_len", "cp", "tp", "pp", "recompute", "iteration_s", "peak_memory_gib")},
+            print({k: rows[-1][k] for k in ("model", "seq_len", "cp", "cp_algorithm", "tp", "pp", "recompute", "iteration_s", "peak_memory_gib")},
                   flush=True)
     frame = pd.DataFrame(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)

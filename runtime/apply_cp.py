@@ -72,6 +72,7 @@ from torch.overrides import TorchFunctionMode
 from planner.errors import PlannerError
 from planner.plan import Plan
 from runtime.cp_ring import Ring, ring_attention
+from runtime.recompute import ATTENTION_NAMES
 
 SEQUENCE_DIM = 1  # (batch, sequence, ...) inputs and targets, as the profiler records them
 _KV_SEQUENCE_DIM = -2  # SDPA's (batch, heads, sequence, head_dim)
@@ -178,14 +179,33 @@ class ContextParallel(TorchFunctionMode):
         self.depth += 1
 
     def exit_module(self, module, args, output) -> None:
-        """Forward hook: leave the mode when the outermost module's forward ends."""
-        self.depth -= 1
+        """Forward hook: leave the mode when the outermost module's forward ends. Under pipeline
+        parallelism a stage stops its forward at the next stage's first unit (runtime/pp_split.py
+        `StopStage`) while its replay mode (runtime/pp_flow.py `Flow`) is above this one on
+        torch's function-mode stack: this mode then takes itself off the stack wherever it is
+        (`_leave`), not whatever is on top, and a hook of a module stopped before its pre-hook
+        ran cannot take the depth below zero."""
+        self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
-            self.__exit__(None, None, None)
+            self._leave()
+
+    def _leave(self) -> None:
+        """Pop this mode from torch's function-mode stack, the modes above it kept in order."""
+        above = []
+        while torch._C._len_torch_function_stack():
+            top = torch._C._pop_torch_function_stack()
+            if top is self:
+                break
+            above.append(top)
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
+            query = args[0] if args else kwargs["query"]
+            if query.device.type == "meta":  # a pipeline stage inferring its shapes (runtime/apply_pp.py):
+                return func(*args, **kwargs)  # the output has the local queries' shape, nothing to gather
             self.attention_calls += 1
             return self._attention(*args, **kwargs)
         if func is torch.arange and self._is_local_range(args, kwargs):
@@ -260,7 +280,7 @@ class ContextParallel(TorchFunctionMode):
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, inputs: tuple, device: torch.device,
-             algorithm: str = "all-gather") -> ContextParallel:
+             algorithm: str = "all-gather", require_attention: bool = True) -> ContextParallel:
     """Context parallelism on `model` (a whole model, every other parallelism applied): the
     attention mode over the 1-D CP mesh `cp_mesh` (runtime/mesh.py `build_cp_mesh(...)["cp"]`),
     computing attention by `algorithm` (the plan's `layout.cp_algorithm`),
@@ -277,8 +297,17 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, inputs: tuple, device: torch
         module.register_forward_pre_hook(mode.enter_module)
         # always_call: a recomputation stopped early (checkpoint's early stop raises) still leaves the mode.
         module.register_forward_hook(mode.exit_module, always_call=True)
-    model.register_forward_hook(lambda *_: check_attention_seen(mode))
+    if require_attention:  # a pipeline stage without attention modules (only the head, say) has none to check
+        model.register_forward_hook(lambda *_: check_attention_seen(mode))
     return mode
+
+
+def has_attention_modules(model: nn.Module) -> bool:
+    """Whether a pipeline stage's chunk holds an attention module (found by name, as
+    runtime/recompute.py finds them, with parameters: the stubs of other stages' units have none),
+    so that its forward must call SDPA (`check_attention_seen`)."""
+    return any(name.rpartition(".")[2] in ATTENTION_NAMES and next(module.parameters(), None) is not None
+               for name, module in model.named_modules())
 
 
 def check_attention_seen(mode: ContextParallel) -> None:
@@ -303,12 +332,11 @@ def check_cp(plan: Plan, inputs: tuple) -> None:
     if why is not None:
         raise PlannerError(f"Cannot split the sequence over cp_degree {cp}: {why}.",
                            "Pick a cp_degree with 2 x cp dividing the sequence length (or change seq_len), or cp_degree 1.")
-    if plan.layout.pp_degree > 1:
+    if plan.layout.pp_degree > 1 and (plan.layout.virtual_stages > 1 or plan.layout.schedule not in ("gpipe", "1f1b")):
         raise PlannerError(
-            f"cp_degree {cp} with pp_degree {plan.layout.pp_degree} is not supported by the runtime yet: the stages' "
-            "cut tensors are traced and their p2p buffers sized at whole-sequence shapes (runtime/train.py "
-            "`meta_inputs`), and a stage without attention has no SDPA call to check.",
-            "Use cp with dp/tp only (pp_degree 1), or cp_degree 1.")
+            f"cp_degree {cp} with pp_degree {plan.layout.pp_degree} runs one stage per rank under gpipe or 1f1b; "
+            f"got schedule {plan.layout.schedule} with {plan.layout.virtual_stages} virtual stages.",
+            "Use schedule 1f1b (or gpipe) without virtual stages, or cp_degree 1.")
     length = sequence_length(inputs)
     assert length is not None, "cp_refusal refuses a missing sequence length"
     local, tp = length // cp, plan.layout.tp_degree

@@ -73,7 +73,7 @@ def precheck(plan_path: str, model_file: str | None) -> tuple[Plan, str]:
         from runtime.train import meta_inputs
 
         check_splittable(meta, plan)
-        trace_layout(meta, plan, meta_inputs(mf, plan.batch.micro_batch_size))  # refuses a cut no stage can send across
+        trace_layout(meta, plan, meta_inputs(mf, plan.batch.micro_batch_size, plan.layout.cp_degree))  # refuses a cut no stage can send across
     if plan.layout.stage_replicas is not None:  # what the replicated executor does not run (runtime/pp_replicated.py)
         from runtime.pp_replicated import check_replicated
 

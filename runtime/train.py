@@ -60,7 +60,7 @@ from planner.errors import PlannerError
 from planner.model_file import call_user, load_model_file
 from planner.plan import Plan, flush_free_blocker
 from runtime import checkpoint
-from runtime.apply_cp import apply_cp, check_cp, shard_batch
+from runtime.apply_cp import apply_cp, check_cp, has_attention_modules, sequence_length, shard_batch
 from runtime.apply_dp import GradientReducer, apply_fsdp, average_gradients, scale_gradients, sum_tied_gradients
 from runtime.apply_ep import apply_ep, apply_moe_sequence_parallel, check_ep, expert_parameters
 from runtime.apply_fp8 import apply_float8
@@ -139,12 +139,18 @@ def _local_batch(mf, plan: Plan, seed: int, step: int, dp_rank: int, device):
     return shard_batch(inputs, targets, cp, dp_rank % cp) if cp > 1 else (inputs, targets)
 
 
-def meta_inputs(mf, batch_size: int) -> tuple:
+def meta_inputs(mf, batch_size: int, cp_degree: int = 1) -> tuple:
     """A micro-batch on the meta device, to trace which tensors cross each cut. Of the plan's
     micro-batch size: glue may branch on the batch size (transformers 4.57 expands position ids
-    when it is above 1), and every stage must number its tensors as the trace did."""
-    inputs, _ = mf.make_batch(batch_size)
-    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in as_tuple(inputs))
+    when it is above 1), and every stage must number its tensors as the trace did. Under context
+    parallelism of a rank's T / cp tokens, the shapes its stages run at (glue such as a causal
+    mask made from them must have the trace's shape where a later stage replays it)."""
+    inputs = as_tuple(mf.make_batch(batch_size)[0])
+    if cp_degree > 1:
+        length = sequence_length(inputs)
+        inputs = tuple(x[:, :length // cp_degree] if isinstance(x, torch.Tensor) and x.dim() >= 2 and
+                       x.shape[1] == length else x for x in inputs)
+    return tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
 def train(plan: Plan, model_file_path: str, steps: int, seed: int, lr: float | None, reference: bool, *,
@@ -355,7 +361,9 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
     _parallelize_chunks(plan, mf, chunks, settings.seed, mode, device, mesh, ep_mesh, fsdp_mesh)
     cp_mesh = build_cp_mesh(mesh, lay.cp_degree)  # (pp, dp_outer, cp, tp); None without CP
     if cp_mesh is not None:  # last: its hooks cover every module as it runs, recomputed ones too (runtime/apply_cp.py)
-        apply_cp(chunks[0][1], cp_mesh["cp"], as_tuple(mf.make_batch(1)[0]), device, lay.cp_algorithm)  # pp is 1 under CP (check_cp)
+        for _, chunk in chunks:  # each pipeline stage's chunk: its tokens are this rank's sequence chunks
+            apply_cp(chunk, cp_mesh["cp"], as_tuple(mf.make_batch(1)[0]), device, lay.cp_algorithm,
+                     require_attention=lay.pp_degree == 1 or has_attention_modules(chunk))
     tie_groups = build_tie_groups(mesh, [t.pp_ranks for t in ties])
     tie_copies = [t.copies(chunks) for t in ties]  # after FSDP, which replaces the parameters
     # One optimizer per chunk (AdamW is per parameter, so this is the same update): each
@@ -394,7 +402,8 @@ def _stage_chunks(plan: Plan, mf, meta: nn.Module, mesh: DeviceMesh, device: tor
         return [(0, meta)]
     # torch's schedule calls the stage modules itself: autocast goes inside their forward.
     scatter = mesh["tp"].get_group() if (lay.p2p_scatter_gather and lay.tp_degree > 1) else None
-    return build_stage_modules(meta, plan, mesh["pp"].get_local_rank(), meta_inputs(mf, plan.batch.micro_batch_size),
+    return build_stage_modules(meta, plan, mesh["pp"].get_local_rank(),
+                               meta_inputs(mf, plan.batch.micro_batch_size, lay.cp_degree),
                                forward_context=lambda: _autocast(plan, device), scatter_group=scatter)
 
 

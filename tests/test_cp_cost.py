@@ -93,8 +93,10 @@ def test_cp_pins_are_checked(long_llama):
                         device="meta", gpu="h100-80gb", dtype="bfloat16")
     with pytest.raises(PlannerError, match=r"--cp 4: the sequence of 36 tokens does not split into 2 x 4 = 8"):
         solve(odd, cluster, 8, Pins(cp=4))
-    with pytest.raises(PlannerError, match="--cp with --pp or --ep"):
-        solve(long_llama, cluster, 8, Pins(cp=2, pp=2))
+    with pytest.raises(PlannerError, match="--cp with --pp runs one stage per rank"):
+        solve(long_llama, cluster, 8, Pins(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2))
+    both = solve(long_llama, cluster, 8, Pins(cp=2, pp=2))  # CP with a pipeline: gpipe or 1f1b
+    assert both.layout.cp_degree == 2 and both.layout.pp_degree == 2 and both.layout.schedule in ("gpipe", "1f1b")
 
 
 @pytest.mark.slow

@@ -166,13 +166,23 @@ def test_sequence_that_does_not_split_is_refused_before_launch():
     check_cp(plan, (torch.zeros(2, 8, dtype=torch.long),))
 
 
-def test_cp_with_pipelining_is_refused_before_launch():
-    data = cp_plan(dp=2).model_dump()
-    plan = make_plan("gpt", pp=2, dp=2)
-    data.update(stages=[s.model_dump() for s in plan.stages], cluster=plan.cluster.model_dump())
-    data["layout"]["pp_degree"] = 2
-    with pytest.raises(PlannerError, match="with pp_degree 2 is not supported"):
-        check_cp(Plan.model_validate(data), (torch.zeros(2, 8, dtype=torch.long),))
+def test_cp_with_interleaved_pipelining_is_refused_before_launch():
+    plan = cp_plan(dp=2, pp=2, schedule="interleaved-1f1b", v=2, m=2)
+    with pytest.raises(PlannerError, match="runs one stage per rank under gpipe or 1f1b"):
+        check_cp(plan, (torch.zeros(2, 8, dtype=torch.long),))
+    check_cp(cp_plan(dp=2, pp=2, schedule="1f1b", m=2), (torch.zeros(2, 8, dtype=torch.long),))  # accepted
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", ["gpt-1f1b-m4", "hf_llama-1f1b"])
+def test_cp2_x_pp2_parity(case, tmp_path):
+    """Each stage runs its micro-batches' sequence chunks: the stages are cut at the local shapes
+    (runtime/train.py `meta_inputs`), the mode steps off torch's function-mode stack under the
+    pipeline's replay mode (`exit_module`), and shape inference passes through it. Two micro-batches
+    or more: the second one is where a mode left on the stack showed (positions not global)."""
+    kw = dict(model="gpt", m=4, mbs=1) if case.startswith("gpt") else dict(model="hf_llama", args=HF_ARGS, units=HF_UNITS, m=2)
+    check_parity(cp_plan(dp=2, cp=2, pp=2, schedule="1f1b", **kw), tmp_path)
 
 
 # ---- attention and one backward on 2 spawned gloo ranks ----

@@ -131,8 +131,12 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         problems.append("--offload needs ZeRO >= 1 (FSDP2's CPUOffloadPolicy)")
     if (pins.shard_degree or pins.offload) and pins.ep and pins.ep > 1:
         problems.append("--shard-degree/--offload with --ep: expert parallelism folds its own groups onto dp")
-    if pins.cp and pins.cp > 1 and ((pins.pp or 1) > 1 or (pins.ep or 1) > 1):
-        problems.append("--cp with --pp or --ep: the runtime runs context parallelism with dp and tp only")
+    if pins.cp and pins.cp > 1 and (pins.ep or 1) > 1:
+        problems.append("--cp with --ep: both fold onto the data-parallel ranks; the runtime runs one of them")
+    if pins.cp and pins.cp > 1 and (pins.pp or 1) > 1 and (pins.schedule not in (None, "gpipe", "1f1b")
+                                                          or (pins.virtual_stages or 1) > 1):
+        problems.append(f"--cp with --pp runs one stage per rank under gpipe or 1f1b (got --schedule {pins.schedule}"
+                        f"{f', --virtual-stages {pins.virtual_stages}' if pins.virtual_stages else ''})")
     if pins.cp_algorithm is not None and pins.cp_algorithm not in CP_METHODS:
         problems.append(f"--cp-algorithm {pins.cp_algorithm!r} is not one of {', '.join(CP_METHODS)}")
     if pins.cp_algorithm is not None and pins.cp == 1:
@@ -273,11 +277,12 @@ def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_
 
 
 def _cp_degrees(pins: Pins, sequence_length: int | None, dp: int, pp: int, experts: AbstractSet[int]) -> list[int]:
-    """Context-parallel degrees to try: 1, and (the runtime runs CP with dp and tp only, not with
-    pipelines or experts) the powers of two dividing dp that split the sequence (cp_refusal)."""
+    """Context-parallel degrees to try: 1, and (not with experts, which fold onto dp too) the powers
+    of two dividing dp that split the sequence (cp_refusal); with pipelines, under gpipe and 1f1b
+    only (`_batch_variants`: the runtime cuts stages at the local sequence's shapes there)."""
     if pins.cp:
         return [pins.cp] if dp % pins.cp == 0 else []
-    if pp > 1 or experts or (pins.ep or 1) > 1:
+    if experts or (pins.ep or 1) > 1:
         return [1]
     return cp_degrees(sequence_length, dp)
 
@@ -302,6 +307,8 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                     if sp and tp == 1:
                         continue
                     for schedule, v in _schedules(pins, pp, m, num_units, allow_async):
+                        if cp > 1 and pp > 1 and (schedule not in ("gpipe", "1f1b") or v > 1):
+                            continue  # runtime/apply_cp.py `check_cp`: CP with PP runs one stage per rank
                         # One data-parallel rank shards nothing: ZeRO only to offload (FSDP2 on one GPU).
                         offloading = allow_offload or bool(pins.offload)
                         zeros = [pins.zero_stage] if pins.zero_stage is not None else \
