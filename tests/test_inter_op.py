@@ -77,7 +77,14 @@ def test_shared_rows_dp_equals_brute_force(data, num_units, num_microbatches, nu
     many stages as units allow and memory limits per row that cut long ranges (what the DP's scan
     by range length, `_by_length`, skips): the same optimum as brute force over the dense table.
     Exact up to float rounding (1e-12): both sum the same stage costs."""
-    num_stages = data.draw(st.integers(1, num_units))
+    shared = draw_shared_rows(data, num_units, num_rows, num_units)
+    _matches_brute_force(shared, shared.dense(), num_microbatches, num_units)
+
+
+def draw_shared_rows(data, num_units: int, num_rows: int, most_stages: int) -> SharedRows:
+    """A stage cost table as the search builds it: stages sharing `num_rows` cost rows (one per
+    in-flight level), each row the cost table of random unit times, p2p and memory under a limit."""
+    num_stages = data.draw(st.integers(1, min(num_units, most_stages)))
     times = data.draw(st.lists(st.floats(0.1, 10.0), min_size=num_units, max_size=num_units))
     p2p = data.draw(st.lists(st.floats(0.0, 2.0), min_size=num_units, max_size=num_units))
     memory = data.draw(st.lists(st.floats(1.0, 10.0), min_size=num_units, max_size=num_units))
@@ -85,8 +92,7 @@ def test_shared_rows_dp_equals_brute_force(data, num_units, num_microbatches, nu
                                 max_size=num_rows))
     rows = np.stack([_cost_table(times, 1, p2p, memory, limit)[0] for limit in limits])
     row_of_stage = np.array(data.draw(st.lists(st.integers(0, num_rows - 1), min_size=num_stages, max_size=num_stages)))
-    shared = SharedRows(rows, row_of_stage)
-    _matches_brute_force(shared, shared.dense(), num_microbatches, num_units)
+    return SharedRows(rows, row_of_stage)
 
 
 def _matches_brute_force(cost, dense, num_microbatches: int, num_units: int) -> None:

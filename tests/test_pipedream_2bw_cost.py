@@ -14,10 +14,10 @@ from planner.cluster import make_cluster
 from planner.cost.schedules import bubble_fraction, iteration_time_s
 from planner.cost.simulator import flush_free_step_s, simulate
 from planner.errors import PlannerError
-from planner.solver.inter_op import SharedRows, brute_force_cuts, solve_cuts
+from planner.solver.inter_op import brute_force_cuts, solve_cuts
 from planner.solver.search import Config
 from planner.solver.solve import ASYNC_NOTE, Pins, async_time_bounds, price_config, search, solve
-from tests.test_inter_op import _cost_table
+from tests.test_inter_op import _cost_table, draw_shared_rows
 
 GPT = dict(n_layers=8, d_model=2048, n_heads=16, d_ff=8192, vocab_size=32000, seq_len=1024)
 FLUSHED_NOTE = "pipedream-2bw runs flushed with"
@@ -97,15 +97,7 @@ def test_flush_free_dp_equals_brute_force(data, num_units, num_stages, num_micro
 @given(data=st.data(), num_units=st.integers(2, 12), num_microbatches=st.integers(1, 16), num_rows=st.integers(1, 3))
 def test_flush_free_dp_on_shared_rows_equals_brute_force(data, num_units, num_microbatches, num_rows):
     """As the search builds it: stages sharing cost rows by in-flight level (`SharedRows`)."""
-    num_stages = data.draw(st.integers(1, min(num_units, 5)))
-    times = data.draw(st.lists(st.floats(0.1, 10.0), min_size=num_units, max_size=num_units))
-    p2p = data.draw(st.lists(st.floats(0.0, 2.0), min_size=num_units, max_size=num_units))
-    memory = data.draw(st.lists(st.floats(1.0, 10.0), min_size=num_units, max_size=num_units))
-    limits = data.draw(st.lists(st.floats(sum(memory) / num_stages, sum(memory) * 1.5), min_size=num_rows,
-                                max_size=num_rows))
-    rows = np.stack([_cost_table(times, 1, p2p, memory, limit)[0] for limit in limits])
-    row_of_stage = np.array(data.draw(st.lists(st.integers(0, num_rows - 1), min_size=num_stages, max_size=num_stages)))
-    shared = SharedRows(rows, row_of_stage)
+    shared = draw_shared_rows(data, num_units, num_rows, 5)
     _flush_free_matches_brute_force(shared, shared.dense(), num_microbatches)
 
 

@@ -249,10 +249,11 @@ def test_attention_equals_the_whole_sequence(cp):
     _spawned(_attention_worker, cp)
 
 
-def _gradient_worker(rank: int, world: int, model: str, args: dict, recompute: bool) -> None:
+def _gradient_worker(rank: int, world: int, model: str, args: dict, recompute: bool, algorithm: str = "all-gather") -> None:
     """One forward and backward of a whole model under CP (`apply_cp`'s hooks; positions through the
-    arange contract): each rank's loss is the mean over its own tokens, and the average of the
-    ranks' gradients (the dp reduction) is the one-process gradient of the mean over all tokens."""
+    arange contract) by `algorithm`: each rank's loss is the mean over its own tokens, and the average
+    of the ranks' gradients (the dp reduction) is the one-process gradient of the mean over all tokens.
+    (tests/test_runtime_cp_ring.py runs it for the ring.)"""
     from torch.distributed.device_mesh import init_device_mesh
 
     from planner.model_file import load_model_file
@@ -271,16 +272,18 @@ def _gradient_worker(rank: int, world: int, model: str, args: dict, recompute: b
     seq = tokens.shape[1]
     full_loss = mf.loss(reference(tokens), targets)
     full_loss.backward()
-    if recompute:  # every unit replayed in backward: the gather must run again, under the mode
+    if recompute:  # every unit replayed in backward: the gather (or the ring) must run again, under the mode
         apply_recompute(net, ["embed", "blocks.0", "blocks.1", "norm", "head"], "full")
-    mode = apply_cp(net, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"], (tokens,), cpu)
+    mode = apply_cp(net, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"], (tokens,), cpu, algorithm)
     loss = mf.loss(net(shard_sequence(tokens, seq, world, rank)), shard_sequence(targets, seq, world, rank))
     loss.backward()
+    assert mode.algorithm == algorithm and mode.attention_calls > 0
     assert mode.depth == 0 and torch._C._len_torch_function_stack() == 0  # left after forward and recomputation
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)  # equal token counts per rank: the mean of means is the mean
     torch.testing.assert_close(mean_loss / world, full_loss.detach(), rtol=1e-6, atol=0)
     for name, p in net.named_parameters():
+        assert p.grad is not None, name
         dist.all_reduce(p.grad)
         name = name.replace("_checkpoint_wrapped_module.", "")
         torch.testing.assert_close(p.grad / world, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 
 from planner.errors import PlannerError
 from planner.plan import Plan
-from runtime.apply_cp import ContextParallel, local_positions, shard_sequence
+from runtime.apply_cp import ContextParallel, local_positions
 from runtime.cp_ring import block_attention, block_attention_backward, block_part, merge
-from tests.conftest import EXAMPLES
 from tests.runtime_plans import LLAMA_TP, make_plan
 from tests.test_runtime_cp import GRADIENT_CASES, _spawned, cp_plan
 from tests.test_runtime_parity import check_parity
@@ -152,40 +151,10 @@ def test_ring_attention_equals_the_whole_sequence(cp, dtype):
 
 
 def _gradient_worker(rank: int, world: int, model: str, args: dict, recompute: bool) -> None:
-    """One forward and backward of a whole model under ring CP: the average of the ranks' gradients
-    is the one-process gradient of the mean over all tokens (tests/test_runtime_cp.py's check)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """tests/test_runtime_cp.py's whole-model gradient check, attention by the ring."""
+    from tests.test_runtime_cp import _gradient_worker as check
 
-    from planner.model_file import load_model_file
-    from runtime.apply_cp import apply_cp
-    from runtime.build import build_meta_model, init_mode, materialize
-    from runtime.recompute import apply_recompute
-
-    cpu = torch.device("cpu")
-    mf = load_model_file(str(EXAMPLES / f"{model}.py"), args)
-    meta = build_meta_model(mf)
-    reference = materialize(meta, 0, cpu, init_mode(meta), mf)
-    meta = build_meta_model(mf)
-    net = materialize(meta, 0, cpu, init_mode(meta), mf)
-    torch.manual_seed(1)
-    tokens, targets = mf.make_batch(2)
-    seq = tokens.shape[1]
-    full_loss = mf.loss(reference(tokens), targets)
-    full_loss.backward()
-    if recompute:  # the ring's forward replayed in backward, under the mode
-        apply_recompute(net, ["embed", "blocks.0", "blocks.1", "norm", "head"], "full")
-    mode = apply_cp(net, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"], (tokens,), cpu, "ring")
-    loss = mf.loss(net(shard_sequence(tokens, seq, world, rank)), shard_sequence(targets, seq, world, rank))
-    loss.backward()
-    assert mode.algorithm == "ring" and mode.attention_calls > 0 and mode.depth == 0
-    mean_loss = loss.detach().clone()
-    dist.all_reduce(mean_loss)
-    torch.testing.assert_close(mean_loss / world, full_loss.detach(), rtol=1e-6, atol=0)
-    for name, p in net.named_parameters():
-        assert p.grad is not None
-        dist.all_reduce(p.grad)
-        name = name.replace("_checkpoint_wrapped_module.", "")
-        torch.testing.assert_close(p.grad / world, reference.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+    check(rank, world, model, args, recompute, "ring")
 
 
 @pytest.mark.slow
