@@ -85,7 +85,7 @@ def table1_case(row) -> dict:
                   d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
                   attention="math", dropout=0.1),
         gpus=int(row.num_gpus), gpus_per_node=int(row.gpus_per_node), global_batch=int(row.global_batch_size_seqs),
-        pins=StackPins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), micro_batch_size=int(row.micro_batch_size),
+        pins=StackPins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), cp=1, micro_batch_size=int(row.micro_batch_size),
                        schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full", zero_stage=0,
                        sequence_parallel=False, overlap=SERIAL),
         profile_mbs=[int(row.micro_batch_size)],
@@ -105,7 +105,7 @@ def modern_case(row) -> dict:
         tflops = float(row.throughput_tflops_per_gpu)
         return dict(source="Megatron-Core H100 (2024)", stack="Megatron-Core", model=row.model, gpu="h100-80gb",
                     dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
-                    pins=StackPins(pp=pp, tp=tp, dp=dp, zero_stage=1, overlap=Overlap(tp_comm=True),
+                    pins=StackPins(pp=pp, tp=tp, dp=dp, cp=1, zero_stage=1, overlap=Overlap(tp_comm=True),
                                    recompute_modes=("none", "selective", "full")),  # Megatron-LM's: no op-level mode
                     schedules=["1f1b", "interleaved-1f1b"] if pp > 1 else [None], profile_mbs=[1, 2],
                     published_s=megatron_core_flops(batch, s, l, h, ffn, vocab) / (tflops * 1e12 * gpus),
@@ -113,7 +113,7 @@ def modern_case(row) -> dict:
     mbs = int(row.micro_batch_size)
     return dict(source="MosaicML FSDP A100-40GB", stack="PyTorch FSDP", model=f"{row.model} x{gpus}", gpu="a100-40gb",
                 dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
-                pins=StackPins(pp=pp, tp=tp, dp=dp, micro_batch_size=mbs, recompute="full", zero_stage=3,
+                pins=StackPins(pp=pp, tp=tp, dp=dp, cp=1, micro_batch_size=mbs, recompute="full", zero_stage=3,
                                sequence_parallel=False, overlap=Overlap()),
                 profile_mbs=[mbs], published_s=batch * s / (float(row.tokens_per_sec_per_gpu) * gpus),
                 derived_from="tokens/s per GPU", published_tflops=float("nan"))

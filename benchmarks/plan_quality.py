@@ -71,7 +71,7 @@ def _uniform_megatron(prof, cluster, batch):
         if cluster.world_size % (8 * pp):
             continue
         try:
-            return solve_uniform(prof, cluster, batch, Pins(tp=8, pp=pp, schedule="1f1b", recompute="full", zero_stage=0,
+            return solve_uniform(prof, cluster, batch, Pins(tp=8, pp=pp, cp=1, schedule="1f1b", recompute="full", zero_stage=0,
                                                                            sequence_parallel=False))
         except PlannerError:
             continue
@@ -91,15 +91,15 @@ def main() -> None:
         batch = int(row.global_batch_size_seqs)
         found = re.match(r"(\d+) chunks", str(row.virtual_pipeline))
         v = int(found.group(1)) if found else 1
-        published = Pins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), micro_batch_size=int(row.micro_batch_size),
+        published = Pins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), cp=1, micro_batch_size=int(row.micro_batch_size),
                          schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full", zero_stage=0,
                          sequence_parallel=False)
         r = {"model": row.model, "gpus": int(row.num_gpus)}
         r.update(_try("published", lambda: solve(prof, cluster, batch, published, top_k=1)))
         r.update(_try("free", lambda: solve(prof, cluster, batch, top_k=1)))
-        r.update(_try("pure_dp", lambda: solve(prof, cluster, batch, Pins(pp=1, tp=1), top_k=1)))
+        r.update(_try("pure_dp", lambda: solve(prof, cluster, batch, Pins(pp=1, tp=1, cp=1), top_k=1)))
         r.update(_try("megatron_uniform", lambda: _uniform_megatron(prof, cluster, batch)))
-        r.update(_try("titan_fsdp_tp", lambda: solve(prof, cluster, batch, Pins(pp=1, tp=8, zero_stage=3, sequence_parallel=True,
+        r.update(_try("titan_fsdp_tp", lambda: solve(prof, cluster, batch, Pins(pp=1, tp=8, cp=1, zero_stage=3, sequence_parallel=True,
                                                                                  recompute="selective"), top_k=1)))
         r["free_vs_published"] = r["free_s"] / r["published_s"] - 1
         rows.append(r)

@@ -67,7 +67,7 @@ def test_expert_tp_divides_the_expert_gemms():
 def _costs(profile, cluster, expert_tp: int) -> UnitCosts:
     coll = CollectiveModel(cluster)
     return UnitCosts(profile, ComputeModel(profile, cluster.gpu, "bfloat16"),
-                     lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16", require_sharding=True,
+                     lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16",
                      ep_all_to_all_s=ep_all_to_all(cluster, coll), expert_tp=expert_tp)
 
 

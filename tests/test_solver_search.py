@@ -23,12 +23,9 @@ from planner.solver.solve import MEMORY_FRACTION, Pins, _environment, candidate_
 # Small GPTs: blocks of a 1.3B-class model, few layers, so a solve takes milliseconds.
 SHAPES = [dict(n_layers=3, d_model=2048, n_heads=16, d_ff=8192, vocab_size=32000, seq_len=1024),
           dict(n_layers=6, d_model=1024, n_heads=8, d_ff=4096, vocab_size=32000, seq_len=2048)]
-# Not `tp`: a pinned TP degree also makes every unit shard a weight (`UnitCosts(require_sharding=True)`),
-# cost tables the free search does not price. The ILP prices a layout by matmul FLOPs and collectives,
-# so it leaves an embedding replicated where the table, which divides the lookup's time and parameters
-# by t, would find it faster sharded: with 3 layers on 16 GPUs, --tp 4 --recompute selective was 0.3%
-# faster than the free plan. (pp and dp pinned together fix tp without that.)
-PIN_FIELDS = ("pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero_stage", "sequence_parallel")
+# `tp` too: the free search prices a TP degree as a pinned one does (every unit shards a weight
+# where it can), so pinning the free plan's own degree can never beat it.
+PIN_FIELDS = ("pp", "tp", "dp", "micro_batch_size", "schedule", "virtual_stages", "recompute", "zero_stage", "sequence_parallel")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +58,7 @@ def test_free_search_is_never_beaten_by_a_pinned_configuration(profiles, case):
     target = configs[pick % len(configs)]
     # Schedule, chunks and recomputation drawn apart from the target, so that pins outside what
     # the free search enumerates are tried too (most such pins are refused: skipped below).
-    values = dict(pp=target.pp, dp=target.dp, micro_batch_size=target.micro_batch_size,
+    values = dict(pp=target.pp, tp=target.tp, dp=target.dp, micro_batch_size=target.micro_batch_size,
                   schedule=("1f1b", "interleaved-1f1b", "zero-bubble")[pick // 3 % 3], virtual_stages=1 + pick // 9 % 3,
                   recompute=("none", "selective", "full")[pick % 3], zero_stage=target.zero_stage,
                   sequence_parallel=target.sequence_parallel)

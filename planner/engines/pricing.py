@@ -107,7 +107,7 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=layout.tp_degree > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll),
+                      ep_all_to_all_s=ep_all_to_all(cluster, coll),
                       float8=layout.float8, cp_collectives=cp_collectives(cluster, coll), expert_tp=layout.expert_tp_degree)
     env = replace(_environment(cluster, compute, dtype, pins, UNBOUNDED_MEMORY_FRACTION), cut_allowed=_cut_allowed(profile))
     m = batch * layout.cp_degree // (layout.dp * layout.micro_batch)  # a CP group shares its samples

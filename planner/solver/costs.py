@@ -203,11 +203,10 @@ def _attention_flop_share(unit: Unit) -> float:
 class UnitCosts:
     """Builds `UnitCostTable`s, caching ILP solutions per (fingerprint, t, sp)."""
 
-    def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str, require_sharding: bool = False,
+    def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str,
                  ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False, cp_collectives=None,
                  expert_tp: int = 1):
         self.profile, self.compute, self.dtype = profile, compute, dtype
-        self.require_sharding = require_sharding  # TP pinned: each unit shards a weight where it can
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
         self.ep_all_to_all_s = ep_all_to_all_s  # (bytes one rank sends, ep, tp, folded) -> s
@@ -241,7 +240,9 @@ class UnitCosts:
             collectives=self.tp_collectives(t),
             activation_scale=b / self.base_mbs,
             sequence_parallel=sp,
-            require_sharding=self.require_sharding,
+            # Under TP every unit shards a weight where it can (constraint `pinned_tp`): a TP group
+            # that replicates a unit whole runs it t times over, which no runtime's TP does.
+            require_sharding=t > 1,
         )
 
     def tp_solution(self, unit: Unit, t: int, sp: bool, b: float) -> IntraOpSolution:

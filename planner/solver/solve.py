@@ -458,10 +458,10 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     check_model_pins(pins, profile)
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
-    # A pinned TP degree is honoured: each unit shards a weight where it can, even where the
-    # collectives cost more than the compute they split (the free search would pick dp instead).
+    # Every TP degree shards: each unit shards a weight where it can, even where the collectives
+    # cost more than the compute they split (then dp or pp wins), as `planner price` prices it.
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=bool(pins.tp and pins.tp > 1), ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll),
+                      ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll),
                       imbalance=moe_imbalance, float8=float8, expert_tp=pins.expert_tp or 1)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
@@ -530,7 +530,7 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
     compute = ComputeModel(profile, cluster.gpu, dtype, slowdown=cluster.compute_slowdown)
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
-                      require_sharding=cfg.tp > 1, ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll), imbalance=moe_imbalance,
+                      ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll), imbalance=moe_imbalance,
                       float8=float8, expert_tp=cfg.expert_tp)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm),
