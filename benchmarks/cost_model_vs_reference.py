@@ -49,7 +49,7 @@ from planner.cluster import make_cluster
 from planner.cost.overlap import SERIAL, Overlap
 from planner.errors import PlannerError
 from planner.profiler import profile_model
-from planner.solver.solve import Pins, solve
+from planner.solver.solve import Pins, even_block_cuts, solve
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT.parent / "shared" / "reference"
@@ -132,7 +132,10 @@ def predict(case: dict) -> dict:
     plans, errors = [], []
     for schedule in case.get("schedules", [p.schedule]):  # the stack's schedules; the solver picks within each
         try:
-            plans.append(solve(prof, cluster, case["global_batch"], replace(p, schedule=schedule), top_k=1, dtype=case["dtype"]))
+            # Megatron stacks split the layers evenly over the chunks (the run's own stages, not the DP's cuts).
+            cuts = even_block_cuts(prof) if case["stack"].startswith("Megatron") else None
+            plans.append(solve(prof, cluster, case["global_batch"], replace(p, schedule=schedule), top_k=1, dtype=case["dtype"],
+                               cuts=cuts))
         except PlannerError as error:
             errors.append(str(error).split(":")[0])
     if not plans:

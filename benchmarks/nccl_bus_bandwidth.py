@@ -38,6 +38,13 @@ PUBLISHED = [
      "NVIDIA/nccl-tests issue #212 (sjeaugey: peak busbw ~480 GB/s on 8 GPUs with NVLS); not modelled"),
     ("8x H200 SXM, NVLink 4, default (NVLink SHARP)", "h200", 8, "all_reduce", 475, 475, "nvls",
      "NVIDIA/nccl-tests issue #272 (peak busbw 475 GB/s, NCCL 2.20.3); not modelled"),
+    # One user's H100 cluster at 4 to 128 nodes (32 to 1024 GPUs): the reduce-scatter's bus
+    # bandwidth falls as the ring grows (its latency terms grow with the ranks). Message size not
+    # stated; the model is timed at MESSAGE_BYTES like every row.
+    *[(f"H100 nodes x {n // 8}, reduce-scatter across nodes", "h100-80gb", n, "reduce_scatter", busbw, busbw, "ring",
+       "NVIDIA/nccl issue #1229 (user measurement: busbw 360, 345, 320, 300, 280, 260 GB/s at 4, 8, 16, 32, 64, "
+       "128 nodes; NCCL rings across nodes)")
+      for n, busbw in [(32, 360), (64, 345), (128, 320), (256, 300), (512, 280), (1024, 260)]],
 ]
 
 

@@ -10,7 +10,7 @@ cost_model_vs_reference.py), then, all predicted by the same cost model:
 - `pure-dp`: pp = tp = 1, data parallel over every GPU, ZeRO stage left to the solver
   (ZeRO-3 when nothing else fits);
 - `megatron-uniform`: tp = 8, 1F1B, full recomputation, the smallest pp that fits, with
-  layers split evenly (no DP over the cuts);
+  layers split evenly as Megatron-LM splits them (`even_block_cuts`: no DP over the cuts);
 - `titan-fsdp-tp`: torchtitan's usual defaults: tp = 8 with sequence parallelism, FSDP
   (ZeRO-3) over the rest, no pipeline, selective recomputation.
 
@@ -43,7 +43,7 @@ import pandas as pd
 from planner.cluster import make_cluster
 from planner.errors import PlannerError
 from planner.profiler import profile_model
-from planner.solver.solve import Pins, solve, solve_uniform
+from planner.solver.solve import Pins, even_block_cuts, solve
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT.parent / "shared" / "reference" / "megatron_sc21_table1.csv"
@@ -71,8 +71,8 @@ def _uniform_megatron(prof, cluster, batch):
         if cluster.world_size % (8 * pp):
             continue
         try:
-            return solve_uniform(prof, cluster, batch, Pins(tp=8, pp=pp, cp=1, schedule="1f1b", recompute="full", zero_stage=0,
-                                                                           sequence_parallel=False))
+            return solve(prof, cluster, batch, Pins(tp=8, pp=pp, cp=1, schedule="1f1b", recompute="full", zero_stage=0,
+                                                    sequence_parallel=False), cuts=even_block_cuts(prof))
         except PlannerError:
             continue
     raise PlannerError("no uniform Megatron split fits", "")

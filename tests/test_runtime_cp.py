@@ -175,14 +175,16 @@ def test_cp_with_interleaved_pipelining_is_refused_before_launch():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", ["gpt-1f1b-m4", "hf_llama-1f1b"])
+@pytest.mark.parametrize("case", ["gpt-1f1b-m4", "llama-gpipe-m2", "hf_llama-1f1b-m2"])
 def test_cp2_x_pp2_parity(case, tmp_path):
     """Each stage runs its micro-batches' sequence chunks: the stages are cut at the local shapes
     (runtime/train.py `meta_inputs`), the mode steps off torch's function-mode stack under the
     pipeline's replay mode (`exit_module`), and shape inference passes through it. Two micro-batches
     or more: the second one is where a mode left on the stack showed (positions not global)."""
-    kw = dict(model="gpt", m=4, mbs=1) if case.startswith("gpt") else dict(model="hf_llama", args=HF_ARGS, units=HF_UNITS, m=2)
-    check_parity(cp_plan(dp=2, cp=2, pp=2, schedule="1f1b", **kw), tmp_path)
+    model, schedule, _ = case.split("-")
+    kw = dict(model="gpt", m=4, mbs=1) if model == "gpt" else \
+        dict(model="hf_llama", args=HF_ARGS, units=HF_UNITS, m=2) if model == "hf_llama" else dict(model="llama", m=2)
+    check_parity(cp_plan(dp=2, cp=2, pp=2, schedule=schedule, **kw), tmp_path)
 
 
 # ---- attention and one backward on 2 spawned gloo ranks ----
@@ -339,9 +341,12 @@ def test_cp_parity(case, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_checkpoint_saved_under_cp2_resumes_under_cp1(tmp_path):
+@pytest.mark.parametrize("pp", [1, 2])
+def test_checkpoint_saved_under_cp2_resumes_under_cp1(pp, tmp_path):
     # CP changes no parameter's layout: the same global batch (4 samples) as 2 dp ranks of 2 samples.
-    check_resume_matches_reference(cp_plan(dp=2, cp=2, mbs=2, m=2), make_plan(dp=2, mbs=1, m=2), tmp_path)
+    # Under pp 2 each stage saves its own units, resumed by one process holding them all.
+    saved = cp_plan(dp=2, cp=2, pp=pp, mbs=2, m=2, schedule="1f1b")
+    check_resume_matches_reference(saved, make_plan(dp=2, mbs=1, m=2), tmp_path)
 
 
 def test_run_refuses_a_sequence_that_does_not_split_before_launch(tmp_path):

@@ -141,3 +141,36 @@ def test_free_search_prices_every_virtual_stage_count():
     pinned = solve(profile, cluster, 6144, Pins(pp=8, tp=8, dp=192, virtual_stages=6), top_k=1)
     free = solve(profile, cluster, 6144, top_k=1)
     assert free.prediction.iteration_time_s <= pinned.prediction.iteration_time_s * (1 + 1e-9)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(times=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=9), chunks=st.integers(1, 9))
+def test_least_slowest_chunk_is_the_minimax_cut_from_below(times, chunks):
+    """B* (bounds.py `_least_slowest_chunk_s`) against every cut of the units into `chunks`
+    contiguous non-empty chunks: never above the best cut's slowest chunk, and within the
+    bisection's tolerance of it."""
+    from itertools import accumulate, combinations
+
+    from planner.solver.bounds import _least_slowest_chunk_s
+
+    chunks = min(chunks, len(times))
+    prefix = [0.0, *accumulate(times)]
+    best = min(max(prefix[b] - prefix[a] for a, b in zip((0, *cuts), (*cuts, len(times)), strict=True))
+               for cuts in combinations(range(1, len(times)), chunks - 1))
+    least = _least_slowest_chunk_s(prefix, chunks)
+    assert least <= best * (1 + 1e-12) + 1e-12
+    assert least >= best - 1e-3 * (1 + max(times))  # 12 halvings of a bracket one unit wide
+
+
+def test_even_block_cuts_split_the_layers_as_megatron_does(profiles):
+    from planner.solver.solve import even_block_cuts
+
+    profile = profiles[1]  # 6 blocks between the embedding and the final norm and head
+    names = profile.unit_names()
+    cuts = even_block_cuts(profile)
+    stages = [names[i:j] for i, j in cuts(3)]
+    assert stages[0][0] == names[0] and stages[-1][-1] == names[-1]
+    assert [sum(n.startswith("blocks.") for n in stage) for stage in stages] == [2, 2, 2]
+    assert cuts(4) is None and cuts(7) is None  # 6 layers do not split into 4 or 7 equal chunks
+    plan = solve(profile, make_cluster(8, 8, "a100-80gb"), 16, Pins(pp=2, tp=1, dp=4, schedule="1f1b"), top_k=1, cuts=cuts)
+    assert [sum(u.startswith("blocks.") for u in stage.units) for stage in plan.stages] == [3, 3]

@@ -24,13 +24,16 @@ which lets memory force recomputation into the bound (`TimeBound.many`; lambda =
 cheapest mode everywhere). The dual is concave and piecewise linear in lambda, so its maximum
 lies at 0 or where a unit's best mode changes (`_UnitTerms.lambdas`). With S = pp x v chunks and p2p_u what a chunk ending after unit u
 pays per micro-batch (`p2p_arrays`), W = D + S x min_u p2p_u. Every arrangement's chunk
-times sum to at least W, its slowest chunk takes at least W / S and its
-busiest pipeline rank (v chunks) at least W / p. The schedules' closed forms
-(planner/cost/schedules.py) then give at least
+times sum to at least W. Its slowest chunk takes at least X = max(W / S, B* + min_u p2p_u),
+where B* is the least slowest chunk of any cut of the units into S contiguous chunks, each
+unit at its least time min_r t_r,u (`_least_slowest_chunk_s`: units come whole, so 98 units
+in 8 chunks leave one chunk above the mean), and its busiest pipeline rank (v chunks) at
+least R = max(W / p, X). The schedules' closed forms (planner/cost/schedules.py) then give
+at least
 
-    GPipe, 1F1B         W + (m - 1) W / S
-    interleaved 1F1B    m W / p + (p - 1) W / S
-    zero bubble         m W / p (a rank runs its m v forwards, Bs and Ws in series), plus
+    GPipe, 1F1B         W + (m - 1) X
+    interleaved 1F1B    m R + (p - 1) X
+    zero bubble         m R (a rank runs its m v forwards, Bs and Ws in series), plus
                         what the fill and drain add at the least (`_zero_bubble_s`)
 
 plus the overlapped p2p's fill, at least (S - 1) x the cheapest hop, plus the once-per-step
@@ -44,7 +47,8 @@ parameters perfectly evenly over the p ranks (no activations, no tied copies).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -81,6 +85,9 @@ class _UnitTerms:
     """0 and `ratios`: where the dual's maximum lies (module docstring)."""
     dual_s: np.ndarray
     """[lambda]: sum_u min_r (t_r,u + lambda a_r,u) at each of `lambdas` (the budget-free part of the dual)."""
+    least_prefix_s: list[float]
+    """Prefix sums, in unit order, of c_u = min_r t_r,u: what a chunk of units i..j-1 takes at
+    the least (`_least_slowest_chunk_s`)."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +97,6 @@ class _GroupTerms:
 
     table: UnitCostTable
     """Held so that the `id` in the cache key stays this table's."""
-    units: _UnitTerms
     states_bytes: float
     """s: the model states of all units on their ranks (module docstring)."""
     min_p2p_s: float
@@ -118,6 +124,8 @@ class TimeBound:
         self._units: dict[tuple, _UnitTerms] = {}
         self._groups: dict[tuple, _GroupTerms] = {}
         self._memory: dict[tuple, tuple[UnitCostTable, float]] = {}
+        self._grouping: dict[int, tuple] = {}  # `_unit_terms`
+        self._slowest: dict[tuple[int, int], float] = {}  # (id of _UnitTerms, chunks) -> B* (held in self._units)
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
@@ -137,24 +145,50 @@ class TimeBound:
         if group is not None:
             return group
         env = self.env
-        sharded = cfg.zero_stage >= 2 and cfg.dp > 1  # `zero_unit_s` adds traffic per unit
-        units_key = (id(table), cfg.zero_stage if sharded else 0, cfg.dp if sharded else 1, cfg.shard_degree if sharded else None)
-        if units_key not in self._units:
-            self._units[units_key] = _unit_terms(table, cfg, env)
         hops, p2p, _ = p2p_arrays(table, cfg, env)
         # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
         optimizer = updated_parameters(table, cfg, 0, len(table.parameters)) / cfg.pp * env.optimizer_s_per_param
-        group = _GroupTerms(table, self._units[units_key], float(state_bytes(table, cfg, env).sum()), float(p2p.min()),
+        group = _GroupTerms(table, float(state_bytes(table, cfg, env).sum()), float(p2p.min()),
                             float(hops[:-1].min()) if len(hops) > 1 else 0.0, float(table.forward_s.sum()), optimizer)
         self._groups[key] = group
         return group
 
-    def many(self, pairs: list[tuple[UnitCostTable, Config]]) -> np.ndarray:
-        """`__call__` of every (table, configuration) pair, as one array (same numbers, same order of operations)."""
-        groups, columns = [], []
+    def _unit_terms(self, table: UnitCostTable, cfg: Config, whole: bool) -> _UnitTerms:
+        """The unit terms of `cfg`: with ZeRO 2/3's per-unit traffic when `whole` (once per ZeRO
+        stage, dp and hybrid shard degree), without it otherwise (once per table: the traffic only
+        adds to a unit's time, its range-start term included, `_unit_terms`), a weaker bound."""
+        sharded = whole and cfg.zero_stage >= 2 and cfg.dp > 1  # `zero_unit_s` adds traffic per unit
+        key = (id(table), cfg.zero_stage if sharded else 0, cfg.dp if sharded else 1, cfg.shard_degree if sharded else None)
+        units = self._units.get(key)
+        if units is None:
+            plain = cfg if sharded or cfg.zero_stage < 2 else replace(cfg, zero_stage=0, shard_degree=None)
+            units = self._units[key] = _unit_terms(table, plain, self.env, self._grouping)
+        return units
+
+    def _least_slowest(self, units: list[_UnitTerms], chunks: np.ndarray) -> np.ndarray:
+        """B* of each configuration (`_least_slowest_chunk_s`), once per (unit terms, chunks)."""
+        ids = np.array([id(u) for u in units], dtype=np.int64)
+        pairs, first, inverse = np.unique(np.stack([ids, chunks.astype(np.int64)]), axis=1, return_index=True,
+                                          return_inverse=True)
+        values = np.empty(pairs.shape[1])
+        for column, (key, index) in enumerate(zip(map(tuple, pairs.T.tolist()), first.tolist(), strict=True)):
+            value = self._slowest.get(key)
+            if value is None:
+                value = self._slowest[key] = _least_slowest_chunk_s(units[index].least_prefix_s, key[1])
+            values[column] = value
+        return values[inverse.ravel()]
+
+    def many(self, pairs: list[tuple[UnitCostTable, Config]], whole: bool = True) -> np.ndarray:
+        """`__call__` of every (table, configuration) pair, as one array (same numbers, same order of operations).
+        `whole=False` leaves out B* (X = W / S) and ZeRO 2/3's per-unit traffic (`_unit_terms`): a
+        weaker bound, computed once per table instead of once per (ZeRO stage, dp, shard degree)
+        and chunk count; the search orders tens of thousands of configurations by it and applies
+        the whole bound to those it reaches (planner/solver/solve.py `search`)."""
+        groups, units, columns = [], [], []
         for table, cfg in pairs:
             group = self._group(table, cfg)
             groups.append(group)
+            units.append(self._unit_terms(table, cfg, whole))
             form = _SCHEDULE_FORM.get(cfg.schedule, 0) if cfg.schedule != "interleaved-1f1b" or cfg.virtual_stages > 1 else 0
             columns.append((*_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), cfg.pp,
                             cfg.virtual_stages, cfg.num_microbatches, form, group.states_bytes, group.min_p2p_s,
@@ -166,47 +200,107 @@ class TimeBound:
         budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
         dual = np.empty(len(pairs))
         by_units: dict[int, list[int]] = {}
-        for index, group in enumerate(groups):
-            by_units.setdefault(id(group.units), []).append(index)
+        for index, terms in enumerate(units):
+            by_units.setdefault(id(terms), []).append(index)
         for indices in by_units.values():
-            terms = groups[indices[0]].units
+            terms = units[indices[0]]
             dual[indices] = (terms.dual_s[None, :] - terms.lambdas[None, :] * budget[indices, None]).max(axis=1)
         chunks = p * v
         work = dual + chunks * min_p2p
-        pipeline = np.where(form == 2, _zero_bubble_s(work, forward, m, p, v),
-                            np.where(form == 1, m * work / p + (p - 1) * work / chunks, work + (m - 1) * work / chunks))
+        # The slowest chunk takes at least W / S, and at least B* plus its cut's p2p (`_least_slowest_chunk_s`):
+        # layers come whole, so S chunks of 98 units cannot all take the mean.
+        slowest = np.maximum(work / chunks, self._least_slowest(units, chunks) + min_p2p) if whole else work / chunks
+        pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, forward, m, p, v),
+                            np.where(form == 1, m * np.maximum(work / p, slowest) + (p - 1) * slowest,
+                                     work + (m - 1) * slowest))
         fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
         return pipeline + fill + optimizer
 
 
-def _zero_bubble_s(work, forward, m, p, v):
-    """Zero bubble's pipeline time is at least m W / p (module docstring), and its fill and drain
+def _zero_bubble_s(work, slowest, forward, m, p, v):
+    """Zero bubble's pipeline time is at least m R (module docstring), and its fill and drain
     add, since a hop max(f + B - W, f, B) is at least the chunk's forward f and the chunks'
     forwards sum to at least F (`forward`): for v = 1, m t_slowest + sum_{k != slowest} f_k
-    >= (m - 1) W / S + F; for v > 1, (p - 1) max_k f_k >= (p - 1) F / S. With m < p (played in
+    >= (m - 1) X + F (X: `slowest`); for v > 1, (p - 1) max_k f_k >= (p - 1) F / S. With m < p (played in
     the simulator) the first micro-batch still runs every chunk's forward in turn: >= F.
     Elementwise over numpy arrays of configurations."""
     chunks = p * v
-    return np.where(m < p, np.maximum(m * work / p, forward),
-                    np.where(v == 1, np.maximum(m * work / p, (m - 1) * work / chunks + forward),
-                             m * work / p + (p - 1) * forward / chunks))
+    rank = np.maximum(work / p, slowest)  # a rank's chunks run in series: their mean share, and its slowest chunk
+    return np.where(m < p, np.maximum(m * rank, forward),
+                    np.where(v == 1, np.maximum(m * rank, (m - 1) * slowest + forward),
+                             m * rank + (p - 1) * forward / chunks))
 
 
-def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment) -> _UnitTerms:
+def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: dict) -> _UnitTerms:
+    """`grouping` holds, per table, the representative of each unit and its index among them, as
+    the first call found them; a later call (another ZeRO 2/3 or dp setting of the same table)
+    reuses them where every unit still equals its representative, a check cheaper than
+    `np.unique` over the columns again."""
     times, first, _, _ = stage_arrays(table, cfg, env)
     modes = env.allowed_recompute
     time_s = np.stack([times[r] + np.minimum(first[r], 0.0) for r in modes])
     activation = np.stack([table.activations[r] for r in modes])
-    distinct, inverse = np.unique(np.concatenate([time_s, activation]), axis=1, return_inverse=True)
+    columns = np.concatenate([time_s, activation])
+    held = grouping.get(id(table))
+    distinct = None
+    if held is not None and np.array_equal(columns[:, held[0]][:, held[1]], columns):
+        # In np.unique's order (columns sorted lexicographically, first row first) and only if the
+        # representatives are still distinct, so the sums below add as without the cache: same
+        # numbers to the last bit.
+        representatives, inverse, _ = held
+        order = np.lexsort(columns[:, representatives][::-1])
+        distinct = columns[:, representatives[order]]
+        if np.all(distinct[:, 1:] == distinct[:, :-1], axis=0).any():
+            distinct = None
+        else:
+            rank = np.empty_like(order)
+            rank[order] = np.arange(order.size)
+            inverse = rank[inverse]
+    if distinct is None:
+        distinct, representatives, inverse = np.unique(columns, axis=1, return_index=True, return_inverse=True)
+        inverse = inverse.ravel()
+        grouping[id(table)] = (representatives, inverse, table)  # the table held: its id stays its own
     time_s, activation = distinct[:len(modes)], distinct[len(modes):]
     saved = activation[:, None, :] - activation[None, :, :]  # [r, r', unit]
     slower = time_s[None, :, :] - time_s[:, None, :]
     ratios = np.unique(slower[saved > 0] / saved[saved > 0])
     ratios = ratios[ratios >= 0]
-    count = np.bincount(inverse.ravel(), minlength=distinct.shape[1])
+    count = np.bincount(inverse, minlength=distinct.shape[1])
     lambdas = np.concatenate([[0.0], ratios])
     per_unit = (time_s[None] + lambdas[:, None, None] * activation[None]).min(axis=1)
-    return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count)
+    prefix = np.concatenate([[0.0], np.cumsum(time_s.min(axis=0)[inverse])])
+    return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist())
+
+
+def _least_slowest_chunk_s(prefix: list[float], chunks: int, iterations: int = 12) -> float:
+    """B*: no cut of the units into `chunks` contiguous chunks has a slowest chunk below this,
+    with each unit at its least time c_u (prefix sums `prefix`). The minimax partition is found
+    by bisection on B with the greedy test (cut as late as B allows: it fits in `chunks` chunks iff
+    some cut does); the lower end of the bracket is returned, which is a proven lower bound (the
+    start, the larger of the mean and the largest unit, is one; each later value failed the test).
+    Cuts the plan may not make (`Environment.cut_allowed`) only raise the true value."""
+    n, total = len(prefix) - 1, prefix[-1]
+    if chunks <= 1 or n == 0:
+        return total
+    largest = max(b - a for a, b in zip(prefix, prefix[1:], strict=False))
+    low, high = max(total / chunks, largest), total / chunks + largest
+
+    def fits(limit: float) -> bool:
+        start = 0
+        for _ in range(chunks):
+            start = bisect.bisect_right(prefix, prefix[start] + limit, lo=start) - 1
+            if start >= n:
+                return True
+        return False
+
+    if not fits(low):
+        for _ in range(iterations):
+            middle = (low + high) / 2
+            if fits(middle):
+                high = middle
+            else:
+                low = middle
+    return low * (1 - 1e-12)  # the greedy's float sums may differ from the price's in the last bits
 
 
 @lru_cache(maxsize=None)

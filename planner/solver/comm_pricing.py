@@ -84,11 +84,18 @@ def _over_dp(collective, table: UnitCostTable, cfg: Config, bytes_per_param: int
     expert-dp (planner/cost/moe.py; two collectives on different groups, one after the other).
     `gather`: an all-gather of parameters (FP8 weights move in FP8: `gathered_dense`)."""
     params = gathered_dense(table, bytes_per_param) if gather else table.trained_dense_parameters()
-    dense = np.array([collective(p * bytes_per_param, cfg.zero_dp, cfg.tp) for p in params])
+    dense = _per_distinct(params, lambda p: collective(p * bytes_per_param, cfg.zero_dp, cfg.tp))
     if table.expert_parameters is None:
         return dense
-    return dense + np.array([collective(p * bytes_per_param, cfg.expert_dp, cfg.expert_dp_stride)
-                             for p in table.expert_parameters])
+    return dense + _per_distinct(table.expert_parameters,
+                                 lambda p: collective(p * bytes_per_param, cfg.expert_dp, cfg.expert_dp_stride))
+
+
+def _per_distinct(values: np.ndarray, seconds) -> np.ndarray:
+    """`seconds(v)` for each entry of `values`, called once per distinct value (a model's
+    identical blocks have identical parameter counts)."""
+    distinct, inverse = np.unique(values, return_inverse=True)
+    return np.array([seconds(float(v)) for v in distinct])[inverse.ravel()]
 
 
 def _across_replicas(table: UnitCostTable, cfg: Config, env: Environment, bytes_per_param: int) -> np.ndarray | float:
@@ -97,8 +104,8 @@ def _across_replicas(table: UnitCostTable, cfg: Config, env: Environment, bytes_
     A replica group is the shard index's ranks in every group, tp x shard_degree ranks apart."""
     if cfg.replicas == 1:
         return 0.0
-    return np.array([env.dp_all_reduce_s(p * bytes_per_param / cfg.zero_dp, cfg.replicas, cfg.tp * cfg.zero_dp)
-                     for p in table.trained_dense_parameters()])
+    return _per_distinct(table.trained_dense_parameters(),
+                         lambda p: env.dp_all_reduce_s(p * bytes_per_param / cfg.zero_dp, cfg.replicas, cfg.tp * cfg.zero_dp))
 
 
 MEGATRON_BUCKET_PARAMS = 40_000_000

@@ -73,7 +73,7 @@ def price_in_order(price: Callable[[int, float], Evaluation], order: Sequence[in
     """Price configurations `order[0], order[1], ...` (ascending `bounds[i]`) by `price(i, cap)`
     until the next bound reaches the k-th best time (module docstring). Returns the feasible
     evaluations in bound order, how
-    many were priced, and the least memory an infeasible one needed."""
+    many were priced (`Evaluation.priced`), and the least memory an infeasible one needed."""
     if workers <= 1 or len(order) < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
         return _sequential(price, order, bounds, keep)
     return _parallel(price, order, bounds, keep, workers)
@@ -84,8 +84,8 @@ def _sequential(price, order, bounds, keep) -> tuple[list[Evaluation], int, floa
     for index in order:
         if bounds[index] >= top.cap:
             break
-        evaluated += 1
         result = price(index, top.cap)
+        evaluated += result.priced
         if result.feasible:
             ranked.append(result)
             top.add(result.iteration_time_s)
@@ -120,4 +120,4 @@ def _parallel(price, order, bounds, keep, workers) -> tuple[list[Evaluation], in
     finally:
         _PRICE = None
     ranked = [results[i] for i in order if i in results and results[i].feasible]  # as the sequential loop lists them
-    return ranked, len(results), least
+    return ranked, sum(result.priced for result in results.values()), least

@@ -164,6 +164,9 @@ class Evaluation:
     flushed_by: str | None = None
     """pipedream-2bw only: why the runtime runs it flushed, so it was priced with 1F1B's time
     (`flush_blocker`); None when it runs flush-free, and for synchronous schedules."""
+    priced: bool = True
+    """False: refused by its whole time bound before the DP ran (planner/solver/solve.py
+    `search`), so counted as pruned by time, not as priced."""
 
 
 @dataclass(frozen=True)
@@ -486,7 +489,8 @@ def p2p_arrays(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[np.
     bookkeeping when pp > 1); and whether activations travel as TP slices (`scatter_gather`)."""
     same_node = cfg.dp * cfg.tp < env.gpus_per_node
     sliced = scatter_gather(cfg, same_node)
-    hops = np.array([2 * _p2p_s(b, cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in table.cut_bytes])
+    distinct, inverse = np.unique(table.cut_bytes, return_inverse=True)  # identical blocks cut alike
+    hops = np.array([2 * _p2p_s(float(b), cfg.tp, same_node, sliced, env) if b > 0 else 0.0 for b in distinct])[inverse.ravel()]
     hops[-1] = 0.0
     # Overlapped p2p leaves the stage times; the fill and drain pay it in `_price`.
     p2p = np.zeros_like(hops) if env.overlap.pipeline_p2p else hops.copy()

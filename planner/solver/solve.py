@@ -16,6 +16,7 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -426,11 +427,16 @@ class SearchResult:
     """Share of each GPU's memory the tensors may fill; the rest is the fragmentation allowance."""
 
 
+WHOLE_BOUND_BATCH = 256
+"""Configurations whose whole time bound `search` computes at once, in bound order."""
+
+
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
-           memory_fraction: float = MEMORY_FRACTION, keep: int = 3, uniform_cuts: bool = False,
+           memory_fraction: float = MEMORY_FRACTION, keep: int = 3, cuts: Cuts | None = None,
            moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
            allow_async: bool = False, workers: int = 1) -> SearchResult:
-    """Price the configurations the pins allow; `uniform_cuts` replaces the DP by even splits (a baseline);
+    """Price the configurations the pins allow; `cuts` replaces the DP by a stack's own split
+    (`even_block_cuts`: baselines, and published runs priced as their stack ran them);
     `workers` processes price them (planner/solver/pricing.py: the same top k).
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
@@ -487,14 +493,34 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
             pruned, least = pruned + 1, min(least, memory)
             continue
         fitting.append((table, cfg))
-    time_bounds = async_time_bounds(bound.many(fitting), [cfg for _, cfg in fitting], env.gpus_per_node)
+    time_bounds = async_time_bounds(bound.many(fitting, whole=False), [cfg for _, cfg in fitting], env.gpus_per_node)
     order = np.argsort(time_bounds, kind="stable")  # ascending bound, ties in enumeration order
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
 
+    # The order is by the weaker bound (bounds.py `many(whole=False)`); the whole bound of the
+    # configurations the pricing reaches, computed a batch at a time in that order, may already
+    # reach the cap, and then the DP is not run.
+    position = np.empty(len(order), dtype=int)
+    position[order] = np.arange(len(order))
+    whole_bounds: dict[int, float] = {}
+
+    def whole_bound(index: int) -> float:
+        if index not in whole_bounds:
+            batch = order[position[index]:position[index] + WHOLE_BOUND_BATCH].tolist()
+            values = async_time_bounds(bound.many([fitting[i] for i in batch]), [fitting[i][1] for i in batch],
+                                       env.gpus_per_node)
+            whole_bounds.update(zip(batch, values.tolist(), strict=True))
+        return whole_bounds[index]
+
     def price(index: int, cap: float) -> Evaluation:
         table, cfg = fitting[index]
-        bounds = uniform_bounds(len(profile.units), cfg.pp * cfg.virtual_stages) if uniform_cuts else None
+        if math.isfinite(cap) and whole_bound(index) >= cap:
+            return Evaluation(cfg, False, "dominated: its time bound with whole units per stage reaches the best plans'",
+                              priced=False)
+        bounds = None if cuts is None else cuts(cfg.pp * cfg.virtual_stages)
+        if cuts is not None and bounds is None:
+            return Evaluation(cfg, False, f"the stack cannot split the model into {cfg.pp * cfg.virtual_stages} stages")
         return evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
 
     # In ascending bound order until the k-th best time is below the next bound (planner/solver/pricing.py).
@@ -567,22 +593,33 @@ def ep_all_to_all(cluster: Cluster, coll: CollectiveModel):
     return seconds
 
 
-def uniform_bounds(num_units: int, num_stages: int) -> tuple | None:
-    """Units split as evenly as possible, in order (what hand-written pipelines do)."""
-    if num_stages > num_units:
-        return None
-    edges = [round(k * num_units / num_stages) for k in range(num_stages + 1)]
-    return tuple(zip(edges[:-1], edges[1:], strict=False))
+Cuts = Callable[[int], tuple | None]
+"""A stack's stage split: chunks -> ((start, end) unit range per chunk), None where it cannot split so."""
 
 
-def solve_uniform(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), **kw) -> Plan:
-    """Like `solve`, with evenly split stages instead of the DP's cuts (baselines only)."""
-    return solve(profile, cluster, global_batch_size, pins, uniform_cuts=True, **kw)
+def even_block_cuts(profile: Profile) -> Cuts:
+    """Megatron-LM's split: every chunk the same number of the repeated blocks (--num-layers
+    divisible by pp x v, megatron/core/transformer/transformer_block.py), the units before them
+    (the embedding) with the first chunk, those after (final norm, output layer) with the last
+    (planner/engines/common.py `stage_bounds`, kind "even")."""
+    from planner.engines.common import even_blocks, model_parts
+
+    names = profile.unit_names()
+    before, blocks, _ = model_parts(names)
+
+    def cuts(chunks: int) -> tuple | None:
+        counts = even_blocks(len(blocks), chunks)
+        if counts is None or 0 in counts:
+            return None
+        edges = [0] + [len(before) + sum(counts[:k + 1]) for k in range(chunks)]
+        edges[-1] = len(names)
+        return tuple(zip(edges[:-1], edges[1:], strict=False))
+    return cuts
 
 
 def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), top_k: int = 3,
           dtype: str | None = None, profile_path: str | None = None, memory_fraction: float = MEMORY_FRACTION,
-          uniform_cuts: bool = False, moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
+          cuts: Cuts | None = None, moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
           allow_async: bool = False, allow_replication: bool = False, workers: int = 1) -> Plan:
     """The best plan, or a PlannerError that says what does not fit and by how much. `workers`:
     processes that price configurations (planner/solver/pricing.py; the CLI uses every CPU). `allow_async`:
@@ -592,7 +629,7 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
     if global_batch_size < 1:
         raise PlannerError(f"--global-batch must be positive (got {global_batch_size}).", "Pass the samples per optimizer step.")
     result = search(profile, cluster, global_batch_size, pins, dtype, memory_fraction, keep=max(top_k, 1),
-                    uniform_cuts=uniform_cuts, moe_imbalance=moe_imbalance, float8=float8, allow_offload=allow_offload,
+                    cuts=cuts, moe_imbalance=moe_imbalance, float8=float8, allow_offload=allow_offload,
                     allow_async=allow_async, workers=workers)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
