@@ -42,12 +42,14 @@ run: a first solve; a repeated "what if" skips the ILPs). 175B on 64 GPUs 2.3 s,
 
 This round (2026-11-26): the bound knows that units come whole (planner/solver/bounds.py B*: the
 least slowest chunk of any cut into S contiguous chunks, by bisection), so 98 units in 8
-stages cannot all take the mean; the configurations are ordered by a bound computed once per
-cost table (no B*, no ZeRO 2/3 traffic per unit) and the whole bound is applied, a batch at a
-time in that order, only to those the pricing reaches, before their DP; ZeRO's per-unit
-collectives and the pipeline hops are priced once per distinct parameter count or cut size.
-In-process on a quiet machine, one core, HEAD vs this: 175B on 64 GPUs 4.0 -> 3.2 s (490 -> 330
-DPs run), on 1024 10.1 -> 5.0 s (bounds phase 6.3 -> 1.0 s; 585 -> 546 DPs); same plans.
+stages cannot all take the mean. That whole bound is computed lazily: every configuration gets
+a weaker one once per cost table (no B*, no ZeRO 2/3 traffic per unit), and the whole bound is
+computed a batch at a time, in that order, only for those the pricing reaches; they are priced
+in ascending order of the whole bound (planner/solver/pricing.py `refined_order`). ZeRO's
+per-unit collectives and the pipeline hops are priced once per distinct parameter count or cut
+size. In-process on a quiet machine, one core, before -> after: 175B on 64 GPUs 4.0 -> 3.0 s
+(490 -> 282 DPs run), on 1024 10.1 -> 4.5 s (bounds phase 6.3 -> 1.0 s), 192 layers on 512
+10.3 -> 4.1 s (139 -> 103 DPs); same plans.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 

@@ -35,9 +35,10 @@ def _instance(seed: int, n: int = 60):
 def test_parallel_pricing_keeps_the_sequential_top_k(seed, monkeypatch):
     monkeypatch.setattr(pricing, "MIN_PARALLEL", 0)
     price, order, bounds, times, fits, seen = _instance(seed)
-    ranked, evaluated, _ = pricing.price_in_order(price, order, bounds, keep=3, workers=1)
+    candidates = [(i, bounds[i]) for i in order]
+    ranked, evaluated, _ = pricing.price_in_order(price, candidates, len(order), keep=3, workers=1)
     assert evaluated == len(seen) < len(order)  # the bound stopped it early
-    in_parallel, priced, _ = pricing.price_in_order(price, order, bounds, keep=3, workers=2)
+    in_parallel, priced, _ = pricing.price_in_order(price, iter(candidates), len(order), keep=3, workers=2)
     best = sorted(times[i] for i in range(len(times)) if fits[i])[:3]
     for found in (ranked, in_parallel):
         assert sorted(e.iteration_time_s for e in found)[:3] == best
@@ -49,7 +50,7 @@ def test_parallel_pricing_keeps_the_sequential_top_k(seed, monkeypatch):
 def test_few_configurations_are_priced_in_process(monkeypatch):
     price, order, bounds, *_ = _instance(0, n=5)
     monkeypatch.setattr(pricing, "_parallel", lambda *a: pytest.fail("forked for 5 configurations"))
-    pricing.price_in_order(price, order, bounds, keep=3, workers=2)
+    pricing.price_in_order(price, [(i, bounds[i]) for i in order], len(order), keep=3, workers=2)
 
 
 def test_workers_from_the_environment(monkeypatch):
@@ -57,3 +58,30 @@ def test_workers_from_the_environment(monkeypatch):
     assert pricing.default_workers() == 1
     monkeypatch.delenv(pricing.WORKERS_ENV)
     assert pricing.default_workers() >= 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_refined_order_is_the_stronger_bounds_order_and_refines_only_what_it_reaches(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    weak = rng.uniform(1, 10, 500)
+    strong = weak * rng.uniform(1, 1.5, 500)  # never below the weak bound
+    touched: set[int] = set()
+
+    def refine(indices):
+        touched.update(indices)
+        return strong[indices]
+
+    everything = list(pricing.refined_order(weak, refine, batch=16))
+    assert sorted(i for i, _ in everything) == list(range(500))
+    assert [b for _, b in everything] == sorted(strong.tolist())
+    touched.clear()
+    cap = float(np.quantile(strong, 0.2))
+    below = []
+    for index, bound in pricing.refined_order(weak, refine, batch=16):
+        if bound >= cap:
+            break
+        below.append(index)
+    assert set(below) == set(np.flatnonzero(strong < cap).tolist())
+    assert len(touched) <= int((weak < cap).sum()) + 16  # what the weak bound admits, and one batch more

@@ -25,8 +25,10 @@ import heapq
 import math
 import multiprocessing
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+import numpy as np
 
 from planner.solver.search import Evaluation
 
@@ -68,24 +70,52 @@ class TopK:
             self.cap = -self._times[0]
 
 
-def price_in_order(price: Callable[[int, float], Evaluation], order: Sequence[int], bounds: Sequence[float], keep: int,
-                   workers: int = 1) -> tuple[list[Evaluation], int, float]:
-    """Price configurations `order[0], order[1], ...` (ascending `bounds[i]`) by `price(i, cap)`
-    until the next bound reaches the k-th best time (module docstring). Returns the feasible
-    evaluations in bound order, how
-    many were priced (`Evaluation.priced`), and the least memory an infeasible one needed."""
-    if workers <= 1 or len(order) < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
-        return _sequential(price, order, bounds, keep)
-    return _parallel(price, order, bounds, keep, workers)
+def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray],
+                  batch: int = 256) -> Iterator[tuple[int, float]]:
+    """Configurations with their stronger bound, ascending, computing it only for those reached.
+
+    `weak[i]` is a lower bound on configuration i's time and `refine(indices)` a stronger one (at
+    least `weak`). Configurations not refined yet wait in ascending `weak`; those refined wait in
+    a heap by their stronger bound. The heap's top is yielded while it is at most the next weak
+    bound (every unrefined configuration's stronger bound is at least its weak one, so nothing
+    below it remains); otherwise the next `batch` in weak order are refined at once (one numpy
+    pass) and pushed. The bounds come out non-decreasing, so `price_in_order` may stop at the
+    first that reaches the cap, and only the configurations below the final cap are refined."""
+    order = np.argsort(weak, kind="stable")
+    heap: list[tuple[float, int, int]] = []  # (bound, position in weak order, index)
+    position = 0
+    while True:
+        following = float(weak[order[position]]) if position < len(order) else math.inf
+        if heap and heap[0][0] <= following:
+            bound, _, index = heapq.heappop(heap)
+            yield index, bound
+            continue
+        if position >= len(order):
+            return
+        chunk = order[position:position + batch].tolist()
+        for offset, (index, bound) in enumerate(zip(chunk, refine(chunk).tolist(), strict=True)):
+            heapq.heappush(heap, (max(bound, float(weak[index])), position + offset, index))
+        position += len(chunk)
 
 
-def _sequential(price, order, bounds, keep) -> tuple[list[Evaluation], int, float]:
+def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterable[tuple[int, float]], count: int,
+                   keep: int, workers: int = 1) -> tuple[list[Evaluation], int, float]:
+    """Price the `count` configurations `candidates` yields, (index, lower bound) with bounds
+    non-decreasing, by `price(index, cap)` until the next bound reaches the k-th best time
+    (module docstring). Returns the feasible evaluations in that order, how many were priced,
+    and the least memory an infeasible one needed."""
+    if workers <= 1 or count < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
+        return _sequential(price, candidates, keep)
+    return _parallel(price, candidates, keep, workers)
+
+
+def _sequential(price, candidates, keep) -> tuple[list[Evaluation], int, float]:
     top, ranked, evaluated, least = TopK(keep), [], 0, math.inf
-    for index in order:
-        if bounds[index] >= top.cap:
+    for index, bound in candidates:
+        if bound >= top.cap:
             break
+        evaluated += 1
         result = price(index, top.cap)
-        evaluated += result.priced
         if result.feasible:
             ranked.append(result)
             top.add(result.iteration_time_s)
@@ -94,19 +124,22 @@ def _sequential(price, order, bounds, keep) -> tuple[list[Evaluation], int, floa
     return ranked, evaluated, least
 
 
-def _parallel(price, order, bounds, keep, workers) -> tuple[list[Evaluation], int, float]:
+def _parallel(price, candidates, keep, workers) -> tuple[list[Evaluation], int, float]:
     global _PRICE
     _PRICE = price
     top, results, least = TopK(keep), {}, math.inf
     pending: dict[Future, int] = {}
-    position = 0
+    taken: list[int] = []
+    stream = iter(candidates)
+    following = next(stream, None)
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
             while True:
-                while position < len(order) and len(pending) < 2 * workers and bounds[order[position]] < top.cap:
-                    index = order[position]
+                while following is not None and len(pending) < 2 * workers and following[1] < top.cap:
+                    index = following[0]
                     pending[pool.submit(_price_in_worker, index, top.cap)] = index
-                    position += 1
+                    taken.append(index)
+                    following = next(stream, None)
                 if not pending:
                     break
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -119,5 +152,5 @@ def _parallel(price, order, bounds, keep, workers) -> tuple[list[Evaluation], in
                         least = min(least, result.min_memory_bytes)
     finally:
         _PRICE = None
-    ranked = [results[i] for i in order if i in results and results[i].feasible]  # as the sequential loop lists them
-    return ranked, sum(result.priced for result in results.values()), least
+    ranked = [results[i] for i in taken if results[i].feasible]  # as the sequential loop lists them
+    return ranked, len(results), least

@@ -164,9 +164,6 @@ class Evaluation:
     flushed_by: str | None = None
     """pipedream-2bw only: why the runtime runs it flushed, so it was priced with 1F1B's time
     (`flush_blocker`); None when it runs flush-free, and for synchronous schedules."""
-    priced: bool = True
-    """False: refused by its whole time bound before the DP ran (planner/solver/solve.py
-    `search`), so counted as pruned by time, not as priced."""
 
 
 @dataclass(frozen=True)

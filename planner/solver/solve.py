@@ -39,7 +39,7 @@ from planner.solver.bounds import TimeBound
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
-from planner.solver.pricing import price_in_order
+from planner.solver.pricing import price_in_order, refined_order
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config, flush_blocker, scatter_gather
 
 log = logging.getLogger(__name__)
@@ -427,10 +427,6 @@ class SearchResult:
     """Share of each GPU's memory the tensors may fill; the rest is the fragmentation allowance."""
 
 
-WHOLE_BOUND_BATCH = 256
-"""Configurations whose whole time bound `search` computes at once, in bound order."""
-
-
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
            memory_fraction: float = MEMORY_FRACTION, keep: int = 3, cuts: Cuts | None = None,
            moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
@@ -493,38 +489,26 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
             pruned, least = pruned + 1, min(least, memory)
             continue
         fitting.append((table, cfg))
-    time_bounds = async_time_bounds(bound.many(fitting, whole=False), [cfg for _, cfg in fitting], env.gpus_per_node)
-    order = np.argsort(time_bounds, kind="stable")  # ascending bound, ties in enumeration order
+    weak = async_time_bounds(bound.many(fitting, whole=False), [cfg for _, cfg in fitting], env.gpus_per_node)
+
+    def whole(indices: list[int]) -> np.ndarray:
+        return async_time_bounds(bound.many([fitting[i] for i in indices]), [fitting[i][1] for i in indices],
+                                 env.gpus_per_node)
+
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
 
-    # The order is by the weaker bound (bounds.py `many(whole=False)`); the whole bound of the
-    # configurations the pricing reaches, computed a batch at a time in that order, may already
-    # reach the cap, and then the DP is not run.
-    position = np.empty(len(order), dtype=int)
-    position[order] = np.arange(len(order))
-    whole_bounds: dict[int, float] = {}
-
-    def whole_bound(index: int) -> float:
-        if index not in whole_bounds:
-            batch = order[position[index]:position[index] + WHOLE_BOUND_BATCH].tolist()
-            values = async_time_bounds(bound.many([fitting[i] for i in batch]), [fitting[i][1] for i in batch],
-                                       env.gpus_per_node)
-            whole_bounds.update(zip(batch, values.tolist(), strict=True))
-        return whole_bounds[index]
-
     def price(index: int, cap: float) -> Evaluation:
         table, cfg = fitting[index]
-        if math.isfinite(cap) and whole_bound(index) >= cap:
-            return Evaluation(cfg, False, "dominated: its time bound with whole units per stage reaches the best plans'",
-                              priced=False)
         bounds = None if cuts is None else cuts(cfg.pp * cfg.virtual_stages)
         if cuts is not None and bounds is None:
             return Evaluation(cfg, False, f"the stack cannot split the model into {cfg.pp * cfg.virtual_stages} stages")
         return evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
 
-    # In ascending bound order until the k-th best time is below the next bound (planner/solver/pricing.py).
-    ranked, evaluated, unfit = price_in_order(price, order.tolist(), time_bounds.tolist(), keep, workers)
+    # Ordered by the weaker bound computed for all (once per cost table: bounds.py `many(whole=False)`),
+    # refined to the whole bound for those the pricing reaches (`refined_order`), in ascending
+    # order of that until the k-th best time is below the next (planner/solver/pricing.py).
+    ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole), len(fitting), keep, workers)
     least = min(least, unfit)
     phases["inter_op"] = time.perf_counter() - tick
     log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", len(configs), pruned, evaluated,
