@@ -49,7 +49,12 @@ in ascending order of the whole bound (planner/solver/pricing.py `refined_order`
 per-unit collectives and the pipeline hops are priced once per distinct parameter count or cut
 size. In-process on a quiet machine, one core, before -> after: 175B on 64 GPUs 4.0 -> 3.0 s
 (490 -> 282 DPs run), on 1024 10.1 -> 4.5 s (bounds phase 6.3 -> 1.0 s), 192 layers on 512
-10.3 -> 4.1 s (139 -> 103 DPs); same plans.
+10.3 -> 4.1 s (139 -> 103 DPs); same plans. The committed CSV (`planner solve` processes, both
+cores) with the code before this round run right after it on the same machine: 175B x64
+4.02 -> 2.92 s, x1024 10.43 -> 4.96 s, 192 layers x512 10.48 -> 4.37 s. This machine was about
+twice as slow as when the previous CSV was measured (that code gave 2.3, 3.7 and 4.0 s then):
+compare within a run. Goals (1 s for 175B x64, 2 s for x1024) still unmet; 530B x2240, 192L
+x512 and the MoE rows meet theirs.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
