@@ -54,7 +54,10 @@ cores) with the code before this round run right after it on the same machine: 1
 4.02 -> 2.92 s, x1024 10.43 -> 4.96 s, 192 layers x512 10.48 -> 4.37 s. This machine was about
 twice as slow as when the previous CSV was measured (that code gave 2.3, 3.7 and 4.0 s then):
 compare within a run. Goals (1 s for 175B x64, 2 s for x1024) still unmet; 530B x2240, 192L
-x512 and the MoE rows meet theirs.
+x512 and the MoE rows meet theirs. Then zero bubble with fewer micro-batches than stages (played
+in the simulator) got the first micro-batch's critical path as its bound (every forward, then
+every input-gradient backward): on 12,288 GPUs 4,991 -> 2,425 DPs run (in-process, one core,
+15.8 s; not in the CSV above, which was measured before it).
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 

@@ -38,7 +38,7 @@ def test_free_search_gives_a_valid_fast_plan(gpt_profile):
     assert pred.iteration_time_s > 0 and 0 < pred.mfu < 1
     assert pred.tokens_per_s == pytest.approx(pred.samples_per_s * 1024)
     search = plan.search
-    assert search.candidates_evaluated > 10
+    assert search.candidates_evaluated >= 5  # the top 5 at least; the bound prunes the rest
     assert search.candidates == search.pruned_by_memory_bound + search.pruned_by_time_bound + search.candidates_evaluated
     assert set(search.phase_times_s) == {"intra_op", "bounds", "inter_op"}
     alts = search.alternatives

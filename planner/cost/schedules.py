@@ -98,6 +98,11 @@ from __future__ import annotations
 
 from planner.plan import SCHEDULES
 
+BACKWARD_WEIGHT_FRACTION = 0.5
+"""Zero bubble's split of a chunk's backward b into B = (1 - w) b (input gradients) and W = w b
+(weight gradients), unless a caller gives another w: the two GEMMs of a linear's backward
+cost the same."""
+
 
 def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
     """Raise ValueError, saying what to change, if the schedule cannot run with these sizes."""
@@ -139,7 +144,7 @@ def timed_schedule(schedule: str, flushed: bool) -> str:
 
 
 def bubble_fraction(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1,
-                    backward_weight_fraction: float = 0.5, forward_fraction: float = 1 / 3,
+                    backward_weight_fraction: float = BACKWARD_WEIGHT_FRACTION, forward_fraction: float = 1 / 3,
                     flushed: bool = False) -> float:
     """Idle share of the iteration (bubble time / iteration time) on uniform stages.
 
@@ -163,7 +168,7 @@ def bubble_fraction(schedule: str, num_ranks: int, num_microbatches: int, virtua
 
 
 def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
-                     virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5,
+                     virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = BACKWARD_WEIGHT_FRACTION,
                      flushed: bool = False) -> float:
     """Closed-form time of the pipeline part of one iteration (module docstring); lists per chunk.
     `flushed`: a pipedream-2bw step the runtime runs flushed takes 1F1B's time (`timed_schedule`)."""

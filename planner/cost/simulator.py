@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.cost.schedules import check_schedule, check_stage_lists
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, check_schedule, check_stage_lists
 
 Action = tuple[str, int, int]
 """(kind, global chunk, micro-batch); kind is F, BW, B or W."""
@@ -177,7 +177,7 @@ def _looped(rank: int, p: int, m: int, v: int, warmup: int, zero_bubble: bool) -
 
 
 def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
-             virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = 0.5,
+             virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = BACKWARD_WEIGHT_FRACTION,
              grad_sync_s: list[float] | None = None, num_buckets: int = 1) -> Timeline:
     """Play `schedule_actions` on per-chunk forward / backward times (lists in chunk order).
 

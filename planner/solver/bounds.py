@@ -54,7 +54,7 @@ from functools import lru_cache
 import numpy as np
 
 from planner.cost.memory import model_state_bytes
-from planner.cost.schedules import in_flight_microbatches
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, in_flight_microbatches
 from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
     Config,
@@ -105,6 +105,8 @@ class _GroupTerms:
     """The cheapest hop across a cut (the overlapped p2p's fill)."""
     forward_s: float
     """F: the units' forward seconds per micro-batch, summed."""
+    backward_s: float
+    """The units' backward seconds per micro-batch, summed (no recomputation, no communication)."""
     optimizer_s: float
     """The optimizer step of the mean pipeline rank."""
 
@@ -149,7 +151,8 @@ class TimeBound:
         # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
         optimizer = updated_parameters(table, cfg, 0, len(table.parameters)) / cfg.pp * env.optimizer_s_per_param
         group = _GroupTerms(table, float(state_bytes(table, cfg, env).sum()), float(p2p.min()),
-                            float(hops[:-1].min()) if len(hops) > 1 else 0.0, float(table.forward_s.sum()), optimizer)
+                            float(hops[:-1].min()) if len(hops) > 1 else 0.0, float(table.forward_s.sum()),
+                            float(table.backward_s.sum()), optimizer)
         self._groups[key] = group
         return group
 
@@ -192,10 +195,10 @@ class TimeBound:
             form = _SCHEDULE_FORM.get(cfg.schedule, 0) if cfg.schedule != "interleaved-1f1b" or cfg.virtual_stages > 1 else 0
             columns.append((*_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), cfg.pp,
                             cfg.virtual_stages, cfg.num_microbatches, form, group.states_bytes, group.min_p2p_s,
-                            group.min_hop_s, group.forward_s, group.optimizer_s))
+                            group.min_hop_s, group.forward_s, group.backward_s, group.optimizer_s))
         if not pairs:
             return np.zeros(0)
-        least, most, inverse_sum, p, v, m, form, states, min_p2p, min_hop, forward, optimizer = np.array(columns).T
+        least, most, inverse_sum, p, v, m, form, states, min_p2p, min_hop, forward, backward, optimizer = np.array(columns).T
         memory = self.env.usable_memory_bytes
         budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
         dual = np.empty(len(pairs))
@@ -210,23 +213,26 @@ class TimeBound:
         # The slowest chunk takes at least W / S, and at least B* plus its cut's p2p (`_least_slowest_chunk_s`):
         # layers come whole, so S chunks of 98 units cannot all take the mean.
         slowest = np.maximum(work / chunks, self._least_slowest(units, chunks) + min_p2p) if whole else work / chunks
-        pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, forward, m, p, v),
+        pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, forward, backward, m, p, v),
                             np.where(form == 1, m * np.maximum(work / p, slowest) + (p - 1) * slowest,
                                      work + (m - 1) * slowest))
         fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
         return pipeline + fill + optimizer
 
 
-def _zero_bubble_s(work, slowest, forward, m, p, v):
+def _zero_bubble_s(work, slowest, forward, backward, m, p, v):
     """Zero bubble's pipeline time is at least m R (module docstring), and its fill and drain
     add, since a hop max(f + B - W, f, B) is at least the chunk's forward f and the chunks'
     forwards sum to at least F (`forward`): for v = 1, m t_slowest + sum_{k != slowest} f_k
-    >= (m - 1) X + F (X: `slowest`); for v > 1, (p - 1) max_k f_k >= (p - 1) F / S. With m < p (played in
-    the simulator) the first micro-batch still runs every chunk's forward in turn: >= F.
-    Elementwise over numpy arrays of configurations."""
+    >= (m - 1) X + F (X: `slowest`); for v > 1, (p - 1) max_k f_k >= (p - 1) F / S. With m < p
+    (played in the simulator, which keeps every dependency) the first micro-batch runs every
+    chunk's forward in turn and then every chunk's input-gradient B = (1 - w) b in turn back:
+    >= F + (1 - w) x the units' backward seconds (`backward`; a chunk's b holds at least its
+    units', w = BACKWARD_WEIGHT_FRACTION as the price splits it). Elementwise over numpy arrays
+    of configurations."""
     chunks = p * v
     rank = np.maximum(work / p, slowest)  # a rank's chunks run in series: their mean share, and its slowest chunk
-    return np.where(m < p, np.maximum(m * rank, forward),
+    return np.where(m < p, np.maximum(m * rank, forward + (1 - BACKWARD_WEIGHT_FRACTION) * backward),
                     np.where(v == 1, np.maximum(m * rank, (m - 1) * slowest + forward),
                              m * rank + (p - 1) * forward / chunks))
 
