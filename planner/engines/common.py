@@ -215,16 +215,27 @@ def stage_bounds(layout: EngineLayout, profile: Profile) -> tuple[tuple[int, int
     elif split.kind == "parameters":
         edges = balanced([float(u.num_parameters) for u in profile.units], num_stages)
     else:
-        before, blocks, _ = model_parts(names)
+        _, blocks, _ = model_parts(names)
         counts = list(split.blocks) if split.kind == "blocks" else (
             weighted_split(names, num_stages) if split.kind == "weighted" else even_blocks(len(blocks), num_stages))
         if counts is None or len(counts) != num_stages or sum(counts) != len(blocks) or min(counts) < 0:
             raise PlannerError(f"The configuration's layers per stage ({counts or f'{len(blocks)} over {num_stages}'}) do not "
                                f"add up to the model's {len(blocks)} repeated blocks over {num_stages} stages.",
                                "Give layers per stage that add up to the model's layers (or a pp that divides them).")
-        edges = [0] + [len(before) + sum(counts[:k + 1]) for k in range(num_stages)]
-        edges[-1] = len(names)  # what follows the blocks goes with the last stage
-    bounds = tuple(zip(edges[:-1], edges[1:], strict=False))
+        return _checked(block_bounds(names, counts))
+    return _checked(tuple(zip(edges[:-1], edges[1:], strict=False)))
+
+
+def block_bounds(names: list[str], counts: list[int]) -> tuple[tuple[int, int], ...]:
+    """Unit ranges of stages holding `counts` repeated blocks each: the units before the blocks
+    with the first stage, those after them with the last."""
+    before, _, _ = model_parts(names)
+    edges = [0] + [len(before) + sum(counts[:k + 1]) for k in range(len(counts))]
+    edges[-1] = len(names)  # what follows the blocks goes with the last stage
+    return tuple(zip(edges[:-1], edges[1:], strict=False))
+
+
+def _checked(bounds: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     if any(i >= j for i, j in bounds):
         raise PlannerError(f"The configuration leaves a pipeline stage empty ({[j - i for i, j in bounds]} units per stage).",
                            "Use fewer pipeline stages.")

@@ -586,18 +586,14 @@ def even_block_cuts(profile: Profile) -> Cuts:
     divisible by pp x v, megatron/core/transformer/transformer_block.py), the units before them
     (the embedding) with the first chunk, those after (final norm, output layer) with the last
     (planner/engines/common.py `stage_bounds`, kind "even")."""
-    from planner.engines.common import even_blocks, model_parts
+    from planner.engines.common import block_bounds, even_blocks, model_parts
 
     names = profile.unit_names()
-    before, blocks, _ = model_parts(names)
+    _, blocks, _ = model_parts(names)
 
     def cuts(chunks: int) -> tuple | None:
         counts = even_blocks(len(blocks), chunks)
-        if counts is None or 0 in counts:
-            return None
-        edges = [0] + [len(before) + sum(counts[:k + 1]) for k in range(chunks)]
-        edges[-1] = len(names)
-        return tuple(zip(edges[:-1], edges[1:], strict=False))
+        return None if counts is None or 0 in counts else block_bounds(names, counts)
     return cuts
 
 
