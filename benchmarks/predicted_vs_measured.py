@@ -32,6 +32,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 MODELS = {
     "cpu": ["-a", "n_layers=4", "-a", "d_model=128", "-a", "n_heads=4", "-a", "d_ff=512", "-a", "vocab_size=512", "-a", "seq_len=64"],
     "cuda": ["-a", "n_layers=8", "-a", "d_model=1024", "-a", "n_heads=16", "-a", "d_ff=4096", "-a", "vocab_size=32768", "-a", "seq_len=1024"],
+    # GPT-2 medium (Radford et al. 2019) and GPT-3 XL, 1.3B (Brown et al. 2020, Table 2.1), with
+    # the vocabulary padded to a multiple of 64 as nanoGPT and Megatron-LM do (50257 -> 50304):
+    # the unpadded head GEMM ran at 11% of peak on an H100 (benchmarks/results/h100/README.md).
+    "gpt2-medium": ["-a", "n_layers=24", "-a", "d_model=1024", "-a", "n_heads=16", "-a", "d_ff=4096", "-a", "vocab_size=50304",
+                    "-a", "seq_len=1024"],
+    "gpt-1.3b": ["-a", "n_layers=24", "-a", "d_model=2048", "-a", "n_heads=16", "-a", "d_ff=8192", "-a", "vocab_size=50304",
+                 "-a", "seq_len=2048"],
 }
 
 
@@ -46,7 +53,7 @@ def chain(args, out: Path, tag: str, k: int) -> dict:
     """One profile -> (cluster) -> solve -> runs chain; returns its CSV row."""
     name = f"{tag}-chain{k}"
     profile, plan, metrics = out / f"pvm-{name}-profile.json", out / f"pvm-{name}-plan.json", out / f"pvm-{name}-metrics.json"
-    planner("profile", "examples/gpt.py", *MODELS[args.device], "--device", args.device, "--dtype", args.dtype,
+    planner("profile", "examples/gpt.py", *MODELS[args.model or args.device], "--device", args.device, "--dtype", args.dtype,
             "--micro-batch-sizes", "1,2,4,8", "--repeats", "15", "-o", str(profile))
     if args.device == "cpu" and not args.preset_cluster:
         cluster = out / f"pvm-{name}-cluster.yaml"
@@ -70,7 +77,8 @@ def chain(args, out: Path, tag: str, k: int) -> dict:
     p, m = json.loads(plan.read_text()), load_metrics(metrics)
     pred, timeline = p["prediction"], timeline_from_metrics(m)
     measured_stage = [m.stage_times_s[s].forward_s + m.stage_times_s[s].backward_s for s in range(len(p["stages"]))]
-    return {"chain": k, "device": json.loads(profile.read_text())["device_name"], "gpus": args.gpus, "dtype": args.dtype,
+    return {"chain": k, "device": json.loads(profile.read_text())["device_name"], "model": args.model or args.device,
+            "gpus": args.gpus, "dtype": args.dtype, "float8": p["training"].get("float8", False),
             "layout": json.dumps(p["layout"]), "micro_batch": p["batch"]["micro_batch_size"], "num_microbatches": p["batch"]["num_microbatches"],
             "compute_slowdown": slowdown,
             "predicted_iteration_s": pred["iteration_time_s"], "measured_iteration_s": m.median_iteration_time_s,
@@ -81,6 +89,7 @@ def chain(args, out: Path, tag: str, k: int) -> dict:
             "predicted_bubble_fraction": pred["bubble_fraction"],
             "measured_bubble_fraction": timeline.bubble_fraction() if timeline else None,
             "predicted_peak_memory_bytes": max(pred["peak_memory_bytes"]), "measured_peak_memory_bytes": max(m.peak_memory_bytes),
+            "measured_peak_tensor_bytes": max(m.peak_tensor_bytes) if m.peak_tensor_bytes else None,
             **{f"predicted_{key}_s": v for key, v in pred["breakdown_s"].items()},
             "_plan": plan, "_metrics": metrics}
 
@@ -97,11 +106,13 @@ def main() -> None:
     parser.add_argument("--preset-cluster", action="store_true", help="CPU: use the cpu preset instead of measuring gloo.")
     parser.add_argument("--runs", type=int, default=3, help="Run each plan this many times; the median run is compared.")
     parser.add_argument("--chains", type=int, default=3, help="Repeat profile, cluster, solve and runs this many times.")
+    parser.add_argument("--model", choices=sorted(MODELS), help="Model shape (default: the device's small one).")
     parser.add_argument("--pin", default="", help='Pins for planner solve, e.g. "--pp 2 --schedule 1f1b".')
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"{args.device}-{args.gpu}-{args.dtype}-{args.gpus}" + "".join(args.pin.replace("--", "-").split())
+    tag = (f"{args.device}-{args.gpu}-{args.dtype}-{args.gpus}" + (f"-{args.model}" if args.model else "")
+           + "".join(args.pin.replace("--", "-").split()))
     # A chain measures the machine at one moment: on a shared machine, load from elsewhere
     # comes and goes over minutes, and the contention probe, the profile and the runs may each
     # catch a different moment. Every chain is kept; the median chain's error is the result.

@@ -6,7 +6,8 @@ Two sources, chosen per profile and target (`ComputeModel.source`):
   `cpu` cluster, a measured CUDA profile whose device name matches the target GPU, or an
   analytic profile made for the same GPU and dtype). Unit times are the profile's times,
   interpolated linearly between the profiled micro-batch sizes (and extrapolated from the
-  two nearest sizes, never below proportional-to-zero). A measured profile also records
+  two nearest sizes, never below proportional-to-zero, and above the largest size never
+  cheaper per sample than that size: `interpolate_time`). A measured profile also records
   the whole model's forward+backward against the sum of its units (`Profile.whole_model`);
   that ratio multiplies every unit time, because timing units one by one adds launch and
   synchronisation work the model does not do (0.51-0.95 on an H100, see
@@ -62,6 +63,17 @@ def interpolate(points: dict[int, float], x: float) -> float:
     value = points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
     # Extrapolating below the smallest size must not go negative; above, linear is fine.
     return max(value, points[sizes[0]] * x / sizes[0] if x < sizes[0] else 0.0)
+
+
+def interpolate_time(points: dict[int, float], x: float) -> float:
+    """`interpolate` for a time, where above the largest profiled size a micro-batch is never
+    cheaper per sample than at that size. Linear extrapolation from the two largest sizes
+    assumes their marginal cost continues, which fails where those sizes are bound by kernel
+    launches rather than by the GPU's work (GPT-2-medium in bf16 on an H200: 40 ms at
+    micro-batch 1 and 45 ms at 8, so linear gives 53 ms at 16 where 110 ms was measured)."""
+    value = interpolate(points, x)
+    top = max(points)
+    return max(value, points[top] * x / top) if x > top else value
 
 
 def _profile_matches(profile: Profile, gpu: GPUSpec, dtype: str) -> bool:
@@ -134,8 +146,8 @@ class ComputeModel:
         costs = unit.costs
         if self.source == "profiled":
             ratio = self.whole_model_ratio(b)
-            fwd = interpolate({k: c.forward_time_s for k, c in costs.items()}, b)
-            bwd = interpolate({k: c.backward_time_s for k, c in costs.items()}, b)
+            fwd = interpolate_time({k: c.forward_time_s for k, c in costs.items()}, b)
+            bwd = interpolate_time({k: c.backward_time_s for k, c in costs.items()}, b)
             return UnitTime(fwd * ratio, bwd * ratio)
         flops_rate, bandwidth = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_bandwidth
         # FLOPs and bytes are linear in the micro-batch size (plus a constant for weights).

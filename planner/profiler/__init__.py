@@ -70,6 +70,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEVICES = ("cpu", "cuda", "meta")
 
 
+def mixed_precision(device: str, torch_dtype: torch.dtype):
+    """How a measured profile runs the model: as the runtime trains it (runtime/train.py
+    `_autocast`). A 16-bit profile on a real device keeps fp32 parameters and runs each forward
+    under autocast to the 16-bit type, so the times include autocast's casts (each weight cast
+    once per forward) and the saved activations are the ones training keeps: fp32 where autocast
+    keeps fp32 (norms, the residual stream that starts at fp32 embeddings), the 16-bit weight
+    copies saved for backward. An analytic (meta) profile prices the 16-bit type throughout.
+    Returns (parameter dtype, a context factory for each forward)."""
+    if device == "meta" or torch_dtype == torch.float32:
+        return torch_dtype, nullcontext
+    kind = torch.device(device).type
+    return torch.float32, lambda: torch.autocast(kind, dtype=torch_dtype)
+
+
+
 def _to(obj, device, dtype):
     def move(x):
         if isinstance(x, torch.Tensor):
@@ -182,8 +197,9 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     modules = dict(model.named_modules())
     log.debug("%d units, %d distinct; micro-batch sizes %s", len(units), len(set(fingerprints.values())), sizes)
     with values, _logged_step("counting the units"):
-        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress)
-        moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values)
+        precision = mixed_precision(device, torch_dtype)[1]
+        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, precision)
+        moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, precision)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
     if device != "meta":
@@ -350,22 +366,24 @@ def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, 
         meta_error = exc
     if device == "meta":
         return meta_model, traces, {b: t.unit_inputs for b, t in traces.items()}, True
-    _check_fits(device, sum(p.numel() for p in meta_model.parameters()) * torch.empty((), dtype=torch_dtype).element_size())
+    param_dtype, precision = mixed_precision(device, torch_dtype)
+    _check_fits(device, sum(p.numel() for p in meta_model.parameters()) * torch.empty((), dtype=param_dtype).element_size())
     torch.manual_seed(seed)
     try:
         with torch.device(device):
             model = mf.build_model()
-        model = model.to(torch_dtype)
+        model = model.to(param_dtype)
     except torch.OutOfMemoryError as exc:
         raise PlannerError(f"Out of memory building the model on {device}.", "Use --device meta for an analytic profile.") from exc
-    real = {b: _trace(mf, model, _to(_as_tuple(batch[0]), device, torch_dtype), f"on {device}") for b, batch in batches.items()}
+    with precision():
+        real = {b: _trace(mf, model, _to(_as_tuple(batch[0]), device, param_dtype), f"on {device}") for b, batch in batches.items()}
     unit_inputs = {b: t.unit_inputs for b, t in real.items()}
     if meta_error is not None:
         return model, real, unit_inputs, False
     return model, traces, unit_inputs, True  # cuts and op graphs from the meta trace
 
 
-def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress):
+def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, precision=nullcontext):
     """FLOPs, bytes (and analytic times) of every unit at every size; the measured jobs to time.
 
     Identical units (same fingerprint and input shapes) are counted once in analytic mode."""
@@ -383,7 +401,7 @@ def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dt
             else:
                 try:
                     costs[name][b] = cache[key] = unit_costs(modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype,
-                                                             fusion=fusion)
+                                                             fusion=fusion, precision=precision)
                 except torch.OutOfMemoryError as exc:
                     raise PlannerError(f"Out of memory profiling unit {name} at micro-batch {b}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
                 except PlannerError:
@@ -391,18 +409,18 @@ def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dt
                 except Exception as exc:
                     raise user_code_error(mf.path, f"running unit {name} alone", exc) from exc
                 if analytic_gpu is None:
-                    jobs[name, b] = UnitJob(modules[name], args, kwargs)
+                    jobs[name, b] = UnitJob(modules[name], args, kwargs, precision)
             done += 1
             if progress:
                 progress(f"counting {name} @ micro-batch {b}", done, steps)
     return costs, jobs
 
 
-def _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values) -> MoECount:
+def _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, precision=nullcontext) -> MoECount:
     """Every unit's mixture-of-experts layers, counted (planner/profiler/moe.py)."""
     try:
         return count_moe(modules, units, fingerprints, unit_inputs, _signature, analytic_gpu=analytic_gpu, dtype=dtype,
-                         fusion=fusion, values=values)
+                         fusion=fusion, values=values, precision=precision)
     except torch.OutOfMemoryError as exc:
         raise PlannerError("Out of memory counting the experts of the MoE layers.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
     except PlannerError:
@@ -415,8 +433,9 @@ def _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, war
                 extra_jobs=()) -> dict[int, WholeModel]:
     """Time every unit, the `extra_jobs` (the MoE layers' experts) and the whole model round-robin
     (fills `costs` in place); the whole-model records."""
-    wholes = {b: whole_model_job(model, _to(_as_tuple(batch[0]), device, torch_dtype), _to(batch[1], device, torch_dtype), mf.loss)
-              for b, batch in batches.items()}
+    param_dtype, precision = mixed_precision(device, torch_dtype)
+    wholes = {b: whole_model_job(model, _to(_as_tuple(batch[0]), device, param_dtype), _to(batch[1], device, param_dtype), mf.loss,
+                                 precision) for b, batch in batches.items()}
     try:
         time_round_robin([*jobs.values(), *extra_jobs, *wholes.values()], warmup, repeats,
                          progress=(lambda i, n: progress(f"timing pass {i}/{n}", i, n)) if progress else None)

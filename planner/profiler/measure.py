@@ -105,9 +105,11 @@ def unit_costs(
     analytic_gpu: GPUSpec | None,
     dtype: str,
     fusion: str = "none",
+    precision=nullcontext,
 ) -> UnitCosts:
     """Count one unit's forward and backward; analytic mode also prices them on `analytic_gpu`.
-    Measured times start at zero and come from `time_round_robin` over a `UnitJob`."""
+    Measured times start at zero and come from `time_round_robin` over a `UnitJob`.
+    `precision`: a context factory entered around the forward (autocast, `mixed_precision`)."""
     params = list(module.parameters())
     meta = analytic_gpu is not None
     attention_mode = MetaAttentionMode() if meta else nullcontext()
@@ -115,7 +117,7 @@ def unit_costs(
     a, kw = _fresh_inputs(args, kwargs)
     fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
     saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved)
-    with attention_mode, saved.hooks(), fwd_flops, fwd_ops:
+    with attention_mode, saved.hooks(), fwd_flops, fwd_ops, precision():
         out = module(*a, **kw)
     outs, grads = _grad_targets(out)
     bwd_ops, bwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
@@ -139,10 +141,12 @@ def unit_costs(
 
 class UnitJob:
     """One unit at one micro-batch size: forward then backward on fresh copies of its inputs.
-    Keeps every forward and backward time, and CUDA's peak memory of its first timed run."""
+    Keeps every forward and backward time, and CUDA's peak memory of its first timed run.
+    `precision` is entered around each forward, as the runtime enters autocast around each
+    micro-batch's (autocast's cache of weights cast to 16 bits lasts one such region)."""
 
-    def __init__(self, module: nn.Module, args: tuple, kwargs: dict):
-        self.module, self.args, self.kwargs = module, args, kwargs
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, precision=nullcontext):
+        self.module, self.args, self.kwargs, self.precision = module, args, kwargs, precision
         self.params = list(module.parameters())
         device = next((p.device for p in self.params), None) or next(
             (t.device for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -161,7 +165,7 @@ class UnitJob:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             baseline = torch.cuda.memory_allocated()
-        out, fwd_s = self.timer.time(lambda: self.module(*a, **kw))
+        out, fwd_s = self.timer.time(lambda: self._forward(a, kw))
         outs, grads = _grad_targets(out)
         _, bwd_s = self.timer.time(lambda: torch.autograd.backward(outs, grads) if outs else None)
         if self.cuda and first:
@@ -172,6 +176,10 @@ class UnitJob:
         if keep:
             self.forward_s.append(fwd_s)
             self.backward_s.append(bwd_s)
+
+    def _forward(self, args, kwargs):
+        with self.precision():
+            return self.module(*args, **kwargs)
 
     def typical(self) -> tuple[float, float]:
         return typical_s(self.forward_s), typical_s(self.backward_s)
@@ -196,10 +204,25 @@ class TimedCall:
         return typical_s(self.seconds)
 
 
-def whole_model_job(model: nn.Module, inputs: tuple, targets, loss) -> TimedCall:
-    """Forward + loss + backward of the whole model on one batch."""
-    return TimedCall(lambda: loss(model(*inputs), targets).backward(), next(model.parameters()).device,
-                     reset=lambda: model.zero_grad(set_to_none=True))
+def _fp32_logits(output):
+    """16-bit logits in fp32 for the loss, a tensor or a model output's `logits` (runtime/train.py `_fp32`)."""
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.is_floating_point() else output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor) and logits.is_floating_point() and logits.dtype != torch.float32:
+        output.logits = logits.float()
+    return output
+
+
+def whole_model_job(model: nn.Module, inputs: tuple, targets, loss, precision=nullcontext) -> TimedCall:
+    """Forward + loss + backward of the whole model on one batch, the forward and the loss under
+    `precision` with 16-bit logits taken to fp32 first, as runtime/train.py runs a micro-batch."""
+
+    def step():
+        with precision():
+            loss(_fp32_logits(model(*inputs)), targets).backward()
+
+    return TimedCall(step, next(model.parameters()).device, reset=lambda: model.zero_grad(set_to_none=True))
 
 
 def time_round_robin(jobs: list, warmup: int, repeats: int, progress=None) -> None:

@@ -71,20 +71,21 @@ class MoECount:
 
 
 def count_moe(modules: dict[str, nn.Module], units: list[str], fingerprints: dict[str, str], unit_inputs: dict,
-              signature, *, analytic_gpu, dtype: str, fusion: str, values: KnownValues) -> MoECount:
+              signature, *, analytic_gpu, dtype: str, fusion: str, values: KnownValues, precision=nullcontext) -> MoECount:
     """Recognise and count every unit's MoE layers at every micro-batch size (module docstring).
     `unit_inputs`: size -> unit -> (args, kwargs), as planner/profiler/__init__.py traced them;
-    `signature(fingerprint, args, kwargs)`: the key identical units share. Run inside `values`."""
+    `signature(fingerprint, args, kwargs)`: the key identical units share. Run inside `values`.
+    `precision`: the context the units' forwards run in (autocast for a measured 16-bit profile)."""
     # The recognising forward repeats the counted one: keep the count of control-flow reads of
     # sampled values (a profile note) as the units' counting left it.
     decisions = Counter(values.sampled_decisions)
     try:
-        return _count_all(modules, units, fingerprints, unit_inputs, signature, analytic_gpu, dtype, fusion, values)
+        return _count_all(modules, units, fingerprints, unit_inputs, signature, analytic_gpu, dtype, fusion, values, precision)
     finally:
         values.sampled_decisions = decisions
 
 
-def _count_all(modules, units, fingerprints, unit_inputs, signature, analytic_gpu, dtype, fusion, values) -> MoECount:
+def _count_all(modules, units, fingerprints, unit_inputs, signature, analytic_gpu, dtype, fusion, values, precision) -> MoECount:
     count = MoECount()
     cache: dict[tuple, list[_Found]] = {}
     for b in sorted(unit_inputs):
@@ -95,7 +96,7 @@ def _count_all(modules, units, fingerprints, unit_inputs, signature, analytic_gp
                 if cache[key]:
                     count.layers[name] = _merge(count.layers.get(name), cache[key], b)
                 continue
-            found = _count_unit(modules[name], args, kwargs, b, analytic_gpu, dtype, fusion, values)
+            found = _count_unit(modules[name], args, kwargs, b, analytic_gpu, dtype, fusion, values, precision)
             cache[key] = found
             if not found:
                 continue
@@ -118,9 +119,9 @@ def _merge(previous: list[_Found] | None, found: list[_Found], b: int) -> list[_
     return previous
 
 
-def _count_unit(module: nn.Module, args, kwargs, b: int, analytic_gpu, dtype, fusion, values) -> list[_Found]:
+def _count_unit(module: nn.Module, args, kwargs, b: int, analytic_gpu, dtype, fusion, values, precision) -> list[_Found]:
     meta = analytic_gpu is not None
-    with MetaAttentionMode() if meta else nullcontext():
+    with MetaAttentionMode() if meta else nullcontext(), precision():
         structures = recognise_moe(module, *_copies(args, kwargs))
     modules = dict(module.named_modules())
     found = []
@@ -131,10 +132,11 @@ def _count_unit(module: nn.Module, args, kwargs, b: int, analytic_gpu, dtype, fu
         width = num_experts(experts)
         balanced = _balanced_inputs(call, width, values if meta else None)
         layer = _Found(s, experts, {b: call.tokens}, call.top_k, call.model_dim, call.hidden_states.element_size())
-        layer.counted[b] = unit_costs(experts, balanced, {}, analytic_gpu=analytic_gpu, dtype=dtype, fusion=fusion)
+        layer.counted[b] = unit_costs(experts, balanced, {}, analytic_gpu=analytic_gpu, dtype=dtype, fusion=fusion,
+                                      precision=precision)
         if not meta:
             layer.spread[b] = routing_spread(call.top_k_index, width)
-            layer.job = UnitJob(experts, balanced, {})
+            layer.job = UnitJob(experts, balanced, {}, precision)
         found.append(layer)
     return found
 
