@@ -58,9 +58,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 @dataclass(frozen=True)
 class StackPins(Pins):
-    """Pins plus the overlaps of the stack a row ran (read by planner/solver/solve.py `_environment`)."""
+    """Pins plus the overlaps and the loss kernel of the stack a row ran (read by
+    planner/solver/solve.py `_environment`). Every stack here fuses its cross-entropy
+    (planner/cost/memory.py `loss_bytes`): Megatron-LM's `vocab_parallel_cross_entropy`
+    (megatron/core/tensor_parallel/cross_entropy.py: the saved softmax becomes the gradient in
+    place) and llm-foundry's `fused_crossentropy` (flash-attn's kernel, in-place backward; its
+    MPT benchmark configs)."""
 
     overlap: Overlap = Overlap()
+    fused_loss: bool = True
 
 
 def _virtual_stages(text: str) -> int:

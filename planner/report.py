@@ -132,7 +132,8 @@ def _print_moe(profile: Profile, b: int, console: Console) -> None:
         )
 
 
-MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "fragmentation")
+MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "loss",
+                "fragmentation")
 """planner/cost/memory.py `StageMemory.terms`, in the order `memory_terms_table` shows them."""
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from planner.cluster import make_cluster
 from planner.cost.compute import interpolate
-from planner.cost.memory import StageMemory, p2p_buffer_bytes, stage_memory
+from planner.cost.memory import StageMemory, loss_bytes, p2p_buffer_bytes, stage_memory
 from planner.cost.schedules import in_flight_microbatches
 from planner.profiler import profile_model
 from planner.solver.plan_builder import build_plan
@@ -58,6 +58,9 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             largest_unit_pair_parameters=float((table.parameters[i:j - 1] + table.parameters[i + 1:j]).max()) if j - i > 1 else 0.0,
             # torch's schedule keeps the last stage's outputs for `return_outputs` (runtime/apply_pp.py)
             kept_output_bytes=cfg.num_microbatches * output_bytes if (cfg.pp > 1 and k == len(best.bounds) - 1) else 0.0,
+            loss=loss_bytes(output_bytes, 4 if profile.dtype == "float32" else 2,
+                            in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages))
+            if k == len(best.bounds) - 1 else 0.0,
             largest_parameter=max(_largest_parameter(u, cfg.tp) for u in profile.units[i:j]),
             device="cpu"))
     plan = build_plan(profile, cluster, GLOBAL_BATCH, result, 1, profile.dtype, None)
@@ -163,7 +166,12 @@ def test_stage_memory_names_every_term_and_picks_the_larger_phase():
     # Gradient accumulation (m > in flight): gradients are held when the last micro-batch's activations are.
     accumulating = stage_memory(mib, "float32", 0, 1, activation_bytes=8 * mib, in_flight=1, num_microbatches=2, device="cpu")
     assert accumulating.terms() == dict(parameters=4 * mib, gradients=4 * mib, optimizer_state=8 * mib, activations=8 * mib,
-                                        transient=0, communication=0, fragmentation=0)
+                                        transient=0, communication=0, loss=0, fragmentation=0)
+    # The loss is held in the forward/backward phase only.
+    last = stage_memory(mib, "float32", 0, 1, activation_bytes=8 * mib, in_flight=1, num_microbatches=2, device="cpu", loss=mib)
+    assert last.loss == mib and last.tensor_bytes == accumulating.tensor_bytes + mib
+    assert stage_memory(mib, "float32", 0, 2, activation_bytes=mib, in_flight=1, num_microbatches=1, device="cpu",
+                        loss=mib // 8).loss == 0  # the optimizer step's bucket is the peak
     # All forwards before the first backward: no gradient yet at the activation peak.
     assert stage_memory(mib, "float32", 0, 1, 8 * mib, in_flight=2, num_microbatches=2).gradients == 0
     # ZeRO 0 with dp > 1 and small activations: the optimizer step's all-reduce bucket is the peak.
@@ -193,3 +201,29 @@ def test_plan_show_table_lists_the_terms_per_stage():
     console.print(memory_terms_table(plan))
     text = console.export_text()
     assert all(name.replace("_", " ") in text for name in MEMORY_TERMS) and "tensors" in text
+
+
+def test_loss_bytes_match_a_measured_cross_entropy():
+    """`loss_bytes` against the measured peak of a head and its loss, as the runtime runs them
+    (autocast head, 16-bit logits taken to fp32, softmax cross-entropy, backward)."""
+    import torch
+    import torch.nn.functional as F
+
+    from runtime.metrics import TensorPeakMeter
+    from runtime.train import _fp32
+
+    torch.manual_seed(0)
+    tokens, vocab, width = 512, 2048, 64
+    weight = torch.randn(vocab, width, requires_grad=True)
+    x, targets = torch.randn(tokens, width), torch.randint(0, vocab, (tokens,))
+    meter = TensorPeakMeter(torch.device("cpu"), num_steps=3)
+    for step in range(3):
+        meter.start(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = x @ weight.t()
+        F.cross_entropy(_fp32(out), targets).backward()
+        meter.stop(step)
+        weight.grad = None
+    inputs = weight.numel() * 4 + x.numel() * 4 + weight.numel() * 2  # the weight, x, the weight's 16-bit copy
+    predicted = loss_bytes(tokens * vocab * 2, 2, in_flight=1)
+    assert meter.peak_bytes - inputs == pytest.approx(predicted, rel=0.05)

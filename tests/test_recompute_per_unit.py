@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
@@ -36,13 +37,20 @@ def _time_s(unit_s, start_s, i, modes) -> float:
     return total
 
 
+def _fits(act, transient, i, j, level, limit, modes) -> bool:
+    """Whether an assignment's activations fit the room the table gives them: the limit less the
+    transient when a unit is full (the same subtraction, so a sum that rounds onto the limit,
+    as 0.5 + 2e-257 does, is judged alike)."""
+    room = limit - (transient[i:j].max() if FULL in modes else 0.0)
+    return level * sum(act[r, i + k] for k, r in enumerate(modes)) <= room
+
+
 def _brute_force(unit_s, start_s, act, transient, i, j, level, limit) -> float:
     """Least time over all 3^(j - i) assignments of [i, j) that fit `limit` (inf: none)."""
     best = np.inf
     for modes in itertools.product(range(3), repeat=j - i):
         time_s = _time_s(unit_s, start_s, i, modes)
-        memory = level * sum(act[r, i + k] for k, r in enumerate(modes)) + (transient[i:j].max() if FULL in modes else 0.0)
-        if memory <= limit:
+        if _fits(act, transient, i, j, level, limit, modes):
             best = min(best, time_s)
     return best
 
@@ -83,8 +91,7 @@ def test_range_choice_equals_brute_force(instance):
     assert cost == best
     if modes is not None:  # the modes read back are an assignment achieving the cost and fitting
         assert _time_s(unit_s, start_s, i, modes) == cost
-        memory = level * sum(act[r, i + k] for k, r in enumerate(modes)) + (transient[i:j].max() if FULL in modes else 0.0)
-        assert memory <= limit
+        assert _fits(act, transient, i, j, level, limit, modes)
 
 
 @settings(max_examples=200, deadline=None)
@@ -136,8 +143,10 @@ def test_mixed_plan_round_trips_and_prints(tight_plans):
     again = parse_plan(json.loads(tight.model_dump_json()))
     assert again.stages[0].unit_modes() == tight.stages[0].unit_modes()
     assert again.stages[0].unit_recompute  # the mixed stage lists its exceptions
-    full = [u for u, r in tight.stages[0].unit_modes().items() if r == "full"]
-    assert f"full on {len(full)} of 11 units" in recompute_summary(tight.stages[0])
+    counts = Counter(tight.stages[0].unit_modes().values())
+    summary = recompute_summary(tight.stages[0])
+    assert len(counts) > 1 and summary.startswith(counts.most_common(1)[0][0])  # the stage's mode first
+    assert all(f"{mode} on {k} of 11 units" in summary for mode, k in counts.most_common()[1:])  # then the exceptions
 
 
 def test_unknown_unit_in_unit_recompute_is_refused(tight_plans):

@@ -47,6 +47,17 @@ the model states plus one of two phases, whichever is larger:
                          all-reduced in, runtime/apply_dp.py, one gradient-sized copy; the
                          receive buffers and kept outputs above; FSDP2 has resharded)
 
+The loss (`loss_bytes`), on the stage holding the model's last unit. Outside every unit, so
+no unit's saved bytes count it, and for a language model's vocabulary it is large: the runtime
+takes the model output to fp32 and the loss keeps, per micro-batch until its backward, the
+fp32 log-softmax of it (a softmax cross-entropy is assumed: the loss of every example here and
+of the language models people train); its backward then makes two more fp32 tensors of that
+size (the gradient arriving at the log-softmax and the one it returns) while the model output
+itself is still held (the runtime's reference to it, or torch's schedule's kept outputs):
+N = output elements, in_flight x 4N + 8N + the output's own bytes. On one H200 this was the
+rest of the measured peak: GPT-2-medium in bf16 at micro-batch 8, 14.28 GiB predicted without
+it against 19.71 GiB measured, 20.05 GiB with it (benchmarks/results/h200/README.md).
+
 Asynchronous pipelining (PipeDream-2BW, Narayanan et al. 2021, arXiv 2006.09503, section 3.1;
 planner/plan.py `Schedule`) keeps a second version of each stage's trained weights, the one
 the current batch runs on, beside the one the optimizer updates: `stashed_weight_bytes`, one
@@ -171,6 +182,21 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return sbh * (34 + scores) / t if sp else sbh * (10 + 24 / t + scores / t)
 
 
+def loss_bytes(output_bytes: float, output_element_bytes: int, in_flight: float, fused: bool = False) -> float:
+    """The loss's bytes at its peak on the last stage (module docstring, "The loss"):
+    `output_bytes` of one micro-batch's model output in elements of `output_element_bytes`,
+    `in_flight` micro-batches whose loss waits for its backward. `fused`: a stack whose fused
+    cross-entropy writes the gradient in place of the logits, so only the output itself is
+    held (flash-attn's `CrossEntropyLoss(inplace_backward=True)`, which llm-foundry's
+    `loss_fn: fused_crossentropy` runs; Megatron-LM's vocab-parallel cross-entropy, which
+    turns its saved softmax into the gradient in place, on a logits shard of 1/tp). The
+    planner's own runtime runs the eager loss."""
+    if fused:
+        return output_bytes
+    elements = output_bytes / output_element_bytes
+    return in_flight * 4 * elements + 8 * elements + output_bytes
+
+
 @dataclass(frozen=True)
 class StageMemory:
     """One stage's (or pipeline rank's) peak bytes per GPU, term by term (module docstring)."""
@@ -194,12 +220,14 @@ class StageMemory:
     """The allocator's stated allowance above the tensors (`FRAGMENTATION_ALLOWANCE`; 0 on CPU)."""
     stashed_weights: float = 0.0
     """PipeDream-2BW's second weight version (`stashed_weight_bytes`); 0 for synchronous schedules."""
+    loss: float = 0.0
+    """The loss's bytes on the last stage (`loss_bytes`; 0 elsewhere and in the optimizer step's phase)."""
 
     @property
     def tensor_bytes(self) -> float:
         """The tensors alone: what a run's measured tensor peak is held against."""
         return (self.parameters + self.gradients + self.optimizer_state + self.activations + self.transient
-                + self.communication + self.stashed_weights)
+                + self.communication + self.stashed_weights + self.loss)
 
     @property
     def total(self) -> float:
@@ -208,7 +236,8 @@ class StageMemory:
 
     def terms(self) -> dict[str, int]:
         """Every term by name, in bytes (the plan's `Prediction.memory_terms_bytes` entry)."""
-        names = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "fragmentation")
+        names = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "loss",
+                 "fragmentation")
         terms = {name: int(round(getattr(self, name))) for name in names}
         if self.stashed_weights:  # only asynchronous schedules hold it (older plans' terms unchanged)
             terms["stashed_weights"] = int(round(self.stashed_weights))
@@ -219,7 +248,7 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
                  in_flight: float, num_microbatches: int, transient_bytes: float = 0.0, p2p_bytes: float = 0.0,
                  largest_unit_parameters: float = 0.0, largest_unit_pair_parameters: float = 0.0,
                  kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
-                 device: str = "gpu", stashed_parameters: float = 0.0) -> StageMemory:
+                 device: str = "gpu", stashed_parameters: float = 0.0, loss: float = 0.0) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -238,7 +267,8 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     optimizer's transient, `optimizer_transient_bytes`);
     `device`: "cpu" leaves the fragmentation allowance out and steps AdamW tensor by tensor;
     `stashed_parameters`: under PipeDream-2BW the trained parameters per GPU after TP whose
-    older version the stage keeps (`stashed_weight_bytes`), 0 otherwise.
+    older version the stage keeps (`stashed_weight_bytes`), 0 otherwise;
+    `loss`: on the last stage, the loss's bytes (`loss_bytes`), held in the forward/backward phase.
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
@@ -258,7 +288,7 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     bucket = states.gradients if zero_stage == 0 and dp_degree > 1 else 0.0
     grads_at_peak = states.gradients if num_microbatches > in_flight else 0.0
     communication = p2p_bytes + gathered + kept_output_bytes
-    forward_backward = grads_at_peak + in_flight * activation_bytes + transient_bytes + communication
+    forward_backward = grads_at_peak + in_flight * activation_bytes + transient_bytes + communication + loss
     # The bucket is copied back and freed before the optimizer runs: the larger of the two.
     step_transient = optimizer_transient_bytes(num_parameters, zero_stage, dp_degree, largest_parameter, device)
     step_extra = max(bucket, step_transient)
@@ -267,15 +297,15 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     if forward_backward >= optimizer_step:
         gradients, activations, transient = grads_at_peak, in_flight * activation_bytes, transient_bytes
     else:
-        gradients, activations = states.gradients, 0.0
+        gradients, activations, loss = states.gradients, 0.0, 0.0
         transient = step_transient if step_transient >= bucket else 0.0
         communication = (bucket if bucket > step_transient else 0.0) + p2p_bytes + kept_output_bytes
     stashed = stashed_weight_bytes(stashed_parameters, dtype, zero_stage, dp_degree)
-    tensors = states.weights + states.optimizer + gradients + activations + transient + communication + stashed
+    tensors = states.weights + states.optimizer + gradients + activations + transient + communication + stashed + loss
     return StageMemory(parameters=states.weights, gradients=gradients, optimizer_state=states.optimizer,
                        activations=activations, transient=transient, communication=communication,
                        fragmentation=0.0 if device == "cpu" else FRAGMENTATION_ALLOWANCE * tensors,
-                       stashed_weights=stashed)
+                       stashed_weights=stashed, loss=loss)
 
 
 def stashed_weight_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp_degree: int) -> Amount:

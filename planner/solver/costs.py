@@ -84,6 +84,11 @@ class UnitCostTable:
     """Extra forward FLOPs per recomputation mode."""
     tp_plans: list[dict[str, str]]
     """Per unit: module path relative to the unit -> DTensor style ("" is the unit itself)."""
+    output_bytes: float = 0.0
+    """The model output of one micro-batch (the last unit's output), the loss's input
+    (planner/cost/memory.py `loss_bytes`)."""
+    output_element_bytes: int = 2
+    """Bytes per element of that output (the training dtype's)."""
     tied: tuple[TiedWeight, ...] = ()
     """Parameters shared by several units (tied embeddings). `parameters` counts each in its
     first unit; a stage holding another of its units holds a copy too (`copy_parameters`)."""
@@ -463,8 +468,10 @@ class UnitCosts:
         for crossing in self.profile.cuts:
             cut[crossing.after_index] = interpolate({k: float(v) for k, v in crossing.bytes.items()}, b) / (t if sp else 1)
         params = arrays["params"]
+        output = interpolate({k: float(c.output_bytes) for k, c in units[-1].costs.items()}, b)
         table = UnitCostTable(fwd, bwd, arrays["comm"], by_mode("rec"), arrays["rec_comm"], params, by_mode("act"),
-                              by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, tied_weights(self.profile))
+                              by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, output_bytes=output,
+                              output_element_bytes=self.dtype_bytes, tied=tied_weights(self.profile))
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

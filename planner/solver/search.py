@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.cost.memory import ModelStateBytes, model_state_bytes
+from planner.cost.memory import ModelStateBytes, loss_bytes, model_state_bytes
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
 from planner.cost.schedules import in_flight_microbatches, iteration_time_s
@@ -188,6 +188,9 @@ class Environment:
     """(nbytes, pp ranks holding a copy, ranks per pipeline rank = dp x tp) -> s: the all-reduce of a
     tied weight's gradient among its copies (None: free)."""
     overlap: Overlap = Overlap()
+    fused_loss: bool = False
+    """The stack's cross-entropy is fused, holding no more than the logits (planner/cost/memory.py
+    `loss_bytes`); the planner's runtime runs the eager loss (False)."""
     """Which communication hides behind compute (planner/cost/overlap.py)."""
     cut_allowed: tuple[bool, ...] | None = None
     """Whether a stage may end after unit c (planner/solver/inter_op.py `allowed_cuts`: runs of
@@ -335,6 +338,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
     levels, row_of_stage = np.unique(in_flight, return_inverse=True)
     fixed = p_states[end] - p_states[start] + copy_states + 2 * table.cut_bytes[end - 1]
+    fixed = fixed + np.where(end == num_units, _loss_bytes(table, env, in_flight[-1]), 0.0)  # the loss, on the last stage
     transient = _transient_max(table, env)[start, end]
     width = 0  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
@@ -555,6 +559,11 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
+def _loss_bytes(table: UnitCostTable, env: Environment, in_flight: float) -> float:
+    """The loss's bytes on the stage holding the last unit (planner/cost/memory.py `loss_bytes`)."""
+    return loss_bytes(table.output_bytes, table.output_element_bytes, in_flight, fused=env.fused_loss)
+
+
 def _range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """Per stage k: sum of per_mode[modes[k], starts[k]:ends[k]] (prefix-sum differences, one numpy pass)."""
     prefix = np.concatenate([np.zeros((per_mode.shape[0], 1)), np.cumsum(per_mode, axis=1)], axis=1)
@@ -563,13 +572,13 @@ def _range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, end
 
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
                  held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
-                 communication: np.ndarray) -> tuple[dict[str, float], ...]:
+                 communication: np.ndarray, loss: np.ndarray) -> tuple[dict[str, float], ...]:
     """Per stage [starts[k], ends[k]), the terms of `_price`'s memory by name (planner/cost/memory.py
     `StageMemory.terms`): the model states split into parameters, gradients and optimizer state
     (the stage's units and its tied copies, ZeRO and offload applied), PipeDream-2BW's stashed
     weights (what `held` holds beyond them, `stage_arrays`), the activations of the micro-batches
-    in flight, full recomputation's transient, and the communication buffers (a cut's activation
-    and its gradient). They sum to the stage's memory exactly."""
+    in flight, full recomputation's transient, the communication buffers (a cut's activation
+    and its gradient) and the loss's bytes on the last stage. They sum to the stage's memory exactly."""
     key = ("state_parts", id(table), cfg.tp, cfg.sequence_parallel, cfg.ep, cfg.zero_stage, cfg.dp, cfg.shard_degree,
            cfg.offload)
     held_parts = env.memo.get(key)
@@ -585,7 +594,7 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     for k in range(len(starts)):
         terms = {"parameters": float(weights[k] + copy.weights[k]), "gradients": float(gradients[k] + copy.gradients[k]),
                  "optimizer_state": float(optimizer[k] + copy.optimizer[k]), "activations": float(activations[k]),
-                 "transient": float(transient[k]), "communication": float(communication[k])}
+                 "transient": float(transient[k]), "communication": float(communication[k]), "loss": float(loss[k])}
         if cfg.schedule == "pipedream-2bw":
             terms["stashed_weights"] = float(stashed[k])
         out.append(terms)
@@ -627,9 +636,10 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     transient = np.array([float(table.transient["full"][i:j].max()) if rebuilding[i:j].any() else 0.0 for i, j in bounds])
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
-    memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1]
+    loss = np.where(ends == len(table.parameters), _loss_bytes(table, env, in_flight[-1]), 0.0)
+    memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1] + loss
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient,
-                         2 * table.cut_bytes[ends - 1])
+                         2 * table.cut_bytes[ends - 1], loss)
     half_p2p = p2p[ends - 1] / 2
     fwd = (forward + half_p2p).tolist()
     bwd = np.maximum(total - forward - half_p2p, 0.0).tolist()  # a unit without backward (rotary) can round below 0

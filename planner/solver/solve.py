@@ -400,6 +400,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         # prefetch and async p2p (NCCL runs on its own streams); on CPUs none, since gloo's
         # collectives run on the same cores as the compute.
         overlap=getattr(pins, "overlap", None) or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),
+        fused_loss=getattr(pins, "fused_loss", False),  # as `overlap`: a published stack's, else the runtime's
     )
 
 
