@@ -66,7 +66,7 @@ class StackPins(Pins):
     MPT benchmark configs)."""
 
     overlap: Overlap = Overlap()
-    fused_loss: bool = True
+    fused_loss: bool = True  # (Pins' field, True for these stacks)
 
 
 def _virtual_stages(text: str) -> int:

@@ -75,6 +75,9 @@ class EngineLayout:
     recompute_modes: tuple[str, ...] = RECOMPUTE
     """The recomputation modes the engine runs (read from its file: its own); `planner price` sets
     the configuration beside the best plan with these only (planner/engines/pricing.py `compare`)."""
+    fused_loss: bool = False
+    """The engine's cross-entropy is fused, holding only the logits (planner/cost/memory.py
+    `loss_bytes`; Megatron-LM's vocab-parallel cross-entropy); False: the eager loss."""
     cp_algorithm: str = "all-gather"
     """How CP attention reaches the other ranks' K/V (planner/plan.py `Layout.cp_algorithm`):
     "all-gather" or "ring"; read only where cp_degree > 1."""

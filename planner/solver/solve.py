@@ -83,6 +83,10 @@ class Pins:
     """The recomputation modes the search may give units when `recompute` is not pinned; None:
     all of planner/plan.py `RECOMPUTE` (an engine's own, e.g. Megatron-LM's none, selective and
     full, which has no op-level mode)."""
+    fused_loss: bool = False
+    """Price the loss's memory as a fused cross-entropy holds it (the logits only; planner/cost/
+    memory.py `loss_bytes`): for an engine that fuses it (Megatron-LM). False: as the planner's
+    runtime runs it."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -400,7 +404,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         # prefetch and async p2p (NCCL runs on its own streams); on CPUs none, since gloo's
         # collectives run on the same cores as the compute.
         overlap=getattr(pins, "overlap", None) or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),
-        fused_loss=getattr(pins, "fused_loss", False),  # as `overlap`: a published stack's, else the runtime's
+        fused_loss=pins.fused_loss,
     )
 
 
