@@ -64,12 +64,20 @@ def check_parity(plan, tmp_path):
 
 
 def _initial(path, tmp_path):
-    out = tmp_path / "init"
-    out.mkdir(exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "runtime", str(path), "--steps", "0", "--reference", "--save-params", str(out / "p.pt")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    return torch.load(out / "p.pt")
+    """The reference's initial parameters (`python -m runtime PLAN --steps 0 --reference
+    --save-params`), built in this process: a step-less reference run only materialises the
+    model from its seed, and a process of its own cost more than the build."""
+    from planner.plan import load_plan
+    from runtime.launch import resolve_model_file
+    from runtime.train import train
+
+    plan = load_plan(path)
+    threads = torch.get_num_threads()
+    try:
+        with torch.random.fork_rng(devices=[]):  # the run seeds torch's generator
+            return train(plan, resolve_model_file(plan, str(path), None), 0, 0, None, True).params
+    finally:
+        torch.set_num_threads(threads)  # and sets the plan's thread count
 
 
 CASES = {
