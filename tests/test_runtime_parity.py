@@ -30,6 +30,8 @@ LOSS_RTOL, PARAM_ATOL = 1e-5, 1e-4
 
 
 def run(plan_path, out_dir, world_size: int, reference: bool = False, extra=()):
+    if reference and (not extra or (len(extra) == 2 and extra[0] == "--steps")):
+        return _reference_here(plan_path, out_dir, int(extra[1]) if extra else STEPS)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tag = "ref" if reference else "par"
     args = [str(plan_path), "--steps", str(STEPS), "--output", str(out_dir / f"{tag}.json"),
@@ -63,10 +65,10 @@ def check_parity(plan, tmp_path):
     assert moved > 10 * PARAM_ATOL  # training changed the parameters far more than the tolerance
 
 
-def _initial(path, tmp_path):
-    """The reference's initial parameters (`python -m runtime PLAN --steps 0 --reference
-    --save-params`), built in this process: a step-less reference run only materialises the
-    model from its seed, and a process of its own cost more than the build."""
+def _reference_train(path, steps: int):
+    """`python -m runtime PLAN --steps N --reference` in this process: the one-process reference
+    needs no process group, and a process of its own (interpreter, torch, the model file) cost
+    more than its few steps. torch's generator and thread count are restored afterwards."""
     from planner.plan import load_plan
     from runtime.launch import resolve_model_file
     from runtime.train import train
@@ -75,9 +77,23 @@ def _initial(path, tmp_path):
     threads = torch.get_num_threads()
     try:
         with torch.random.fork_rng(devices=[]):  # the run seeds torch's generator
-            return train(plan, resolve_model_file(plan, str(path), None), 0, 0, None, True).params
+            return train(plan, resolve_model_file(plan, str(path), None), steps, 0, None, True)
     finally:
         torch.set_num_threads(threads)  # and sets the plan's thread count
+
+
+def _reference_here(path, out_dir, steps: int):
+    """`run(..., reference=True)` in this process: (metrics as the CLI writes them, parameters)."""
+    result = _reference_train(path, steps)
+    metrics = result.metrics.model_copy(update={"plan": str(path), "reference": True})
+    metrics.save(out_dir / "ref.json")
+    return json.loads((out_dir / "ref.json").read_text()), result.params
+
+
+def _initial(path, tmp_path):
+    """The reference's initial parameters (`python -m runtime PLAN --steps 0 --reference
+    --save-params`): a step-less reference run only materialises the model from its seed."""
+    return _reference_train(path, 0).params
 
 
 CASES = {
