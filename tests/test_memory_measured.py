@@ -19,7 +19,7 @@ import pytest
 
 from planner.cluster import make_cluster
 from planner.cost.compute import interpolate
-from planner.cost.memory import StageMemory, loss_bytes, p2p_buffer_bytes, stage_memory
+from planner.cost.memory import StageMemory, loss_bytes, loss_in_flight, p2p_buffer_bytes, stage_memory
 from planner.cost.schedules import in_flight_microbatches
 from planner.profiler import profile_model
 from planner.solver.plan_builder import build_plan
@@ -59,7 +59,7 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             # torch's schedule keeps the last stage's outputs for `return_outputs` (runtime/apply_pp.py)
             kept_output_bytes=cfg.num_microbatches * output_bytes if (cfg.pp > 1 and k == len(best.bounds) - 1) else 0.0,
             loss=loss_bytes(output_bytes, 4 if profile.dtype == "float32" else 2,
-                            in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages))
+                            loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches))
             if k == len(best.bounds) - 1 else 0.0,
             largest_parameter=max(_largest_parameter(u, cfg.tp) for u in profile.units[i:j]),
             device="cpu"))

@@ -197,6 +197,15 @@ def loss_bytes(output_bytes: float, output_element_bytes: int, in_flight: float,
     return in_flight * 4 * elements + 8 * elements + output_bytes
 
 
+def loss_in_flight(schedule: str, pp: int, num_microbatches: int) -> int:
+    """Micro-batches whose loss waits for its backward on the last stage. GPipe runs every
+    forward first (m); the other schedules run a last-stage micro-batch's backward right after
+    its forward, the last chunk of an interleaved or zero-bubble rank included (its forwards
+    come after the warm-up's, which are of earlier chunks): one. Without a pipeline the runtime
+    runs each micro-batch's forward and backward in turn: one."""
+    return num_microbatches if (schedule == "gpipe" and pp > 1) else 1
+
+
 @dataclass(frozen=True)
 class StageMemory:
     """One stage's (or pipeline rank's) peak bytes per GPU, term by term (module docstring)."""

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.cost.memory import ModelStateBytes, loss_bytes, model_state_bytes
+from planner.cost.memory import ModelStateBytes, loss_bytes, loss_in_flight, model_state_bytes
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
 from planner.cost.schedules import in_flight_microbatches, iteration_time_s
@@ -338,7 +338,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
     levels, row_of_stage = np.unique(in_flight, return_inverse=True)
     fixed = p_states[end] - p_states[start] + copy_states + 2 * table.cut_bytes[end - 1]
-    fixed = fixed + np.where(end == num_units, _loss_bytes(table, env, in_flight[-1]), 0.0)  # the loss, on the last stage
+    fixed = fixed + np.where(end == num_units, _loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
     transient = _transient_max(table, env)[start, end]
     width = 0  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
@@ -559,9 +559,11 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _loss_bytes(table: UnitCostTable, env: Environment, in_flight: float) -> float:
-    """The loss's bytes on the stage holding the last unit (planner/cost/memory.py `loss_bytes`)."""
-    return loss_bytes(table.output_bytes, table.output_element_bytes, in_flight, fused=env.fused_loss)
+def _loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> float:
+    """The loss's bytes on the stage holding the last unit (planner/cost/memory.py `loss_bytes`),
+    with `loss_in_flight` micro-batches' losses waiting for their backward."""
+    return loss_bytes(table.output_bytes, table.output_element_bytes, loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches),
+                      fused=env.fused_loss)
 
 
 def _range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -636,7 +638,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     transient = np.array([float(table.transient["full"][i:j].max()) if rebuilding[i:j].any() else 0.0 for i, j in bounds])
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
-    loss = np.where(ends == len(table.parameters), _loss_bytes(table, env, in_flight[-1]), 0.0)
+    loss = np.where(ends == len(table.parameters), _loss_bytes(table, env, cfg), 0.0)
     memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1] + loss
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient,
                          2 * table.cut_bytes[ends - 1], loss)
