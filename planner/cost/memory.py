@@ -54,9 +54,10 @@ fp32 log-softmax of it (a softmax cross-entropy is assumed: the loss of every ex
 of the language models people train); its backward then makes two more fp32 tensors of that
 size (the gradient arriving at the log-softmax and the one it returns) while the model output
 itself is still held (the runtime's reference to it, or torch's schedule's kept outputs):
-N = output elements, in_flight x 4N + 8N + the output's own bytes. On one H200 this was the
-rest of the measured peak: GPT-2-medium in bf16 at micro-batch 8, 14.28 GiB predicted without
-it against 19.71 GiB measured, 20.05 GiB with it (benchmarks/results/h200/README.md).
+N = output elements, in_flight x 4N + 8N + the output's own bytes, in_flight the losses
+waiting for their backward (`loss_in_flight`). On one H200 this was the rest of the measured
+peak: GPT-2-medium in bf16 at micro-batch 8, 14.28 GiB predicted without it against 19.71 GiB
+measured, 19.65 GiB with it (benchmarks/results/h200/README.md).
 
 Asynchronous pipelining (PipeDream-2BW, Narayanan et al. 2021, arXiv 2006.09503, section 3.1;
 planner/plan.py `Schedule`) keeps a second version of each stage's trained weights, the one
