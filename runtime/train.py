@@ -59,6 +59,7 @@ from torch.distributed.fsdp import FSDPModule
 from planner.errors import PlannerError
 from planner.model_file import call_user, load_model_file
 from planner.plan import Plan, flush_free_blocker
+from planner.profiler.measure import fp32_logits
 from runtime import checkpoint
 from runtime.apply_cp import apply_cp, check_cp, has_attention_modules, sequence_length, shard_batch
 from runtime.apply_dp import GradientReducer, apply_fsdp, average_gradients, scale_gradients, sum_tied_gradients
@@ -113,14 +114,7 @@ def _autocast(plan: Plan, device):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def _fp32(output):
-    """16-bit logits go to the loss in fp32; a model output object (Hugging Face's) gets its logits cast."""
-    if isinstance(output, torch.Tensor):
-        return output.float()
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor) and logits.dtype != torch.float32:
-        output.logits = logits.float()
-    return output
+_fp32 = fp32_logits  # 16-bit logits go to the loss in fp32 (planner/profiler/measure.py, which the profile shares)
 
 
 def _slice(x, start: int, stop: int):

@@ -84,7 +84,6 @@ def mixed_precision(device: str, torch_dtype: torch.dtype):
     return torch.float32, lambda: torch.autocast(kind, dtype=torch_dtype)
 
 
-
 def _to(obj, device, dtype):
     def move(x):
         if isinstance(x, torch.Tensor):
@@ -177,6 +176,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     sizes = _check_options(device, dtype, fusion, micro_batch_sizes)
     analytic_gpu = get_gpu(gpu or "h100-80gb") if device == "meta" else None
     torch_dtype = DTYPES[dtype]
+    run_as = mixed_precision(device, torch_dtype)  # (parameter dtype, context per forward)
     mf = load_model_file(model_file, model_args)
     meta_model = _build_meta_model(mf, torch_dtype)
 
@@ -186,7 +186,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     batches = {b: mf.make_batch(b) for b in sizes}
     _check_batch_scales(mf, batches)
     with _logged_step("tracing the units"):
-        model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, torch_dtype, seed, values)
+        model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, torch_dtype, seed, values, run_as)
     trace = traces[sizes[0]]
     units = trace.units
     if not units:
@@ -197,14 +197,14 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     modules = dict(model.named_modules())
     log.debug("%d units, %d distinct; micro-batch sizes %s", len(units), len(set(fingerprints.values())), sizes)
     with values, _logged_step("counting the units"):
-        precision = mixed_precision(device, torch_dtype)[1]
+        precision = run_as[1]
         costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, precision)
         moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, precision)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
     if device != "meta":
         with _logged_step(f"timing {len(jobs) + len(moe.jobs)} unit jobs and the whole model"):
-            whole = _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress,
+            whole = _time_units(mf, model, batches, costs, jobs, units, device, run_as, warmup, repeats, progress,
                                 extra_jobs=list(moe.jobs.values()))
         optimizer_s = optimizer_step_time(model)
 
@@ -343,7 +343,7 @@ def _check_options(device: str, dtype: str, fusion: str, micro_batch_sizes) -> l
     return sizes
 
 
-def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, seed: int, values: KnownValues):
+def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, seed: int, values: KnownValues, run_as):
     """The model the units are counted on, one unit trace per micro-batch size, the inputs
     of each unit (per size) to count and time it with, and whether the traces ran on the
     meta device.
@@ -366,7 +366,7 @@ def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, 
         meta_error = exc
     if device == "meta":
         return meta_model, traces, {b: t.unit_inputs for b, t in traces.items()}, True
-    param_dtype, precision = mixed_precision(device, torch_dtype)
+    param_dtype, precision = run_as  # `mixed_precision`
     _check_fits(device, sum(p.numel() for p in meta_model.parameters()) * torch.empty((), dtype=param_dtype).element_size())
     torch.manual_seed(seed)
     try:
@@ -429,11 +429,11 @@ def _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtyp
         raise user_code_error(mf.path, "running the experts of an MoE layer alone", exc) from exc
 
 
-def _time_units(mf, model, batches, costs, jobs, units, device, torch_dtype, warmup, repeats, progress,
+def _time_units(mf, model, batches, costs, jobs, units, device, run_as, warmup, repeats, progress,
                 extra_jobs=()) -> dict[int, WholeModel]:
     """Time every unit, the `extra_jobs` (the MoE layers' experts) and the whole model round-robin
-    (fills `costs` in place); the whole-model records."""
-    param_dtype, precision = mixed_precision(device, torch_dtype)
+    (fills `costs` in place); the whole-model records. `run_as`: `mixed_precision`'s answer."""
+    param_dtype, precision = run_as
     wholes = {b: whole_model_job(model, _to(_as_tuple(batch[0]), device, param_dtype), _to(batch[1], device, param_dtype), mf.loss,
                                  precision) for b, batch in batches.items()}
     try:

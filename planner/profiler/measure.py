@@ -204,8 +204,9 @@ class TimedCall:
         return typical_s(self.seconds)
 
 
-def _fp32_logits(output):
-    """16-bit logits in fp32 for the loss, a tensor or a model output's `logits` (runtime/train.py `_fp32`)."""
+def fp32_logits(output):
+    """The model output as the loss sees it, in the profile as in the runtime (runtime/train.py):
+    16-bit logits in fp32, a tensor or a model output object's (Hugging Face's) `logits`."""
     if isinstance(output, torch.Tensor):
         return output.float() if output.is_floating_point() else output
     logits = getattr(output, "logits", None)
@@ -220,7 +221,7 @@ def whole_model_job(model: nn.Module, inputs: tuple, targets, loss, precision=nu
 
     def step():
         with precision():
-            loss(_fp32_logits(model(*inputs)), targets).backward()
+            loss(fp32_logits(model(*inputs)), targets).backward()
 
     return TimedCall(step, next(model.parameters()).device, reset=lambda: model.zero_grad(set_to_none=True))
 
