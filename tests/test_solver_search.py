@@ -175,3 +175,42 @@ def test_even_block_cuts_split_the_layers_as_megatron_does(profiles):
     assert cuts(4) is None and cuts(7) is None  # 6 layers do not split into 4 or 7 equal chunks
     plan = solve(profile, make_cluster(8, 8, "a100-80gb"), 16, Pins(pp=2, tp=1, dp=4, schedule="1f1b"), top_k=1, cuts=cuts)
     assert [sum(u.startswith("blocks.") for u in stage.units) for stage in plan.stages] == [3, 3]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(count=st.integers(1, 5), levels=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       modes=st.lists(st.tuples(st.floats(0.1, 2.0), st.floats(0.0, 3.0)), min_size=1, max_size=3),
+       states=st.floats(0.0, 2.0), memory=st.floats(1.0, 20.0))
+def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states, memory):
+    """z* (bounds.py `_memory_rank_s`) against every placement of `count` identical units on ranks
+    holding `levels` micro-batches in flight, each unit in one of `modes` (time, activation
+    bytes): where some placement fits every rank's memory, z* is at most its busiest rank's time,
+    and at least the mean share (the bound is not vacuous)."""
+    from itertools import combinations_with_replacement, product
+
+    import numpy as np
+
+    from planner.solver.bounds import _memory_rank_s
+
+    times, acts = (np.array(column) for column in zip(*modes, strict=True))
+
+    def loads(units: int):  # (time, bytes at level 1 less states) of each multiset of modes
+        return [(sum(times[m] for m in pick), sum(acts[m] for m in pick))
+                for pick in combinations_with_replacement(range(len(modes)), units)]
+
+    best = np.inf
+    for split in product(range(count + 1), repeat=len(levels)):
+        if sum(split) != count:
+            continue
+        per_rank = []
+        for units, level in zip(split, levels, strict=True):
+            fitting = [t for t, a in loads(units) if units * states + level * a <= memory]
+            per_rank.append(min(fitting) if fitting else np.inf)
+        best = min(best, max(per_rank))
+    distinct = sorted(set(levels))
+    z = _memory_rank_s(times[None], acts[None], np.array([states]), np.array([float(count)]),
+                       np.array([distinct], dtype=float), np.array([[levels.count(x) for x in distinct]], dtype=float),
+                       memory)[0]
+    if np.isfinite(best):
+        assert z <= best * (1 + 1e-9)
+        assert z >= count * times.min() / len(levels) * (1 - 1e-6)

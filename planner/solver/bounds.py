@@ -22,14 +22,24 @@ duality), for every lambda >= 0:
 
 which lets memory force recomputation into the bound (`TimeBound.many`; lambda = 0 is the
 cheapest mode everywhere). The dual is concave and piecewise linear in lambda, so its maximum
-lies at 0 or where a unit's best mode changes (`_UnitTerms.lambdas`). With S = pp x v chunks and p2p_u what a chunk ending after unit u
-pays per micro-batch (`p2p_arrays`), W = D + S x min_u p2p_u. Every arrangement's chunk
+lies at 0 or where a unit's best mode changes (`_UnitTerms.lambdas`). With S = pp x v chunks,
+p2p_u what a chunk ending after unit u pays per micro-batch (`p2p_arrays`) and P_S the least
+the S chunks' start terms add beyond their negative parts (they start at distinct units:
+`_UnitTerms.starts_prefix_s`), W = D + S x min_u p2p_u + P_S. Every arrangement's chunk
 times sum to at least W. Its slowest chunk takes at least X = max(W / S, B* + min_u p2p_u),
 where B* is the least slowest chunk of any cut of the units into S contiguous chunks, each
 unit at its least time min_r t_r,u (`_least_slowest_chunk_s`: units come whole, so 98 units
 in 8 chunks leave one chunk above the mean), and its busiest pipeline rank (v chunks) at
-least R = max(W / p, X). The schedules' closed forms (planner/cost/schedules.py) then give
-at least
+least R = max(W / p, X, the ceil(n / p) smallest units (`_busiest_rank_s`), z* + v min_u p2p_u).
+
+Memory by rank (z*, `_memory_rank_s`): rank r holds its units' states and L_r micro-batches of
+their activations in M, so the ranks with more in flight hold fewer units or recompute more,
+and the busiest rank's time rises above the mean. Taking the units of the most common kind
+(a transformer's blocks; leaving the others out only lowers it), z* is the least z for which
+the ranks can hold them all when each runs at most z seconds of them, fractional counts and
+modes allowed (a linear relaxation per rank, solved in closed form at its vertices). With
+v = 1 a rank is a chunk, so X >= z* + min_u p2p_u too. The schedules' closed forms
+(planner/cost/schedules.py) then give at least
 
     GPipe, 1F1B         W + (m - 1) X
     interleaved 1F1B    m R + (p - 1) X
@@ -50,6 +60,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import combinations
 
 import numpy as np
 
@@ -88,6 +99,21 @@ class _UnitTerms:
     least_prefix_s: list[float]
     """Prefix sums, in unit order, of c_u = min_r t_r,u: what a chunk of units i..j-1 takes at
     the least (`_least_slowest_chunk_s`)."""
+    smallest_prefix_s: np.ndarray
+    """Prefix sums of the c_u sorted ascending: [k] is the least k units can take together
+    (`_busiest_rank_s`)."""
+    inverse: np.ndarray
+    """[unit]: the index of its distinct unit."""
+    starts_prefix_s: np.ndarray
+    """[k]: what the start terms of k + 1 chunks add at the least beyond their negative parts
+    (already in `time_s`): a chunk's time is its units' t plus its first unit's start term,
+    min(first, 0) + max(first, 0). The first chunk starts at unit 0 and the others at distinct
+    units, so the k + 1 chunks' positive parts sum to at least unit 0's plus the k smallest of
+    the others' (each at its least mode). ZeRO 2's exposed reduce-scatter at every chunk's
+    start, for one, which a floor shared by all would lose to the few units with none."""
+    others_negative_s: float
+    """The sum over the units not of the most common kind of min(0, c_u): what leaving them out
+    of a rank can add to its time bound (`_memory_rank_s`; 0 unless a start term is negative)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +154,7 @@ class TimeBound:
         self._memory: dict[tuple, tuple[UnitCostTable, float]] = {}
         self._grouping: dict[int, tuple] = {}  # `_unit_terms`
         self._slowest: dict[tuple[int, int], float] = {}  # (id of _UnitTerms, chunks) -> B* (held in self._units)
+        self._busiest: dict[tuple, tuple] = {}  # `_memory_rank`
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
@@ -181,6 +208,32 @@ class TimeBound:
             values[column] = value
         return values[inverse.ravel()]
 
+    def _memory_rank(self, pairs: list[tuple[UnitCostTable, Config]], units: list[_UnitTerms]) -> np.ndarray:
+        """z* (`_memory_rank_s`) of each configuration, once per distinct (unit terms, model
+        states, in-flight levels)."""
+        keys, inputs = [], {}
+        for (table, cfg), terms in zip(pairs, units, strict=True):
+            states = stage_arrays(table, cfg, self.env)[2]
+            kind = int(np.argmax(terms.count))
+            flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+            key = (id(terms), id(states), flights)
+            keys.append(key)
+            if key not in self._busiest and key not in inputs:
+                inputs[key] = (terms.time_s[:, kind], terms.activation_bytes[:, kind],
+                               float(states[terms.inverse == kind].min()), float(terms.count[kind]), flights, terms, states)
+        if inputs:
+            rows = list(inputs.values())
+            width = max(len(row[4]) for row in rows)
+            levels, weights = np.ones((len(rows), width)), np.zeros((len(rows), width))
+            for index, row in enumerate(rows):
+                levels[index, :len(row[4])], weights[index, :len(row[4])] = np.array(row[4]).T
+            values = _memory_rank_s(np.stack([row[0] for row in rows]), np.stack([row[1] for row in rows]),
+                                    np.array([row[2] for row in rows]), np.array([row[3] for row in rows]), levels,
+                                    weights, self.env.usable_memory_bytes)
+            for key, row, value in zip(inputs, rows, values.tolist(), strict=True):
+                self._busiest[key] = (value, row[5], row[6])  # the terms and states held: their ids stay theirs
+        return np.array([self._busiest[key][0] for key in keys])
+
     def many(self, pairs: list[tuple[UnitCostTable, Config]], whole: bool = True) -> np.ndarray:
         """`__call__` of every (table, configuration) pair, as one array (same numbers, same order of operations).
         `whole=False` leaves out B* (X = W / S) and ZeRO 2/3's per-unit traffic (`_unit_terms`): a
@@ -201,26 +254,94 @@ class TimeBound:
         least, most, inverse_sum, p, v, m, form, states, min_p2p, min_hop, forward, backward, optimizer = np.array(columns).T
         memory = self.env.usable_memory_bytes
         budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
-        dual = np.empty(len(pairs))
+        chunks = p * v
+        dual, starts, pigeon, others = (np.empty(len(pairs)) for _ in range(4))
         by_units: dict[int, list[int]] = {}
         for index, terms in enumerate(units):
             by_units.setdefault(id(terms), []).append(index)
         for indices in by_units.values():
             terms = units[indices[0]]
             dual[indices] = (terms.dual_s[None, :] - terms.lambdas[None, :] * budget[indices, None]).max(axis=1)
-        chunks = p * v
-        work = dual + chunks * min_p2p
+            n = len(terms.starts_prefix_s)
+            starts[indices] = terms.starts_prefix_s[np.minimum(chunks[indices].astype(int), n) - 1]
+            pigeon[indices] = _busiest_rank_s(terms, p[indices])
+            others[indices] = terms.others_negative_s
+        work = dual + chunks * min_p2p + starts
         # The slowest chunk takes at least W / S, and at least B* plus its cut's p2p (`_least_slowest_chunk_s`):
         # layers come whole, so S chunks of 98 units cannot all take the mean.
         slowest = np.maximum(work / chunks, self._least_slowest(units, chunks) + min_p2p) if whole else work / chunks
-        pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, forward, backward, m, p, v),
-                            np.where(form == 1, m * np.maximum(work / p, slowest) + (p - 1) * slowest,
+        # A rank's chunks run in series: their mean share, its slowest chunk, and (units come
+        # whole) the least the ceil(n / p) units some rank must hold can take.
+        rank = np.maximum(np.maximum(work / p, slowest), pigeon + v * min_p2p)
+        if whole:
+            # Memory by rank: the ranks holding more micro-batches in flight hold fewer units or
+            # recompute (`_memory_rank_s`); with v = 1 a rank is one chunk.
+            busiest = self._memory_rank(pairs, units) + others
+            rank = np.maximum(rank, busiest + v * min_p2p)
+            slowest = np.where(v == 1, np.maximum(slowest, busiest + min_p2p), slowest)
+        pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v),
+                            np.where(form == 1, m * rank + (p - 1) * slowest,
                                      work + (m - 1) * slowest))
         fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
         return pipeline + fill + optimizer
 
 
-def _zero_bubble_s(work, slowest, forward, backward, m, p, v):
+def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
+                   levels: np.ndarray, weights: np.ndarray, memory: float, iterations: int = 40) -> np.ndarray:
+    """z*: the least time of the busiest pipeline rank's units of one kind (the most common: a
+    transformer's blocks), when each rank's memory holds the units it runs (module docstring,
+    "memory by rank"), per configuration.
+
+    For N configurations: `time_s` and `activation` [N, mode] the kind's t_r and a_r, `states` [N]
+    its model states s, `count` [N] how many units of it there are, `levels` and `weights` [N, K]
+    the ranks' distinct in-flight counts L and how many ranks hold each (weight 0 pads). A rank
+    with in-flight L that runs at most z seconds of these units holds at most h_L(z) of them, the
+    optimum of the linear program
+
+        max sum_r x_r   s.t.   sum_r t_r x_r <= z,   sum_r (s + L a_r) x_r <= M,   x >= 0
+
+    (fractional counts and modes: a relaxation of any plan). Its optimum lies on a vertex: one
+    mode with the tighter of the two constraints, or two modes with both tight. The units fit
+    only if sum_ranks h_L(z) >= count; that is nondecreasing in z, so z* is found by bisection,
+    and the lower end of the bracket is returned (it failed the test: a proven lower bound)."""
+    width = states[:, None, None] + levels[:, :, None] * activation[:, None, :]  # [N, K, mode]: s + L a_r
+    times = np.broadcast_to(time_s[:, None, :], width.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        by_memory = np.where(width > 0, memory / width, np.inf)
+        pairs = []
+        for i, j in combinations(range(time_s.shape[1]), 2):
+            det = times[..., i] * width[..., j] - times[..., j] * width[..., i]
+            pairs.append((i, j, np.where(det != 0, det, np.nan)))
+
+        def held(z: np.ndarray) -> np.ndarray:
+            zz = z[:, None, None]
+            most = np.minimum(np.where(times > 0, zz / times, np.inf), by_memory).max(axis=2)  # [N, K]
+            for i, j, det in pairs:
+                x_i = (zz[..., 0] * width[..., j] - memory * times[..., j]) / det
+                x_j = (memory * times[..., i] - zz[..., 0] * width[..., i]) / det
+                most = np.fmax(most, np.where((x_i >= 0) & (x_j >= 0), x_i + x_j, np.nan))
+            return (np.minimum(most, count[:, None]) * weights).sum(axis=1)
+
+    low = np.zeros(len(count))
+    high = count * time_s.max(axis=1)
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        fits = held(middle) >= count
+        high, low = np.where(fits, middle, high), np.where(fits, low, middle)
+    return low * (1 - 1e-9)
+
+
+def _busiest_rank_s(terms: _UnitTerms, ranks: np.ndarray) -> np.ndarray:
+    """The least time of the busiest of `ranks` pipeline ranks (per configuration), each unit at
+    its least time: some rank holds at least ceil(n / p) of the n units (pigeonhole; a rank's
+    units need not be contiguous, as interleaving's are not), and those take at least the sum of
+    the ceil(n / p) smallest (`_UnitTerms.smallest_prefix_s`). 98 units on 16 ranks leave one
+    rank 7, 14% above the mean 6.125, unless some units are small."""
+    n = len(terms.smallest_prefix_s) - 1
+    return terms.smallest_prefix_s[-(-n // ranks.astype(int))]
+
+
+def _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v):
     """Zero bubble's pipeline time is at least m R (module docstring), and its fill and drain
     add, since a hop max(f + B - W, f, B) is at least the chunk's forward f and the chunks'
     forwards sum to at least F (`forward`): for v = 1, m t_slowest + sum_{k != slowest} f_k
@@ -231,7 +352,6 @@ def _zero_bubble_s(work, slowest, forward, backward, m, p, v):
     units', w = BACKWARD_WEIGHT_FRACTION as the price splits it). Elementwise over numpy arrays
     of configurations."""
     chunks = p * v
-    rank = np.maximum(work / p, slowest)  # a rank's chunks run in series: their mean share, and its slowest chunk
     return np.where(m < p, np.maximum(m * rank, forward + (1 - BACKWARD_WEIGHT_FRACTION) * backward),
                     np.where(v == 1, np.maximum(m * rank, (m - 1) * slowest + forward),
                              m * rank + (p - 1) * forward / chunks))
@@ -274,8 +394,14 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: d
     count = np.bincount(inverse, minlength=distinct.shape[1])
     lambdas = np.concatenate([[0.0], ratios])
     per_unit = (time_s[None] + lambdas[:, None, None] * activation[None]).min(axis=1)
-    prefix = np.concatenate([[0.0], np.cumsum(time_s.min(axis=0)[inverse])])
-    return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist())
+    least = time_s.min(axis=0)[inverse]
+    prefix = np.concatenate([[0.0], np.cumsum(least)])
+    smallest = np.concatenate([[0.0], np.cumsum(np.sort(least))])
+    others = inverse != int(np.argmax(count))
+    positive = np.maximum(np.stack([first[r] for r in modes]).min(axis=0), 0.0)
+    starts = np.cumsum(np.concatenate([positive[:1], np.sort(positive[1:])]))
+    return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist(), smallest, inverse,
+                      starts, float(np.minimum(least[others], 0.0).sum()))
 
 
 def _least_slowest_chunk_s(prefix: list[float], chunks: int, iterations: int = 12) -> float:
@@ -307,6 +433,13 @@ def _least_slowest_chunk_s(prefix: list[float], chunks: int, iterations: int = 1
             else:
                 low = middle
     return low * (1 - 1e-12)  # the greedy's float sums may differ from the price's in the last bits
+
+
+@lru_cache(maxsize=None)
+def _in_flight_levels(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[tuple[float, int], ...]:
+    """The pipeline ranks' distinct in-flight counts L_r (`in_flight_microbatches`), each with how many ranks hold it."""
+    levels = [in_flight_microbatches(schedule, pp, num_microbatches, k, virtual_stages) for k in range(pp)]
+    return tuple((level, levels.count(level)) for level in sorted(set(levels)))
 
 
 @lru_cache(maxsize=None)

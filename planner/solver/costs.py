@@ -223,6 +223,7 @@ class UnitCosts:
         self._ilp: dict[tuple, IntraOpSolution] = {}
         self._tables: dict[tuple, UnitCostTable] = {}
         self._layer_seconds: dict[tuple, dict[int, list[tuple[float, float]]]] = {}  # per (t, sp, b), from `_build`
+        self._built: dict[tuple[int, bool, float], UnitCostTable] = {}  # `_plain`
         self._groups: list[tuple[Unit, np.ndarray]] | None = None  # `_content_groups`
         self.base_mbs = min(profile.micro_batch_sizes)
 
@@ -266,12 +267,20 @@ class UnitCosts:
         if key not in self._tables:
             if cp > 1:
                 assert ep == 1, "the search never combines EP and CP (both fold onto dp)"
-                self._tables[key] = self._with_cp(self._build(t, sp, b / cp), t, b, cp, cp_algorithm)
+                self._tables[key] = self._with_cp(self._plain(t, sp, b / cp), t, b, cp, cp_algorithm)
             else:
                 etp = self.expert_tp > 1  # priced from the plain table: `table(t, sp, b)` would carry it already
-                self._tables[key] = self._build(t, sp, b) if ep == 1 and not etp else \
+                self._tables[key] = self._plain(t, sp, b) if ep == 1 and not etp else \
                     self._with_ep(self._build(t, sp, b) if etp else self.table(t, sp, b), t, sp, b, ep)
         return self._tables[key]
+
+    def _plain(self, t: int, sp: bool, b: float) -> UnitCostTable:
+        """`_build`, once per (t, sp, b): CP's tables at (b, cp) share the one at b / cp (b = 4 with
+        cp 2 and b = 2 with cp 1, say); `_with_cp` copies what it changes."""
+        key = (t, sp, float(b))
+        if key not in self._built:
+            self._built[key] = self._build(t, sp, b)
+        return self._built[key]
 
     def _with_cp(self, part: UnitCostTable, t: int, b: int, cp: int, algorithm: str) -> UnitCostTable:
         """A rank's share under context parallelism (planner/cost/cp.py): `part` is the table at

@@ -311,21 +311,24 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                         ([False, True] if tp > 1 and (pins.expert_tp or 1) == 1 else [False]):  # expert TP: no SP
                     if sp and tp == 1:
                         continue
+                    # One data-parallel rank shards nothing: ZeRO only to offload (FSDP2 on one GPU).
+                    offloading = allow_offload or bool(pins.offload)
+                    zeros = [pins.zero_stage] if pins.zero_stage is not None else \
+                        ([0] if (pins.expert_tp or 1) > 1 else  # the runtime runs expert TP with ZeRO 0 only
+                         [0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
+                    # What the schedule does not change, enumerated once for all of them.
+                    rest = [(alg, ep, z, shard, offload)
+                            for alg in (CP_METHODS[:1] if cp == 1 else [pins.cp_algorithm] if pins.cp_algorithm
+                                        else CP_METHODS)  # searched: the cheaper wins
+                            for ep in (ep_degrees(pins, experts, dp, sp, tp) if cp == 1 else [1]) for z in zeros
+                            for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
+                                                        functools.partial(states_fit, z, pp, tp))
+                            for offload in _offloads(pins, z, dp, ep, allow_offload)]
                     for schedule, v in _schedules(pins, pp, m, num_units, allow_async):
                         if cp > 1 and pp > 1 and (schedule not in ("gpipe", "1f1b") or v > 1):
                             continue  # runtime/apply_cp.py `check_cp`: CP with PP runs one stage per rank
-                        # One data-parallel rank shards nothing: ZeRO only to offload (FSDP2 on one GPU).
-                        offloading = allow_offload or bool(pins.offload)
-                        zeros = [pins.zero_stage] if pins.zero_stage is not None else \
-                            ([0] if (pins.expert_tp or 1) > 1 else  # the runtime runs expert TP with ZeRO 0 only
-                             [0, 1, 2, 3] if dp > 1 else [0, 3] if offloading else [0])
-                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp, pins.expert_tp or 1, cp_algorithm=alg)
-                               for alg in (CP_METHODS[:1] if cp == 1 else [pins.cp_algorithm] if pins.cp_algorithm
-                                           else CP_METHODS)  # searched: the cheaper wins
-                               for ep in (ep_degrees(pins, experts, dp, sp, tp) if cp == 1 else [1]) for z in zeros
-                               for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
-                                                           functools.partial(states_fit, z, pp, tp))
-                               for offload in _offloads(pins, z, dp, ep, allow_offload)]
+                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp, pins.expert_tp or 1,
+                                      cp_algorithm=alg) for alg, ep, z, shard, offload in rest]
 
 
 def _schedules(pins: Pins, pp: int, m: int, num_units: int, allow_async: bool = False):
