@@ -153,8 +153,9 @@ class TimeBound:
         self._groups: dict[tuple, _GroupTerms] = {}
         self._memory: dict[tuple, tuple[UnitCostTable, float]] = {}
         self._grouping: dict[int, tuple] = {}  # `_unit_terms`
-        self._slowest: dict[tuple[int, int], float] = {}  # (id of _UnitTerms, chunks) -> B* (held in self._units)
+        self._slowest: dict[tuple, float] = {}  # (id of _UnitTerms or its least prefix, chunks) -> B* (held in self._units)
         self._busiest: dict[tuple, tuple] = {}  # `_memory_rank`
+        self._parts: dict[tuple, tuple] = {}  # `_group`'s parts (the tables are held by the groups)
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
@@ -174,12 +175,20 @@ class TimeBound:
         if group is not None:
             return group
         env = self.env
-        hops, p2p, _ = p2p_arrays(table, cfg, env)
-        # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
-        optimizer = updated_parameters(table, cfg, 0, len(table.parameters)) / cfg.pp * env.optimizer_s_per_param
-        group = _GroupTerms(table, float(state_bytes(table, cfg, env).sum()), float(p2p.min()),
-                            float(hops[:-1].min()) if len(hops) > 1 else 0.0, float(table.forward_s.sum()),
-                            float(table.backward_s.sum()), optimizer)
+        # Its parts, each once per setting it reads (tens of thousands of groups on 1024 GPUs).
+        same_node = cfg.dp * cfg.tp < env.gpus_per_node
+        p2p_key = ("p2p", id(table), cfg.tp, cfg.sequence_parallel, same_node, cfg.pp > 1)
+        if p2p_key not in self._parts:
+            hops, p2p, _ = p2p_arrays(table, cfg, env)
+            self._parts[p2p_key] = (float(p2p.min()), float(hops[:-1].min()) if len(hops) > 1 else 0.0)
+        states_key = ("states", id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload)
+        if states_key not in self._parts:
+            # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
+            self._parts[states_key] = (float(state_bytes(table, cfg, env).sum()),
+                                       updated_parameters(table, cfg, 0, len(table.parameters)) * env.optimizer_s_per_param,
+                                       float(table.forward_s.sum()), float(table.backward_s.sum()))
+        states, optimizer, forward, backward = self._parts[states_key]
+        group = _GroupTerms(table, states, *self._parts[p2p_key], forward, backward, optimizer / cfg.pp)
         self._groups[key] = group
         return group
 
@@ -196,7 +205,9 @@ class TimeBound:
         return units
 
     def _least_slowest(self, units: list[_UnitTerms], chunks: np.ndarray) -> np.ndarray:
-        """B* of each configuration (`_least_slowest_chunk_s`), once per (unit terms, chunks)."""
+        """B* of each configuration (`_least_slowest_chunk_s`), once per (unit terms, chunks), and
+        once per (least unit times, chunks) across unit terms that share them (ZeRO settings
+        whose traffic hides, say)."""
         ids = np.array([id(u) for u in units], dtype=np.int64)
         pairs, first, inverse = np.unique(np.stack([ids, chunks.astype(np.int64)]), axis=1, return_index=True,
                                           return_inverse=True)
@@ -204,7 +215,12 @@ class TimeBound:
         for column, (key, index) in enumerate(zip(map(tuple, pairs.T.tolist()), first.tolist(), strict=True)):
             value = self._slowest.get(key)
             if value is None:
-                value = self._slowest[key] = _least_slowest_chunk_s(units[index].least_prefix_s, key[1])
+                prefix = units[index].least_prefix_s
+                content = (tuple(prefix), key[1])
+                value = self._slowest.get(content)
+                if value is None:
+                    value = self._slowest[content] = _least_slowest_chunk_s(prefix, key[1])
+                self._slowest[key] = value
             values[column] = value
         return values[inverse.ravel()]
 
