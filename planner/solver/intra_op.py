@@ -60,7 +60,8 @@ runtime has no way to slice it), and under sequence parallelism such a unit stay
 replicated (`_sequence_parallel_blocked`): Megatron's layout needs every linear sharded, and a
 replicated attention in the sequence-sharded region would see only its rank's tokens.
 
-CBC solves it with a time limit (`ILP_TIME_LIMIT_S`); a block has about 40 variables. The
+CBC solves it with a time limit (`ILP_TIME_LIMIT_S`); a block has about 40 variables. Units
+with at most `ENUMERATE_UP_TO` assignments are solved by pricing each one instead. The
 same cost is computed in closed form by `evaluate` for any assignment, which the tests
 compare with brute force and the search uses to re-price a cached plan at other micro-batch
 sizes.
@@ -70,12 +71,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import pulp
 
@@ -375,12 +377,46 @@ def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     if all(len(s) == 1 for s in free.values()):
         return evaluate(problem, {v: next(iter(s)) for v, s in free.items()})
+    if math.prod(len(s) for s in free.values()) <= ENUMERATE_UP_TO:
+        return _enumerate(problem, graph, free)
     cache = _cache_path(problem, graph)
     chosen = _cached(cache, free)
     if chosen is None:
         chosen = _solve_ilp(problem, graph, free)
         _store(cache, chosen)
     return evaluate(problem, chosen)
+
+
+ENUMERATE_UP_TO = 64
+"""Problems with at most this many assignments of the free nodes (an embedding, a head, a norm:
+one to three nodes) are solved by pricing every assignment (`_enumerate`): exact, and about a
+hundred times faster than starting the ILP solver for them."""
+
+
+def _enumerate(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolution:
+    """The ILP's optimum by enumeration: every assignment priced by `evaluate` (the ILP's
+    objective), under the ILP's constraints (`parameter_memory` over the free nodes,
+    `pinned_tp`); the first of equal cost in the order of the strategies. Raises as the ILP
+    does when none meets them."""
+    by_name = {op.name: op for op in problem.ops}
+    nodes = list(free)
+    shardable = [v for v in nodes if v in by_name and by_name[v].weight_shape
+                 and any(s in ("colwise", "rowwise") for s in free[v])]
+    best: IntraOpSolution | None = None
+    for picks in itertools.product(*(list(free[v]) for v in nodes)):
+        chosen = dict(zip(nodes, picks, strict=True))
+        limit = problem.parameter_bytes_limit
+        if limit is not None and sum(_node_cost(problem, by_name.get(v), s)[2] for v, s in chosen.items()) > limit:
+            continue
+        if problem.require_sharding and shardable and not any(chosen[v] in ("colwise", "rowwise") for v in shardable):
+            continue
+        solution = evaluate(problem, chosen)
+        if best is None or solution.compute_time_s + solution.comm_time_s < \
+                (best.compute_time_s + best.comm_time_s) * (1 - 1e-12):
+            best = solution
+    if best is None:
+        _raise_infeasible(problem)
+    return best
 
 
 CACHE_ENV = "PLANNER_CACHE_DIR"
@@ -455,18 +491,22 @@ def _solve_ilp(problem: IntraOpProblem, graph: _Graph, free: dict) -> dict[str, 
     model += 1e6 * pulp.lpSum(objective)
     status = model.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=ILP_TIME_LIMIT_S))
     if pulp.LpStatus[status] != "Optimal":
-        limit = problem.parameter_bytes_limit
         if pulp.LpStatus[status] != "Infeasible":  # a time limit or a solver failure, not the model's constraints
             raise PlannerError(f"The tensor-parallel ILP ended {pulp.LpStatus[status].lower()} at tp={problem.tp_degree} "
                                f"(time limit {ILP_TIME_LIMIT_S} s).", "Re-run; if it persists, pin --tp.")
-        named = ([f"`parameter_memory` (<= {limit:.3g} bytes)"] if limit is not None else []) + \
-            (["`pinned_tp`"] if problem.require_sharding else [])
-        raise PlannerError(
-            f"The tensor-parallel ILP is infeasible at tp={problem.tp_degree}: "
-            f"constraint {' and '.join(named) or 'one_strategy'} cannot be met.",
-            "Raise the memory available per GPU or the TP degree.",
-        )
+        _raise_infeasible(problem)
     return {v: s for (v, s), var in x.items() if var.value() > 0.5}
+
+
+def _raise_infeasible(problem: IntraOpProblem) -> NoReturn:
+    limit = problem.parameter_bytes_limit
+    named = ([f"`parameter_memory` (<= {limit:.3g} bytes)"] if limit is not None else []) + \
+        (["`pinned_tp`"] if problem.require_sharding else [])
+    raise PlannerError(
+        f"The tensor-parallel ILP is infeasible at tp={problem.tp_degree}: "
+        f"constraint {' and '.join(named) or 'one_strategy'} cannot be met.",
+        "Raise the memory available per GPU or the TP degree.",
+    )
 
 
 def _add_one_strategy(model, x, free) -> None:
