@@ -58,6 +58,21 @@ x512 and the MoE rows meet theirs. Then zero bubble with fewer micro-batches tha
 in the simulator) got the first micro-batch's critical path as its bound (every forward, then
 every input-gradient backward): on 12,288 GPUs 4,991 -> 2,425 DPs run (in-process, one core,
 15.8 s; not in the CSV above, which was measured before it).
+This round (2026-11-26, second session): a tighter exact bound (planner/solver/bounds.py). The
+start terms of the chunks (ZeRO 2's exposed reduce-scatter at each chunk's start, for one) are
+counted at distinct units; the busiest rank holds at least ceil(n / p) units; and memory by
+rank (z*): ranks holding more micro-batches in flight hold fewer units or recompute, so the
+busiest rank's time rises above the mean, found by a linear relaxation per rank solved at its
+vertices. DPs run, before -> after: 175B on 64 GPUs 294 -> 83, on 512 552 -> 201, on 1024
+495 -> 298, 192 layers on 512 103 -> 63, 12,288 GPUs 2,425 -> 1,942. Also CP's cost tables share
+the plain table at micro-batch b / cp (72 builds instead of 402 on 64 GPUs) and units with at
+most 64 tensor-parallel assignments are solved by pricing each one instead of starting CBC (12
+of the 18 ILPs). The committed CSV, against the previous one on this machine (`planner solve`
+processes, both cores): 175B x64 3.07 -> 2.08 s, x512 4.73 -> 2.87 s, x1024 4.55 -> 3.21 s,
+x12288 12.1 -> 9.3 s, 192 layers x512 4.35 -> 3.29 s, 530B 2.47 -> 1.85 s, the MoE 2.59 ->
+2.19 s; same plans and iteration times on every row. Goals for 175B (1 s on 64, 2 s on 1024)
+still not met: about 0.35 s of each solve is imports and 0.13 s printing the plan, and the DPs
+that remain are configurations whose best cuts really are within a few percent of the best.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
