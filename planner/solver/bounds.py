@@ -303,7 +303,7 @@ class TimeBound:
 
 
 def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
-                   levels: np.ndarray, weights: np.ndarray, memory: float, iterations: int = 40) -> np.ndarray:
+                   levels: np.ndarray, weights: np.ndarray, memory: float, iterations: int = 24) -> np.ndarray:
     """z*: the least time of the busiest pipeline rank's units of one kind (the most common: a
     transformer's blocks), when each rank's memory holds the units it runs (module docstring,
     "memory by rank"), per configuration.
@@ -319,7 +319,8 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
     (fractional counts and modes: a relaxation of any plan). Its optimum lies on a vertex: one
     mode with the tighter of the two constraints, or two modes with both tight. The units fit
     only if sum_ranks h_L(z) >= count; that is nondecreasing in z, so z* is found by bisection,
-    and the lower end of the bracket is returned (it failed the test: a proven lower bound)."""
+    and the lower end of the bracket after `iterations` halvings is returned (it failed the test:
+    a proven lower bound; 24 halvings leave it within 1e-6 of z* relative to the bracket)."""
     width = states[:, None, None] + levels[:, :, None] * activation[:, None, :]  # [N, K, mode]: s + L a_r
     times = np.broadcast_to(time_s[:, None, :], width.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
