@@ -213,4 +213,4 @@ def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states
                        memory)[0]
     if np.isfinite(best):
         assert z <= best * (1 + 1e-9)
-        assert z >= count * times.min() / len(levels) * (1 - 1e-6)
+        assert z >= count * times.min() / len(levels) * (1 - 1e-5)  # 24 halvings of a bracket <= 60 z* wide

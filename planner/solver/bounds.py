@@ -320,7 +320,7 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
     mode with the tighter of the two constraints, or two modes with both tight. The units fit
     only if sum_ranks h_L(z) >= count; that is nondecreasing in z, so z* is found by bisection,
     and the lower end of the bracket after `iterations` halvings is returned (it failed the test:
-    a proven lower bound; 24 halvings leave it within 1e-6 of z* relative to the bracket)."""
+    a proven lower bound, within 2^-24 of the bracket [0, count x max_r t_r] below z*)."""
     width = states[:, None, None] + levels[:, :, None] * activation[:, None, :]  # [N, K, mode]: s + L a_r
     times = np.broadcast_to(time_s[:, None, :], width.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
