@@ -75,3 +75,22 @@ def test_profile_records_its_fusion_and_fused_attention_moves_less():
     assert block_fused.forward_flops == block_eager.forward_flops  # fusion moves bytes, not FLOPs
     with pytest.raises(PlannerError, match="Unknown fusion"):
         profile_model("examples/gpt.py", args, [2], device="meta", fusion="all")
+
+
+
+
+def test_no_storage_address_comes_back_within_a_pass():
+    """The mode keys tensors by their storage's address and a version it counts from the writes
+    it sees. A storage freed mid-pass could hand its address to a later one that no recorded
+    op writes (an `empty_like`, which the mode lets pass), whose reads would then count as
+    reads of the freed tensor and change which chains fuse. The mode holds every storage it
+    keyed until it exits, so within a pass no address is given twice (without that, the next
+    op's output takes the freed address at once, as this checks)."""
+    x = torch.empty(N, device="meta")
+    seen = set()
+    with OpCostMode(get_gpu("a100-80gb"), "float32", "elementwise"):
+        for _ in range(20):
+            a = x.exp()
+            seen.add(a.untyped_storage()._cdata)
+            del a
+            assert x.cos().untyped_storage()._cdata not in seen

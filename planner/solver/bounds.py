@@ -188,7 +188,8 @@ class TimeBound:
                                        updated_parameters(table, cfg, 0, len(table.parameters)) * env.optimizer_s_per_param,
                                        float(table.forward_s.sum()), float(table.backward_s.sum()))
         states, optimizer, forward, backward = self._parts[states_key]
-        group = _GroupTerms(table, states, *self._parts[p2p_key], forward, backward, optimizer / cfg.pp)
+        min_p2p, min_hop = self._parts[p2p_key]
+        group = _GroupTerms(table, states, min_p2p, min_hop, forward, backward, optimizer / cfg.pp)
         self._groups[key] = group
         return group
 
