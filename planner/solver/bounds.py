@@ -324,7 +324,8 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
     a proven lower bound, within 2^-24 of the bracket [0, count x max_r t_r] below z*)."""
     width = states[:, None, None] + levels[:, :, None] * activation[:, None, :]  # [N, K, mode]: s + L a_r
     times = np.broadcast_to(time_s[:, None, :], width.shape)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    # Where a width or time is zero (or tiny) a rank holds unboundedly many: inf, not a warning.
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         by_memory = np.where(width > 0, memory / width, np.inf)
         pairs = []
         for i, j in combinations(range(time_s.shape[1]), 2):
@@ -340,12 +341,12 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
                 most = np.fmax(most, np.where((x_i >= 0) & (x_j >= 0), x_i + x_j, np.nan))
             return (np.minimum(most, count[:, None]) * weights).sum(axis=1)
 
-    low = np.zeros(len(count))
-    high = count * time_s.max(axis=1)
-    for _ in range(iterations):
-        middle = (low + high) / 2
-        fits = held(middle) >= count
-        high, low = np.where(fits, middle, high), np.where(fits, low, middle)
+        low = np.zeros(len(count))
+        high = count * time_s.max(axis=1)
+        for _ in range(iterations):
+            middle = (low + high) / 2
+            fits = held(middle) >= count
+            high, low = np.where(fits, middle, high), np.where(fits, low, middle)
     return low * (1 - 1e-9)
 
 
