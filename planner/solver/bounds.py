@@ -104,6 +104,8 @@ class _UnitTerms:
     (`_busiest_rank_s`)."""
     inverse: np.ndarray
     """[unit]: the index of its distinct unit."""
+    common: int
+    """The distinct unit with the most units (a transformer's block): `_memory_rank_s`'s kind."""
     starts_prefix_s: np.ndarray
     """[k]: what the start terms of k + 1 chunks add at the least beyond their negative parts
     (already in `time_s`): a chunk's time is its units' t plus its first unit's start term,
@@ -231,7 +233,7 @@ class TimeBound:
         keys, inputs = [], {}
         for (table, cfg), terms in zip(pairs, units, strict=True):
             states = stage_arrays(table, cfg, self.env)[2]
-            kind = int(np.argmax(terms.count))
+            kind = terms.common
             flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
             key = (id(terms), id(states), flights)
             keys.append(key)
@@ -416,11 +418,12 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: d
     least = time_s.min(axis=0)[inverse]
     prefix = np.concatenate([[0.0], np.cumsum(least)])
     smallest = np.concatenate([[0.0], np.cumsum(np.sort(least))])
-    others = inverse != int(np.argmax(count))
+    common = int(np.argmax(count))
+    others = inverse != common
     positive = np.maximum(np.stack([first[r] for r in modes]).min(axis=0), 0.0)
     starts = np.cumsum(np.concatenate([positive[:1], np.sort(positive[1:])]))
     return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist(), smallest, inverse,
-                      starts, float(np.minimum(least[others], 0.0).sum()))
+                      common, starts, float(np.minimum(least[others], 0.0).sum()))
 
 
 def _least_slowest_chunk_s(prefix: list[float], chunks: int, iterations: int = 12) -> float:
@@ -455,16 +458,22 @@ def _least_slowest_chunk_s(prefix: list[float], chunks: int, iterations: int = 1
 
 
 @lru_cache(maxsize=None)
+def _rank_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, ...]:
+    """L_r of every pipeline rank r (`in_flight_microbatches`), computed once for both uses below."""
+    return tuple(in_flight_microbatches(schedule, pp, num_microbatches, k, virtual_stages) for k in range(pp))
+
+
+@lru_cache(maxsize=None)
 def _in_flight_levels(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[tuple[float, int], ...]:
-    """The pipeline ranks' distinct in-flight counts L_r (`in_flight_microbatches`), each with how many ranks hold it."""
-    levels = [in_flight_microbatches(schedule, pp, num_microbatches, k, virtual_stages) for k in range(pp)]
+    """The pipeline ranks' distinct in-flight counts L_r, each with how many ranks hold it."""
+    levels = _rank_in_flight(schedule, pp, num_microbatches, virtual_stages)
     return tuple((level, levels.count(level)) for level in sorted(set(levels)))
 
 
 @lru_cache(maxsize=None)
 def _in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, float, float]:
-    """min_r L_r, max_r L_r and sum_r 1 / L_r over the pipeline ranks r (`in_flight_microbatches`)."""
-    levels = [in_flight_microbatches(schedule, pp, num_microbatches, k, virtual_stages) for k in range(pp)]
+    """min_r L_r, max_r L_r and sum_r 1 / L_r over the pipeline ranks r."""
+    levels = _rank_in_flight(schedule, pp, num_microbatches, virtual_stages)
     return min(levels), max(levels), sum(1 / level for level in levels)
 
 

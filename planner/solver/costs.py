@@ -271,7 +271,7 @@ class UnitCosts:
             else:
                 etp = self.expert_tp > 1  # priced from the plain table: `table(t, sp, b)` would carry it already
                 self._tables[key] = self._plain(t, sp, b) if ep == 1 and not etp else \
-                    self._with_ep(self._build(t, sp, b) if etp else self.table(t, sp, b), t, sp, b, ep)
+                    self._with_ep(self._plain(t, sp, b) if etp else self.table(t, sp, b), t, sp, b, ep)
         return self._tables[key]
 
     def _plain(self, t: int, sp: bool, b: float) -> UnitCostTable:

@@ -402,10 +402,10 @@ def _enumerate(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSol
     nodes = list(free)
     shardable = [v for v in nodes if v in by_name and by_name[v].weight_shape
                  and any(s in ("colwise", "rowwise") for s in free[v])]
+    limit = problem.parameter_bytes_limit
     best: IntraOpSolution | None = None
     for picks in itertools.product(*(list(free[v]) for v in nodes)):
         chosen = dict(zip(nodes, picks, strict=True))
-        limit = problem.parameter_bytes_limit
         if limit is not None and sum(_node_cost(problem, by_name.get(v), s)[2] for v, s in chosen.items()) > limit:
             continue
         if problem.require_sharding and shardable and not any(chosen[v] in ("colwise", "rowwise") for v in shardable):
