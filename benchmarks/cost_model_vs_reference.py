@@ -128,7 +128,7 @@ def modern_case(row) -> dict:
 def predict(case: dict) -> dict:
     started = time.perf_counter()
     prof = profile_model("examples/gpt.py", case["args"], case["profile_mbs"], device="meta", gpu=case["gpu"],
-                         dtype=case["dtype"], fusion="elementwise")
+                         dtype=case["dtype"], fusion="elementwise", precision="pure")
     profiled = time.perf_counter() - started
     cluster = make_cluster(case["gpus"], case["gpus_per_node"], case["gpu"])
     out = {k: case[k] for k in ("source", "stack", "model", "gpu", "gpus")}

@@ -38,7 +38,7 @@ def main() -> pd.DataFrame:
             started = time.perf_counter()
             prof = profile_model(hf.__file__, {"config": str(ROOT / "examples" / "hf" / f"{model}.json"), "seq_len": seq,
                                                "max_position_embeddings": seq}, [1], device="meta", gpu="h100-80gb",
-                                 dtype="bfloat16")
+                                 dtype="bfloat16", precision="pure")
             batch = gpus
             row = {"model": model, "gpus": gpus, "seq_len": seq, "global_batch": batch}
             try:

@@ -49,7 +49,7 @@ def profile(seq_len: int):
     import planner.hf_config_model as hf
 
     return profile_model(hf.__file__, {"config": str(CONFIG), "seq_len": seq_len}, [1], device="meta", gpu="h100-80gb",
-                         dtype="bfloat16")
+                         dtype="bfloat16", precision="pure")
 
 
 def published_config(row) -> Config:

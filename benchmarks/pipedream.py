@@ -93,7 +93,8 @@ def uniform_row(tables: dict, env: Environment, gpus: int) -> dict:
 
 def main() -> pd.DataFrame:
     profile = profile_model(str(ROOT / "examples" / "vgg.py"), {"image_size": 224, "num_classes": 1000, "dropout": 0.0},
-                            MICRO_BATCHES, device="meta", gpu="h100-80gb", dtype="bfloat16")
+                            MICRO_BATCHES, device="meta", gpu="h100-80gb", dtype="bfloat16",
+                            precision="pure")
     rows = []
     for name, cluster in clusters():
         env, tables, gpus = _environment_for(profile, cluster), _tables(profile, cluster), cluster.world_size

@@ -72,7 +72,7 @@ def async_row(row) -> dict:
                 d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
                 attention="math", dropout=0.1)
     profile = profile_model("examples/gpt.py", args, [1, 2, 4, 8], device="meta", gpu="a100-80gb", dtype="float16",
-                            fusion="elementwise")
+                            fusion="elementwise", precision="pure")
     cluster = make_cluster(int(row.num_gpus), int(row.gpus_per_node), "a100-80gb")
     batch, pp, tp = int(row.global_batch_size_seqs), int(row.pp), int(row.tp)
     out = {"model": row.model, "gpus": int(row.num_gpus), "pp": pp, "tp": tp}

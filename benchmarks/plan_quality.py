@@ -86,7 +86,7 @@ def main() -> None:
                     d_ff=int(row.ffn_hidden_size), vocab_size=int(row.vocab_size), seq_len=int(row.seq_length),
                     attention="math", dropout=0.1)
         prof = profile_model("examples/gpt.py", args, [1, 2, 4, 8], device="meta", gpu="a100-80gb", dtype="float16",
-                             fusion="elementwise")
+                             fusion="elementwise", precision="pure")
         cluster = make_cluster(int(row.num_gpus), int(row.gpus_per_node), "a100-80gb")
         batch = int(row.global_batch_size_seqs)
         found = re.match(r"(\d+) chunks", str(row.virtual_pipeline))
@@ -136,7 +136,7 @@ LLAMA_13B = dict(num_hidden_layers=40, hidden_size=5120, intermediate_size=13824
 
 def _hf_profile(model_file: str, config: Path, seq_len: int, **overrides):
     return profile_model(model_file, {"config": str(config), "seq_len": seq_len, **overrides}, [1], device="meta",
-                         gpu="h100-80gb", dtype="bfloat16")
+                         gpu="h100-80gb", dtype="bfloat16", precision="pure")
 
 
 def seed_rows() -> pd.DataFrame:

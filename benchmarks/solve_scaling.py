@@ -116,8 +116,10 @@ def _profile(name: str, args: dict):
         import planner.hf_config_model as hf
 
         model_args = {k: v for k, v in args.items() if k != "n_layers"}
-        return profile_model(hf.__file__, model_args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16"), "h100-80gb"
-    return profile_model("examples/gpt.py", args, [1, 2, 4], device="meta", gpu="a100-80gb", dtype="bfloat16"), "a100-80gb"
+        return profile_model(hf.__file__, model_args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16",
+                             precision="pure"), "h100-80gb"
+    return profile_model("examples/gpt.py", args, [1, 2, 4], device="meta", gpu="a100-80gb", dtype="bfloat16",
+                         precision="pure"), "a100-80gb"
 
 
 def run(name: str, args: dict, gpus: int, batch: int, profiles: dict, folder: Path) -> dict:

@@ -184,6 +184,9 @@ def profile(
     device: str = typer.Option("cpu", help="cpu or cuda (measured), or meta (analytic)."),
     gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    precision: str = typer.Option("autocast", help="16-bit dtypes: autocast computes as `planner run` trains (fp32 "
+                                  "weights, each forward under autocast; emulated on meta), pure as the model converted "
+                                  "to the 16-bit type (Megatron-LM, DeepSpeed bf16, FSDP2 mixed precision)."),
     repeats: int = typer.Option(10, help="Timed passes over the units (round-robin; a trimmed mean is kept)."),
     fusion: str = typer.Option("none", help="Memory traffic as eager PyTorch runs it (none), or with pointwise and "
                                "softmax/dropout chains fused as torch.compile or Megatron-LM's kernels do (elementwise)."),
@@ -214,7 +217,7 @@ def profile(
             bar.update(task, description=f"profiling {what}", completed=done, total=total)
 
         result = profile_model(model_file, args, sizes, device=device, gpu=gpu, dtype=dtype, repeats=repeats, progress=step,
-                               fusion=fusion, threads=threads)
+                               fusion=fusion, threads=threads, precision=precision)
     named = str(hf_config.parent / hf_config.stem) if hf_config is not None and hf_config.suffix else str(hf_config or model_file)
     path = result.save(output or default_profile_path(named, device, result.target_gpu, dtype))
     print_profile(result, console=console)
@@ -489,7 +492,7 @@ def price_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the priced configuration as a plan."),
 ) -> None:
     """Price an existing engine configuration exactly and set it beside the best plan for the same model and cluster."""
-    from planner.engines import read_config
+    from planner.engines import guess_engine, precision_note, read_config
     from planner.engines.pricing import compare
     from planner.profile_schema import load_profile
 
@@ -501,7 +504,8 @@ def price_command(
     layout = read_config(from_file, engine)
     with err_console.status("pricing"):
         result = compare(prof, clus, layout, global_batch, profile_path=str(profile_file))
-    for note in layout.notes:
+    precision = precision_note(engine or guess_engine(from_file, from_file.read_text()), prof)
+    for note in [*layout.notes, *([precision] if precision else [])]:
         console.print(f"note: {note}")
     for line in result.lines():
         console.print(line, highlight=False)

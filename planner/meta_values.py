@@ -343,10 +343,30 @@ class _PythonReads(TorchFunctionMode):
 
 
 class _MetaAutocast(torch.amp.autocast_mode.autocast):
-    """`torch.autocast` that takes device_type "meta" as "cpu" (see `meta_autocast`)."""
+    """`torch.autocast` that takes device_type "meta" as "cpu" (see `meta_autocast`). A region
+    entered with enabled=False is counted (`autocast_disabled`), so that the emulated autocast of
+    an analytic profile (planner/profiler/autocast.py) stands aside in it, as torch's would."""
 
-    def __init__(self, device_type: str, *args, **kwargs):
-        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+    def __init__(self, device_type: str, dtype=None, enabled: bool = True, cache_enabled=None):
+        super().__init__("cpu" if device_type == "meta" else device_type, dtype, enabled, cache_enabled)
+        self._off = not enabled
+
+    def __enter__(self):
+        _DISABLED[0] += self._off
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _DISABLED[0] -= self._off
+        return super().__exit__(*exc)
+
+
+_DISABLED = [0]
+"""How many `torch.autocast(..., enabled=False)` regions of model code are open on the meta device."""
+
+
+def autocast_disabled() -> bool:
+    """Whether model code has turned autocast off here (`_MetaAutocast`)."""
+    return _DISABLED[0] > 0
 
 
 @contextlib.contextmanager

@@ -285,6 +285,13 @@ class Profile(_Model):
     fusion: Literal["none", "elementwise"] = "none"
     """How memory traffic counts kernels: `none`, each op its own (eager PyTorch); `elementwise`,
     pointwise and row-wise chains fused (torch.compile, Megatron-LM's fused kernels)."""
+    precision: Literal["autocast", "pure"] | None = None
+    """How a 16-bit profile computed (planner/profiler `mixed_precision`): `autocast`, fp32 weights
+    with each forward under autocast, as `planner run` trains (on the meta device with CUDA's
+    policy applied by planner/profiler/autocast.py); `pure`, the model converted to the 16-bit
+    type, as Megatron-LM, DeepSpeed's bf16 and FSDP2's mixed precision compute. None for float32,
+    and in profiles written before this was recorded, which were `pure` when analytic and
+    `autocast` when measured on a GPU (`computes_as`)."""
     optimizer_step_s: float | None = None
     """One AdamW step over every parameter in fp32 (the runtime's master weights), measured on
     the device (measured mode); the cost model prices a rank's step as its share of it."""
@@ -293,6 +300,12 @@ class Profile(_Model):
     profile runs every process with as many."""
     notes: list[str] = []
     """Anything the profiler noticed (glue code, unused modules)."""
+
+    def computes_as(self) -> str | None:
+        """`precision`, or for a profile that did not record it, what its profiler did."""
+        if self.precision is not None or self.dtype == "float32":
+            return self.precision
+        return "pure" if self.mode == "analytic" else "autocast"
 
     def unit_names(self) -> list[str]:
         return [u.name for u in self.units]

@@ -142,7 +142,8 @@ def test_analytic_times_follow_the_roofline(write_model):
     from planner.hardware import get_gpu
 
     source = MLP.replace("d_in=8, d_hidden=16", "d_in=4096, d_hidden=4096").replace("d_in=8, d_out", "d_in=4096, d_out")
-    prof = profile_model(str(write_model(source)), {}, [4096], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    prof = profile_model(str(write_model(source)), {}, [4096], device="meta", gpu="a100-80gb", dtype="bfloat16",
+                         precision="pure")  # the product alone; autocast would add the casts of its operands
     gpu = get_gpu("a100-80gb")
     first = prof.units[0].costs[4096]
     compute_s = first.forward_flops / gpu.achievable_flops("bfloat16")

@@ -44,6 +44,24 @@ def export_plan(plan: Plan, engine: str, profile=None, cluster=None) -> Export:
     return Export(text, mapped, warnings)
 
 
+PURE_16_BIT = {
+    "megatron": "--bf16/--fp16 run the model in 16 bits (Float16Module), fp32 main weights in the optimizer",
+    "torchtitan": "FSDP2's MixedPrecisionPolicy gathers the weights in mixed_precision_param (bfloat16)",
+    "deepspeed": "bf16/fp16 enabled converts the module to 16 bits, fp32 master weights in the optimizer",
+}
+"""Engines that compute a 16-bit plan on 16-bit weights, and how (each engine's documentation)."""
+
+
+def precision_note(engine: str, profile) -> str | None:
+    """A note when `profile` prices 16-bit activations the way `engine` does not compute them:
+    an autocast profile (planner/profiler `mixed_precision`) priced for an engine of `PURE_16_BIT`."""
+    if engine not in PURE_16_BIT or profile.computes_as() != "autocast":
+        return None
+    return (f"the profile computes under autocast (fp32 weights, as `planner run` trains), but {engine} computes in "
+            f"pure 16 bits ({PURE_16_BIT[engine]}): its activations and casts are priced high. Profile with "
+            "--precision pure to price what the engine runs.")
+
+
 def guess_engine(path: Path, text: str) -> str:
     """The engine a configuration file is for, from its suffix and content."""
     suffix = path.suffix.lower()

@@ -26,7 +26,9 @@ import datetime as _dt
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -45,6 +47,7 @@ from planner.profile_schema import (
     UnitCosts,
     WholeModel,
 )
+from planner.profiler.autocast import CPU_POLICY, CUDA_POLICY, EmulatedAutocast
 from planner.profiler.counters import FUSIONS, MetaAttentionMode
 from planner.profiler.measure import (
     UnitJob,
@@ -70,18 +73,39 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEVICES = ("cpu", "cuda", "meta")
 
 
-def mixed_precision(device: str, torch_dtype: torch.dtype):
-    """How a measured profile runs the model: as the runtime trains it (runtime/train.py
-    `_autocast`). A 16-bit profile on a real device keeps fp32 parameters and runs each forward
-    under autocast to the 16-bit type, so the times include autocast's casts (each weight cast
-    once per forward) and the saved activations are the ones training keeps: fp32 where autocast
-    keeps fp32 (norms, the residual stream that starts at fp32 embeddings), the 16-bit weight
-    copies saved for backward. An analytic (meta) profile prices the 16-bit type throughout.
-    Returns (parameter dtype, a context factory for each forward)."""
-    if device == "meta" or torch_dtype == torch.float32:
-        return torch_dtype, nullcontext
+PRECISIONS = ("autocast", "pure")
+"""How a 16-bit profile computes (`Profile.precision`)."""
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """How the profile runs the model (`mixed_precision`)."""
+
+    param_dtype: torch.dtype
+    """The parameters' dtype (and the floating inputs')."""
+    on_device: Callable[[], AbstractContextManager]
+    """A context entered around each forward on the profiled device."""
+    on_meta: Callable[[], AbstractContextManager]
+    """The same on the meta device (traces, analytic counts)."""
+
+
+def mixed_precision(device: str, torch_dtype: torch.dtype, precision: str = "autocast") -> RunAs:
+    """How the profile runs the model.
+
+    `autocast`, as this planner's runtime trains (runtime/train.py `_autocast`): fp32 parameters,
+    each forward under autocast to the 16-bit type, so the times include autocast's casts (each
+    weight cast once per forward) and the saved activations are the ones training keeps: fp32
+    where autocast keeps fp32 (norms, the residual stream that starts at fp32 embeddings), the
+    16-bit weight copies saved for backward. On the meta device, where torch's autocast does not
+    act, planner/profiler/autocast.py applies CUDA's policy. `pure`: the model converted to the
+    16-bit type, as Megatron-LM, DeepSpeed's bf16 and FSDP2's MixedPrecisionPolicy compute."""
+    if torch_dtype == torch.float32 or precision == "pure":
+        return RunAs(torch_dtype, nullcontext, nullcontext)
     kind = torch.device(device).type
-    return torch.float32, lambda: torch.autocast(kind, dtype=torch_dtype)
+    emulated = partial(EmulatedAutocast, torch_dtype, CPU_POLICY if kind == "cpu" else CUDA_POLICY)
+    if device == "meta":
+        return RunAs(torch.float32, emulated, emulated)
+    return RunAs(torch.float32, lambda: torch.autocast(kind, dtype=torch_dtype), emulated)
 
 
 def _to(obj, device, dtype):
@@ -102,9 +126,9 @@ def _signature(module_fp: str, args, kwargs) -> tuple:
     return (module_fp,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
 
 
-def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None = None) -> UnitTrace:
+def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None = None, precision=nullcontext) -> UnitTrace:
     try:
-        with values or nullcontext(), MetaAttentionMode():
+        with values or nullcontext(), MetaAttentionMode(), precision():
             return trace_units(model, inputs)
     except PlannerError:
         raise
@@ -156,10 +180,13 @@ def profile_model(
     progress: Callable[[str, int, int], None] | None = None,
     fusion: str = "none",
     threads: int | None = 1,
+    precision: str = "autocast",
 ) -> Profile:
     """Profile a model file; see the module docstring. `fusion` (planner/profiler/counters.py):
     how the memory traffic, hence analytic times, assume kernels are fused. `threads`: torch
-    threads while measuring on CPU (None: as many as torch uses now)."""
+    threads while measuring on CPU (None: as many as torch uses now). `precision`: how a 16-bit
+    profile computes (`mixed_precision`): `autocast`, as `planner run` trains, or `pure`, as
+    Megatron-LM, DeepSpeed and FSDP2's mixed precision do."""
     threads = torch.get_num_threads() if threads is None else threads
     if device == "cpu" and threads < 1:
         raise PlannerError(f"--threads must be at least 1 (got {threads}).", "Use 1, as each process of a CPU run computes with one thread by default.")
@@ -167,18 +194,18 @@ def profile_model(
         raise PlannerError(f"--repeats must be at least 1 (got {repeats}) and warm-up at least 0 (got {warmup}).", "Use e.g. --repeats 10.")
     with cpu_threads(threads if device == "cpu" else None):
         return _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion,
-                              threads)
+                              threads, precision)
 
 
 def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype, warmup, repeats, seed, progress, fusion,
-                   threads: int | None) -> Profile:
+                   threads: int | None, precision: str) -> Profile:
     """The steps: check the options, build on meta, trace, count (and time), record op graphs."""
-    sizes = _check_options(device, dtype, fusion, micro_batch_sizes)
+    sizes = _check_options(device, dtype, fusion, micro_batch_sizes, precision)
     analytic_gpu = get_gpu(gpu or "h100-80gb") if device == "meta" else None
     torch_dtype = DTYPES[dtype]
-    run_as = mixed_precision(device, torch_dtype)  # (parameter dtype, context per forward)
+    run_as = mixed_precision(device, torch_dtype, precision)
     mf = load_model_file(model_file, model_args)
-    meta_model = _build_meta_model(mf, torch_dtype)
+    meta_model = _build_meta_model(mf, run_as.param_dtype)
 
     # One KnownValues for every meta run of this profile: the shadows of the batch and of the
     # tensors the trace made stay attached to the unit inputs it recorded (planner/meta_values.py).
@@ -186,7 +213,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     batches = {b: mf.make_batch(b) for b in sizes}
     _check_batch_scales(mf, batches)
     with _logged_step("tracing the units"):
-        model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, torch_dtype, seed, values, run_as)
+        model, traces, unit_inputs, meta_traced = _traces(mf, meta_model, batches, device, seed, values, run_as)
     trace = traces[sizes[0]]
     units = trace.units
     if not units:
@@ -197,9 +224,9 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     modules = dict(model.named_modules())
     log.debug("%d units, %d distinct; micro-batch sizes %s", len(units), len(set(fingerprints.values())), sizes)
     with values, _logged_step("counting the units"):
-        precision = run_as[1]
-        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, precision)
-        moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, precision)
+        forward_in = run_as.on_meta if device == "meta" else run_as.on_device
+        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, forward_in)
+        moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, forward_in)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
     if device != "meta":
@@ -210,7 +237,8 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
 
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
     with values, _logged_step("recording the op graphs"):
-        op_graphs = _op_graphs(mf, graph_modules, units, fingerprints, trace)
+        op_graphs = _op_graphs(mf, graph_modules, units, fingerprints, trace,
+                               run_as.on_meta if meta_traced else run_as.on_device)
 
     element = torch.empty((), dtype=torch_dtype).element_size()
     return Profile(
@@ -231,6 +259,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         whole_model=whole,
         optimizer_step_s=optimizer_s,
         fusion=fusion,
+        precision=None if torch_dtype == torch.float32 else "pure" if precision == "pure" else "autocast",
         notes=_notes(trace, owned, values, meta_traced),
         cpu_threads=threads if device == "cpu" else None,
     )
@@ -327,8 +356,11 @@ def _check_batch_scales(mf: ModelFile, batches: dict) -> None:
                            "Return inputs and targets whose first dimension is batch_size (samples along dim 0).")
 
 
-def _check_options(device: str, dtype: str, fusion: str, micro_batch_sizes) -> list[int]:
+def _check_options(device: str, dtype: str, fusion: str, micro_batch_sizes, precision: str = "autocast") -> list[int]:
     """Refuse bad options before any work; the micro-batch sizes, sorted and unique."""
+    if precision not in PRECISIONS:
+        raise PlannerError(f"Unknown precision {precision!r}.", f"Use one of {', '.join(PRECISIONS)}: autocast as "
+                           "`planner run` trains (fp32 weights, 16-bit compute), pure as Megatron-LM and FSDP2 do.")
     if device not in DEVICES:
         raise PlannerError(f"Unknown device {device!r}.", f"Use one of {', '.join(DEVICES)}.")
     if dtype not in DTYPES:
@@ -343,7 +375,7 @@ def _check_options(device: str, dtype: str, fusion: str, micro_batch_sizes) -> l
     return sizes
 
 
-def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, seed: int, values: KnownValues, run_as):
+def _traces(mf: ModelFile, meta_model, batches: dict, device: str, seed: int, values: KnownValues, run_as: RunAs):
     """The model the units are counted on, one unit trace per micro-batch size, the inputs
     of each unit (per size) to count and time it with, and whether the traces ran on the
     meta device.
@@ -357,7 +389,8 @@ def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, 
     meta_error = None
     traces = {}
     try:
-        traces = {b: _trace(mf, meta_model, values.to_meta(_as_tuple(batch[0]), torch_dtype), "on the meta device", values)
+        traces = {b: _trace(mf, meta_model, values.to_meta(_as_tuple(batch[0]), run_as.param_dtype), "on the meta device", values,
+                            run_as.on_meta)
                   for b, batch in batches.items()}
     except PlannerError as exc:  # a data-dependent operation, or a kernel the meta device lacks
         if device == "meta":
@@ -366,7 +399,7 @@ def _traces(mf: ModelFile, meta_model, batches: dict, device: str, torch_dtype, 
         meta_error = exc
     if device == "meta":
         return meta_model, traces, {b: t.unit_inputs for b, t in traces.items()}, True
-    param_dtype, precision = run_as  # `mixed_precision`
+    param_dtype, precision = run_as.param_dtype, run_as.on_device
     _check_fits(device, sum(p.numel() for p in meta_model.parameters()) * torch.empty((), dtype=param_dtype).element_size())
     torch.manual_seed(seed)
     try:
@@ -433,7 +466,7 @@ def _time_units(mf, model, batches, costs, jobs, units, device, run_as, warmup, 
                 extra_jobs=()) -> dict[int, WholeModel]:
     """Time every unit, the `extra_jobs` (the MoE layers' experts) and the whole model round-robin
     (fills `costs` in place); the whole-model records. `run_as`: `mixed_precision`'s answer."""
-    param_dtype, precision = run_as
+    param_dtype, precision = run_as.param_dtype, run_as.on_device
     wholes = {b: whole_model_job(model, _to(_as_tuple(batch[0]), device, param_dtype), _to(batch[1], device, param_dtype), mf.loss,
                                  precision) for b, batch in batches.items()}
     try:
@@ -475,7 +508,7 @@ def _cut_records(traces: dict[int, UnitTrace], sizes: list[int]) -> list[Cut]:
     return cuts
 
 
-def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace) -> dict[str, list]:
+def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nullcontext) -> dict[str, list]:
     """Each distinct unit's matmul-like ops, for the intra-op solver (recorded once per fingerprint)."""
     op_graphs: dict[str, list] = {}
     for name in units:
@@ -483,7 +516,7 @@ def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace) -> dict[str, 
             args, kwargs = trace.unit_inputs[name]
             try:
                 with MetaAttentionMode():
-                    op_graphs[fingerprints[name]] = record_op_graph(modules[name], args, kwargs)
+                    op_graphs[fingerprints[name]] = record_op_graph(modules[name], args, kwargs, precision)
             except Exception as exc:
                 raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
     return op_graphs

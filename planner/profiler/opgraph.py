@@ -19,6 +19,7 @@ every model's own variant of it.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -221,12 +222,14 @@ class _OpGraphRecorder(TorchFunctionMode):
                 op.fused_attention_input = True
 
 
-def record_op_graph(unit: nn.Module, args: tuple, kwargs: dict) -> list[OpNode]:
-    """Run `unit` once (meta tensors advised) and return its matmul-like ops in order."""
+def record_op_graph(unit: nn.Module, args: tuple, kwargs: dict, precision=nullcontext) -> list[OpNode]:
+    """Run `unit` once (meta tensors advised) and return its matmul-like ops in order. `precision`:
+    the context the forward runs in (planner/profiler/autocast.py on meta), entered inside the
+    recorder so that the recorder sees the casts and follows the data through them."""
     recorder = _OpGraphRecorder(unit)
     recorder.tag((args, kwargs), frozenset({INPUT}))
     try:
-        with torch.no_grad(), recorder:
+        with torch.no_grad(), recorder, precision():
             unit(*args, **kwargs)
     finally:
         for h in recorder.handles:

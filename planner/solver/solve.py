@@ -646,16 +646,17 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
 
         plan = consider_replication(plan, profile, cluster, global_batch_size, dtype or profile.dtype, result.costs, pins,
                                     memory_fraction)
-    if plan.search is not None and profile.mode == "analytic" and (dtype or profile.dtype) != "float32" \
+    if plan.search is not None and profile.computes_as() == "pure" and (dtype or profile.dtype) != "float32" \
             and cluster.gpu.name != "cpu":
         plan.search.notes.append(AUTOCAST_NOTE)
     return plan
 
 
-AUTOCAST_NOTE = ("activations: priced from an analytic profile, which computes in 16 bits end to end as Megatron-LM "
-                 "and FSDP2's mixed precision run; this planner's runtime trains under autocast with fp32 weights, "
-                 "which kept 1.44x the activations of a GPT block on an H200 (benchmarks/results/h200/README.md). "
-                 "Before running this plan with `planner run`, profile on the GPU (--device cuda) and solve again.")
+AUTOCAST_NOTE = ("activations: priced from a profile that computes in 16 bits end to end (precision pure), as "
+                 "Megatron-LM, DeepSpeed and FSDP2's mixed precision run; this planner's runtime trains under autocast "
+                 "with fp32 weights, which kept 1.25x a GPT block's activations per sample plus a 16-bit copy of its "
+                 "weights on an H200 (benchmarks/results/h200/README.md). Before running this plan with `planner run`, "
+                 "profile with --precision autocast (the default) and solve again.")
 
 ASYNC_NOTE = ("asynchronous: changes the optimisation, W(t+1) = W(t) - lr grad f(W(t-1)); pipedream-2bw was a "
               "candidate (--allow-async): a plan or alternative with that schedule trains on one-step-stale "
