@@ -165,3 +165,49 @@ def test_corrupt_and_foreign_profiles_are_refused(tmp_path):
     bad.write_text('{"hello": 1}')
     with pytest.raises(PlannerError, match="not a profile"):
         load_profile(bad)
+
+
+LOSSY = """
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    def build_model():
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4096))
+
+    def make_batch(batch_size):
+        return torch.randn(batch_size, 64), torch.randint(4096, (batch_size,))
+
+    def loss_fn(output, targets):
+        return F.cross_entropy(output, targets)
+"""
+
+
+def test_analytic_profile_counts_the_loss_with_the_last_unit(write_model):
+    """The loss runs on the last stage after the last unit: an analytic profile counts its forward
+    and backward with that unit (time, traffic), not its saved tensors (the memory model prices
+    the loss's own). A loss that does not take the last unit's output is left out, and said."""
+    import torch
+    import torch.nn.functional as F
+
+    from planner.hardware import get_gpu
+    from planner.profiler.counters import OpCostMode
+    from planner.profiler.__init__ import LOSS_NOT_COUNTED
+
+    with_loss = profile_model(str(write_model(LOSSY)), {}, [512], device="meta", gpu="h100-80gb")
+    without = profile_model(str(write_model(LOSSY.replace("F.cross_entropy(output,", "F.cross_entropy(output[0],"),
+                                            "other.py")), {}, [512], device="meta", gpu="h100-80gb")
+    assert LOSS_NOT_COUNTED in without.notes and LOSS_NOT_COUNTED not in with_loss.notes
+    a, b = with_loss.units[-1].costs[512], without.units[-1].costs[512]
+    assert a.saved_bytes == b.saved_bytes and a.output_bytes == b.output_bytes
+    logits = torch.empty(512, 4096, device="meta", requires_grad=True)
+    forward, backward = OpCostMode(get_gpu("h100-80gb")), OpCostMode(get_gpu("h100-80gb"))
+    with forward:
+        loss = F.cross_entropy(logits, torch.empty(512, dtype=torch.long, device="meta"))
+    with backward:
+        loss.backward()
+    assert a.forward_time_s == pytest.approx(b.forward_time_s + forward.totals.roofline_time_s, rel=1e-9)
+    assert a.forward_memory_traffic_bytes == b.forward_memory_traffic_bytes + forward.totals.traffic_bytes
+    # backward starts from the loss: its gradient replaces the ones the unit alone is given
+    assert a.backward_time_s > b.backward_time_s
+    assert with_loss.units[0].costs[512] == without.units[0].costs[512]

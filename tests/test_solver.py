@@ -13,7 +13,7 @@ from planner.cluster import make_cluster
 from planner.errors import PlannerError
 from planner.plan import parse_plan
 from planner.profiler import profile_model
-from planner.solver.solve import Pins, solve
+from planner.solver.solve import Pins, even_block_cuts, solve
 from tests.conftest import ROOT
 
 # A GPT with 1.3B-parameter-class blocks (d 2048) but only 8 layers: small enough to profile in seconds.
@@ -159,12 +159,13 @@ def test_plan_carries_the_profiles_cpu_threads(gpt_profile):
 def test_pipeline_overhead_is_paid_per_micro_batch_and_stage(gpt_profile):
     # 1F1B runs m + p - 1 stage periods, each a micro-batch of one stage; the cluster's
     # pipeline_overhead_s lengthens every period alike, so the step grows by exactly
-    # (m + p - 1) x overhead (the cuts may move between equally fast ones: the blocks are
-    # identical). Unpipelined plans do not pay it.
+    # (m + p - 1) x overhead, the cuts held (free cuts may move to equally fast ones whose
+    # slowest optimizer step differs). Unpipelined plans do not pay it.
     cluster = make_cluster(8, 8, "a100-80gb")
     slow = replace(cluster, pipeline_overhead_s=1e-3)
     pins = Pins(pp=4, tp=2, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero_stage=0, sequence_parallel=False)
-    base, paid = solve(gpt_profile, cluster, 8, pins), solve(gpt_profile, slow, 8, pins)
+    cuts = even_block_cuts(gpt_profile)
+    base, paid = solve(gpt_profile, cluster, 8, pins, cuts=cuts), solve(gpt_profile, slow, 8, pins, cuts=cuts)
     m, p = 8, 4
     assert paid.prediction.iteration_time_s - base.prediction.iteration_time_s == pytest.approx((m + p - 1) * 1e-3, rel=1e-6)
     flat = Pins(pp=1, tp=8, dp=1, micro_batch_size=1, recompute="none", zero_stage=0, sequence_parallel=False)

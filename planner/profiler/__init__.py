@@ -225,7 +225,9 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     log.debug("%d units, %d distinct; micro-batch sizes %s", len(units), len(set(fingerprints.values())), sizes)
     with values, _logged_step("counting the units"):
         forward_in = run_as.on_meta if device == "meta" else run_as.on_device
-        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, forward_in)
+        losses = _losses(mf, batches, values, run_as.param_dtype) if device == "meta" else None
+        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, forward_in,
+                                   losses)
         moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, forward_in)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
@@ -260,7 +262,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         optimizer_step_s=optimizer_s,
         fusion=fusion,
         precision=None if torch_dtype == torch.float32 else "pure" if precision == "pure" else "autocast",
-        notes=_notes(trace, owned, values, meta_traced),
+        notes=_notes(trace, owned, values, meta_traced) + ([] if losses is None or losses.counted else [LOSS_NOT_COUNTED]),
         cpu_threads=threads if device == "cpu" else None,
     )
 
@@ -416,10 +418,46 @@ def _traces(mf: ModelFile, meta_model, batches: dict, device: str, seed: int, va
     return model, traces, unit_inputs, True  # cuts and op graphs from the meta trace
 
 
-def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, precision=nullcontext):
+class _Losses:
+    """The training loss as a function of the last unit's output, per micro-batch size (analytic
+    profiles: `unit_costs(loss=...)` counts it with the last unit). `counted` turns False when the
+    model's loss does not take that output (glue after the last unit), and the profile says so."""
+
+    def __init__(self, mf: ModelFile, targets: dict):
+        self.mf, self.targets, self.counted = mf, targets, True
+
+    def at(self, b: int):
+        def loss(output):
+            try:
+                value = self.mf.loss(output, self.targets[b])
+            except Exception as exc:
+                raise _LossDoesNotFit() from exc
+            if not isinstance(value, torch.Tensor) or value.numel() != 1 or not value.requires_grad:
+                raise _LossDoesNotFit()
+            return value
+
+        return loss
+
+
+class _LossDoesNotFit(Exception):
+    """The model's loss function did not give a scalar to train from on the last unit's output."""
+
+
+LOSS_NOT_COUNTED = ("the loss function does not take the last unit's output (the model's forward does more after it), "
+                    "so the loss's time is not in the last unit's")
+
+
+def _losses(mf: ModelFile, batches: dict, values: KnownValues, dtype) -> _Losses:
+    return _Losses(mf, {b: values.to_meta(batch[1], dtype) for b, batch in batches.items()})
+
+
+def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, precision=nullcontext,
+                 losses: _Losses | None = None):
     """FLOPs, bytes (and analytic times) of every unit at every size; the measured jobs to time.
 
-    Identical units (same fingerprint and input shapes) are counted once in analytic mode."""
+    Identical units (same fingerprint and input shapes) are counted once in analytic mode. With
+    `losses` (analytic profiles), the last unit's counts include the loss's forward and backward
+    (`unit_costs`): a measured profile's whole-model ratio holds it instead."""
     sizes = sorted(unit_inputs)
     costs: dict[str, dict[int, UnitCosts]] = {u: {} for u in units}
     cache: dict[tuple, UnitCosts] = {}
@@ -428,13 +466,22 @@ def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dt
     for b in sizes:
         for name in units:
             args, kwargs = unit_inputs[b][name]
-            key = _signature(fingerprints[name], args, kwargs)
+            loss = losses.at(b) if losses is not None and losses.counted and name == units[-1] else None
+            key = (_signature(fingerprints[name], args, kwargs), loss is not None)
             if analytic_gpu is not None and key in cache:
                 costs[name][b] = cache[key]
             else:
                 try:
-                    costs[name][b] = cache[key] = unit_costs(modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype,
-                                                             fusion=fusion, precision=precision)
+                    try:
+                        counted = unit_costs(modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype,
+                                             fusion=fusion, precision=precision, loss=loss)
+                    except _LossDoesNotFit:
+                        assert losses is not None
+                        losses.counted = False
+                        key = (key[0], False)
+                        counted = unit_costs(modules[name], args, kwargs, analytic_gpu=analytic_gpu, dtype=dtype,
+                                             fusion=fusion, precision=precision)
+                    costs[name][b] = cache[key] = counted
                 except torch.OutOfMemoryError as exc:
                     raise PlannerError(f"Out of memory profiling unit {name} at micro-batch {b}.", "Use smaller --micro-batch-sizes, or --device meta.") from exc
                 except PlannerError:

@@ -106,10 +106,15 @@ def unit_costs(
     dtype: str,
     fusion: str = "none",
     precision=nullcontext,
+    loss=None,
 ) -> UnitCosts:
     """Count one unit's forward and backward; analytic mode also prices them on `analytic_gpu`.
     Measured times start at zero and come from `time_round_robin` over a `UnitJob`.
-    `precision`: a context factory entered around the forward (autocast, `mixed_precision`)."""
+    `precision`: a context factory entered around the forward (autocast, `mixed_precision`).
+    `loss`: for the last unit, a function of its output giving the training loss; its forward and
+    backward are counted with the unit's (time, FLOPs, traffic; backward starts from the loss),
+    its saved tensors are not (the memory model prices the loss's own: planner/cost/memory.py
+    `loss_bytes`)."""
     params = list(module.parameters())
     meta = analytic_gpu is not None
     attention_mode = MetaAttentionMode() if meta else nullcontext()
@@ -117,9 +122,12 @@ def unit_costs(
     a, kw = _fresh_inputs(args, kwargs)
     fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
     saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved)
-    with attention_mode, saved.hooks(), fwd_flops, fwd_ops, precision():
-        out = module(*a, **kw)
-    outs, grads = _grad_targets(out)
+    with attention_mode, fwd_flops, fwd_ops, precision():
+        with saved.hooks():
+            out = module(*a, **kw)
+        with SavedBytes(on_save=fwd_ops.note_saved).hooks():  # noted for fusion, not counted as the unit's
+            value = loss(out) if loss is not None else None
+    outs, grads = ([value], [None]) if value is not None else _grad_targets(out)
     bwd_ops, bwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
     if outs:
         with bwd_flops, bwd_ops:
