@@ -102,6 +102,8 @@ class GPUOverride(_Model):
     """Fraction of peak FLOP/s a transformer block's matrix products sustain."""
     memory_efficiency: Positive | None = None
     """Fraction of peak memory bandwidth streaming kernels reach."""
+    attention_efficiency: Positive | None = None
+    """Fraction of the dense peak fused attention kernels sustain (default: the preset's)."""
     kernel_overhead_s: Positive | None = None
     """Fixed cost per kernel, seconds."""
 

@@ -27,6 +27,15 @@ generation, the product of two factors:
   H100 and FSDP A100-40GB runs of shared/reference/modern_stacks.csv are checks, not fits
   (benchmarks/cost_model_vs_reference.py).
 
+- `attention_efficiency` (`FLASH_ATTENTION_FRACTION`): fused attention kernels are not GEMMs. On
+  an A100 FlashAttention-2 reaches 50-73% of the peak (Dao 2023, arXiv 2307.08691), about what a
+  block's GEMMs keep, so attention runs at the GEMM rate there. On Hopper the same kernel, which
+  torch's SDPA runs, reaches 35% (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608), times the
+  sustained / burst ratio above: 0.30 of the peak, where the GEMMs keep 0.57. It accounts for most of what the
+  Megatron-Core H100 runs of shared/reference/modern_stacks.csv were missing (all predicted too
+  fast, the most where attention is the largest share: GPT 1.7B at 4096 tokens); a stack running
+  FlashAttention-3 or cuDNN's attention sets it in the cluster file (`attention_efficiency`).
+
 - `memory_efficiency` 0.85: streaming kernels reach ~85-90% of HBM bandwidth (a device to
   device copy on the H100 here moved 3.0 of 3.35 TB/s, 0.90; STREAM-like results on A100
   ~1.7 of 2.0 TB/s, 0.85).
@@ -87,6 +96,9 @@ class GPUSpec:
     (presets: `SUSTAINED_MATMUL_FRACTION` x `BLOCK_GEMM_FACTOR`, module docstring)."""
     memory_efficiency: float = 0.85
     """Fraction of peak memory bandwidth streaming kernels reach."""
+    attention_efficiency: float | None = None
+    """Fraction of the dense peak fused attention kernels (flash, memory-efficient) sustain in
+    training; None: `matmul_efficiency` (module docstring, `FLASH_ATTENTION_FRACTION`)."""
     kernel_overhead_s: float = 5e-6
     """Fixed cost per kernel (launch, tail), seconds."""
 
@@ -99,6 +111,15 @@ class GPUSpec:
                 f"Use one of {sorted(self.peak_flops)}.",
             )
         return self.peak_flops[dtype] * self.matmul_efficiency
+
+    def achievable_attention_flops(self, dtype: str) -> float:
+        """FLOP/s of a fused attention kernel (planner/profiler/counters.py `ATTENTION_OPS`); FP8
+        plans keep attention in 16 bits, so "float8" prices it at the bf16 peak."""
+        if self.attention_efficiency is None:
+            return self.achievable_flops(dtype)
+        if dtype == FP8_DTYPE:
+            dtype = "bfloat16"
+        return self.achievable_flops(dtype) / self.matmul_efficiency * self.attention_efficiency
 
     def fp8_peak_flops(self) -> float:
         """Dense FP8 peak FLOP/s; a PlannerError for a GPU without FP8 tensor cores."""
@@ -135,11 +156,13 @@ FP8_GEMM_RELATIVE_EFFICIENCY = 0.85
 H100_FP8_DENSE_FLOPS = 1979 * TFLOPS
 """H100 SXM / H200 dense FP8 peak (data sheets: 3,958 TFLOP/s with 2:4 sparsity, halved)."""
 
+HOPPER_SUSTAINED_RATIO = 698.6 / 823.9
+"""Hopper's sustained / burst GEMM rate at 700 W (H200 MSMF / MAMF, 8 GPUs busy; module docstring)."""
 BLOCK_GEMM_FACTOR = 0.838
 """Share of the best sustained GEMM rate a transformer block's products reach (module docstring)."""
 SUSTAINED_MATMUL_FRACTION = {
     "a100": 267.9 / 312,  # MAMF, A100 SXM
-    "h100": 792.1 / 989 * (698.6 / 823.9),  # MAMF x Hopper's MSMF / MAMF at 700 W (H200, 8 GPUs busy)
+    "h100": 792.1 / 989 * HOPPER_SUSTAINED_RATIO,  # MAMF x Hopper's MSMF / MAMF at 700 W (H200, 8 GPUs busy)
     "h200": 698.6 / 989,  # MSMF, H200 SXM, all 8 GPUs busy
 }
 """Best bf16 GEMM sustained in training / dense peak, per GPU generation (module docstring)."""
@@ -147,6 +170,14 @@ SUSTAINED_MATMUL_FRACTION = {
 
 def _matmul_efficiency(generation: str) -> float:
     return SUSTAINED_MATMUL_FRACTION[generation] * BLOCK_GEMM_FACTOR
+
+
+FLASH_ATTENTION_FRACTION = {"h100": 0.35 * HOPPER_SUSTAINED_RATIO, "h200": 0.35 * HOPPER_SUSTAINED_RATIO}
+"""Fused attention's sustained fraction of the dense bf16 peak, where it differs from the GEMMs'
+(module docstring): FlashAttention-2, which torch's SDPA runs, reaches 35% of an H100's peak
+(FlashAttention-3, Shah et al. 2024, arXiv 2407.08608, abstract), at burst clocks; times the
+sustained ratio, as for the GEMMs. A100: none, the GEMMs' rate (FlashAttention-2 reaches 50-73% of
+an A100's peak, Dao 2023, arXiv 2307.08691, abstract: about a block's GEMMs' 0.72)."""
 
 
 # 8 x 200 Gb/s HDR InfiniBand per DGX A100 node: one 25 GB/s NIC per GPU.
@@ -181,6 +212,7 @@ GPUS: dict[str, GPUSpec] = {
             intra_node_bandwidth_bytes_per_s=450 * GB,
             inter_node_bandwidth_bytes_per_s=50 * GB,
             matmul_efficiency=_matmul_efficiency("h100"),
+            attention_efficiency=FLASH_ATTENTION_FRACTION["h100"],
         ),
         GPUSpec(
             name="h200",
@@ -191,6 +223,7 @@ GPUS: dict[str, GPUSpec] = {
             intra_node_bandwidth_bytes_per_s=450 * GB,
             inter_node_bandwidth_bytes_per_s=50 * GB,
             matmul_efficiency=_matmul_efficiency("h200"),
+            attention_efficiency=FLASH_ATTENTION_FRACTION["h200"],
         ),
         GPUSpec(
             name="cpu",

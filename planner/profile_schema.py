@@ -47,6 +47,11 @@ class UnitCosts(_Model):
     """Bytes the forward keeps for backward (saved-tensor hooks; parameters excluded)."""
     peak_memory_bytes: int | None = None
     """Peak allocated memory above the baseline during forward+backward (CUDA only)."""
+    forward_attention_flops: int = 0
+    """Of `forward_flops`, those of fused attention kernels (planner/profiler/counters.py
+    `ATTENTION_OPS`), which run at their own rate (planner/hardware.py `attention_efficiency`)."""
+    backward_attention_flops: int = 0
+    """Of `backward_flops`, likewise."""
 
 
 class OpNode(_Model):

@@ -66,3 +66,34 @@ def test_optimizer_step_is_the_measured_one_on_the_profiled_device(cpu_profile):
 def test_tensor_parallel_time_divides_the_sharded_share_only():
     assert tp_time_s(1.0, 0.8, 4, sequence_parallel=False) == pytest.approx(0.8 / 4 + 0.2)
     assert tp_time_s(1.0, 0.8, 4, sequence_parallel=True) == pytest.approx(1.0 / 4)
+
+
+def test_fused_attention_runs_at_the_gpus_attention_rate():
+    """FlashAttention reaches a smaller share of an H100's peak than its GEMMs do (planner/hardware.py
+    `FLASH_ATTENTION_FRACTION`): an analytic H100 profile prices the flash kernels' FLOPs at that
+    rate, records them apart, and a roofline for another GPU prices them at that GPU's rate. An A100
+    prices attention as its GEMMs."""
+    import torch
+
+    from planner.profiler.counters import MetaAttentionMode, OpCostMode
+
+    h100, a100 = get_gpu("h100-80gb"), get_gpu("a100-80gb")
+    assert h100.attention_efficiency is not None and h100.attention_efficiency < 0.7 * h100.matmul_efficiency
+    assert a100.achievable_attention_flops("bfloat16") == a100.achievable_flops("bfloat16")
+    q = torch.empty(8, 16, 4096, 128, device="meta", dtype=torch.bfloat16)
+    ops = OpCostMode(h100, "bfloat16")
+    with MetaAttentionMode(), ops:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert ops.totals.attention_flops == ops.totals.flops > 0
+    compute_bound = ops.totals.flops / h100.achievable_attention_flops("bfloat16")
+    assert ops.totals.roofline_time_s == pytest.approx(compute_bound + h100.kernel_overhead_s)
+
+    prof = profile_model("examples/gpt.py", dict(ARGS, seq_len=256), [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    block = prof.units[1]
+    costs = block.costs[1]
+    assert 0 < costs.forward_attention_flops < costs.forward_flops and 0 < costs.backward_attention_flops
+    on_h100 = ComputeModel(prof, h100).unit_time(block, 1)
+    gemm, attention = h100.achievable_flops("bfloat16"), h100.achievable_attention_flops("bfloat16")
+    expected = max((costs.forward_flops - costs.forward_attention_flops) / gemm + costs.forward_attention_flops / attention,
+                   costs.forward_memory_traffic_bytes / h100.achievable_bandwidth)
+    assert on_h100.forward_s == pytest.approx(expected)

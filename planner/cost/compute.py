@@ -15,7 +15,8 @@ Two sources, chosen per profile and target (`ComputeModel.source`):
 - **roofline**: any other target. Time = max(FLOPs / achievable FLOP/s, bytes moved /
   achievable bandwidth) per direction, the same roofline the analytic profiler uses per op
   (here on the unit's totals, so slightly optimistic where a unit mixes compute- and
-  memory-bound ops). Achievable rates are the GPU spec's peak times its efficiencies
+  memory-bound ops; the FLOPs of fused attention kernels at the GPU's attention rate, the rest
+  at its GEMM rate). Achievable rates are the GPU spec's peak times its efficiencies
   (planner/hardware.py); `calibrate` replaces the matmul efficiency by the one a measured
   profile from that GPU achieved.
 
@@ -150,12 +151,17 @@ class ComputeModel:
             bwd = interpolate_time({k: c.backward_time_s for k, c in costs.items()}, b)
             return UnitTime(fwd * ratio, bwd * ratio)
         flops_rate, bandwidth = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_bandwidth
-        # FLOPs and bytes are linear in the micro-batch size (plus a constant for weights).
-        fwd = max(interpolate({k: c.forward_flops for k, c in costs.items()}, b) / flops_rate,
-                  interpolate({k: c.forward_memory_traffic_bytes for k, c in costs.items()}, b) / bandwidth)
-        bwd = max(interpolate({k: c.backward_flops for k, c in costs.items()}, b) / flops_rate,
-                  interpolate({k: c.backward_memory_traffic_bytes for k, c in costs.items()}, b) / bandwidth)
-        return UnitTime(fwd, bwd)
+        attention_rate = self.gpu.achievable_attention_flops(self.dtype)
+
+        def time_s(flops: str, attention: str, traffic: str) -> float:
+            # FLOPs and bytes are linear in the micro-batch size (plus a constant for weights).
+            total = interpolate({k: getattr(c, flops) for k, c in costs.items()}, b)
+            fused = interpolate({k: getattr(c, attention) for k, c in costs.items()}, b)
+            return max((total - fused) / flops_rate + fused / attention_rate,
+                       interpolate({k: getattr(c, traffic) for k, c in costs.items()}, b) / bandwidth)
+
+        return UnitTime(time_s("forward_flops", "forward_attention_flops", "forward_memory_traffic_bytes"),
+                        time_s("backward_flops", "backward_attention_flops", "backward_memory_traffic_bytes"))
 
     def optimizer_s_per_param(self) -> float:
         """Seconds of one AdamW step per parameter (module docstring), contention included."""

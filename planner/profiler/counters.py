@@ -99,6 +99,8 @@ class OpTotals:
     """Sums over the aten ops run under an `OpCostMode`."""
 
     flops: int = 0
+    attention_flops: int = 0
+    """The FLOPs of fused attention kernels (`ATTENTION_OPS`), which run at their own rate."""
     traffic_bytes: int = 0
     roofline_time_s: float = 0.0
     num_kernels: int = 0
@@ -112,6 +114,17 @@ FUSIBLE_NON_POINTWISE = {aten._softmax, aten._log_softmax, aten.native_dropout, 
 dropout; what torch.compile fuses into its reductions)."""
 
 
+ATTENTION_OPS = {getattr(aten, name) for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+    "_efficient_attention_backward", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward") if hasattr(aten, name)}
+"""Fused attention kernels (flash, memory-efficient, cuDNN; CPU's flash): priced at the GPU's attention rate
+(planner/hardware.py `GPUSpec.attention_efficiency`), not its GEMM rate."""
+
+
 @dataclass
 class _Op:
     flops: int
@@ -121,6 +134,7 @@ class _Op:
     """((storage, version), bytes) per tensor written."""
     fusible: bool
     traffic_bytes: int
+    attention: bool = False
 
 
 class OpCostMode(TorchDispatchMode):
@@ -158,8 +172,9 @@ class OpCostMode(TorchDispatchMode):
             return out
         flops = FLOP_FORMULAS[packet](*args, **kwargs, out_val=out) if packet in FLOP_FORMULAS else 0
         traffic = self._traffic(packet, args, kwargs, out)
+        attention = packet in ATTENTION_OPS
         if self.fusion == "none":
-            self._add_kernel(flops, traffic)
+            self._add_kernel(flops, traffic, attention)
         else:
             reads = [(self._key(t), _tensor_bytes(t)) for t in _tensors((args, kwargs))]
             writes = []
@@ -168,7 +183,7 @@ class OpCostMode(TorchDispatchMode):
                 self._version[storage] = self._version.get(storage, -1) + 1  # a write makes a new version
                 writes.append((self._key(t), _tensor_bytes(t)))
             fusible = packet is not aten.embedding and (torch.Tag.pointwise in func.tags or packet in FUSIBLE_NON_POINTWISE)
-            self._ops.append(_Op(flops, reads, writes, fusible, traffic))
+            self._ops.append(_Op(flops, reads, writes, fusible, traffic, attention))
         return out
 
     def note_saved(self, t: torch.Tensor) -> None:
@@ -191,15 +206,15 @@ class OpCostMode(TorchDispatchMode):
         self._alive.append(storage)
         return storage._cdata
 
-    def _add_kernel(self, flops: int, traffic: int) -> None:
+    def _add_kernel(self, flops: int, traffic: int, attention: bool = False) -> None:
         totals = self.totals
         totals.flops += flops
+        totals.attention_flops += flops if attention else 0
         totals.traffic_bytes += traffic
         totals.num_kernels += 1
         if self.gpu is not None:
-            totals.roofline_time_s += self.gpu.kernel_overhead_s + max(
-                flops / self.gpu.achievable_flops(self.dtype), traffic / self.gpu.achievable_bandwidth
-            )
+            rate = self.gpu.achievable_attention_flops(self.dtype) if attention else self.gpu.achievable_flops(self.dtype)
+            totals.roofline_time_s += self.gpu.kernel_overhead_s + max(flops / rate, traffic / self.gpu.achievable_bandwidth)
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
@@ -235,8 +250,9 @@ class OpCostMode(TorchDispatchMode):
         kernels: dict[int, list[int]] = {}
         for i in range(len(self._ops)):
             kernels.setdefault(root(i), []).append(i)
-        for members in kernels.values():
-            self._add_kernel(sum(self._ops[i].flops for i in members), max(0, sum(traffic[i] for i in members)))
+        for members in kernels.values():  # an attention kernel is never fused: alone in its group
+            self._add_kernel(sum(self._ops[i].flops for i in members), max(0, sum(traffic[i] for i in members)),
+                             any(self._ops[i].attention for i in members))
 
     @staticmethod
     def _traffic(packet, args, kwargs, out) -> int:

@@ -144,6 +144,8 @@ def unit_costs(
         input_bytes=_nbytes((args, kwargs)),
         output_bytes=_nbytes(out),
         saved_bytes=saved.bytes,
+        forward_attention_flops=fwd_ops.totals.attention_flops,
+        backward_attention_flops=bwd_ops.totals.attention_flops,
     )
 
 
