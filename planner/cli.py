@@ -230,6 +230,8 @@ def show(
     micro_batch_size: Optional[int] = typer.Option(None, "--micro-batch", help="Profiles: which profiled micro-batch size to show."),
     csv: Optional[Path] = typer.Option(None, help="Profiles: also write the per-unit table as CSV here."),
     gantt: Optional[Path] = typer.Option(None, help="Plans: draw the simulated schedule as a PNG here."),
+    all_stages: bool = typer.Option(False, "--all-stages", help="Plans: list every stage (chunk); past 24 the middle "
+                                    "ones are elided."),
 ) -> None:
     """Print a profile (per unit, totals, share of time) or a plan (layout, stages, breakdown, alternatives)."""
     import json
@@ -246,7 +248,7 @@ def show(
         from planner.plan_report import draw_plan_gantt, print_plan
 
         plan = load_plan(file)
-        print_plan(plan, console=console)
+        print_plan(plan, console=console, all_stages=all_stages)
         if gantt:
             console.print(f"wrote {draw_plan_gantt(plan, gantt)}")
         return

@@ -56,7 +56,29 @@ def replication_note(replicas: list[int]) -> str:
             "once per step; the dp column is 1 because the replication is the data parallelism.")
 
 
-def print_plan(plan: Plan, console: Console | None = None) -> None:
+STAGE_ROWS = 24
+"""Stage rows `print_plan` shows before eliding the middle ones (`shown_stages`)."""
+
+
+def shown_stages(count: int, all_stages: bool = False) -> list[int | None]:
+    """The stage (chunk) indices a plan's tables list, None where rows are elided: all of them up to
+    `STAGE_ROWS`, else the first two thirds of that and the last third (an interleaved plan of 8
+    stages x 12 chunks has 96 rows, which no terminal shows)."""
+    if all_stages or count <= STAGE_ROWS:
+        return list(range(count))
+    head, tail = 2 * STAGE_ROWS // 3, STAGE_ROWS // 3
+    return [*range(head), None, *range(count - tail, count)]
+
+
+def elide(table: Table, count: int, columns: int) -> None:
+    """Add the row standing for `shown_stages`' elided ones, and say in the caption how to see them."""
+    table.add_row(*["..."] * columns)
+    table.caption = f"{count - STAGE_ROWS} of {count} stages elided: planner show PLAN --all-stages lists them"
+
+
+def print_plan(plan: Plan, console: Console | None = None, all_stages: bool = False) -> None:
+    """The plan's tables; `all_stages` lists every stage and chunk (`shown_stages` elides the
+    middle of a long list)."""
     console = console or Console()
     lay, batch = plan.layout, plan.batch
     head = Table(title=f"Plan for {plan.model.file} on {plan.cluster.num_nodes} x {plan.cluster.gpus_per_node} {plan.cluster.gpu}")
@@ -78,12 +100,16 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     stages = Table(title="Stages")
     for col in ("stage", "units", "ranks", "recompute", "TP modules", "time / micro-batch", "peak memory"):
         stages.add_column(col, justify="left" if col in ("units", "ranks") else "right")
-    for k, s in enumerate(plan.stages):
+    for k in shown_stages(len(plan.stages), all_stages):
+        if k is None:
+            elide(stages, len(plan.stages), 7)
+            continue
+        s = plan.stages[k]
         t = format_time(pred.stage_time_s[k]) if pred and k < len(pred.stage_time_s) else "-"
         m = format_bytes(pred.peak_memory_bytes[k]) if pred and k < len(pred.peak_memory_bytes) else "-"
         stages.add_row(str(k), _units_summary(s.units), ",".join(map(str, s.ranks)), recompute_summary(s), str(len(s.tp_plan)), t, m)
     console.print(stages)
-    if (memory := memory_terms_table(plan)) is not None:
+    if (memory := memory_terms_table(plan, all_stages)) is not None:
         console.print(memory)
     if plan.layout.schedule == "pipedream-2bw":
         console.print(ASYNC_SCHEDULE_NOTE)

@@ -137,9 +137,12 @@ MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "tr
 """planner/cost/memory.py `StageMemory.terms`, in the order `memory_terms_table` shows them."""
 
 
-def memory_terms_table(plan) -> Table | None:
+def memory_terms_table(plan, all_stages: bool = False) -> Table | None:
     """Per stage, the predicted peak memory term by term (`Prediction.memory_terms_bytes`), or
-    None when the plan does not carry the terms (a hand-written or older plan)."""
+    None when the plan does not carry the terms (a hand-written or older plan). Long lists are
+    elided as the stage table's (planner/plan_report.py `shown_stages`) unless `all_stages`."""
+    from planner.plan_report import elide, shown_stages
+
     pred = plan.prediction
     terms = pred.memory_terms_bytes if pred else None
     if not terms:
@@ -149,7 +152,11 @@ def memory_terms_table(plan) -> Table | None:
     for name in MEMORY_TERMS:
         table.add_column(name.replace("_", " "), justify="right")
     table.add_column("tensors", justify="right")
-    for k, stage in enumerate(terms):
+    for k in shown_stages(len(terms), all_stages):
+        if k is None:
+            elide(table, len(terms), len(MEMORY_TERMS) + 2)
+            continue
+        stage = terms[k]
         tensors = sum(v for name, v in stage.items() if name != "fragmentation")
         table.add_row(str(k), *(format_bytes(stage[name]) if name in stage else "-" for name in MEMORY_TERMS), format_bytes(tensors))
     return table

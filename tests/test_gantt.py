@@ -129,3 +129,28 @@ def test_measured_style_panels_still_draw(tmp_path):
 def _span(path) -> tuple[float, float]:
     xs = path.vertices[:, 0]
     return float(xs.min()), float(xs.max() - xs.min())
+
+
+def test_long_stage_lists_are_elided_in_the_middle_unless_asked():
+    """A plan with more stages (chunks) than `STAGE_ROWS` lists the first and last ones, one elided
+    row between them and a caption saying how to see them all; `all_stages` lists every one."""
+    import io
+
+    from rich.console import Console
+
+    from planner.plan_report import STAGE_ROWS, print_plan, shown_stages
+
+    assert shown_stages(STAGE_ROWS) == list(range(STAGE_ROWS))
+    shown = shown_stages(96)
+    assert shown.count(None) == 1 and len(shown) == STAGE_ROWS + 1 and shown[0] == 0 and shown[-1] == 95
+    plan = make_plan(pp=8, m=16, v=6, schedule="interleaved-1f1b")
+    assert len(plan.stages) == 48
+
+    def printed(**kwargs) -> str:
+        out = io.StringIO()
+        print_plan(plan, Console(file=out, width=250), **kwargs)
+        return out.getvalue()
+
+    short, full = printed(), printed(all_stages=True)
+    assert "24 of 48 stages elided: planner show PLAN --all-stages" in short and "elided" not in full
+    assert "│    47 │" in short and "│    30 │" not in short and "│    30 │" in full
