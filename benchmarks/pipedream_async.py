@@ -61,7 +61,8 @@ def _config(plan) -> Config:
 
 def _describe(plan) -> str:
     lay = plan.layout
-    return (f"pp{lay.pp_degree} dp{lay.dp_degree} tp{lay.tp_degree}{' sp' if lay.sequence_parallel else ''} "
+    cp = f" cp{lay.cp_degree} (of the dp ranks)" if lay.cp_degree > 1 else ""
+    return (f"pp{lay.pp_degree} dp{lay.dp_degree} tp{lay.tp_degree}{' sp' if lay.sequence_parallel else ''}{cp} "
             f"zero{lay.zero_stage} mbs{plan.batch.micro_batch_size}"
             f" x {plan.batch.num_microbatches} recompute={'/'.join(sorted({s.recompute for s in plan.stages}))}")
 
