@@ -460,7 +460,7 @@ def export_command(
                                                 "express (default: the plan's)."),
 ) -> None:
     """Write a plan as an engine's configuration (planner/engines/); warn, with the price, where it cannot say it all."""
-    from planner.engines import export_plan
+    from planner.engines import export_plan, precision_note
     from planner.plan import load_plan
     from planner.profile_schema import load_profile
 
@@ -473,6 +473,8 @@ def export_command(
 
     for warning in result.warnings:
         err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    if prof is not None and (precision := precision_note(to, prof)) is not None:  # the profile, not the plan
+        err_console.print(f"note: {escape(precision)}", highlight=False)
     if output:
         output.write_text(result.text)
         console.print(f"wrote {output}")

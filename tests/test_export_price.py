@@ -169,10 +169,13 @@ def test_cli_export_and_price(gpt, cluster, tmp_path):
     runner = CliRunner()
     out = runner.invoke(app, ["export", str(tmp_path / "plan.json"), "--to", "megatron", "-o", str(tmp_path / "args.txt")])
     assert out.exit_code == 0, out.output
+    # the profile computes under autocast (planner run's way), Megatron-LM in pure bf16: both commands say so
+    assert "--precision pure" in " ".join(out.output.split())
     out = runner.invoke(app, ["price", "--from", str(tmp_path / "args.txt"), "--profile", str(profile_path),
                               "--gpus", "8", "--gpu", "a100-80gb"])
     assert out.exit_code == 0, out.output
     assert "your configuration:" in out.output and "best plan:" in out.output
+    assert "--precision pure" in " ".join(out.output.split())
 
 
 # --- The newer dimensions: expert parallelism, hybrid sharding, CPU offload, FP8 (and CP, not priced yet) ---
