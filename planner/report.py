@@ -82,7 +82,7 @@ def print_profile(profile: Profile, micro_batch_size: int | None = None, console
         where += f" ({profile.cpu_threads} thread{'s' if profile.cpu_threads > 1 else ''})"
     table = Table(
         title=f"{Path(profile.model.file).name} {profile.model.args or ''}: {profile.mode} on {where}, "
-        f"{profile.dtype}, micro-batch {b}",
+        f"{profile.dtype}{f' ({precision})' if (precision := profile.computes_as()) else ''}, micro-batch {b}",
         title_justify="left",
     )
     for col in ("#", "unit", "kind", "params", "fwd", "bwd", "fwd FLOPs", "saved", "out", "cut", "share"):
