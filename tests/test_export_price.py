@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from planner.cluster import make_cluster
-from planner.engines import ENGINES, export_plan, megatron
+from planner.engines import ENGINES, export_plan, megatron, read_config
 from planner.engines.common import EngineLayout, Split, plan_layout, stage_bounds
 from planner.engines.pricing import compare, price
 from planner.profiler import profile_model
@@ -175,7 +175,13 @@ def test_cli_export_and_price(gpt, cluster, tmp_path):
                               "--gpus", "8", "--gpu", "a100-80gb"])
     assert out.exit_code == 0, out.output
     assert "your configuration:" in out.output and "best plan:" in out.output
-    assert "--precision pure" in " ".join(out.output.split())
+    # and price prices what Megatron-LM computes: the model profiled again in pure bf16
+    text = " ".join(out.output.split())
+    assert "profiled again analytically with --precision pure" in text
+    pure = profile_model(str(EXAMPLES / "gpt.py"), GPT, [1, 2], device="meta", gpu="a100-80gb", dtype="bfloat16",
+                         precision="pure")
+    expected = compare(pure, cluster, read_config(tmp_path / "args.txt"), profile_path=str(profile_path)).lines()[0]
+    assert " ".join(expected.split()) in text
 
 
 # --- The newer dimensions: expert parallelism, hybrid sharding, CPU offload, FP8 (and CP, not priced yet) ---

@@ -62,6 +62,30 @@ def precision_note(engine: str, profile) -> str | None:
             "--precision pure to price what the engine runs.")
 
 
+def as_the_engine_computes(profile, engine: str):
+    """The profile to price `engine`'s configuration with, and a note (None: the profile as it is).
+
+    An analytic profile computed under autocast (`planner run`'s way) priced for an engine of
+    `PURE_16_BIT` is made again from its model file with --precision pure: analytic, so seconds
+    and no device. Where that model cannot be loaded again as it was (moved, changed: another
+    fingerprint), the profile is used as it is and `precision_note` says what that misprices."""
+    note = precision_note(engine, profile)
+    if note is None or profile.mode != "analytic":
+        return profile, note
+    from planner.profiler import profile_model
+
+    model = profile.model
+    try:
+        pure = profile_model(model.file, model.args, profile.micro_batch_sizes, device="meta", gpu=profile.target_gpu,
+                             dtype=profile.dtype, fusion=profile.fusion, precision="pure")
+    except (PlannerError, OSError):
+        return profile, note
+    if pure.model.fingerprint != model.fingerprint:
+        return profile, note
+    return pure, (f"{engine} computes in pure 16 bits ({PURE_16_BIT[engine]}): priced from {model.file} profiled again "
+                  "analytically with --precision pure (the profile given computes under autocast, as `planner run` trains)")
+
+
 def guess_engine(path: Path, text: str) -> str:
     """The engine a configuration file is for, from its suffix and content."""
     suffix = path.suffix.lower()
