@@ -115,11 +115,11 @@ class GPUSpec:
     def achievable_attention_flops(self, dtype: str) -> float:
         """FLOP/s of a fused attention kernel (planner/profiler/counters.py `ATTENTION_OPS`); FP8
         plans keep attention in 16 bits, so "float8" prices it at the bf16 peak."""
+        dtype = "bfloat16" if dtype == FP8_DTYPE else dtype
         if self.attention_efficiency is None:
             return self.achievable_flops(dtype)
-        if dtype == FP8_DTYPE:
-            dtype = "bfloat16"
-        return self.achievable_flops(dtype) / self.matmul_efficiency * self.attention_efficiency
+        self.achievable_flops(dtype)  # an unknown dtype is refused as there
+        return self.peak_flops[dtype] * self.attention_efficiency
 
     def fp8_peak_flops(self) -> float:
         """Dense FP8 peak FLOP/s; a PlannerError for a GPU without FP8 tensor cores."""

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -225,7 +226,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     log.debug("%d units, %d distinct; micro-batch sizes %s", len(units), len(set(fingerprints.values())), sizes)
     with values, _logged_step("counting the units"):
         forward_in = run_as.on_meta if device == "meta" else run_as.on_device
-        losses = _losses(mf, batches, values, run_as.param_dtype) if device == "meta" else None
+        losses = _Losses(mf, batches, values, run_as.param_dtype) if device == "meta" else None
         costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, forward_in,
                                    losses)
         moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, forward_in)
@@ -261,7 +262,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         whole_model=whole,
         optimizer_step_s=optimizer_s,
         fusion=fusion,
-        precision=None if torch_dtype == torch.float32 else "pure" if precision == "pure" else "autocast",
+        precision=None if torch_dtype == torch.float32 else cast(Literal["autocast", "pure"], precision),
         notes=_notes(trace, owned, values, meta_traced) + ([] if losses is None or losses.counted else [LOSS_NOT_COUNTED]),
         cpu_threads=threads if device == "cpu" else None,
     )
@@ -423,8 +424,9 @@ class _Losses:
     profiles: `unit_costs(loss=...)` counts it with the last unit). `counted` turns False when the
     model's loss does not take that output (glue after the last unit), and the profile says so."""
 
-    def __init__(self, mf: ModelFile, targets: dict):
-        self.mf, self.targets, self.counted = mf, targets, True
+    def __init__(self, mf: ModelFile, batches: dict, values: KnownValues, dtype):
+        self.mf, self.counted = mf, True
+        self.targets = {b: values.to_meta(batch[1], dtype) for b, batch in batches.items()}
 
     def at(self, b: int):
         def loss(output):
@@ -445,10 +447,6 @@ class _LossDoesNotFit(Exception):
 
 LOSS_NOT_COUNTED = ("the loss function does not take the last unit's output (the model's forward does more after it), "
                     "so the loss's time is not in the last unit's")
-
-
-def _losses(mf: ModelFile, batches: dict, values: KnownValues, dtype) -> _Losses:
-    return _Losses(mf, {b: values.to_meta(batch[1], dtype) for b, batch in batches.items()})
 
 
 def _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, precision=nullcontext,
