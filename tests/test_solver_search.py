@@ -116,6 +116,48 @@ def test_batched_time_bound_equals_one_at_a_time(profiles):
     assert list(batched[::7]) == alone
 
 
+def test_weak_bound_per_group_equals_per_configuration(profiles):
+    """The search orders configurations by the weak bound computed per group of `candidate_blocks`
+    (`_Fitting`: memory once per group, the closed forms per schedule without a Config each):
+    the same configurations in the same order as `candidate_configs` lists them, the same memory
+    pruning and the same values as `TimeBound.many(whole=False)` one configuration at a time."""
+    from planner.solver.solve import _Fitting, candidate_blocks
+
+    profile = profiles[1]
+    cluster = make_cluster(16, 8, "a100-80gb")
+    compute = ComputeModel(profile, cluster.gpu, "bfloat16")
+    coll = CollectiveModel(cluster)
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16")
+    env = _environment(cluster, compute, "bfloat16", Pins(), 0.02)  # some prune
+    args = (Pins(), cluster, 64, len(profile.units), profile.micro_batch_sizes)
+    blocks = list(candidate_blocks(*args, allow_offload=True, allow_async=True))
+    tables = {block.table_key(g): costs.table(*block.table_key(g)) for block in blocks for g in range(len(block.rest))}
+    fitting = _Fitting(blocks, tables, TimeBound(env), env.usable_memory_bytes)
+    configs = [cfg for group in candidate_configs(*args, allow_offload=True, allow_async=True) for cfg in group]
+    pairs = [(tables[(c.tp, c.sequence_parallel, c.micro_batch_size, c.ep, c.cp, c.cp_algorithm)], c) for c in configs]
+    kept = [(table, cfg) for table, cfg in pairs if memory_lower_bound(table, cfg, env) <= env.usable_memory_bytes]
+    assert fitting.candidates == len(configs) and fitting.pruned == len(configs) - len(kept) > 0
+    assert [cfg for _, cfg in fitting.pairs(range(len(fitting)))] == [cfg for _, cfg in kept]
+    assert any(cfg.schedule == "pipedream-2bw" for _, cfg in kept)
+    from planner.solver.solve import async_time_bounds
+
+    alone = async_time_bounds(TimeBound(env).many(kept, whole=False), [cfg for _, cfg in kept], env.gpus_per_node)
+    assert fitting.weak_bounds(env.gpus_per_node).tolist() == alone.tolist()
+
+
+@given(st.lists(st.lists(st.sampled_from([0.0, 1.5, -2.0, 3.25]), min_size=4, max_size=4), min_size=1, max_size=30))
+def test_distinct_columns_match_numpy_unique(columns):
+    import numpy as np
+
+    from planner.solver.bounds import _distinct_columns
+
+    array = np.array(columns).T
+    ours = _distinct_columns(array)
+    theirs = np.unique(array, axis=1, return_index=True, return_inverse=True)
+    assert np.array_equal(ours[0], theirs[0]) and np.array_equal(ours[1], theirs[1])
+    assert np.array_equal(ours[2], np.ravel(theirs[2]))
+
+
 def test_search_report_counts_and_old_plans_load(profiles):
     plan = solve(profiles[1], make_cluster(8, 8, "a100-80gb"), 32, top_k=3)
     search = plan.search

@@ -58,6 +58,7 @@ parameters perfectly evenly over the p ranks (no activations, no tied copies).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import combinations
@@ -73,7 +74,6 @@ from planner.solver.search import (
     gpu_state_bytes,
     p2p_arrays,
     stage_arrays,
-    state_bytes,
     updated_parameters,
 )
 
@@ -158,13 +158,24 @@ class TimeBound:
         self._slowest: dict[tuple, float] = {}  # (id of _UnitTerms or its least prefix, chunks) -> B* (held in self._units)
         self._busiest: dict[tuple, tuple] = {}  # `_memory_rank`
         self._parts: dict[tuple, tuple] = {}  # `_group`'s parts (the tables are held by the groups)
+        self._updated: dict[tuple, float] = {}  # `_group`'s optimizer step per (table id, ZeRO 0, zero_dp, expert dp)
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
-        key = (id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.pp)
+        return self._states_bytes(table, cfg) / cfg.pp
+
+    def _states_bytes(self, table: UnitCostTable, cfg: Config) -> float:
+        """s: the model states of all units on their ranks (`model_states_bytes`), once per setting it reads."""
+        return self.states_bytes(table, cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, lambda: cfg)
+
+    def states_bytes(self, table: UnitCostTable, zero_stage: int, dp: int, shard_degree: int | None, offload: bool,
+                     config: Callable[[], Config]) -> float:
+        """`_states_bytes` of the configurations of `table` with these settings (any of them,
+        made by `config` only the first time: the search asks for tens of thousands)."""
+        key = (id(table), zero_stage, dp, shard_degree, offload)
         held = self._memory.get(key)
         if held is None:
-            held = self._memory[key] = (table, memory_lower_bound(table, cfg, self.env))
+            held = self._memory[key] = (table, model_states_bytes(table, config(), self.env))
         return held[1]
 
     def __call__(self, table: UnitCostTable, cfg: Config) -> float:
@@ -183,13 +194,15 @@ class TimeBound:
         if p2p_key not in self._parts:
             hops, p2p, _ = p2p_arrays(table, cfg, env)
             self._parts[p2p_key] = (float(p2p.min()), float(hops[:-1].min()) if len(hops) > 1 else 0.0)
-        states_key = ("states", id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload)
-        if states_key not in self._parts:
+        sums_key = ("sums", id(table))
+        if sums_key not in self._parts:
+            self._parts[sums_key] = (float(table.forward_s.sum()), float(table.backward_s.sum()))
+        forward, backward = self._parts[sums_key]
+        updated_key = (id(table), cfg.zero_stage == 0, cfg.zero_dp, cfg.expert_dp)
+        if updated_key not in self._updated:
             # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
-            self._parts[states_key] = (float(state_bytes(table, cfg, env).sum()),
-                                       updated_parameters(table, cfg, 0, len(table.parameters)) * env.optimizer_s_per_param,
-                                       float(table.forward_s.sum()), float(table.backward_s.sum()))
-        states, optimizer, forward, backward = self._parts[states_key]
+            self._updated[updated_key] = updated_parameters(table, cfg, 0, len(table.parameters)) * env.optimizer_s_per_param
+        states, optimizer = self._states_bytes(table, cfg), self._updated[updated_key]
         min_p2p, min_hop = self._parts[p2p_key]
         group = _GroupTerms(table, states, min_p2p, min_hop, forward, backward, optimizer / cfg.pp)
         self._groups[key] = group
@@ -211,21 +224,19 @@ class TimeBound:
         """B* of each configuration (`_least_slowest_chunk_s`), once per (unit terms, chunks), and
         once per (least unit times, chunks) across unit terms that share them (ZeRO settings
         whose traffic hides, say)."""
-        ids = np.array([id(u) for u in units], dtype=np.int64)
-        pairs, first, inverse = np.unique(np.stack([ids, chunks.astype(np.int64)]), axis=1, return_index=True,
-                                          return_inverse=True)
-        values = np.empty(pairs.shape[1])
-        for column, (key, index) in enumerate(zip(map(tuple, pairs.T.tolist()), first.tolist(), strict=True)):
+        values = np.empty(len(units))
+        for index, (terms, count) in enumerate(zip(units, chunks.astype(int).tolist(), strict=True)):
+            key = (id(terms), count)
             value = self._slowest.get(key)
             if value is None:
-                prefix = units[index].least_prefix_s
-                content = (tuple(prefix), key[1])
+                prefix = terms.least_prefix_s
+                content = (tuple(prefix), count)
                 value = self._slowest.get(content)
                 if value is None:
-                    value = self._slowest[content] = _least_slowest_chunk_s(prefix, key[1])
+                    value = self._slowest[content] = _least_slowest_chunk_s(prefix, count)
                 self._slowest[key] = value
-            values[column] = value
-        return values[inverse.ravel()]
+            values[index] = value
+        return values
 
     def _memory_rank(self, pairs: list[tuple[UnitCostTable, Config]], units: list[_UnitTerms]) -> np.ndarray:
         """z* (`_memory_rank_s`) of each configuration, once per distinct (unit terms, model
@@ -259,40 +270,73 @@ class TimeBound:
         weaker bound, computed once per table instead of once per (ZeRO stage, dp, shard degree)
         and chunk count; the search orders tens of thousands of configurations by it and applies
         the whole bound to those it reaches (planner/solver/solve.py `search`)."""
-        groups, units, columns = [], [], []
-        for table, cfg in pairs:
-            group = self._group(table, cfg)
-            groups.append(group)
-            units.append(self._unit_terms(table, cfg, whole))
-            form = _SCHEDULE_FORM.get(cfg.schedule, 0) if cfg.schedule != "interleaved-1f1b" or cfg.virtual_stages > 1 else 0
-            columns.append((*_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages), cfg.pp,
-                            cfg.virtual_stages, cfg.num_microbatches, form, group.states_bytes, group.min_p2p_s,
-                            group.min_hop_s, group.forward_s, group.backward_s, group.optimizer_s))
         if not pairs:
             return np.zeros(0)
-        least, most, inverse_sum, p, v, m, form, states, min_p2p, min_hop, forward, backward, optimizer = np.array(columns).T
+        distinct: list[_UnitTerms] = []
+        position: dict[int, int] = {}
+        groups, which = [], []
+        for table, cfg in pairs:
+            group = self._group(table, cfg)
+            terms = self._unit_terms(table, cfg, whole)
+            if id(terms) not in position:
+                position[id(terms)] = len(distinct)
+                distinct.append(terms)
+            which.append(position[id(terms)])
+            groups.append(_group_columns(group))
+        variants = np.array([schedule_columns(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+                             for _, cfg in pairs])
+        return self._closed_forms(variants, np.array(groups), distinct, np.array(which), pairs if whole else None)
+
+    def weak_many(self, groups: list[tuple[UnitCostTable, Config]], group: np.ndarray, variants: np.ndarray) -> np.ndarray:
+        """`many(pairs, whole=False)`, the same numbers, for configurations given per group: those
+        sharing a cost table, ZeRO stage, dp, hybrid shard degree, offload and pp (`groups[g]`: its
+        table and one of its configurations, which is all `_group` and the weak unit terms read) and
+        differing in what the schedule sets (`variants`: `schedule_columns` of each). Configuration
+        i is group `group[i]` with the schedule columns `variants[i]`; the Python work is per group,
+        so tens of thousands of configurations need no Config each (planner/solver/solve.py `search`)."""
+        if not len(group):
+            return np.zeros(0)
+        distinct: list[_UnitTerms] = []
+        position: dict[int, int] = {}
+        columns, which = [], []
+        for table, cfg in groups:
+            terms = self._unit_terms(table, cfg, False)
+            columns.append(_group_columns(self._group(table, cfg)))
+            if id(terms) not in position:
+                position[id(terms)] = len(distinct)
+                distinct.append(terms)
+            which.append(position[id(terms)])
+        return self._closed_forms(variants, np.array(columns)[group], distinct, np.array(which)[group], None)
+
+    def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
+                      pairs: list[tuple[UnitCostTable, Config]] | None) -> np.ndarray:
+        """The closed forms of the module docstring for N configurations: `variants` [N, 7]
+        (`schedule_columns`), `groups` [N, 6] (`_group_columns`), each configuration's unit terms
+        `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring, None
+        leaves them out (the weak bound)."""
+        least, most, inverse_sum, p, v, m, form = variants.T
+        states, min_p2p, min_hop, forward, backward, optimizer = groups.T
         memory = self.env.usable_memory_bytes
         budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
         chunks = p * v
-        dual, starts, pigeon, others = (np.empty(len(pairs)) for _ in range(4))
-        by_units: dict[int, list[int]] = {}
-        for index, terms in enumerate(units):
-            by_units.setdefault(id(terms), []).append(index)
-        for indices in by_units.values():
-            terms = units[indices[0]]
+        dual, starts, pigeon, others = (np.empty(len(which)) for _ in range(4))
+        for position, terms in enumerate(distinct):
+            indices = np.flatnonzero(which == position)
             dual[indices] = (terms.dual_s[None, :] - terms.lambdas[None, :] * budget[indices, None]).max(axis=1)
             n = len(terms.starts_prefix_s)
             starts[indices] = terms.starts_prefix_s[np.minimum(chunks[indices].astype(int), n) - 1]
             pigeon[indices] = _busiest_rank_s(terms, p[indices])
             others[indices] = terms.others_negative_s
         work = dual + chunks * min_p2p + starts
+        whole = pairs is not None
+        units = [distinct[i] for i in which.tolist()] if whole else []
         # The slowest chunk takes at least W / S, and at least B* plus its cut's p2p (`_least_slowest_chunk_s`):
         # layers come whole, so S chunks of 98 units cannot all take the mean.
         slowest = np.maximum(work / chunks, self._least_slowest(units, chunks) + min_p2p) if whole else work / chunks
         # A rank's chunks run in series: their mean share, its slowest chunk, and (units come
         # whole) the least the ceil(n / p) units some rank must hold can take.
         rank = np.maximum(np.maximum(work / p, slowest), pigeon + v * min_p2p)
-        if whole:
+        if pairs is not None:
             # Memory by rank: the ranks holding more micro-batches in flight hold fewer units or
             # recompute (`_memory_rank_s`); with v = 1 a rank is one chunk.
             busiest = self._memory_rank(pairs, units) + others
@@ -303,6 +347,19 @@ class TimeBound:
                                      work + (m - 1) * slowest))
         fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
         return pipeline + fill + optimizer
+
+
+@lru_cache(maxsize=None)
+def schedule_columns(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, ...]:
+    """What the time bound reads of a configuration's schedule: min_r L_r, max_r L_r,
+    sum_r 1 / L_r (`_in_flight`), p, v, m and the closed form (`_SCHEDULE_FORM`)."""
+    form = _SCHEDULE_FORM.get(schedule, 0) if schedule != "interleaved-1f1b" or virtual_stages > 1 else 0
+    return (*_in_flight(schedule, pp, num_microbatches, virtual_stages), pp, virtual_stages, num_microbatches, form)
+
+
+def _group_columns(group: _GroupTerms) -> tuple[float, ...]:
+    return (group.states_bytes, group.min_p2p_s, group.min_hop_s, group.forward_s, group.backward_s,
+            group.optimizer_s)
 
 
 def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
@@ -404,8 +461,7 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: d
             rank[order] = np.arange(order.size)
             inverse = rank[inverse]
     if distinct is None:
-        distinct, representatives, inverse = np.unique(columns, axis=1, return_index=True, return_inverse=True)
-        inverse = inverse.ravel()
+        distinct, representatives, inverse = _distinct_columns(columns)
         grouping[id(table)] = (representatives, inverse, table)  # the table held: its id stays its own
     time_s, activation = distinct[:len(modes)], distinct[len(modes):]
     saved = activation[:, None, :] - activation[None, :, :]  # [r, r', unit]
@@ -424,6 +480,21 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: d
     starts = np.cumsum(np.concatenate([positive[:1], np.sort(positive[1:])]))
     return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist(), smallest, inverse,
                       common, starts, float(np.minimum(least[others], 0.0).sum()))
+
+
+def _distinct_columns(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`np.unique(columns, axis=1, return_index=True, return_inverse=True)`, the same three
+    arrays (distinct columns in lexicographic order, each one's first index, each column's
+    distinct index), by hashing the columns as tuples: np.unique's axis=1 path builds a structured
+    dtype and takes longer than this for the hundred-odd units of a model."""
+    first: dict[tuple, int] = {}
+    for index, column in enumerate(map(tuple, columns.T.tolist())):
+        first.setdefault(column, index)
+    ordered = sorted(first)  # tuples of floats compare lexicographically, as np.unique orders them
+    position = {column: k for k, column in enumerate(ordered)}
+    representatives = np.array([first[column] for column in ordered], dtype=np.intp)
+    inverse = np.array([position[column] for column in map(tuple, columns.T.tolist())], dtype=np.intp)
+    return columns[:, representatives], representatives, inverse
 
 
 def _least_slowest_chunk_s(prefix: list[float], chunks: int, iterations: int = 12) -> float:
@@ -479,9 +550,14 @@ def _in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: in
 
 def memory_lower_bound(table: UnitCostTable, cfg: Config, env: Environment) -> float:
     """Bytes per GPU no plan of `cfg` can go below (module docstring)."""
-    # `state_bytes` is linear in the parameters: the states of the sums are the sum of the states.
+    return model_states_bytes(table, cfg, env) / cfg.pp
+
+
+def model_states_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> float:
+    """The model states of all units on their ranks (no tied copies): `state_bytes` summed, as
+    the states of the summed parameters (`state_bytes` is linear in them)."""
     frozen = None if table.frozen_parameters is None else float(table.frozen_parameters.sum())
     dense = gpu_state_bytes(float(table.dense_parameters().sum()), cfg, env, frozen)
     experts = 0.0 if table.expert_parameters is None else \
         model_state_bytes(float(table.expert_parameters.sum()), env.dtype, cfg.zero_stage, cfg.expert_dp).total
-    return (dense + experts) / cfg.pp
+    return dense + experts

@@ -132,28 +132,36 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
         return grad_s, gather_s
     overlap = env.overlap
     grad_bytes = 4 if env.dtype == "float32" else 2
-    backward = [float((table.backward_s + unit_recompute_s)[i:j].sum()) for i, j in bounds]
-    slack = drain_slack_s(cfg.schedule, backward, cfg.pp)
+    starts, ends = np.array(bounds).T
+    rank_of = np.arange(len(bounds)) % cfg.pp  # chunk k runs on pipeline rank k mod pp
+
+    def chunks_of(values: np.ndarray) -> np.ndarray:  # per chunk: the sum over its units (prefix sums)
+        prefix = np.concatenate([[0.0], np.cumsum(values)])
+        return prefix[ends] - prefix[starts]
+
+    def by_rank(values: np.ndarray | None, extra=0.0) -> list[float]:  # per rank: the sum over its chunks
+        if values is None:
+            return [0.0] * cfg.pp
+        return np.bincount(rank_of, weights=chunks_of(values) + extra, minlength=cfg.pp).tolist()
+
+    backward_chunks = chunks_of(table.backward_s + unit_recompute_s)
+    slack = drain_slack_s(cfg.schedule, backward_chunks.tolist(), cfg.pp)
+    windows = np.bincount(rank_of, weights=backward_chunks, minlength=cfg.pp).tolist()
+    copies = table.copy_parameters(starts, ends)  # tied weights' copies: dense, trained
+    rank_params, rank_dense = by_rank(table.parameters, copies), by_rank(table.dense_parameters(), copies)
+    rank_trained, rank_experts = by_rank(table.trained_dense_parameters(), copies), by_rank(table.expert_parameters)
+    rank_fp8, rank_forward = by_rank(table.fp8_weight_parameters), by_rank(table.forward_s)
     for rank in range(cfg.pp):
-        chunks = [k for k in range(len(bounds)) if k % cfg.pp == rank]
-        params = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in (bounds[k] for k in chunks))
-        experts = 0.0 if table.expert_parameters is None else \
-            sum(float(table.expert_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
-        frozen = 0.0 if table.frozen_parameters is None else \
-            sum(float(table.frozen_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
+        params, experts, trained, fp8 = rank_params[rank], rank_experts[rank], rank_trained[rank], rank_fp8[rank]
+        window, forward = windows[rank], rank_forward[rank]
         # (parameters, group size, group stride): dense over dp, experts over expert-dp; the
         # reductions carry trained parameters' gradients only, the gathers every weight.
         dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
-        groups = [(params - experts - frozen, dense_dp, cfg.tp)] + ([(experts, cfg.expert_dp, cfg.expert_dp_stride)] if experts else [])
-        fp8 = 0.0 if table.fp8_weight_parameters is None else \
-            sum(float(table.fp8_weight_parameters[i:j].sum()) for i, j in (bounds[k] for k in chunks))
-        gathered = [(params - experts - fp8 * (env.dtype_bytes - 1) / env.dtype_bytes, dense_dp, cfg.tp), *groups[1:]]
+        groups = [(trained, dense_dp, cfg.tp)] + ([(experts, cfg.expert_dp, cfg.expert_dp_stride)] if experts else [])
+        gathered = [(rank_dense[rank] - fp8 * (env.dtype_bytes - 1) / env.dtype_bytes, dense_dp, cfg.tp), *groups[1:]]
         # HSDP: each reduce-scatter's shard is then all-reduced across the replica groups.
-        replicas = [] if cfg.replicas == 1 else \
-            [((params - experts - frozen) / cfg.zero_dp, cfg.replicas, cfg.tp * cfg.zero_dp)]
+        replicas = [] if cfg.replicas == 1 else [(trained / cfg.zero_dp, cfg.replicas, cfg.tp * cfg.zero_dp)]
         buckets = max(1, math.ceil(params / max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)))
-        window = sum(backward[k] for k in chunks)
-        forward = sum(float(table.forward_s[i:j].sum()) for i, j in (bounds[k] for k in chunks))
 
         def seconds(collective, bytes_per_param: int, pieces: int, groups=groups) -> float:
             return sum(pieces * collective(p * bytes_per_param / pieces, size, stride) for p, size, stride in groups)

@@ -35,8 +35,8 @@ from planner.plan import (
     Plan,
 )
 from planner.profile_schema import Profile
-from planner.solver.bounds import TimeBound
-from planner.solver.costs import DTYPE_BYTES, UnitCosts, tied_unit_indices
+from planner.solver.bounds import TimeBound, schedule_columns
+from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
 from planner.solver.pricing import price_in_order, refined_order
@@ -264,10 +264,54 @@ def _offloads(pins: Pins, zero_stage: int, dp: int, ep: int, allow_offload: bool
     return [False, True] if allow_offload and can else [False]
 
 
+@dataclass(frozen=True)
+class ConfigBlock:
+    """The configurations of one (tp, pp, dp, cp, micro-batch, sp): each of `rest` (what the
+    schedule does not change: CP algorithm, ep, ZeRO stage, hybrid shard degree, offload) with
+    each of `schedules`. The search prices its memory bound once per entry of `rest` and its
+    weak time bound per entry and schedule without making a Config of each (`config` makes one)."""
+
+    tp: int
+    sequence_parallel: bool
+    pp: int
+    dp: int
+    micro_batch_size: int
+    num_microbatches: int
+    cp: int
+    expert_tp: int
+    rest: tuple[tuple[str, int, int, int | None, bool], ...]
+    """(cp_algorithm, ep, zero_stage, shard_degree, offload) of each group."""
+    schedules: tuple[tuple[str, int], ...]
+    """(schedule, virtual stages) of each configuration of a group."""
+
+    def config(self, group: int, schedule: int) -> Config:
+        alg, ep, zero, shard, offload = self.rest[group]
+        name, v = self.schedules[schedule]
+        return Config(self.tp, self.sequence_parallel, self.pp, self.dp, self.micro_batch_size, self.num_microbatches,
+                      name, v, zero, ep, shard, offload, self.cp, self.expert_tp, cp_algorithm=alg)
+
+    def table_key(self, group: int) -> tuple:
+        """`UnitCosts.table`'s arguments for a group: (tp, sp, micro-batch, ep, cp, CP algorithm)."""
+        alg, ep = self.rest[group][:2]
+        return self.tp, self.sequence_parallel, self.micro_batch_size, ep, self.cp, alg
+
+
 def candidate_configs(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
                       tp_degrees: set[int] | None = None, experts: AbstractSet[int] = frozenset(), allow_offload: bool = False,
                       states_fit=None, sequence_length: int | None = None, allow_async: bool = False):
-    """Configurations the pins allow (`allow_async`: the asynchronous pipedream-2bw schedule too); `num_units` bounds the pipeline chunks, `tp_degrees` are the
+    """Configurations the pins allow, a list per block and schedule (`candidate_blocks`, whose
+    arguments these are)."""
+    for block in candidate_blocks(pins, cluster, global_batch_size, num_units, profiled_mbs, tp_degrees, experts,
+                                  allow_offload, states_fit, sequence_length, allow_async):
+        for schedule in range(len(block.schedules)):
+            yield [block.config(group, schedule) for group in range(len(block.rest))]
+
+
+def candidate_blocks(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: int, profiled_mbs: list[int],
+                     tp_degrees: set[int] | None = None, experts: AbstractSet[int] = frozenset(),
+                     allow_offload: bool = False, states_fit=None, sequence_length: int | None = None,
+                     allow_async: bool = False):
+    """The configurations the pins allow, as `ConfigBlock`s (`allow_async`: the asynchronous pipedream-2bw schedule too); `num_units` bounds the pipeline chunks, `tp_degrees` are the
     TP degrees the model can honour (None: any), `experts` the MoE layers' numbers of experts,
     `states_fit(zero, pp, tp, shard) -> bool` whether the model states fit a GPU (hybrid sharding),
     `sequence_length` the tokens per sample (context parallelism splits them; None: no CP)."""
@@ -294,7 +338,7 @@ def _cp_degrees(pins: Pins, sequence_length: int | None, dp: int, pp: int, exper
 
 def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled_mbs: list[int], experts, allow_offload,
                     states_fit, sequence_length, tp: int, pp: int, dp: int, gpn: int, allow_async: bool = False):
-    """The configurations of one (tp, pp, dp): cp, micro-batch, sp, schedule, ep, ZeRO, shard, offload."""
+    """The `ConfigBlock`s of one (tp, pp, dp): one per cp, micro-batch and sp."""
     for cp in _cp_degrees(pins, sequence_length, dp, pp, experts):
             replicas = dp // cp  # a CP group shares its samples
             if global_batch_size % replicas:
@@ -324,11 +368,11 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                             for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
                                                         functools.partial(states_fit, z, pp, tp))
                             for offload in _offloads(pins, z, dp, ep, allow_offload)]
-                    for schedule, v in _schedules(pins, pp, m, num_units, allow_async):
-                        if cp > 1 and pp > 1 and (schedule not in ("gpipe", "1f1b") or v > 1):
-                            continue  # runtime/apply_cp.py `check_cp`: CP with PP runs one stage per rank
-                        yield [Config(tp, sp, pp, dp, b, m, schedule, v, z, ep, shard, offload, cp, pins.expert_tp or 1,
-                                      cp_algorithm=alg) for alg, ep, z, shard, offload in rest]
+                    # runtime/apply_cp.py `check_cp`: CP with PP runs one stage per rank
+                    schedules = tuple((schedule, v) for schedule, v in _schedules(pins, pp, m, num_units, allow_async)
+                                      if not (cp > 1 and pp > 1 and (schedule not in ("gpipe", "1f1b") or v > 1)))
+                    if schedules:
+                        yield ConfigBlock(tp, sp, pp, dp, b, m, cp, pins.expert_tp or 1, tuple(rest), schedules)
 
 
 def _schedules(pins: Pins, pp: int, m: int, num_units: int, allow_async: bool = False):
@@ -435,6 +479,74 @@ class SearchResult:
     """Share of each GPU's memory the tensors may fill; the rest is the fragmentation allowance."""
 
 
+class _Fitting:
+    """The configurations of `blocks` that pass the memory bound (`TimeBound.memory_bytes`, once
+    per group: a block's entry of `rest`, whose schedules do not change it), in the order
+    `candidate_configs` lists them (block by block, schedule by schedule, group by group). Each is
+    held as (group, schedule) indices; a Config is made only for those the search refines or
+    prices (`pairs`), not for the tens of thousands the weak bound orders (`weak_bounds`)."""
+
+    def __init__(self, blocks: list[ConfigBlock], tables: dict, bound: TimeBound, usable_bytes: float):
+        self.bound = bound
+        self.candidates = self.pruned = 0
+        self.least_memory_bytes = math.inf
+        self.groups: list[tuple[ConfigBlock, int, UnitCostTable]] = []  # (block, its entry of `rest`, cost table)
+        group_ids: list = []
+        schedule_ids: list = []
+        variant_ids: list = []
+        variants: list[tuple[float, ...]] = []
+        for block in blocks:
+            kept = []
+            for entry, (_, _, zero, shard, offload) in enumerate(block.rest):
+                table = tables[block.table_key(entry)]
+                memory = bound.states_bytes(table, zero, block.dp, shard, offload,
+                                            functools.partial(block.config, entry, 0)) / block.pp
+                if memory > usable_bytes:
+                    self.pruned += len(block.schedules)
+                    self.least_memory_bytes = min(self.least_memory_bytes, memory)
+                else:
+                    kept.append(len(self.groups))
+                    self.groups.append((block, entry, table))
+            self.candidates += len(block.rest) * len(block.schedules)
+            if kept:
+                count = len(block.schedules)
+                group_ids.append(np.tile(kept, count))
+                schedule_ids.append(np.repeat(np.arange(count), len(kept)))
+                variant_ids.append(np.repeat(np.arange(len(variants), len(variants) + count), len(kept)))
+                variants += [schedule_columns(name, block.pp, block.num_microbatches, v) for name, v in block.schedules]
+        def joined(parts: list) -> np.ndarray:
+            return np.concatenate(parts) if parts else np.zeros(0, dtype=int)
+
+        self.group, self.schedule, self.variant = joined(group_ids), joined(schedule_ids), joined(variant_ids)
+        """Per configuration: its group, its schedule's index in the block, its row of `variants`."""
+        self.variants = np.array(variants, dtype=float).reshape(-1, 7)
+        """`schedule_columns` of each block's schedules."""
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    def pairs(self, indices) -> list[tuple[UnitCostTable, Config]]:
+        """(cost table, Config) of the configurations at `indices`."""
+        out = []
+        for index in indices:
+            block, entry, table = self.groups[self.group[index]]
+            out.append((table, block.config(entry, int(self.schedule[index]))))
+        return out
+
+    def weak_bounds(self, gpus_per_node: int) -> np.ndarray:
+        """`TimeBound.many(whole=False)` of every configuration, scaled for pipedream-2bw
+        (`async_time_bounds`)."""
+        representatives = [(table, block.config(entry, 0)) for block, entry, table in self.groups]
+        weak = self.bound.weak_many(representatives, self.group, self.variants[self.variant])
+        asynchronous = [i for i, (block, entry, table) in enumerate(self.groups)
+                        if any(name == "pipedream-2bw" for name, _ in block.schedules)]
+        if asynchronous:
+            indices = np.flatnonzero(np.isin(self.group, asynchronous))
+            pairs = self.pairs(indices)
+            weak[indices] = async_time_bounds(weak[indices], [cfg for _, cfg in pairs], gpus_per_node)
+        return weak
+
+
 def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins = Pins(), dtype: str | None = None,
            memory_fraction: float = MEMORY_FRACTION, keep: int = 3, cuts: Cuts | None = None,
            moe_imbalance: float = 1.0, float8: bool = False, allow_offload: bool = False,
@@ -475,39 +587,32 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                       imbalance=moe_imbalance, float8=float8, expert_tp=pins.expert_tp or 1)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
-    configs = [cfg for variants in candidate_configs(pins, cluster, global_batch_size, len(profile.units),
-                                                     profile.micro_batch_sizes, tp_degrees, expert_counts(profile),
-                                                     allow_offload, _states_fit(profile, dtype, env.usable_memory_bytes),
-                                                     profile.model.sequence_length, allow_async)
-               for cfg in variants]
+    blocks = list(candidate_blocks(pins, cluster, global_batch_size, len(profile.units), profile.micro_batch_sizes,
+                                   tp_degrees, expert_counts(profile), allow_offload,
+                                   _states_fit(profile, dtype, env.usable_memory_bytes), profile.model.sequence_length,
+                                   allow_async))
     tick = time.perf_counter()
     tables = {}
-    for cfg in configs:
-        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm)
-        if key not in tables:
-            tables[key] = costs.table(*key)
+    for block in blocks:
+        for group in range(len(block.rest)):
+            key = block.table_key(group)
+            if key not in tables:
+                tables[key] = costs.table(*key)
     phases["intra_op"] = time.perf_counter() - tick
     tick = time.perf_counter()
     bound = TimeBound(env)
-    fitting, pruned, least = [], 0, math.inf
-    for cfg in configs:
-        table = tables[(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm)]
-        memory = bound.memory_bytes(table, cfg)
-        if memory > env.usable_memory_bytes:
-            pruned, least = pruned + 1, min(least, memory)
-            continue
-        fitting.append((table, cfg))
-    weak = async_time_bounds(bound.many(fitting, whole=False), [cfg for _, cfg in fitting], env.gpus_per_node)
+    fitting = _Fitting(blocks, tables, bound, env.usable_memory_bytes)
+    weak = fitting.weak_bounds(env.gpus_per_node)
 
     def whole(indices: list[int]) -> np.ndarray:
-        return async_time_bounds(bound.many([fitting[i] for i in indices]), [fitting[i][1] for i in indices],
-                                 env.gpus_per_node)
+        pairs = fitting.pairs(indices)
+        return async_time_bounds(bound.many(pairs), [cfg for _, cfg in pairs], env.gpus_per_node)
 
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
 
     def price(index: int, cap: float) -> Evaluation:
-        table, cfg = fitting[index]
+        table, cfg = fitting.pairs([index])[0]
         bounds = None if cuts is None else cuts(cfg.pp * cfg.virtual_stages)
         if cuts is not None and bounds is None:
             return Evaluation(cfg, False, f"the stack cannot split the model into {cfg.pp * cfg.virtual_stages} stages")
@@ -517,15 +622,16 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # refined to the whole bound for those the pricing reaches (`refined_order`), in ascending
     # order of that until the k-th best time is below the next (planner/solver/pricing.py).
     ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole), len(fitting), keep, workers)
-    least = min(least, unfit)
+    least = unfit
     phases["inter_op"] = time.perf_counter() - tick
-    log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", len(configs), pruned, evaluated,
+    log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", fitting.candidates, fitting.pruned, evaluated,
               {k: round(v, 3) for k, v in phases.items()})
     # A flushed pipedream-2bw ties with 1F1B on the same layout (priced as it: `flush_blocker`) and
     # holds more memory and stale weights: the synchronous one goes first.
     ranked.sort(key=lambda e: (e.iteration_time_s, e.flushed_by is not None))
-    return SearchResult(ranked, evaluated, pruned, least, time.perf_counter() - started, costs,
-                        candidates=len(configs), pruned_by_time=len(fitting) - evaluated, phase_times_s=phases,
+    return SearchResult(ranked, evaluated, fitting.pruned, min(least, fitting.least_memory_bytes),
+                        time.perf_counter() - started, costs, candidates=fitting.candidates,
+                        pruned_by_time=len(fitting) - evaluated, phase_times_s=phases,
                         memory_fraction=memory_fraction)
 
 
