@@ -118,42 +118,22 @@ class _UnitTerms:
     of a rank can add to its time bound (`_memory_rank_s`; 0 unless a start term is negative)."""
 
 
-@dataclass(frozen=True)
-class _GroupTerms:
-    """What the time bound reads of configurations that differ only in schedule and virtual
-    stages (same cost table, ZeRO stage, dp, hybrid sharding, offload and pp)."""
-
-    table: UnitCostTable
-    """Held so that the `id` in the cache key stays this table's."""
-    states_bytes: float
-    """s: the model states of all units on their ranks (module docstring)."""
-    min_p2p_s: float
-    """min_u p2p_u: the least a chunk pays per micro-batch for its outgoing cut."""
-    min_hop_s: float
-    """The cheapest hop across a cut (the overlapped p2p's fill)."""
-    forward_s: float
-    """F: the units' forward seconds per micro-batch, summed."""
-    backward_s: float
-    """The units' backward seconds per micro-batch, summed (no recomputation, no communication)."""
-    optimizer_s: float
-    """The optimizer step of the mean pipeline rank."""
-
-
 _SCHEDULE_FORM = {"zero-bubble": 2, "interleaved-1f1b": 1}
 """Which closed form of the module docstring bounds a schedule (0: GPipe and 1F1B's)."""
 
 
 class TimeBound:
     """The time bound of many configurations. What it needs of a configuration's cost table is
-    computed once per setting that changes it (`_GroupTerms`; the unit times once per ZeRO 2/3
+    computed once per setting that changes it (`group_columns`; the unit times once per ZeRO 2/3
     setting, since ZeRO 0 and 1 add no per-unit traffic), and `many` evaluates the closed forms
     for all configurations at once with numpy: the Python work per configuration is a lookup."""
 
     def __init__(self, env: Environment):
         self.env = env
         self._units: dict[tuple, _UnitTerms] = {}
-        self._groups: dict[tuple, _GroupTerms] = {}
-        self._memory: dict[tuple, tuple[UnitCostTable, float]] = {}
+        self._groups: dict[tuple, tuple] = {}  # `group_columns`: key -> (the table, its columns)
+        self._memory: dict[tuple, float] = {}  # `states_bytes`
+        self._sums: dict[int, tuple] = {}  # id of a table -> (the table, `parameter_sums`)
         self._grouping: dict[int, tuple] = {}  # `_unit_terms`
         self._slowest: dict[tuple, float] = {}  # (id of _UnitTerms or its least prefix, chunks) -> B* (held in self._units)
         self._busiest: dict[tuple, tuple] = {}  # `_memory_rank`
@@ -166,47 +146,72 @@ class TimeBound:
 
     def _states_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """s: the model states of all units on their ranks (`model_states_bytes`), once per setting it reads."""
-        return self.states_bytes(table, cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, lambda: cfg)
+        return self.states_bytes(table, cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.tp, cfg.ep,
+                                 cfg.sequence_parallel, lambda: cfg)
 
     def states_bytes(self, table: UnitCostTable, zero_stage: int, dp: int, shard_degree: int | None, offload: bool,
-                     config: Callable[[], Config]) -> float:
+                     tp: int, ep: int, sequence_parallel: bool, config: Callable[[], Config]) -> float:
         """`_states_bytes` of the configurations of `table` with these settings (any of them,
-        made by `config` only the first time: the search asks for tens of thousands)."""
-        key = (id(table), zero_stage, dp, shard_degree, offload)
-        held = self._memory.get(key)
+        made by `config` only the first time: the search asks for tens of thousands). Tables
+        that hold the same parameters (another micro-batch, CP degree or algorithm) share it:
+        it reads their sums alone, and tp, ep and sp for the experts' data-parallel degree."""
+        held = self._sums.get(id(table))
         if held is None:
-            held = self._memory[key] = (table, model_states_bytes(table, config(), self.env))
-        return held[1]
+            held = self._sums[id(table)] = (table, parameter_sums(table))
+        key = (held[1], zero_stage, dp, shard_degree, offload, tp, ep, sequence_parallel)
+        value = self._memory.get(key)
+        if value is None:
+            value = self._memory[key] = model_states_bytes(table, config(), self.env)
+        return value
 
     def __call__(self, table: UnitCostTable, cfg: Config) -> float:
         """Seconds per iteration no plan of `cfg` can beat (module docstring)."""
         return float(self.many([(table, cfg)])[0])
 
-    def _group(self, table: UnitCostTable, cfg: Config) -> _GroupTerms:
-        key = (id(table), cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.pp)
-        group = self._groups.get(key)
-        if group is not None:
-            return group
+    def _group(self, table: UnitCostTable, cfg: Config) -> tuple[float, ...]:
+        return self.group_columns(table, (cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.pp, cfg.tp, cfg.ep,
+                                          cfg.sequence_parallel), lambda: cfg)
+
+    def group_columns(self, table: UnitCostTable, settings: tuple, config: Callable[[], Config]) -> tuple[float, ...]:
+        """What the time bound reads of the configurations of `table` with `settings` (ZeRO stage,
+        dp, hybrid shard degree, offload, pp, tp, ep, sp), which differ only in schedule and virtual
+        stages: s, the model states of all units on their ranks (module docstring); min_u p2p_u,
+        the least a chunk pays per micro-batch for its outgoing cut; the cheapest hop across a cut
+        (the overlapped p2p's fill); F, the units' forward seconds per micro-batch, summed; their
+        backward seconds (no recomputation, no communication); the optimizer step of the mean
+        pipeline rank. Each part once per setting it reads; `config` makes one of the
+        configurations where a part is computed for the first time (tens of thousands of groups
+        on 1024 GPUs need few)."""
+        zero, dp, shard, offload, pp, tp, ep, sp = settings
+        key = (id(table), zero, dp, shard, offload, pp)
+        held = self._groups.get(key)
+        if held is not None:
+            return held[1]
         env = self.env
-        # Its parts, each once per setting it reads (tens of thousands of groups on 1024 GPUs).
-        same_node = cfg.dp * cfg.tp < env.gpus_per_node
-        p2p_key = ("p2p", id(table), cfg.tp, cfg.sequence_parallel, same_node, cfg.pp > 1)
+        made: list[Config] = []
+
+        def cfg() -> Config:
+            if not made:
+                made.append(config())
+            return made[0]
+
+        p2p_key = ("p2p", id(table), tp, sp, dp * tp < env.gpus_per_node, pp > 1)
         if p2p_key not in self._parts:
-            hops, p2p, _ = p2p_arrays(table, cfg, env)
+            hops, p2p, _ = p2p_arrays(table, cfg(), env)
             self._parts[p2p_key] = (float(p2p.min()), float(hops[:-1].min()) if len(hops) > 1 else 0.0)
         sums_key = ("sums", id(table))
         if sums_key not in self._parts:
             self._parts[sums_key] = (float(table.forward_s.sum()), float(table.backward_s.sum()))
         forward, backward = self._parts[sums_key]
-        updated_key = (id(table), cfg.zero_stage == 0, cfg.zero_dp, cfg.expert_dp)
+        updated_key = (id(table), zero == 0, shard or dp, dp, tp, ep, sp)  # ZeRO's shards, the experts' dp
         if updated_key not in self._updated:
             # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
-            self._updated[updated_key] = updated_parameters(table, cfg, 0, len(table.parameters)) * env.optimizer_s_per_param
-        states, optimizer = self._states_bytes(table, cfg), self._updated[updated_key]
+            self._updated[updated_key] = updated_parameters(table, cfg(), 0, len(table.parameters)) * env.optimizer_s_per_param
+        states = self.states_bytes(table, zero, dp, shard, offload, tp, ep, sp, cfg)
         min_p2p, min_hop = self._parts[p2p_key]
-        group = _GroupTerms(table, states, min_p2p, min_hop, forward, backward, optimizer / cfg.pp)
-        self._groups[key] = group
-        return group
+        columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp)
+        self._groups[key] = (table, columns)  # the table held: its id stays its own
+        return columns
 
     def _unit_terms(self, table: UnitCostTable, cfg: Config, whole: bool) -> _UnitTerms:
         """The unit terms of `cfg`: with ZeRO 2/3's per-unit traffic when `whole` (once per ZeRO
@@ -282,26 +287,30 @@ class TimeBound:
                 position[id(terms)] = len(distinct)
                 distinct.append(terms)
             which.append(position[id(terms)])
-            groups.append(_group_columns(group))
+            groups.append(group)
         variants = np.array([schedule_columns(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
                              for _, cfg in pairs])
         return self._closed_forms(variants, np.array(groups), distinct, np.array(which), pairs if whole else None)
 
-    def weak_many(self, groups: list[tuple[UnitCostTable, Config]], group: np.ndarray, variants: np.ndarray) -> np.ndarray:
+    def weak_many(self, groups: list[tuple[UnitCostTable, tuple, Callable[[], Config]]], group: np.ndarray,
+                  variants: np.ndarray) -> np.ndarray:
         """`many(pairs, whole=False)`, the same numbers, for configurations given per group: those
-        sharing a cost table, ZeRO stage, dp, hybrid shard degree, offload and pp (`groups[g]`: its
-        table and one of its configurations, which is all `_group` and the weak unit terms read) and
-        differing in what the schedule sets (`variants`: `schedule_columns` of each). Configuration
-        i is group `group[i]` with the schedule columns `variants[i]`; the Python work is per group,
-        so tens of thousands of configurations need no Config each (planner/solver/solve.py `search`)."""
+        sharing a cost table and `group_columns`' settings, differing in what the schedule sets
+        (`groups[g]`: its table, settings and a maker of one of its configurations, which is all
+        `group_columns` and the weak unit terms read; `variants`: `schedule_columns` of each).
+        Configuration i is group `group[i]` with the schedule columns `variants[i]`; the Python
+        work is per group, so tens of thousands of configurations need no Config each
+        (planner/solver/solve.py `search`)."""
         if not len(group):
             return np.zeros(0)
         distinct: list[_UnitTerms] = []
         position: dict[int, int] = {}
         columns, which = [], []
-        for table, cfg in groups:
-            terms = self._unit_terms(table, cfg, False)
-            columns.append(_group_columns(self._group(table, cfg)))
+        for table, settings, config in groups:
+            terms = self._units.get((id(table), 0, 1, None))  # `_unit_terms`' key of the weak terms
+            if terms is None:
+                terms = self._unit_terms(table, config(), False)
+            columns.append(self.group_columns(table, settings, config))
             if id(terms) not in position:
                 position[id(terms)] = len(distinct)
                 distinct.append(terms)
@@ -311,7 +320,7 @@ class TimeBound:
     def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
                       pairs: list[tuple[UnitCostTable, Config]] | None) -> np.ndarray:
         """The closed forms of the module docstring for N configurations: `variants` [N, 7]
-        (`schedule_columns`), `groups` [N, 6] (`_group_columns`), each configuration's unit terms
+        (`schedule_columns`), `groups` [N, 6] (`group_columns`), each configuration's unit terms
         `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring, None
         leaves them out (the weak bound)."""
         least, most, inverse_sum, p, v, m, form = variants.T
@@ -355,11 +364,6 @@ def schedule_columns(schedule: str, pp: int, num_microbatches: int, virtual_stag
     sum_r 1 / L_r (`_in_flight`), p, v, m and the closed form (`_SCHEDULE_FORM`)."""
     form = _SCHEDULE_FORM.get(schedule, 0) if schedule != "interleaved-1f1b" or virtual_stages > 1 else 0
     return (*_in_flight(schedule, pp, num_microbatches, virtual_stages), pp, virtual_stages, num_microbatches, form)
-
-
-def _group_columns(group: _GroupTerms) -> tuple[float, ...]:
-    return (group.states_bytes, group.min_p2p_s, group.min_hop_s, group.forward_s, group.backward_s,
-            group.optimizer_s)
 
 
 def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
@@ -553,11 +557,18 @@ def memory_lower_bound(table: UnitCostTable, cfg: Config, env: Environment) -> f
     return model_states_bytes(table, cfg, env) / cfg.pp
 
 
+def parameter_sums(table: UnitCostTable) -> tuple[float, float | None, float | None]:
+    """The table's dense, frozen and expert parameters, summed: all `model_states_bytes` reads of it."""
+    frozen = None if table.frozen_parameters is None else float(table.frozen_parameters.sum())
+    experts = None if table.expert_parameters is None else float(table.expert_parameters.sum())
+    return float(table.dense_parameters().sum()), frozen, experts
+
+
 def model_states_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> float:
     """The model states of all units on their ranks (no tied copies): `state_bytes` summed, as
     the states of the summed parameters (`state_bytes` is linear in them)."""
-    frozen = None if table.frozen_parameters is None else float(table.frozen_parameters.sum())
-    dense = gpu_state_bytes(float(table.dense_parameters().sum()), cfg, env, frozen)
-    experts = 0.0 if table.expert_parameters is None else \
-        model_state_bytes(float(table.expert_parameters.sum()), env.dtype, cfg.zero_stage, cfg.expert_dp).total
-    return dense + experts
+    dense, frozen, experts = parameter_sums(table)
+    states = gpu_state_bytes(dense, cfg, env, frozen)
+    if experts is not None:
+        states += model_state_bytes(experts, env.dtype, cfg.zero_stage, cfg.expert_dp).total
+    return states

@@ -497,9 +497,9 @@ class _Fitting:
         variants: list[tuple[float, ...]] = []
         for block in blocks:
             kept = []
-            for entry, (_, _, zero, shard, offload) in enumerate(block.rest):
+            for entry, (_, ep, zero, shard, offload) in enumerate(block.rest):
                 table = tables[block.table_key(entry)]
-                memory = bound.states_bytes(table, zero, block.dp, shard, offload,
+                memory = bound.states_bytes(table, zero, block.dp, shard, offload, block.tp, ep, block.sequence_parallel,
                                             functools.partial(block.config, entry, 0)) / block.pp
                 if memory > usable_bytes:
                     self.pruned += len(block.schedules)
@@ -536,8 +536,11 @@ class _Fitting:
     def weak_bounds(self, gpus_per_node: int) -> np.ndarray:
         """`TimeBound.many(whole=False)` of every configuration, scaled for pipedream-2bw
         (`async_time_bounds`)."""
-        representatives = [(table, block.config(entry, 0)) for block, entry, table in self.groups]
-        weak = self.bound.weak_many(representatives, self.group, self.variants[self.variant])
+        groups: list[tuple[UnitCostTable, tuple, Callable[[], Config]]] = [
+            (table, (zero, block.dp, shard, offload, block.pp, block.tp, ep, block.sequence_parallel),
+             functools.partial(block.config, entry, 0))
+            for block, entry, table in self.groups for _, ep, zero, shard, offload in [block.rest[entry]]]
+        weak = self.bound.weak_many(groups, self.group, self.variants[self.variant])
         asynchronous = [i for i, (block, entry, table) in enumerate(self.groups)
                         if any(name == "pipedream-2bw" for name, _ in block.schedules)]
         if asynchronous:
@@ -664,6 +667,7 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
 def _states_fit(profile: Profile, dtype: str, usable_bytes: float):
     """(zero, pp, tp, shard) -> whether the whole model's states over pp x tp, ZeRO-sharded over
     `shard` ranks, fit a GPU's usable memory (a necessary condition, as the memory bound's)."""
+    @lru_cache(maxsize=None)
     def fit(zero_stage: int, pp: int, tp: int, shard: int) -> bool:
         states = model_state_bytes(profile.model.num_parameters / (pp * tp), dtype, zero_stage, shard).total
         return states <= usable_bytes
