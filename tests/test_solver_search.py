@@ -256,3 +256,22 @@ def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states
     if np.isfinite(best):
         assert z <= best * (1 + 1e-9)
         assert z >= count * times.min() / len(levels) * (1 - 1e-5)  # 24 halvings of a bracket <= 60 z* wide
+
+
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=8))
+def test_majority_modes_of_all_stages_equal_one_at_a_time(stages):
+    """`_price` names each stage's recomputation by `_majority_modes` (all stages in one numpy
+    pass); it must equal `majority_mode` (most units, ties to the mode that recomputes least)."""
+    import numpy as np
+
+    from planner.solver.search import _majority_modes, majority_mode
+
+    modes = ("none", "selective", "full")
+    unit_mode = np.array([r for stage in stages for r in stage])
+    starts = np.cumsum([0] + [len(stage) for stage in stages[:-1]])
+    expected = tuple(majority_mode(tuple(modes[r] for r in stage)) for stage in stages)
+    assert _majority_modes(unit_mode, starts, modes) == expected
+    # Another order of the allowed modes (env.allowed_recompute) names the same ones.
+    shuffled = ("full", "none", "selective")
+    remap = np.array([shuffled.index(m) for m in modes])
+    assert _majority_modes(remap[unit_mode], starts, shuffled) == expected

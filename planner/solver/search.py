@@ -54,6 +54,7 @@ Data-parallel communication per ZeRO stage (the runtime runs 1-3 as FSDP2):
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -614,8 +615,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     unit_mode = np.array([r for modes in stage_modes for r in modes])
     units = np.arange(unit_mode.size)
     recompute = tuple(tuple(all_modes[r] for r in modes) for modes in stage_modes)
-    full_units = np.array([all_modes[r] == "full" for r in unit_mode])
-    rebuilding = np.array([all_modes[r] in REBUILDING for r in unit_mode])
+    full_units = np.array([r == "full" for r in all_modes])[unit_mode]
+    rebuilding = np.array([r in REBUILDING for r in all_modes])[unit_mode]
     starts, ends = np.array(bounds).T
     zeros = np.zeros(len(bounds), dtype=int)
 
@@ -635,7 +636,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
                       for rank in range(cfg.pp)]
     in_flight = np.array(rank_in_flight)[np.arange(len(bounds)) % cfg.pp]
-    transient = np.array([float(table.transient["full"][i:j].max()) if rebuilding[i:j].any() else 0.0 for i, j in bounds])
+    # The stages cut the units in order, so their ranges are the segments reduceat takes from `starts`.
+    transient = np.where(np.logical_or.reduceat(rebuilding, starts), np.maximum.reduceat(table.transient["full"], starts), 0.0)
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
     loss = np.where(ends == len(table.parameters), _loss_bytes(table, env, cfg), 0.0)
@@ -663,8 +665,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     opt_s, pcie_s = [], []
     updated = _updated_per_stage(table, cfg, starts, ends, copies)
     for rank in range(cfg.pp):
-        chunks = [(i, j) for k, (i, j) in enumerate(bounds) if k % cfg.pp == rank]
         if cfg.offload:  # the AdamW step on the host CPU, and the shards' copies over PCIe
+            chunks = bounds[rank::cfg.pp]
             rank_held = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in chunks)
             rank_trained = sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * cfg.zero_dp  # before ZeRO
             cost = offload_step_cost(rank_held, env.dtype, cfg.zero_stage, cfg.zero_dp,
@@ -706,7 +708,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         cfg, True,
         iteration_time_s=float(pipeline_s + tail),
         bounds=tuple(bounds),
-        stage_recompute=tuple(majority_mode(modes) for modes in recompute),
+        stage_recompute=_majority_modes(unit_mode, starts, all_modes),
         unit_recompute=recompute,
         stage_forward_s=tuple(fwd),
         stage_backward_s=tuple(bwd),
@@ -729,6 +731,15 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     )
 
 
+def _majority_modes(unit_mode: np.ndarray, starts: np.ndarray, modes: tuple[str, ...]) -> tuple[str, ...]:
+    """`majority_mode` of every stage at once: `unit_mode` the mode index (into `modes`) of each
+    unit, the stages the consecutive segments beginning at `starts`."""
+    counts = np.add.reduceat(np.eye(len(modes), dtype=np.int64)[unit_mode], starts, axis=0)  # [stage, mode]
+    # Most units first, then the mode that recomputes least (earliest in RECOMPUTE).
+    score = counts * (len(RECOMPUTE) + 1) - np.array([RECOMPUTE.index(r) for r in modes])
+    return tuple(modes[k] for k in score.argmax(axis=1).tolist())
+
+
 def majority_mode(modes: tuple[str, ...]) -> str:
     """The mode most units run (ties: the one that recomputes least), a stage's `recompute` in
     the plan; the others are listed per unit (planner/plan.py `Stage.unit_recompute`)."""
@@ -745,8 +756,9 @@ def _tie_all_reduce_s(table, cfg: Config, env: Environment, bounds) -> list[floa
     if env.tie_all_reduce_s is None:
         return out
     grad_bytes = 4 if env.dtype == "float32" else 2
+    starts = [i for i, _ in bounds]  # the stages cut the units in order: unit u is in the last stage starting at or before it
     for tie in table.tied:
-        ranks = sorted({k % cfg.pp for k, (i, j) in enumerate(bounds) if any(i <= u < j for u in tie.units)})
+        ranks = sorted({(bisect.bisect_right(starts, u) - 1) % cfg.pp for u in tie.units})
         if len(ranks) > 1:
             nbytes = tie.num_parameters * grad_bytes / (cfg.zero_dp if cfg.zero_stage >= 1 else 1)
             seconds = env.tie_all_reduce_s(nbytes, tuple(ranks), cfg.dp * cfg.tp)
