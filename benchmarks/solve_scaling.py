@@ -73,6 +73,24 @@ x12288 12.1 -> 9.3 s, 192 layers x512 4.35 -> 3.29 s, 530B 2.47 -> 1.85 s, the M
 2.19 s; same plans and iteration times on every row. Goals for 175B (1 s on 64, 2 s on 1024)
 still not met: about 0.35 s of each solve is imports and 0.13 s printing the plan, and the DPs
 that remain are configurations whose best cuts really are within a few percent of the best.
+This round (2026-11-26, third session): the Python work per configuration went (planner/solver/solve.py
+`ConfigBlock`, `_Fitting`): configurations are enumerated as blocks (one per tp, pp, dp, cp,
+micro-batch and sp) of groups (CP algorithm, ep, ZeRO stage, shard degree, offload) times
+schedules; the memory bound is taken once per group and the weak time bound per group and
+schedule (`TimeBound.weak_many`, `group_columns`), so a Config is made only for those refined or
+priced; the model states of the bound come from the table's parameter sums (tables of another
+micro-batch or CP degree share them); `dp_tail_s` and `_price` sum chunks and stages with prefix
+sums and reduceat instead of loops. Same plans, counts and iteration times on every row (the
+in-process search on 175B x8 ... x1024 and x12,288 compared top-k, cuts and counts with the code
+before). The old and new code run one after the other (`planner solve` processes, both cores,
+median of 3): 175B x64 1.78 -> 1.63 s, x1024 3.04 -> 2.70 s, 192 layers x512 3.10 -> 2.28 s. The
+committed CSV against the previous one: x64 2.08 -> 1.72 s, x1024 3.21 -> 2.67 s, the MoE 2.19 ->
+1.32 s, 12,288 GPUs 9.27 -> 8.62 s. Goals for 175B (1 s on 64 GPUs, 2 s on 1024) still not met:
+of the x64 process, start-up and imports take about 0.4 s (pydantic's schemas, numpy, typer,
+rich), printing and writing the plan 0.1 s, and the search about 1.1 s on two cores: 0.2 s of
+cost tables and TP ILPs, 0.2 s of bounds, 0.25 s refining 1,024 configurations to the whole
+bound and 85 inter-op DPs at about 5 ms each. (The MoE row's iteration time moved +15% since the
+previous CSV: attention on H100 is now priced at FlashAttention-2's rate, not from this round.)
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
