@@ -47,6 +47,11 @@ class UnitCosts(_Model):
     """Bytes the forward keeps for backward (saved-tensor hooks; parameters excluded)."""
     peak_memory_bytes: int | None = None
     """Peak allocated memory above the baseline during forward+backward (CUDA only)."""
+    fp8_saved_bytes: int | None = None
+    """`saved_bytes` when the unit's linears run in FP8 as the runtime runs them (torchao's
+    Float8Linear, compiled): each keeps its input in FP8, 1 byte per element, and no 16-bit copy
+    of its input or weight (planner/profiler/measure.py `Float8Saves`). None: the unit has no
+    linear torchao converts, or the profile predates this field; read `saved_bytes` then."""
     forward_attention_flops: int = 0
     """Of `forward_flops`, those of fused attention kernels (planner/profiler/counters.py
     `ATTENTION_OPS`), which run at their own rate (planner/hardware.py `attention_efficiency`)."""

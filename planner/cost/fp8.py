@@ -28,7 +28,8 @@ an amax pass (read 2 bytes per element, a global reduction that the cast must wa
 scale-and-cast pass (read 2, write 1): 5 bytes of HBM traffic per element and 2 kernels.
   forward:  input x [M, K] and weight W [N, K];
   backward: grad_output dy [M, N] twice (once for dx, once for dW: torchao casts it per
-            GEMM), W again and x again (autograd saves the bf16 x and W, not their FP8 copies).
+            GEMM) and W again (the high-precision W is what is saved); not x, whose FP8 copy
+            and scale the compiled forward saves (Memory, below).
 With FSDP FP8 all-gather (torchao `enable_fsdp_float8_all_gather`, fsdp_utils.py
 `WeightWithDynamicFloat8CastTensor`) W is cast on its 1/dp shard before the all-gather and the
 gathered FP8 weight serves both forward and backward: the weight passes become one pass over
@@ -40,10 +41,18 @@ All-gather. Under FSDP with FP8 all-gather each converted weight travels as 1 by
 instead of bf16's 2 (`FP8_ALL_GATHER_BYTES_FACTOR`), and the gathered (unsharded) weight held
 between all-gather and reshard is 1 byte per element too.
 
-Memory. torchao keeps no FP8 copy across forward and backward: autograd saves the bf16 input
-and weight as `nn.Linear` does and the FP8 operands are made again in backward. What FP8 adds is
-transient: the FP8 operands of the GEMM running now (`cast_transient_bytes`, the largest over
-the unit's converted linears and their three GEMMs), freed when it returns.
+Memory. Compiled, as the runtime and torchtitan run it, a converted linear keeps for backward
+its input in FP8 (1 byte per element) and its weight parameter: torch.compile's partitioner
+(`min_cut_rematerialization_partition`) saves the smaller FP8 input rather than the bf16 one the
+backward would cast again, and `matmul_with_hp_or_float8_args` keeps the high-precision weight
+itself, not the 16-bit copy an eager `F.linear` under autocast keeps (checked on CPU,
+tests/test_fp8_memory.py). A profile counts what its units save that way
+(`UnitCosts.fp8_saved_bytes`, planner/profiler/measure.py `Float8Saves`) and the cost tables
+price a converted unit's activations from it (planner/solver/costs.py). On the H200 GPT 1.3B FP8
+run (16 x 1) the predicted peak went from +20% to +6% of the measured one
+(benchmarks/analytic_memory_vs_h200.py). What FP8 adds besides is transient: the FP8 operands of
+the GEMM running now (`cast_transient_bytes`, the largest over the unit's converted linears and
+their three GEMMs), freed when it returns.
 
 MFU conventions. Sources differ: torchtitan divides model FLOP/s by the bf16 peak whatever the
 precision (torchtitan/tools/utils.py `get_peak_flops`, "hardcoded BF16 type peak flops"), so
@@ -218,7 +227,7 @@ def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree:
     for s in shapes:
         x, dy, w = s.input_elements, s.grad_output_elements, s.weight_elements
         fwd_cast += _cast_s(x, gpu) + _cast_s(w / fsdp_float8_all_gather_degree if gather else w, gpu)
-        bwd_cast += 2 * _cast_s(dy, gpu) + _cast_s(x, gpu) + (0.0 if gather else _cast_s(w, gpu))
+        bwd_cast += 2 * _cast_s(dy, gpu) + (0.0 if gather else _cast_s(w, gpu))
         # The two FP8 operands of each GEMM: y = x W^T, dx = dy W, dW = dy^T x.
         transient = max(transient, (x + w) * FP8_BYTES, (dy + w) * FP8_BYTES, (dy + x) * FP8_BYTES)
     bwd_gemm = 2 * fwd_gemm

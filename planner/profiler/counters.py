@@ -268,12 +268,18 @@ def _tensors(obj) -> list[torch.Tensor]:
 class SavedBytes:
     """Counts distinct storages saved for backward, parameters excluded."""
 
-    def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None):
+    def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None, keep: bool = True):
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
         self.seen: set[int] = set()
         self.bytes = 0
         self.on_save = on_save
         """Called with every tensor autograd saves (OpCostMode.note_saved), or None."""
+        self.keep = keep
+        """False: for a forward that is only counted, never run backward. Autograd then keeps a
+        holder of each saved tensor, emptied by `release` once the forward is counted, so the
+        graph holds no activations however long it lives (the tensors stay alive while it is
+        counted: a freed storage's address could be reused and taken for one already seen)."""
+        self._holders: list[list] = []
 
     def pack(self, t: torch.Tensor):
         if self.on_save is not None:
@@ -283,11 +289,20 @@ class SavedBytes:
         if key not in self.excluded and key not in self.seen:
             self.seen.add(key)
             self.bytes += storage.nbytes()
-        return t
+        if self.keep:
+            return t
+        self._holders.append([t])
+        return self._holders[-1]
+
+    def release(self) -> None:
+        """Empty the holders of a counted forward (`keep=False`)."""
+        for holder in self._holders:
+            holder.clear()
+        self._holders = []
 
     @contextmanager
     def hooks(self):
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, (lambda t: t) if self.keep else (lambda h: h[0])):
             yield self
 
 

@@ -27,7 +27,9 @@ import time
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from planner.hardware import GPUSpec
@@ -97,6 +99,51 @@ def typical_s(samples: list[float], trim: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
+FP8_ALIGNMENT = 16
+"""torchao converts a linear whose weight dims are both multiples of 16 (planner/cost/fp8.py `is_convertible`)."""
+
+
+class _Float8Saved(torch.autograd.Function):
+    """A linear that keeps for backward what torchao's Float8Linear keeps under torch.compile:
+    its input cast to FP8 (1 byte per element) and its weight parameter itself. Checked on CPU
+    (tests/test_fp8_memory.py): with the partitioner torch.compile uses
+    (`min_cut_rematerialization_partition`), a compiled Float8Linear (tensorwise scaling) saves
+    the FP8 input, its scale and the fp32 weight, where an eager `F.linear` under autocast saves
+    a 16-bit copy of the input and of the weight. Forward only: it exists to be counted."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input.to(torch.float8_e4m3fn), weight)
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("counts saved bytes only (planner/profiler/measure.py `Float8Saves`)")
+
+
+class Float8Saves(TorchFunctionMode):
+    """Runs every `F.linear` of an nn.Parameter weight torchao would convert (2-d, both dims
+    multiples of 16) as `_Float8Saved`, so that a forward's saved tensors are those of the FP8
+    plan the runtime compiles (runtime/apply_fp8.py). Enter it inside the precision context:
+    the linear's own compute still sees autocast."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and len(args) >= 2:
+            weight = args[1]
+            if isinstance(weight, nn.Parameter) and weight.dim() == 2 and not weight.shape[0] % FP8_ALIGNMENT \
+                    and not weight.shape[1] % FP8_ALIGNMENT:
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                return _Float8Saved.apply(args[0], weight, bias)
+        return func(*args, **kwargs)
+
+
+def has_fp8_linears(module: nn.Module) -> bool:
+    """Whether `Float8Saves` would change anything in `module`: an nn.Linear torchao converts."""
+    return any(isinstance(m, nn.Linear) and not m.weight.shape[0] % FP8_ALIGNMENT
+               and not m.weight.shape[1] % FP8_ALIGNMENT for m in module.modules())
+
+
 def unit_costs(
     module: nn.Module,
     args: tuple,
@@ -107,6 +154,7 @@ def unit_costs(
     fusion: str = "none",
     precision=nullcontext,
     loss=None,
+    fp8: bool = True,
 ) -> UnitCosts:
     """Count one unit's forward and backward; analytic mode also prices them on `analytic_gpu`.
     Measured times start at zero and come from `time_round_robin` over a `UnitJob`.
@@ -114,7 +162,8 @@ def unit_costs(
     `loss`: for the last unit, a function of its output giving the training loss; its forward and
     backward are counted with the unit's (time, FLOPs, traffic; backward starts from the loss),
     its saved tensors are not (the memory model prices the loss's own: planner/cost/memory.py
-    `loss_bytes`)."""
+    `loss_bytes`). `fp8`: when the unit has linears torchao converts, one more forward counts what
+    it saves with them in FP8 (`Float8Saves`, `UnitCosts.fp8_saved_bytes`)."""
     params = list(module.parameters())
     meta = analytic_gpu is not None
     attention_mode = MetaAttentionMode() if meta else nullcontext()
@@ -134,6 +183,14 @@ def unit_costs(
             torch.autograd.backward(outs, grads)
     for p in params:
         p.grad = None
+    fp8_saved = None
+    if fp8 and has_fp8_linears(module):
+        a, kw = _fresh_inputs(args, kwargs)
+        counted = SavedBytes(exclude=params, keep=False)  # counted, never run backward
+        with attention_mode, precision(), Float8Saves(), counted.hooks():
+            module(*a, **kw)
+        counted.release()
+        fp8_saved = counted.bytes
     return UnitCosts(
         forward_time_s=fwd_ops.totals.roofline_time_s if meta else 0.0,
         backward_time_s=bwd_ops.totals.roofline_time_s if meta else 0.0,
@@ -144,6 +201,7 @@ def unit_costs(
         input_bytes=_nbytes((args, kwargs)),
         output_bytes=_nbytes(out),
         saved_bytes=saved.bytes,
+        fp8_saved_bytes=fp8_saved,
         forward_attention_flops=fwd_ops.totals.attention_flops,
         backward_attention_flops=bwd_ops.totals.attention_flops,
     )

@@ -133,7 +133,7 @@ def _count_unit(module: nn.Module, args, kwargs, b: int, analytic_gpu, dtype, fu
         balanced = _balanced_inputs(call, width, values if meta else None)
         layer = _Found(s, experts, {b: call.tokens}, call.top_k, call.model_dim, call.hidden_states.element_size())
         layer.counted[b] = unit_costs(experts, balanced, {}, analytic_gpu=analytic_gpu, dtype=dtype, fusion=fusion,
-                                      precision=precision)
+                                      precision=precision, fp8=False)  # torchao's Float8Linear converts no experts
         if not meta:
             layer.spread[b] = routing_spread(call.top_k_index, width)
             layer.job = UnitJob(experts, balanced, {}, precision)

@@ -416,6 +416,7 @@ class UnitCosts:
         row["fwd"], row["bwd"], row["layers"] = self._unit_seconds(u, t, sp, b, sharded_ops)
         row["comm"] = sol.comm_time_s if sol else 0.0
         row["plan"] = dict(sol.tp_plan) if (sol and is_sharded) else {}
+        fp8 = None
         if self.float8:
             fp8 = price_fp8_unit(u, b, self.compute.gpu, t, skip_fqns=self.fp8_skip,
                                  tp_plan={f"{u.name}.{m}" if m else u.name: v for m, v in row["plan"].items()} if t > 1 else None)
@@ -438,6 +439,9 @@ class UnitCosts:
         row[("rec", "none")], row[("rec_flops", "none")] = 0.0, 0.0
         c = u.costs
         saved = interpolate({k: v.saved_bytes for k, v in c.items()}, b)
+        if fp8 is not None and fp8.converted and all(v.fp8_saved_bytes is not None for v in c.values()):
+            # What the converted linears keep: FP8 inputs, no 16-bit copies (`UnitCosts.fp8_saved_bytes`).
+            saved = interpolate({k: float(v.fp8_saved_bytes) for k, v in c.items() if v.fp8_saved_bytes is not None}, b)
         out_b = interpolate({k: v.output_bytes for k, v in c.items()}, b)
         in_b = interpolate({k: v.input_bytes for k, v in c.items()}, b)
         scores = _score_bytes(u, scale, self.dtype_bytes)
