@@ -32,6 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from planner.cost.fp8 import FP8_ALIGNMENT
 from planner.hardware import GPUSpec
 from planner.profile_schema import UnitCosts
 from planner.profiler.counters import (
@@ -99,10 +100,6 @@ def typical_s(samples: list[float], trim: float = 0.1) -> float:
     return sum(kept) / len(kept)
 
 
-FP8_ALIGNMENT = 16
-"""torchao converts a linear whose weight dims are both multiples of 16 (planner/cost/fp8.py `is_convertible`)."""
-
-
 class _Float8Saved(torch.autograd.Function):
     """A linear that keeps for backward what torchao's Float8Linear keeps under torch.compile:
     its input cast to FP8 (1 byte per element) and its weight parameter itself. Checked on CPU
@@ -129,19 +126,20 @@ class Float8Saves(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and len(args) >= 2:
-            weight = args[1]
-            if isinstance(weight, nn.Parameter) and weight.dim() == 2 and not weight.shape[0] % FP8_ALIGNMENT \
-                    and not weight.shape[1] % FP8_ALIGNMENT:
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
-                return _Float8Saved.apply(args[0], weight, bias)
+        if func is F.linear and len(args) >= 2 and isinstance(args[1], nn.Parameter) and _converts(args[1]):
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return _Float8Saved.apply(args[0], args[1], bias)
         return func(*args, **kwargs)
+
+
+def _converts(weight: torch.Tensor) -> bool:
+    """A weight torchao's converter takes: 2-d, both dims multiples of FP8_ALIGNMENT (planner/cost/fp8.py `is_convertible`)."""
+    return weight.dim() == 2 and not weight.shape[0] % FP8_ALIGNMENT and not weight.shape[1] % FP8_ALIGNMENT
 
 
 def has_fp8_linears(module: nn.Module) -> bool:
     """Whether `Float8Saves` would change anything in `module`: an nn.Linear torchao converts."""
-    return any(isinstance(m, nn.Linear) and not m.weight.shape[0] % FP8_ALIGNMENT
-               and not m.weight.shape[1] % FP8_ALIGNMENT for m in module.modules())
+    return any(isinstance(m, nn.Linear) and _converts(m.weight) for m in module.modules())
 
 
 def unit_costs(

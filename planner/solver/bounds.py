@@ -60,8 +60,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import combinations
+from typing import NamedTuple
 
 import numpy as np
 
@@ -118,6 +119,28 @@ class _UnitTerms:
     of a rank can add to its time bound (`_memory_rank_s`; 0 unless a start term is negative)."""
 
 
+def _given(cfg: Config) -> Config:
+    return cfg
+
+
+class GroupSettings(NamedTuple):
+    """What configurations of one cost table share when they differ only in schedule and virtual
+    stages: all `TimeBound.group_columns` and `TimeBound.states_bytes` read of them."""
+
+    zero_stage: int
+    dp: int
+    shard_degree: int | None
+    offload: bool
+    pp: int
+    tp: int
+    ep: int
+    sequence_parallel: bool
+
+    @classmethod
+    def of(cls, cfg: Config) -> GroupSettings:
+        return cls(cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.pp, cfg.tp, cfg.ep, cfg.sequence_parallel)
+
+
 _SCHEDULE_FORM = {"zero-bubble": 2, "interleaved-1f1b": 1}
 """Which closed form of the module docstring bounds a schedule (0: GPipe and 1F1B's)."""
 
@@ -142,23 +165,18 @@ class TimeBound:
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
-        return self._states_bytes(table, cfg) / cfg.pp
+        return self.states_bytes(table, GroupSettings.of(cfg), partial(_given, cfg)) / cfg.pp
 
-    def _states_bytes(self, table: UnitCostTable, cfg: Config) -> float:
-        """s: the model states of all units on their ranks (`model_states_bytes`), once per setting it reads."""
-        return self.states_bytes(table, cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.tp, cfg.ep,
-                                 cfg.sequence_parallel, lambda: cfg)
-
-    def states_bytes(self, table: UnitCostTable, zero_stage: int, dp: int, shard_degree: int | None, offload: bool,
-                     tp: int, ep: int, sequence_parallel: bool, config: Callable[[], Config]) -> float:
-        """`_states_bytes` of the configurations of `table` with these settings (any of them,
-        made by `config` only the first time: the search asks for tens of thousands). Tables
-        that hold the same parameters (another micro-batch, CP degree or algorithm) share it:
-        it reads their sums alone, and tp, ep and sp for the experts' data-parallel degree."""
+    def states_bytes(self, table: UnitCostTable, settings: GroupSettings, config: Callable[[], Config]) -> float:
+        """s: the model states of all units on their ranks (`model_states_bytes`) of the
+        configurations of `table` with `settings` (any of them, made by `config` only the first
+        time: the search asks for tens of thousands). Tables that hold the same parameters
+        (another micro-batch, CP degree or algorithm) share it: it reads their sums alone, and
+        of the settings all but pp (tp, ep and sp for the experts' data-parallel degree)."""
         held = self._sums.get(id(table))
         if held is None:
             held = self._sums[id(table)] = (table, parameter_sums(table))
-        key = (held[1], zero_stage, dp, shard_degree, offload, tp, ep, sequence_parallel)
+        key = (held[1], settings._replace(pp=1))
         value = self._memory.get(key)
         if value is None:
             value = self._memory[key] = model_states_bytes(table, config(), self.env)
@@ -168,11 +186,7 @@ class TimeBound:
         """Seconds per iteration no plan of `cfg` can beat (module docstring)."""
         return float(self.many([(table, cfg)])[0])
 
-    def _group(self, table: UnitCostTable, cfg: Config) -> tuple[float, ...]:
-        return self.group_columns(table, (cfg.zero_stage, cfg.dp, cfg.shard_degree, cfg.offload, cfg.pp, cfg.tp, cfg.ep,
-                                          cfg.sequence_parallel), lambda: cfg)
-
-    def group_columns(self, table: UnitCostTable, settings: tuple, config: Callable[[], Config]) -> tuple[float, ...]:
+    def group_columns(self, table: UnitCostTable, settings: GroupSettings, config: Callable[[], Config]) -> tuple[float, ...]:
         """What the time bound reads of the configurations of `table` with `settings` (ZeRO stage,
         dp, hybrid shard degree, offload, pp, tp, ep, sp), which differ only in schedule and virtual
         stages: s, the model states of all units on their ranks (module docstring); min_u p2p_u,
@@ -207,20 +221,24 @@ class TimeBound:
         if updated_key not in self._updated:
             # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
             self._updated[updated_key] = updated_parameters(table, cfg(), 0, len(table.parameters)) * env.optimizer_s_per_param
-        states = self.states_bytes(table, zero, dp, shard, offload, tp, ep, sp, cfg)
+        states = self.states_bytes(table, settings, cfg)
         min_p2p, min_hop = self._parts[p2p_key]
         columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp)
         self._groups[key] = (table, columns)  # the table held: its id stays its own
         return columns
 
-    def _unit_terms(self, table: UnitCostTable, cfg: Config, whole: bool) -> _UnitTerms:
-        """The unit terms of `cfg`: with ZeRO 2/3's per-unit traffic when `whole` (once per ZeRO
-        stage, dp and hybrid shard degree), without it otherwise (once per table: the traffic only
-        adds to a unit's time, its range-start term included, `_unit_terms`), a weaker bound."""
-        sharded = whole and cfg.zero_stage >= 2 and cfg.dp > 1  # `zero_unit_s` adds traffic per unit
-        key = (id(table), cfg.zero_stage if sharded else 0, cfg.dp if sharded else 1, cfg.shard_degree if sharded else None)
+    def _unit_terms(self, table: UnitCostTable, settings: GroupSettings, config: Callable[[], Config],
+                    whole: bool) -> _UnitTerms:
+        """The unit terms of the configurations of `table` with `settings` (`config` makes one
+        where they are new): with ZeRO 2/3's per-unit traffic when `whole` (once per ZeRO stage,
+        dp and hybrid shard degree), without it otherwise (once per table: the traffic only adds
+        to a unit's time, its range-start term included, `_unit_terms`), a weaker bound."""
+        sharded = whole and settings.zero_stage >= 2 and settings.dp > 1  # `zero_unit_s` adds traffic per unit
+        key = (id(table), settings.zero_stage if sharded else 0, settings.dp if sharded else 1,
+               settings.shard_degree if sharded else None)
         units = self._units.get(key)
         if units is None:
+            cfg = config()
             plain = cfg if sharded or cfg.zero_stage < 2 else replace(cfg, zero_stage=0, shard_degree=None)
             units = self._units[key] = _unit_terms(table, plain, self.env, self._grouping)
         return units
@@ -281,18 +299,18 @@ class TimeBound:
         position: dict[int, int] = {}
         groups, which = [], []
         for table, cfg in pairs:
-            group = self._group(table, cfg)
-            terms = self._unit_terms(table, cfg, whole)
+            settings, config = GroupSettings.of(cfg), partial(_given, cfg)
+            groups.append(self.group_columns(table, settings, config))
+            terms = self._unit_terms(table, settings, config, whole)
             if id(terms) not in position:
                 position[id(terms)] = len(distinct)
                 distinct.append(terms)
             which.append(position[id(terms)])
-            groups.append(group)
         variants = np.array([schedule_columns(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
                              for _, cfg in pairs])
         return self._closed_forms(variants, np.array(groups), distinct, np.array(which), pairs if whole else None)
 
-    def weak_many(self, groups: list[tuple[UnitCostTable, tuple, Callable[[], Config]]], group: np.ndarray,
+    def weak_many(self, groups: list[tuple[UnitCostTable, GroupSettings, Callable[[], Config]]], group: np.ndarray,
                   variants: np.ndarray) -> np.ndarray:
         """`many(pairs, whole=False)`, the same numbers, for configurations given per group: those
         sharing a cost table and `group_columns`' settings, differing in what the schedule sets
@@ -307,9 +325,7 @@ class TimeBound:
         position: dict[int, int] = {}
         columns, which = [], []
         for table, settings, config in groups:
-            terms = self._units.get((id(table), 0, 1, None))  # `_unit_terms`' key of the weak terms
-            if terms is None:
-                terms = self._unit_terms(table, config(), False)
+            terms = self._unit_terms(table, settings, config, False)
             columns.append(self.group_columns(table, settings, config))
             if id(terms) not in position:
                 position[id(terms)] = len(distinct)

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from planner.solver.search import Config, Environment
 
 
+def range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per stage k: sum of per_mode[modes[k], starts[k]:ends[k]] (prefix-sum differences, one numpy pass)."""
+    prefix = np.concatenate([np.zeros((per_mode.shape[0], 1)), np.cumsum(per_mode, axis=1)], axis=1)
+    return prefix[modes, ends] - prefix[modes, starts]
+
+
 def tp_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
     """TP collectives per unit and micro-batch the compute stream waits for: all of them, or
     with async TP (`tp_comm` overlap: Megatron's --tp-comm-overlap splits each collective and its
@@ -133,20 +139,21 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     overlap = env.overlap
     grad_bytes = 4 if env.dtype == "float32" else 2
     starts, ends = np.array(bounds).T
+    zeros = np.zeros(len(bounds), dtype=int)
     rank_of = np.arange(len(bounds)) % cfg.pp  # chunk k runs on pipeline rank k mod pp
 
-    def chunks_of(values: np.ndarray) -> np.ndarray:  # per chunk: the sum over its units (prefix sums)
-        prefix = np.concatenate([[0.0], np.cumsum(values)])
-        return prefix[ends] - prefix[starts]
+    def chunks_of(values: np.ndarray) -> np.ndarray:  # per chunk: the sum over its units
+        return range_sums(values[None], zeros, starts, ends)
 
-    def by_rank(values: np.ndarray | None, extra=0.0) -> list[float]:  # per rank: the sum over its chunks
-        if values is None:
-            return [0.0] * cfg.pp
-        return np.bincount(rank_of, weights=chunks_of(values) + extra, minlength=cfg.pp).tolist()
+    def per_rank(chunk_values: np.ndarray) -> list[float]:  # per rank: the sum over its chunks
+        return np.bincount(rank_of, weights=chunk_values, minlength=cfg.pp).tolist()
+
+    def by_rank(values: np.ndarray | None, extra=0.0) -> list[float]:
+        return [0.0] * cfg.pp if values is None else per_rank(chunks_of(values) + extra)
 
     backward_chunks = chunks_of(table.backward_s + unit_recompute_s)
     slack = drain_slack_s(cfg.schedule, backward_chunks.tolist(), cfg.pp)
-    windows = np.bincount(rank_of, weights=backward_chunks, minlength=cfg.pp).tolist()
+    windows = per_rank(backward_chunks)
     copies = table.copy_parameters(starts, ends)  # tied weights' copies: dense, trained
     rank_params, rank_dense = by_rank(table.parameters, copies), by_rank(table.dense_parameters(), copies)
     rank_trained, rank_experts = by_rank(table.trained_dense_parameters(), copies), by_rank(table.expert_parameters)

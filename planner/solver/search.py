@@ -68,7 +68,7 @@ from planner.cost.schedules import in_flight_microbatches, iteration_time_s
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
-from planner.solver.comm_pricing import dp_tail_s, tp_comm_s, zero_unit_s
+from planner.solver.comm_pricing import dp_tail_s, range_sums, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
 from planner.solver.inter_op import SharedRows, least_bottleneck, range_allowed, solve_cuts
 from planner.solver.unit_recompute import UnitChoices, fastest_fitting
@@ -293,12 +293,12 @@ def _updated_per_stage(table: UnitCostTable, cfg: Config, starts: np.ndarray, en
     """`updated_parameters` of every stage [starts[k], ends[k]) at once; `copies`: their
     `copy_parameters`."""
     zeros = np.zeros(len(starts), dtype=int)
-    held = _range_sums(table.parameters[None], zeros, starts, ends) + copies
+    held = range_sums(table.parameters[None], zeros, starts, ends) + copies
     if table.frozen_parameters is not None:
-        held = held - _range_sums(table.frozen_parameters[None], zeros, starts, ends)
+        held = held - range_sums(table.frozen_parameters[None], zeros, starts, ends)
     if cfg.zero_stage == 0:
         return held.tolist()
-    experts = 0.0 if table.expert_parameters is None else _range_sums(table.expert_parameters[None], zeros, starts, ends)
+    experts = 0.0 if table.expert_parameters is None else range_sums(table.expert_parameters[None], zeros, starts, ends)
     return ((held - experts) / cfg.zero_dp + experts / cfg.expert_dp).tolist()
 
 
@@ -567,12 +567,6 @@ def _loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> float:
                       fused=env.fused_loss)
 
 
-def _range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Per stage k: sum of per_mode[modes[k], starts[k]:ends[k]] (prefix-sum differences, one numpy pass)."""
-    prefix = np.concatenate([np.zeros((per_mode.shape[0], 1)), np.cumsum(per_mode, axis=1)], axis=1)
-    return prefix[modes, ends] - prefix[modes, starts]
-
-
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
                  held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
                  communication: np.ndarray, loss: np.ndarray) -> tuple[dict[str, float], ...]:
@@ -590,7 +584,7 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
         held_parts = env.memo[key] = (table, [np.broadcast_to(np.asarray(a, dtype=float), table.parameters.shape)
                                               for a in (parts.weights, parts.gradients, parts.optimizer)])
     zeros = np.zeros(len(starts), dtype=int)
-    weights, gradients, optimizer = (_range_sums(a[None], zeros, starts, ends) for a in held_parts[1])
+    weights, gradients, optimizer = (range_sums(a[None], zeros, starts, ends) for a in held_parts[1])
     copy = gpu_state_parts(copies, cfg, env)
     stashed = held - (weights + gradients + optimizer)
     out = []
@@ -624,7 +618,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         return np.stack([per_mode[r] for r in all_modes])[unit_mode, units]
 
     def sums(values: np.ndarray) -> np.ndarray:
-        return _range_sums(values[None], zeros, starts, ends)
+        return range_sums(values[None], zeros, starts, ends)
 
     unit_recompute_s = per_unit(table.recompute_s)
     # Per stage, all stages at once: forward (with recomputation), time, stored activations.

@@ -35,7 +35,7 @@ from planner.plan import (
     Plan,
 )
 from planner.profile_schema import Profile
-from planner.solver.bounds import TimeBound, schedule_columns
+from planner.solver.bounds import GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
@@ -290,6 +290,11 @@ class ConfigBlock:
         return Config(self.tp, self.sequence_parallel, self.pp, self.dp, self.micro_batch_size, self.num_microbatches,
                       name, v, zero, ep, shard, offload, self.cp, self.expert_tp, cp_algorithm=alg)
 
+    def settings(self, group: int) -> GroupSettings:
+        """What a group's configurations share beyond their table (planner/solver/bounds.py)."""
+        _, ep, zero, shard, offload = self.rest[group]
+        return GroupSettings(zero, self.dp, shard, offload, self.pp, self.tp, ep, self.sequence_parallel)
+
     def table_key(self, group: int) -> tuple:
         """`UnitCosts.table`'s arguments for a group: (tp, sp, micro-batch, ep, cp, CP algorithm)."""
         alg, ep = self.rest[group][:2]
@@ -497,10 +502,9 @@ class _Fitting:
         variants: list[tuple[float, ...]] = []
         for block in blocks:
             kept = []
-            for entry, (_, ep, zero, shard, offload) in enumerate(block.rest):
+            for entry in range(len(block.rest)):
                 table = tables[block.table_key(entry)]
-                memory = bound.states_bytes(table, zero, block.dp, shard, offload, block.tp, ep, block.sequence_parallel,
-                                            functools.partial(block.config, entry, 0)) / block.pp
+                memory = bound.states_bytes(table, block.settings(entry), functools.partial(block.config, entry, 0)) / block.pp
                 if memory > usable_bytes:
                     self.pruned += len(block.schedules)
                     self.least_memory_bytes = min(self.least_memory_bytes, memory)
@@ -514,6 +518,7 @@ class _Fitting:
                 schedule_ids.append(np.repeat(np.arange(count), len(kept)))
                 variant_ids.append(np.repeat(np.arange(len(variants), len(variants) + count), len(kept)))
                 variants += [schedule_columns(name, block.pp, block.num_microbatches, v) for name, v in block.schedules]
+
         def joined(parts: list) -> np.ndarray:
             return np.concatenate(parts) if parts else np.zeros(0, dtype=int)
 
@@ -536,10 +541,8 @@ class _Fitting:
     def weak_bounds(self, gpus_per_node: int) -> np.ndarray:
         """`TimeBound.many(whole=False)` of every configuration, scaled for pipedream-2bw
         (`async_time_bounds`)."""
-        groups: list[tuple[UnitCostTable, tuple, Callable[[], Config]]] = [
-            (table, (zero, block.dp, shard, offload, block.pp, block.tp, ep, block.sequence_parallel),
-             functools.partial(block.config, entry, 0))
-            for block, entry, table in self.groups for _, ep, zero, shard, offload in [block.rest[entry]]]
+        groups: list[tuple[UnitCostTable, GroupSettings, Callable[[], Config]]] = [
+            (table, block.settings(entry), functools.partial(block.config, entry, 0)) for block, entry, table in self.groups]
         weak = self.bound.weak_many(groups, self.group, self.variants[self.variant])
         asynchronous = [i for i, (block, entry, table) in enumerate(self.groups)
                         if any(name == "pipedream-2bw" for name, _ in block.schedules)]
@@ -625,14 +628,13 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # refined to the whole bound for those the pricing reaches (`refined_order`), in ascending
     # order of that until the k-th best time is below the next (planner/solver/pricing.py).
     ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole), len(fitting), keep, workers)
-    least = unfit
     phases["inter_op"] = time.perf_counter() - tick
     log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", fitting.candidates, fitting.pruned, evaluated,
               {k: round(v, 3) for k, v in phases.items()})
     # A flushed pipedream-2bw ties with 1F1B on the same layout (priced as it: `flush_blocker`) and
     # holds more memory and stale weights: the synchronous one goes first.
     ranked.sort(key=lambda e: (e.iteration_time_s, e.flushed_by is not None))
-    return SearchResult(ranked, evaluated, fitting.pruned, min(least, fitting.least_memory_bytes),
+    return SearchResult(ranked, evaluated, fitting.pruned, min(unfit, fitting.least_memory_bytes),
                         time.perf_counter() - started, costs, candidates=fitting.candidates,
                         pruned_by_time=len(fitting) - evaluated, phase_times_s=phases,
                         memory_fraction=memory_fraction)
