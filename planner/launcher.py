@@ -215,10 +215,27 @@ FOLLOW_ON = re.compile(r"Connection closed by peer|Connection reset by peer|Brok
 """Errors a healthy rank raises because another rank died: never the cause of a failure."""
 
 
+KILLED = re.compile(r"Signal \d+ \((?!SIGTERM\))\w+\)")
+"""torchrun's line for a rank a signal killed, its own cleanup's SIGTERM aside."""
+
+
+def failure_blocks(stderr: str) -> dict[int, str]:
+    """rank -> its block of torchrun's failure report ("Failures:" and "Root Cause"), e.g.
+    "[1]:\n  rank : 1 (local_rank: 1)\n  exitcode : -9 ...\n  traceback : Signal 9 (SIGKILL) ..."."""
+    blocks: dict[int, str] = {}
+    for block in re.finditer(r"^\[\d+\]:\s*$(.*?)(?=^\[\d+\]:|^-{8,}|^={8,}|\Z)", stderr, re.M | re.S):
+        rank = re.search(r"rank\s*:\s*(\d+)", block.group(1))
+        if rank:
+            blocks.setdefault(int(rank.group(1)), block.group(1))
+    return blocks
+
+
 def primary_rank(stderr: str, log_dir: Path | None) -> int | None:
     """The rank whose own error caused the failure. torchrun's root cause is the first rank to
     exit, which may be a healthy rank whose collective broke when its peer died; then the first
-    rank whose log holds an error that is not such a follow-on is the cause."""
+    rank whose log holds an error that is not such a follow-on is the cause, and failing that a
+    rank torchrun reports killed by a signal (it leaves no error of its own; torchrun dates a
+    failure without an error file when it notices it, so it can lose the race to its peer's)."""
     first = root_cause(stderr)[0]
     if log_dir is None or first is None:
         return first
@@ -228,6 +245,10 @@ def primary_rank(stderr: str, log_dir: Path | None) -> int | None:
         failed = OWN_LINE.search(text) or any(EXCEPTION_LINE.match(line) for line in RANK_PREFIX.sub("", text).splitlines())
         if failed and not FOLLOW_ON.search(text):
             return rank
+    if FOLLOW_ON.search(rank_stderr(log_dir, first) or ""):
+        killed = [rank for rank, block in failure_blocks(stderr).items() if rank != first and KILLED.search(block)]
+        if killed:
+            return killed[0]
     return first
 
 
@@ -251,7 +272,8 @@ def failure_summary(stderr: str, code: int, stopped: str = "the whole job was st
         if line:
             return f"Rank {line.group(1)} failed: {line.group(2).strip()}"
     rank, root = root_cause(stderr)
-    rank = rank if failed_rank is None else failed_rank
+    if failed_rank is not None and failed_rank != rank:  # that rank's own block of the report
+        rank, root = failed_rank, failure_blocks(stderr).get(failed_rank, root)
     exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", root)
     sig = re.search(r"Signal (\d+) \((\w+)\)", root)
     causes = [m.group(1) for m in map(EXCEPTION_LINE.match, (own or root).splitlines()) if m]

@@ -172,3 +172,23 @@ def test_failure_summary_reads_the_failing_ranks_own_stderr(tmp_path):
     # Without a log, the exit code is all there is; a signal is named.
     assert failure_summary(torchrun, 1) == "Rank 1 failed (exit code 1); the whole job was stopped."
     assert "killed by SIGKILL" in failure_summary(torchrun + "  traceback : Signal 9 (SIGKILL) received by PID 7\n", -9)
+
+
+def test_a_killed_rank_is_named_when_its_peer_is_reported_first(tmp_path):
+    """torchrun dates a failure without an error file when it notices it, so a rank killed by
+    SIGKILL can lose the root cause to the peer whose collective broke on it: the peer's error is
+    a follow-on, and the killed rank, listed among the failures with its signal, is named."""
+    torchrun = ("Failures:\n[1]:\n  time      : t\n  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 8)\n"
+                "  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 8\n" + "-" * 60 + "\n"
+                "Root Cause (first observed failure):\n[0]:\n  time      : t\n  rank      : 0 (local_rank: 0)\n"
+                "  exitcode  : 1 (pid: 7)\n" + "=" * 60 + "\n")
+    for rank, text in ((0, "[rank0]: Traceback (most recent call last):\n[rank0]: RuntimeError: [pair.cc:553] "
+                           "Connection closed by peer [127.0.0.1]:420\n"), (1, "")):
+        log = tmp_path / "run_x" / "attempt_0" / str(rank) / "stderr.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(text)
+    message, _ = describe_failure(torchrun, 1, tmp_path, "the whole job was stopped")
+    assert message == "Rank 1 failed (killed by SIGKILL); the whole job was stopped."
+    # Without the follow-on (rank 0 failed on its own), rank 0 stays the cause.
+    (tmp_path / "run_x" / "attempt_0" / "0" / "stderr.log").write_text("[rank0]: ValueError: bad batch\n")
+    assert describe_failure(torchrun, 1, tmp_path, "the whole job was stopped")[0].startswith("Rank 0 failed")
