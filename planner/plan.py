@@ -206,6 +206,10 @@ class Stage(_Model):
     exceptions rather than a list per unit keeps uniform stages, and older plans, as they were."""
     tp_plan: dict[str, TPStyle] = {}
     """Module FQN (from the model root) -> tensor-parallel style."""
+    tp_copy_outputs: list[str] = []
+    """Modules of `tp_plan` styled colwise or rowwise whose output the model then writes in place
+    (the profile's `output_written_in_place`): the runtime returns a copy of their local output,
+    since autograd forbids writing into the view DTensor's `to_local` makes."""
     experts: dict[str, int] = {}
     """With ep_degree > 1: each MoE experts module of the stage (FQN from the model root) -> the
     experts one EP rank holds, E / ep_degree: EP rank i of a group holds experts
@@ -217,6 +221,10 @@ class Stage(_Model):
         if unknown:
             raise ValueError(f"unit_recompute names {unknown}, which are not units of this stage ({self.units}); "
                              "list only the stage's own units")
+        unsharded = sorted(n for n in self.tp_copy_outputs if self.tp_plan.get(n) not in ("colwise", "rowwise"))
+        if unsharded:
+            raise ValueError(f"tp_copy_outputs names {unsharded}, which the stage's tp_plan does not style colwise or "
+                             "rowwise; list only sharded modules")
         return self
 
     def unit_modes(self) -> dict[str, Recompute]:

@@ -77,6 +77,11 @@ class OpNode(_Model):
     """A `linear` whose one output feeds more than one of an attention's query, key and value
     (GPT-2's fused `c_attn`): its columns are [q | k | v], so a contiguous column shard is not
     whole heads and the solver keeps it replicated."""
+    output_written_in_place: bool = False
+    """A `linear` or `embedding` whose output (or a view of it) its unit then writes in place
+    (Falcon's `mlp_output += attention_output`). Sharded, the module hands back DTensor's local
+    view, which autograd forbids writing, so the plan lists it in `Stage.tp_copy_outputs` and
+    the runtime hands back a copy."""
     has_bias: bool = False
     """Whether the module has a bias."""
     input_shape: list[int]

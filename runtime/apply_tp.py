@@ -30,7 +30,7 @@ examples and Hugging Face's Llama do: the owner of a pair sees the full sequence
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import torch
@@ -67,10 +67,12 @@ def _in_unit(name: str, unit: str) -> bool:
 
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str], sequence_parallel: bool,
-             units: list[str] | None = None) -> None:
+             units: list[str] | None = None, copy_outputs: Sequence[str] = ()) -> None:
     """Shard `module` (a whole model or one stage of it) over `tp_mesh` as `tp_plan` says.
 
-    `units` are the stage's units in execution order (needed for sequence parallelism only).
+    `units` are the stage's units in execution order (needed for sequence parallelism only);
+    `copy_outputs` the sharded modules whose output the model writes in place (the plan's
+    `Stage.tp_copy_outputs`: `_copy_local_outputs`).
     """
     if not tp_plan or tp_mesh.size() == 1:
         return
@@ -109,8 +111,11 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
     if region:
         styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
     parallelize_module(module, tp_mesh, styles)
+    sharded = [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))]
     if any(getattr(m, "inplace", False) is True for m in module.modules()):
-        _copy_local_outputs(present, [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))])
+        _copy_local_outputs(present, sharded)  # an in-place module may follow any of them
+    else:
+        _copy_local_outputs(present, [n for n in sharded if n in set(copy_outputs)])
     # Read by sum_partial_gradients. (torch types nn.Module.__setattr__ for tensors and modules only.)
     module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs) + moe_local  # type: ignore[assignment]
     if region:
@@ -127,7 +132,10 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
 def _copy_local_outputs(present: dict, names: list[str]) -> None:
     """A sharded module's local output is a view DTensor's `to_local` made inside a custom
     Function, and autograd forbids writing into such a view in place: a model with in-place
-    ops (VGG's `ReLU(inplace=True)` after a colwise Linear) gets copies instead."""
+    modules (VGG's `ReLU(inplace=True)` after a colwise Linear) gets copies of every sharded
+    output, other models of those the profile saw written (Falcon's `mlp_output +=
+    attention_output`). A copy per call: the copy reads and writes the output once, which on a
+    GPU is a sizeable share of a small projection's time, so it is made only where needed."""
     def copy(mod, args, out):
         return out.clone() if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) else None
 

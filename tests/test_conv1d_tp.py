@@ -1,9 +1,12 @@
-"""Tensor parallelism for linears recognised by structure: Hugging Face's Conv1D (GPT-2).
+"""Tensor parallelism for linears recognised by structure: Hugging Face's Conv1D (GPT-2), and
+Falcon's FalconLinear (`x @ weight.T`).
 
 Conv1D stores its weight [in, out] and computes `addmm(bias, x, weight)`. The op graph must
 record it as a linear with that orientation, the ILP must read its features the right way
 round and keep the fused q|k|v projection `c_attn` replicated, and the runtime must shard it
-so that a solved tp=2 plan trains like one process.
+so that a solved tp=2 plan trains like one process. FalconLinear multiplies by a transposed
+view of an [out, in] weight, and Falcon writes its MLP's output in place, which the plan
+must list for the runtime to copy (`Stage.tp_copy_outputs`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,20 @@ class _NotLinear(nn.Module):
         return x * self.weight.sum(0)
 
 
+class _Transposed(nn.Linear):
+    """nn.Linear's [out, in] weight multiplied through a transposed view, as FalconLinear does."""
+
+    def __init__(self, n_in, n_out, how):
+        super().__init__(n_in, n_out)
+        self.how = how
+
+    def forward(self, x):
+        w = self.weight
+        transposed = {"T": lambda: w.T, "t": lambda: w.t(), "transpose": lambda: w.transpose(-1, -2),
+                      "mT": lambda: w.mT, "twice": lambda: w.T @ w}[self.how]()
+        return x @ transposed + self.bias if self.how != "twice" else x @ transposed
+
+
 def test_orientation_is_read_from_the_forward_not_the_class():
     from transformers.pytorch_utils import Conv1D
 
@@ -65,6 +82,48 @@ def test_orientation_is_read_from_the_forward_not_the_class():
     assert linear_weight_orientation(_OutIn(4, 12)) is False
     assert linear_weight_orientation(_NotLinear(8)) is None
     assert linear_weight_orientation(nn.LayerNorm(8)) is None
+
+
+@pytest.mark.parametrize("how", ["T", "t", "transpose", "mT"])
+def test_a_transposed_weight_view_is_an_out_in_linear(how):
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+
+    assert linear_weight_orientation(_Transposed(12, 4, how)) is False
+    assert linear_weight_orientation(_Transposed(8, 8, how)) is False  # square: the transpose tells
+    assert linear_weight_orientation(FalconLinear(12, 4)) is False
+
+
+def test_a_weight_used_twice_is_not_a_linear():
+    assert linear_weight_orientation(_Transposed(8, 8, "twice")) is None  # x @ (W^T W): not one product with x
+
+
+class _WritesInPlace(nn.Module):
+    """A unit that adds into its second linear's output in place (as Falcon's decoder layer does)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.up, self.down, self.how = nn.Linear(8, 16), nn.Linear(16, 8), how
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x)))
+        if self.how == "iadd":
+            h += x
+        elif self.how == "method":
+            h.add_(x)
+        elif self.how == "view":
+            h[..., :4] = 0.0
+        else:
+            h = h + x
+        return h
+
+
+@pytest.mark.parametrize("how,written", [("iadd", True), ("method", True), ("view", True), ("out-of-place", False)])
+def test_op_graph_flags_a_linear_output_written_in_place(how, written):
+    from planner.profiler.opgraph import record_op_graph
+
+    ops = {op.name: op for op in record_op_graph(_WritesInPlace(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
+    assert ops["down"].output_written_in_place is written
+    assert ops["up"].output_written_in_place is False  # relu makes a new tensor
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ unit's own input).
 
 A module outside LEAF_KINDS is a `linear` by structure (`linear_weight_orientation`): it owns a
 2-D `weight` and its own forward multiplies its input by that weight, stored [out, in] as
-nn.Linear's (`F.linear(x, weight)`) or [in, out] (`x @ weight`, `addmm(bias, x, weight)`:
-Hugging Face's `Conv1D`, which GPT-2's attention and MLP use). A class-name list would miss
-every model's own variant of it.
+nn.Linear's (`F.linear(x, weight)`, or `x @ weight.T` as Falcon's `FalconLinear` computes it)
+or [in, out] (`x @ weight`, `addmm(bias, x, weight)`: Hugging Face's `Conv1D`, which GPT-2's
+attention and MLP use). A class-name list would miss every model's own variant of it.
 """
 
 from __future__ import annotations
@@ -39,6 +39,36 @@ ATTENTION_FUNCS = {F.scaled_dot_product_attention}
 IN_OUT_FUNCS = {torch.mm: 1, torch.matmul: 1, torch.Tensor.mm: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
                 torch.addmm: 2, torch.Tensor.addmm: 2}  # x @ W: W is [in, out]
 OUT_IN_FUNCS = {F.linear: 1}  # x @ W^T: W is [out, in]
+# W^T taken as a view of a 2-D weight (`W.T`, `W.t()`, `W.transpose(0, 1)`, `W.mT`), then used as an
+# IN_OUT_FUNCS operand: x @ W^T again, W stored [out, in].
+TRANSPOSE_PROPERTIES = {torch.Tensor.__dict__.get("T") or torch._C.TensorBase.__dict__["T"],
+                        torch.Tensor.__dict__.get("mT") or torch._C.TensorBase.__dict__["mT"]}
+
+
+def _transposes_weight(func, args, kwargs, weight: torch.Tensor) -> bool:
+    """Whether `func(*args, **kwargs)` is the transpose of the 2-D `weight` (a property's getter is a
+    fresh method wrapper each time, so it is known by the descriptor it is bound to)."""
+    if not args or args[0] is not weight:
+        return False
+    if getattr(func, "__self__", None) in TRANSPOSE_PROPERTIES or func in (torch.t, torch.Tensor.t):
+        return True
+    if func in (torch.transpose, torch.Tensor.transpose):
+        dims = [*args[1:], *kwargs.values()]
+        return len(dims) == 2 and {int(d) % 2 for d in dims} == {0, 1}
+    return False
+
+
+IN_PLACE_DUNDERS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__"}
+
+
+def _written_in_place(func, args, kwargs) -> torch.Tensor | None:
+    """The tensor `func(*args, **kwargs)` writes in place (`add_`, `+=`, `x[i] = v`, `relu(x,
+    inplace=True)`), or None."""
+    name = getattr(func, "__name__", "")
+    in_place = (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_DUNDERS or kwargs.get("inplace") is True
+    target = args[0] if in_place and args else None
+    return target if isinstance(target, torch.Tensor) else None
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -51,18 +81,26 @@ class _WeightUse(TorchFunctionMode):
     def __init__(self, weight: torch.Tensor, x: torch.Tensor):
         super().__init__()
         self.weight, self.derived, self.keep = weight, {id(x)}, [x]
+        self.transposed: set[int] = set()  # ids of W^T views (kept alive in `keep`)
         self.uses: list[bool | None] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if _transposes_weight(func, args, kwargs, self.weight):
+            self.transposed.add(id(out))  # not a use yet: what multiplies it decides
+            self.keep.append(out)
+            return out
         operands = tree_flatten((args, kwargs))[0]
-        if any(t is self.weight for t in operands):
+        if any(t is self.weight or id(t) in self.transposed for t in operands if isinstance(t, torch.Tensor)):
             use = None
             for funcs, in_out in ((IN_OUT_FUNCS, True), (OUT_IN_FUNCS, False)):
                 pos = funcs.get(func)
-                if pos is not None and len(args) > pos and args[pos] is self.weight and id(args[pos - 1]) in self.derived:
-                    use = in_out
+                if pos is not None and len(args) > pos and id(args[pos - 1]) in self.derived:
+                    if args[pos] is self.weight:
+                        use = in_out
+                    elif in_out and id(args[pos]) in self.transposed:
+                        use = False  # x @ W^T
             self.uses.append(use)
         if any(isinstance(t, torch.Tensor) and id(t) in self.derived for t in operands):
             for t in _tensors(out):  # tensors computed from the input (kept alive so ids stay unique)
@@ -128,6 +166,7 @@ class _OpGraphRecorder(TorchFunctionMode):
         self.counts: dict[str, int] = {}
         self.handles = []
         self.in_out: dict[str, bool] = {}  # structural linears -> weight stored [in, out]
+        self.outputs: dict[int, OpNode] = {}  # id of a leaf's output (kept alive in `alive`) -> its op
         for name, module in unit.named_modules():
             kind = LEAF_KINDS.get(type(module))
             if kind is None and (orientation := linear_weight_orientation(module)) is not None:
@@ -166,7 +205,7 @@ class _OpGraphRecorder(TorchFunctionMode):
                 y = _tensors(out)[0]
                 in_out = self.in_out.get(name)
                 self.ops.append(
-                    OpNode(
+                    node := OpNode(
                         name=name or info["kind"],  # the unit itself is the leaf (e.g. an Embedding unit)
                         kind=info["kind"],
                         module=name,
@@ -180,6 +219,7 @@ class _OpGraphRecorder(TorchFunctionMode):
                     )
                 )
                 self.tag(out, frozenset({name or info['kind']}))
+                self.outputs[id(y)] = node
 
         return hook
 
@@ -188,6 +228,11 @@ class _OpGraphRecorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.depth > 0:
             return out
+        written = _written_in_place(func, args, kwargs)
+        if written is not None:  # into a leaf's output, or a view of it (whose _base it is)
+            node = self.outputs.get(id(written)) or self.outputs.get(id(written._base))
+            if node is not None:
+                node.output_written_in_place = True
         inputs = self.sources((args, kwargs))
         kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None
         if kind is None:

@@ -125,15 +125,18 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     stages = []
     for k, ((i, j), recompute, unit_modes) in enumerate(zip(best.bounds, best.stage_recompute, best.unit_recompute,
                                                              strict=True)):
-        tp_plan = {}
+        tp_plan, copies = {}, []
         if cfg.tp > 1:
             for u in range(i, j):
                 tp_plan.update({module_fqn(names[u], module): style for module, style in table.tp_plans[u].items()})
+                written = [module_fqn(names[u], op.module) for op in profile.units[u].ops
+                           if op.output_written_in_place and op.module is not None]
+                copies += [name for name in written if tp_plan.get(name) in ("colwise", "rowwise")]
         experts = {module_fqn(names[u], layer.experts): layer.num_experts // cfg.ep
                    for u in range(i, j) for layer in profile.units[u].moe} if cfg.ep > 1 else {}
         unit_recompute = {names[u]: r for u, r in zip(range(i, j), unit_modes, strict=True) if r != recompute}
         stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute,
-                            unit_recompute=unit_recompute, tp_plan=tp_plan, experts=experts))
+                            unit_recompute=unit_recompute, tp_plan=tp_plan, tp_copy_outputs=copies, experts=experts))
     n = cluster.world_size
     t = best.iteration_time_s
     samples = global_batch_size / t
