@@ -97,3 +97,23 @@ def test_fused_attention_runs_at_the_gpus_attention_rate():
     expected = max((costs.forward_flops - costs.forward_attention_flops) / gemm + costs.forward_attention_flops / attention,
                    costs.forward_memory_traffic_bytes / h100.achievable_bandwidth)
     assert on_h100.forward_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_meta_attention_keeps_the_value_width(masked):
+    """DeepSeek's latent attention has q and k 192 wide and v 128: the meta kernel must return v's
+    width, as SDPA does (flash's meta function would return q's), and count q.k over 192 and
+    p.v over 128."""
+    import torch
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    from planner.profiler.counters import MetaAttentionMode, OpCostMode
+
+    q = torch.empty(1, 4, 256, 192, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(1, 4, 256, 128, device="meta", dtype=torch.bfloat16)
+    mask = torch.ones(256, 256, dtype=torch.bool, device="meta").tril() if masked else None
+    ops = OpCostMode(get_gpu("h100-80gb"), "bfloat16")
+    with MetaAttentionMode(), ops:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, v, attn_mask=mask, is_causal=not masked)
+    assert out.shape == (1, 4, 256, 128)
+    assert ops.totals.attention_flops == sdpa_flop_count(q.shape, q.shape, v.shape)

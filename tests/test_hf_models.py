@@ -32,6 +32,15 @@ CONFIGS = {
     "mistral-7b": SMALL,
     "gpt2": NO_DROPOUT_GPT2,
     "qwen3-30b-a3b": dict(SMALL, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    # FalconLinear computes x @ W.T; the decoder layer adds into the MLP's output in place.
+    "falcon-40b": dict(num_hidden_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_kv_heads=2,
+                       vocab_size=256),
+    # Multi-head latent attention (q and k 24 wide, v 8: another head dim than q's), a dense first
+    # layer, then shared and routed experts. head_dim is the rotary width (qk_rope_head_dim).
+    "deepseek-v3": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                        num_key_value_heads=4, vocab_size=256, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
 }
 SEQ_LEN = 32
 
@@ -95,11 +104,13 @@ LAYOUTS = {
     "fsdp2": (2, Pins(dp=2, zero_stage=3)),
     "pp2xtp2": (4, Pins(pp=2, tp=2)),
 }
-PARITY_MODELS = ["llama3-8b", "qwen3-8b", "gpt2"]
 # Every layout for Llama; for the others the two that cover the rest (pp2 x tp2 holds tp2's and
-# pp2's code paths; fsdp2 the sharded one): the full product cost a minute of a suite near its budget.
-PARITY_CASES = [(name, layout) for name in PARITY_MODELS for layout in sorted(LAYOUTS)
-                if name == "llama3-8b" or layout in ("pp2xtp2", "fsdp2")]
+# pp2's code paths; fsdp2 the sharded one), pp2 x tp2 alone for the two whose difference is in
+# what tp shards (Falcon's x @ W.T linears and the MLP output it writes in place; DeepSeek's
+# latent attention and experts): the full product cost a minute of a suite near its budget.
+PARITY_LAYOUTS = {"llama3-8b": sorted(LAYOUTS), "qwen3-8b": ["fsdp2", "pp2xtp2"], "gpt2": ["fsdp2", "pp2xtp2"],
+                  "falcon-40b": ["pp2xtp2"], "deepseek-v3": ["pp2xtp2"]}
+PARITY_CASES = [(name, layout) for name, layouts in PARITY_LAYOUTS.items() for layout in layouts]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +133,28 @@ def test_solver_plan_trains_like_one_process(name, layout, measured_profiles, tm
     check_parity(plan, tmp_path)
 
 
+def test_falcon_mlp_is_sharded_and_its_written_output_copied():
+    """FalconLinear (x @ W.T) is a linear by structure, so tp shards Falcon's MLP; the layer then
+    writes the MLP's output in place (`mlp_output += attention_output`), so the plan lists the
+    rowwise projection for the runtime to copy (the parity test runs it)."""
+    profile = profile_model(hf.__file__, args_of("falcon-40b"), [1], device="meta", gpu="h100-80gb")
+    block = next(u for u in profile.units if u.kind == "FalconDecoderLayer")
+    linears = {op.name: (op.weight_shape, op.weight_in_out) for op in block.ops if op.kind == "linear"}
+    assert linears["mlp.dense_h_to_4h"] == ([256, 64], False) and linears["mlp.dense_4h_to_h"] == ([64, 256], False)
+    assert [op.name for op in block.ops if op.output_written_in_place] == ["mlp.dense_4h_to_h"]
+    plan = solve(profile, make_cluster(2, gpu="h100-80gb"), 4, Pins(tp=2, sequence_parallel=False))
+    stage = plan.stages[0]
+    assert stage.tp_plan["transformer.h.0.mlp.dense_4h_to_h"] == "rowwise"
+    assert stage.tp_copy_outputs == ["transformer.h.0.mlp.dense_4h_to_h", "transformer.h.1.mlp.dense_4h_to_h"]
+
+
+def test_plan_refuses_copying_an_unsharded_output():
+    from planner.plan import Stage
+
+    with pytest.raises(ValueError, match="tp_copy_outputs names"):
+        Stage(units=["a"], ranks=[0, 1], tp_plan={"a.x": "replicate"}, tp_copy_outputs=["a.x"])
+
+
 def test_training_turns_the_kv_cache_off():
     from planner.model_file import load_model_file
 
@@ -129,11 +162,12 @@ def test_training_turns_the_kv_cache_off():
     assert model.config.use_cache is False
 
 
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "deepseek-v3"])
 @pytest.mark.parametrize("layout", ["pp2-1f1b", "fsdp2"])
-def test_mixture_of_experts_model_solves(layout):
-    """The unmodified Qwen3-MoE model, profiled on meta, gets a plan for each pinned layout
-    (expert parallelism itself is examples/moe.py's and runtime/apply_ep.py's)."""
-    profile = profile_model(hf.__file__, args_of("qwen3-30b-a3b"), [1, 2], device="meta", gpu="h100-80gb")
+def test_mixture_of_experts_model_solves(layout, name):
+    """The unmodified Qwen3-MoE and DeepSeek-V3 models, profiled on meta, get a plan for each
+    pinned layout (expert parallelism itself is examples/moe.py's and runtime/apply_ep.py's)."""
+    profile = profile_model(hf.__file__, args_of(name), [1, 2], device="meta", gpu="h100-80gb")
     world, pins = LAYOUTS[layout]
     plan = solve(profile, make_cluster(world, gpu="h100-80gb"), 4, pins)
     assert plan.world_size == world and plan.prediction.iteration_time_s > 0

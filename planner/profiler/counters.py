@@ -307,13 +307,18 @@ class SavedBytes:
 
 
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """Flash/efficient attention on meta tensors: same result shape, realistic costs."""
+    """Flash/efficient attention on meta tensors: same result shape, realistic costs. The flash
+    kernel needs one head dim for q, k and v, so values of another width (DeepSeek's MLA: q, k
+    192 wide, v 128) take the memory-efficient kernel, as torch's SDPA dispatch does on a GPU
+    (flash's meta function would return q's width)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         repeat = query.shape[-3] // key.shape[-3]
         key = key.repeat_interleave(repeat, dim=-3)
         value = value.repeat_interleave(repeat, dim=-3)
-    if attn_mask is None:
+    if attn_mask is None and value.shape[-1] == query.shape[-1]:
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+    if attn_mask is None:
+        return aten._scaled_dot_product_efficient_attention(query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
     if attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
     attn_mask = attn_mask.expand(query.shape[:-1] + key.shape[-2:-1])
