@@ -58,7 +58,19 @@ def load_config(config: str, **overrides: Any):
                            "Use the config's own field names (e.g. -a num_hidden_layers=2), or seq_len for the batch.")
     for key, value in overrides.items():
         setattr(cfg, key, value)
+    _check_padding_token(cfg, path, overrides)
     return cfg
+
+
+def _check_padding_token(cfg, path: Path, overrides: dict) -> None:
+    """A padding token outside the vocabulary, as shrinking vocab_size leaves it: the embedding
+    would refuse it with an assertion about padding_idx; say which fields to change instead."""
+    pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
+    if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
+        how = " (vocab_size set by -a)" if "vocab_size" in overrides else ""
+        raise PlannerError(f"The {cfg.model_type} config {path} pads with token {pad}, outside its vocabulary of "
+                           f"{vocab}{how}: the embedding cannot reserve it.",
+                           f"Pass -a pad_token_id=0 with the smaller vocabulary, or keep vocab_size above {pad}.")
 
 
 def _seq_len(cfg, seq_len: int | None) -> int:

@@ -84,6 +84,14 @@ def test_config_overrides_are_checked_by_name():
         hf.make_batch(1, str(EXAMPLES / "hf" / "gpt2.json"), seq_len=4096)
 
 
+def test_a_padding_token_outside_a_shrunk_vocabulary_is_named(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(json.loads((EXAMPLES / "hf" / "llama3-8b.json").read_text()), pad_token_id=32000)))
+    with pytest.raises(PlannerError, match=r"pads with token 32000, outside its vocabulary of 256 \(vocab_size set by -a\)"):
+        hf.load_config(str(config), vocab_size=256)
+    assert hf.load_config(str(config), vocab_size=256, pad_token_id=0).pad_token_id == 0
+
+
 def test_cli_profiles_from_a_config(tmp_path):
     out = tmp_path / "p.json"
     command = [sys.executable, "-m", "planner.cli", "profile", "--hf-config", str(EXAMPLES / "hf" / "mistral-7b.json"),
