@@ -117,7 +117,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
     else:
         _copy_local_outputs(present, [n for n in sharded if n in set(copy_outputs)])
     # Read by sum_partial_gradients. (torch types nn.Module.__setattr__ for tensors and modules only.)
-    module._tp_partial_gradients = _sandwiched_parameters(present, tp_plan, pairs) + moe_local  # type: ignore[assignment]
+    module._tp_partial_gradients = _sandwiched_parameters(module, present, tp_plan, pairs) + moe_local  # type: ignore[assignment]
     if region:
         for owner in sorted(pairs):
             if any(_in_unit(owner, u) for u in region):
@@ -143,15 +143,18 @@ def _copy_local_outputs(present: dict, names: list[str]) -> None:
         present[name].register_forward_hook(copy)
 
 
-def _sandwiched_parameters(present: dict, tp_plan: Mapping[str, str], pairs: set[str]) -> list[str]:
+def _sandwiched_parameters(root: nn.Module, present: dict, tp_plan: Mapping[str, str], pairs: set[str]) -> list[str]:
     """FQNs of parameters inside a column/row pair that the plan does not shard (Qwen3's q_norm
     and k_norm, RMSNorms over each head of the colwise q and k projections).
 
     Between the colwise and the rowwise module every activation is split over the TP ranks (by
     heads or features), so such a parameter, replicated, sees only this rank's share: its
-    gradient is the sum of the ranks' gradients (`sum_partial_gradients`). A hook checks, at the
-    first forward, that each of them does run between a colwise and the rowwise module; one that
-    ran before them would see the whole activation, and summing its gradient would be wrong."""
+    gradient is the sum of the ranks' gradients (`sum_partial_gradients`). Which modules of the
+    pair's owner run there is known only by running it: the owner may also hold modules that
+    run before the colwise module or after the rowwise one and see the whole activation (torch's
+    nn.TransformerEncoderLayer keeps its norms and attention beside linear1 and linear2). These
+    are all listed here; at the first forward `_keep_sandwiched` drops those that ran outside,
+    whose gradients are already whole."""
     styled = {name for name, style in tp_plan.items() if style in ("colwise", "rowwise")}
     found = []
     for owner in sorted(pairs):
@@ -159,13 +162,16 @@ def _sandwiched_parameters(present: dict, tp_plan: Mapping[str, str], pairs: set
         inside = [(fqn, m) for fqn, m in children
                   if not any(_in_unit(fqn, s) for s in styled) and any(True for _ in m.parameters(recurse=False))]
         if inside:
-            _check_sandwich_order(present, owner, tp_plan, inside)
+            _keep_sandwiched(root, present, owner, tp_plan, inside)
             found += [f"{fqn}.{p}" for fqn, m in inside for p, _ in m.named_parameters(recurse=False)]
     return found
 
 
-def _check_sandwich_order(present: dict, owner: str, tp_plan: Mapping[str, str], inside: list) -> None:
-    """At the first forward: every module of `inside` ran after a colwise and before a rowwise module."""
+def _keep_sandwiched(root: nn.Module, present: dict, owner: str, tp_plan: Mapping[str, str], inside: list) -> None:
+    """At the owner's first forward: keep in `root._tp_partial_gradients` the parameters of the
+    modules of `inside` that ran after a colwise module with no rowwise one since, and before a
+    rowwise module (q_norm between q_proj and o_proj); drop the others (a norm before the pair,
+    or between one pair's rowwise module and the next pair's colwise one)."""
     sharded = [n for n in sorted(present) if n.startswith(owner + ".") and tp_plan.get(n) in ("colwise", "rowwise")]
     seen: list[str] = []
     handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -175,22 +181,20 @@ def _check_sandwich_order(present: dict, owner: str, tp_plan: Mapping[str, str],
             seen.append(name)
         return hook
 
-    def check(mod, args, out):
+    def between(at: int) -> bool:
+        before = [tp_plan[n] for n in seen[:at] if n in sharded]
+        return bool(before) and before[-1] == "colwise" and any(tp_plan.get(n) == "rowwise" for n in seen[at + 1:])
+
+    def keep(mod, args, out):
         for handle in handles:
             handle.remove()
-        for fqn, _ in inside:
-            if fqn not in seen:
-                continue
-            at = seen.index(fqn)
-            if not (any(tp_plan.get(n) == "colwise" for n in seen[:at]) and any(tp_plan.get(n) == "rowwise" for n in seen[at:])):
-                raise PlannerError(f"{fqn} has parameters the plan does not shard and runs inside the column/row pair of "
-                                   f"{owner}, but not between its sharded modules (order: {seen}).",
-                                   "Its gradient could not be summed over the TP ranks correctly; re-solve without "
-                                   "tensor parallelism for this model, or report the model.")
+        outside = {f"{fqn}.{p}" for fqn, m in inside if fqn not in seen or not between(seen.index(fqn))
+                   for p, _ in m.named_parameters(recurse=False)}
+        root._tp_partial_gradients = [f for f in root._tp_partial_gradients if f not in outside]  # type: ignore[assignment]
 
     for name in [*sharded, *(fqn for fqn, _ in inside)]:
         handles.append(present[name].register_forward_pre_hook(note(name)))
-    handles.append(present[owner].register_forward_hook(check))
+    handles.append(present[owner].register_forward_hook(keep))
 
 
 def sum_partial_gradients(modules: list[nn.Module], tp_group) -> None:

@@ -58,7 +58,8 @@ column shard gives a rank a mix of q, k and v, not whole heads, and the runtime 
 re-layout the columns per head as Megatron-LM does. Its attention then runs replicated (the
 runtime has no way to slice it), and under sequence parallelism such a unit stays wholly
 replicated (`_sequence_parallel_blocked`): Megatron's layout needs every linear sharded, and a
-replicated attention in the sequence-sharded region would see only its rank's tokens.
+replicated attention in the sequence-sharded region would see only its rank's tokens. So does a
+unit whose linears are its own children (the pair's owner would be the unit itself).
 
 CBC solves it with a time limit (`ILP_TIME_LIMIT_S`); a block has about 40 variables. Units
 with at most `ENUMERATE_UP_TO` assignments are solved by pricing each one instead. The
@@ -177,7 +178,13 @@ def _fused_attention(ops) -> set[str]:
 
 
 def _sequence_parallel_blocked(ops) -> bool:
-    return any(op.kind == "linear" and op.fused_attention_input for op in ops)
+    """Whether sequence parallelism must leave this unit replicated: a fused q|k|v projection
+    (module docstring), or a linear that is a direct child of the unit (torch's
+    nn.TransformerEncoderLayer holds linear1 and linear2 beside its norms and attention). A pair's
+    owner all-gathers its first input under SP (runtime/apply_tp.py); were the owner the unit,
+    that would be the residual stream, which the unit then adds to the rowwise module's
+    sequence-sharded output."""
+    return any(op.kind == "linear" and (op.fused_attention_input or (op.module and "." not in op.module)) for op in ops)
 
 
 def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_parallel: bool = False,

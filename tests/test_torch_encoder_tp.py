@@ -1,0 +1,84 @@
+"""Tensor parallelism on a model built from torch's own nn.TransformerEncoderLayer.
+
+The layer keeps linear1 and linear2 as its own children beside its norms and its attention
+(nn.MultiheadAttention), and adds the MLP's output to the residual stream inside itself. So the
+owner of the column/row pair is the whole layer:
+- without sequence parallelism the norms and the attention run before linear1 and see whole
+  activations: their gradients are not summed over the TP ranks (runtime/apply_tp.py
+  `_keep_sandwiched`; the runtime used to refuse the plan at its first forward);
+- under sequence parallelism the layer would all-gather the residual stream and add the
+  rowwise output's sequence shard to it, so the solver leaves such units replicated
+  (planner/solver/intra_op.py `_sequence_parallel_blocked`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.cluster import make_cluster
+from planner.profiler import profile_model
+from planner.solver.solve import Pins, solve
+
+MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, vocab=256, d=64, heads=4, layers=2, ff=128):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True,
+                                                                norm_first=True) for _ in range(layers)])
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h = self.embed(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        for layer in self.layers:
+            h = layer(h, src_mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def build_model(**kw):
+    return Net(**kw)
+
+
+def make_batch(batch_size, vocab=256, seq_len=32, **_):
+    t = torch.randint(vocab, (batch_size, seq_len + 1))
+    return t[:, :-1], t[:, 1:]
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+'''
+
+
+@pytest.fixture(scope="module")
+def encoder_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("encoder") / "encoder.py"
+    path.write_text(MODEL)
+    return profile_model(str(path), {}, [1, 2], device="cpu", repeats=1, warmup=0)
+
+
+def _sharded(plan) -> dict[str, str]:
+    return {k: v for s in plan.stages for k, v in s.tp_plan.items() if v != "replicate"}
+
+
+def test_sequence_parallelism_leaves_a_layer_owning_its_linears_replicated(encoder_profile):
+    with_sp = solve(encoder_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=True))
+    without = solve(encoder_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=False))
+    assert not [n for n in _sharded(with_sp) if n.startswith("layers.")]
+    assert _sharded(without)["layers.0.linear1"] == "colwise" and _sharded(without)["layers.0.linear2"] == "rowwise"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_encoder_tp_plan_trains_like_one_process(encoder_profile, sequence_parallel, tmp_path):
+    from tests.test_runtime_parity import check_parity
+
+    plan = solve(encoder_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
+    assert plan.layout.sequence_parallel is sequence_parallel and _sharded(plan)
+    check_parity(plan, tmp_path)
