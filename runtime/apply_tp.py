@@ -190,7 +190,7 @@ def _keep_sandwiched(root: nn.Module, present: dict, owner: str, tp_plan: Mappin
             handle.remove()
         outside = {f"{fqn}.{p}" for fqn, m in inside if fqn not in seen or not between(seen.index(fqn))
                    for p, _ in m.named_parameters(recurse=False)}
-        root._tp_partial_gradients = [f for f in root._tp_partial_gradients if f not in outside]  # type: ignore[assignment]
+        root._tp_partial_gradients = [f for f in root._tp_partial_gradients if f not in outside]
 
     for name in [*sharded, *(fqn for fqn, _ in inside)]:
         handles.append(present[name].register_forward_pre_hook(note(name)))
