@@ -49,23 +49,52 @@ def load_config(config: str, **overrides: Any):
     except (KeyError, ValueError) as exc:
         raise PlannerError(f"transformers does not know model_type {model_type!r} of {path}: {exc}.",
                            "Upgrade transformers, or check the config.") from exc
-    known = set(cfg.to_dict()) | set(getattr(cfg, "attribute_map", {}))  # aliases, e.g. num_experts
+    known = _field_names(cfg)
     unknown = sorted(k for k in overrides if k not in known)
     if unknown:
         close = {k: difflib.get_close_matches(k, known, n=1) for k in unknown}
         said = ", ".join(f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for k, c in close.items())
         raise PlannerError(f"Model arguments {said} are not fields of the {model_type} config {path}.",
-                           "Use the config's own field names (e.g. -a num_hidden_layers=2), or seq_len for the batch.")
+                           "Use the config's own field names (e.g. -a num_hidden_layers=2; a nested config's with its "
+                           "name, e.g. -a text_config.num_hidden_layers=2), or seq_len for the batch.")
     for key, value in overrides.items():
-        setattr(cfg, key, value)
+        owner, _, name = key.rpartition(".")
+        setattr(_sub_config(cfg, owner), name, value)
     _check_padding_token(cfg, path, overrides)
     return cfg
+
+
+def _text_config(cfg):
+    """The config of the language model: `cfg` itself, or a multimodal model's text_config
+    (Gemma 3, whose vocabulary and context live there; the batch is text alone)."""
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
+
+def _sub_config(cfg, dotted: str):
+    """The config reached by the dotted path `dotted` ("" is `cfg`; "text_config" a multimodal
+    model's language model)."""
+    for part in filter(None, dotted.split(".")):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _field_names(cfg, prefix: str = "") -> set[str]:
+    """The fields an override may name: the config's own and its aliases (num_experts), and
+    those of nested configs by their dotted path (text_config.num_hidden_layers)."""
+    from transformers import PretrainedConfig
+
+    names = {prefix + k for k in (*cfg.to_dict(), *getattr(cfg, "attribute_map", {}))}
+    for key, value in vars(cfg).items():
+        if isinstance(value, PretrainedConfig):
+            names |= _field_names(value, f"{prefix}{key}.")
+    return names
 
 
 def _check_padding_token(cfg, path: Path, overrides: dict) -> None:
     """A padding token outside the vocabulary, as shrinking vocab_size leaves it: the embedding
     would refuse it with an assertion about padding_idx; say which fields to change instead."""
-    pad, vocab = getattr(cfg, "pad_token_id", None), getattr(cfg, "vocab_size", None)
+    text = _text_config(cfg)
+    pad, vocab = getattr(text, "pad_token_id", None), getattr(text, "vocab_size", None)
     if isinstance(pad, int) and isinstance(vocab, int) and not 0 <= pad < vocab:
         how = " (vocab_size set by -a)" if "vocab_size" in overrides else ""
         raise PlannerError(f"The {cfg.model_type} config {path} pads with token {pad}, outside its vocabulary of "
@@ -74,7 +103,8 @@ def _check_padding_token(cfg, path: Path, overrides: dict) -> None:
 
 
 def _seq_len(cfg, seq_len: int | None) -> int:
-    context = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    text = _text_config(cfg)
+    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     if seq_len is None:
         return min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN
     if context and seq_len > context:
@@ -88,15 +118,24 @@ def build_model(config: str, seq_len: int | None = None, **overrides: Any):
 
     cfg = load_config(config, **overrides)
     _seq_len(cfg, seq_len)  # refuse a bad length before the (possibly long) build
+    try:
+        model = AutoModelForCausalLM.from_config(cfg)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        raise PlannerError(f"transformers has no causal language model for model_type {cfg.model_type!r} "
+                           "(AutoModelForCausalLM does not map it): --hf-config builds decoder-only language models.",
+                           "Write a model file for it (build_model, make_batch, loss_fn: see examples/hf_llama.py) "
+                           "and profile that.") from None
     # A config's dtype is how its checkpoint is stored (transformers 5 builds in it); training
     # keeps float32 master weights and the plan's dtype runs under autocast, as for any model file.
-    return AutoModelForCausalLM.from_config(cfg).to(torch.float32)
+    return model.to(torch.float32)
 
 
 def make_batch(batch_size: int, config: str, seq_len: int | None = None, **overrides: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens; the targets are the inputs shifted left by one (next-token prediction)."""
     cfg = load_config(config, **overrides)
-    tokens = torch.randint(cfg.vocab_size, (batch_size, _seq_len(cfg, seq_len) + 1))
+    tokens = torch.randint(_text_config(cfg).vocab_size, (batch_size, _seq_len(cfg, seq_len) + 1))
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 

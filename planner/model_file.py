@@ -35,9 +35,10 @@ def parse_model_args(pairs: list[str] | tuple[str, ...] | None) -> dict[str, Any
     for pair in pairs or ():
         key, sep, raw = pair.partition("=")
         key = key.strip()
-        if not sep or not key.isidentifier():
+        if not sep or not all(part.isidentifier() for part in key.split(".")):
             raise PlannerError(
-                f"Malformed --model-arg {pair!r}: expected KEY=VALUE with KEY a Python identifier.",
+                f"Malformed --model-arg {pair!r}: expected KEY=VALUE with KEY a Python identifier (or, for a "
+                "nested Hugging Face config field, dotted identifiers: text_config.num_hidden_layers).",
                 "Example: --model-arg n_layers=4 --model-arg d_model=256",
             )
         args[key] = parse_value(raw.strip())

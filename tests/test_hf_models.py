@@ -92,6 +92,37 @@ def test_a_padding_token_outside_a_shrunk_vocabulary_is_named(tmp_path):
     assert hf.load_config(str(config), vocab_size=256, pad_token_id=0).pad_token_id == 0
 
 
+def _shipped_default(model_type: str, folder) -> str:
+    from transformers import AutoConfig
+
+    path = folder / f"{model_type}.json"
+    path.write_text(json.dumps(dict(AutoConfig.for_model(model_type).to_dict(), model_type=model_type)))
+    return str(path)
+
+
+def test_a_config_with_no_causal_lm_is_refused_with_what_to_do(tmp_path):
+    with pytest.raises(PlannerError, match="no causal language model for model_type 't5'") as caught:
+        hf.build_model(_shipped_default("t5", tmp_path), num_layers=1)
+    assert "Write a model file" in caught.value.hint
+
+
+def test_a_nested_config_field_is_overridden_by_its_path(tmp_path):
+    """A multimodal config (Gemma 3) keeps its language model's fields in text_config: -a
+    text_config.num_hidden_layers=2 reaches them, and the batch takes that config's vocabulary."""
+    from planner.model_file import parse_model_args
+
+    config = _shipped_default("gemma3", tmp_path)
+    overrides = parse_model_args(["text_config.num_hidden_layers=2", "text_config.vocab_size=300"])
+    cfg = hf.load_config(config, **overrides)
+    assert (cfg.text_config.num_hidden_layers, cfg.text_config.vocab_size) == (2, 300)
+    tokens, _ = hf.make_batch(2, config, seq_len=8, **overrides)
+    assert tokens.shape == (2, 8) and int(tokens.max()) < 300
+    with pytest.raises(PlannerError, match=r"'text_config.num_hiden_layers' \(did you mean 'text_config.num_hidden_layers'\?\)"):
+        hf.load_config(config, **{"text_config.num_hiden_layers": 2})
+    with pytest.raises(PlannerError, match="Malformed --model-arg"):
+        parse_model_args(["text_config..num_hidden_layers=2"])
+
+
 def test_cli_profiles_from_a_config(tmp_path):
     out = tmp_path / "p.json"
     command = [sys.executable, "-m", "planner.cli", "profile", "--hf-config", str(EXAMPLES / "hf" / "mistral-7b.json"),
