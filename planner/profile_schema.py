@@ -77,6 +77,11 @@ class OpNode(_Model):
     """A `linear` whose one output feeds more than one of an attention's query, key and value
     (GPT-2's fused `c_attn`): its columns are [q | k | v], so a contiguous column shard is not
     whole heads and the solver keeps it replicated."""
+    output_split_on_features: bool = False
+    """A `linear` whose output its unit splits along the output features (Phi-3's and GLM's fused
+    `gate_up_proj` chunked into gate and up, Mamba's `in_proj` into x and z): a contiguous column
+    shard would give a rank part of each piece, not whole pieces, so the solver keeps it
+    replicated (as `fused_attention_input`)."""
     output_written_in_place: bool = False
     """A `linear` or `embedding` whose output (or a view of it) its unit then writes in place
     (Falcon's `mlp_output += attention_output`). Sharded, the module hands back DTensor's local

@@ -178,3 +178,30 @@ def test_solved_gpt2_tp2_plan_trains_like_one_process(tmp_path):
     assert {"transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"} <= set(shards), shards
     assert all(not n.endswith("attn.c_attn") for n in shards)
     check_parity(plan, tmp_path)
+
+
+class _FusedGlu(nn.Module):
+    """gate|up in one projection, cut in two (Phi-3's MLP), and a q projection viewed into heads
+    whose last dim is sliced for rotary (Llama's): only the first is a cut of the features."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.gate_up, self.down, self.q, self.how = nn.Linear(8, 32), nn.Linear(16, 8), nn.Linear(8, 8), how
+
+    def forward(self, x):
+        y = self.gate_up(x)
+        gate, up = {"chunk": lambda: y.chunk(2, dim=-1), "split": lambda: torch.split(y, 16, -1),
+                    "slice": lambda: (y[..., :16], y[..., 16:]),
+                    "transposed": lambda: (t.transpose(1, 2) for t in y.transpose(1, 2).chunk(2, dim=1))}[self.how]()
+        q = self.q(x).view(*x.shape[:2], 2, 4)
+        half = q[..., :2]  # rotary's rotate_half: a cut of the head dim, not of q's features
+        return self.down(gate * up) + half.sum()
+
+
+@pytest.mark.parametrize("how", ["chunk", "split", "slice", "transposed"])
+def test_op_graph_flags_a_linear_output_cut_along_its_features(how):
+    from planner.profiler.opgraph import record_op_graph
+
+    ops = {op.name: op for op in record_op_graph(_FusedGlu(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
+    assert ops["gate_up"].output_split_on_features is True
+    assert ops["q"].output_split_on_features is False and ops["down"].output_split_on_features is False

@@ -35,6 +35,8 @@ CONFIGS = {
     # FalconLinear computes x @ W.T; the decoder layer adds into the MLP's output in place.
     "falcon-40b": dict(num_hidden_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_kv_heads=2,
                        vocab_size=256),
+    # Fused projections the unit cuts in pieces: qkv_proj (fed to attention) and gate_up_proj (chunked).
+    "phi-3-mini": dict(SMALL, pad_token_id=0),
     # Multi-head latent attention (q and k 24 wide, v 8: another head dim than q's), a dense first
     # layer, then shared and routed experts. head_dim is the rotary width (qk_rope_head_dim).
     "deepseek-v3": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -148,7 +150,7 @@ LAYOUTS = {
 # what tp shards (Falcon's x @ W.T linears and the MLP output it writes in place; DeepSeek's
 # latent attention and experts): the full product cost a minute of a suite near its budget.
 PARITY_LAYOUTS = {"llama3-8b": sorted(LAYOUTS), "qwen3-8b": ["fsdp2", "pp2xtp2"], "gpt2": ["fsdp2", "pp2xtp2"],
-                  "falcon-40b": ["pp2xtp2"], "deepseek-v3": ["pp2xtp2"]}
+                  "falcon-40b": ["pp2xtp2"], "deepseek-v3": ["pp2xtp2"], "phi-3-mini": ["tp2"]}
 PARITY_CASES = [(name, layout) for name, layouts in PARITY_LAYOUTS.items() for layout in layouts]
 
 
@@ -185,6 +187,21 @@ def test_falcon_mlp_is_sharded_and_its_written_output_copied():
     stage = plan.stages[0]
     assert stage.tp_plan["transformer.h.0.mlp.dense_4h_to_h"] == "rowwise"
     assert stage.tp_copy_outputs == ["transformer.h.0.mlp.dense_4h_to_h", "transformer.h.1.mlp.dense_4h_to_h"]
+
+
+def test_a_fused_projection_the_unit_chunks_is_never_column_sharded():
+    """Phi-3 computes gate and up with one gate_up_proj and chunks its output in two: a contiguous
+    column shard would hand rank 0 the gate alone, which it would chunk into a false gate and up
+    (a plan that trained to other losses, with no error). The op graph flags the cut; the solver
+    shards the projection by rows instead, or not at all."""
+    profile = profile_model(hf.__file__, args_of("phi-3-mini"), [1], device="meta", gpu="h100-80gb")
+    block = next(u for u in profile.units if u.kind == "Phi3DecoderLayer")
+    assert {op.name for op in block.ops if op.output_split_on_features} == {"mlp.gate_up_proj", "self_attn.qkv_proj"}
+    for sequence_parallel in (False, True):
+        plan = solve(profile, make_cluster(2, gpu="h100-80gb"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
+        styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
+        assert styles.get("model.layers.0.mlp.gate_up_proj") != "colwise"
+        assert styles.get("model.layers.0.self_attn.qkv_proj") != "colwise"
 
 
 def test_plan_refuses_copying_an_unsharded_output():

@@ -71,6 +71,26 @@ def _written_in_place(func, args, kwargs) -> torch.Tensor | None:
     return target if isinstance(target, torch.Tensor) else None
 
 
+SPLIT_FUNCS = {torch.chunk: 2, torch.Tensor.chunk: 2, torch.split: 2, torch.Tensor.split: 2, torch.tensor_split: 2,
+               torch.Tensor.tensor_split: 2, torch.unbind: 1, torch.Tensor.unbind: 1, torch.narrow: 1,
+               torch.Tensor.narrow: 1}
+"""Functions that cut a tensor into pieces along a dim: the dim's position in args."""
+_SPLIT_DIM_DEFAULT = {torch.chunk: 0, torch.Tensor.chunk: 0, torch.split: 0, torch.Tensor.split: 0, torch.tensor_split: 0,
+                      torch.Tensor.tensor_split: 0, torch.unbind: 0, torch.Tensor.unbind: 0}
+
+
+def _splits_features(func, args, kwargs, features: int) -> bool:
+    """Whether `func(*args, **kwargs)` cuts its first argument along a dim of size `features` (a
+    linear's output features, the last dim of its output or a dim of a view of it): chunk, split,
+    tensor_split, unbind, narrow by their `dim`, indexing by comparing shapes (`y[..., :n]`)."""
+    x = args[0]
+    if func in SPLIT_FUNCS:
+        pos = SPLIT_FUNCS[func]
+        dim = kwargs.get("dim", args[pos] if len(args) > pos else _SPLIT_DIM_DEFAULT.get(func, 0))
+        return isinstance(dim, int) and -x.dim() <= dim < x.dim() and x.shape[dim] == features
+    return False
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -220,6 +240,8 @@ class _OpGraphRecorder(TorchFunctionMode):
                 )
                 self.tag(out, frozenset({name or info['kind']}))
                 self.outputs[id(y)] = node
+                if y._base is not None:  # a view itself (nn.Linear on 3-D input): its views share this base
+                    self.outputs[id(y._base)] = node
 
         return hook
 
@@ -233,6 +255,15 @@ class _OpGraphRecorder(TorchFunctionMode):
             node = self.outputs.get(id(written)) or self.outputs.get(id(written._base))
             if node is not None:
                 node.output_written_in_place = True
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor):  # a linear's output, or a view of it, cut along its features
+            node = self.outputs.get(id(first)) or self.outputs.get(id(first._base))
+            if node is not None and node.kind == "linear":
+                features = node.output_shape[-1]
+                if _splits_features(func, args, kwargs, features) or (
+                        func is torch.Tensor.__getitem__ and first.shape[-1] == features
+                        and isinstance(out, torch.Tensor) and out.dim() == first.dim() and out.shape[-1] < features):
+                    node.output_split_on_features = True
         inputs = self.sources((args, kwargs))
         kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None
         if kind is None:

@@ -55,7 +55,9 @@ A linear's features come from its weight as stored (`_linear_features`): [out, i
 nn.Linear, [in, out] where the profile says `weight_in_out` (Hugging Face's Conv1D). A fused
 q|k|v projection (`fused_attention_input`, GPT-2's `c_attn`) is never colwise: a contiguous
 column shard gives a rank a mix of q, k and v, not whole heads, and the runtime does not
-re-layout the columns per head as Megatron-LM does. Its attention then runs replicated (the
+re-layout the columns per head as Megatron-LM does. Nor is a linear whose output the unit cuts
+along its features (`output_split_on_features`: a fused gate|up projection chunked in two), for
+the same reason. Its attention then runs replicated (the
 runtime has no way to slice it), and under sequence parallelism such a unit stays wholly
 replicated (`_sequence_parallel_blocked`): Megatron's layout needs every linear sharded, and a
 replicated attention in the sequence-sharded region would see only its rank's tokens. So does a
@@ -184,7 +186,8 @@ def _sequence_parallel_blocked(ops) -> bool:
     owner all-gathers its first input under SP (runtime/apply_tp.py); were the owner the unit,
     that would be the residual stream, which the unit then adds to the rowwise module's
     sequence-sharded output."""
-    return any(op.kind == "linear" and (op.fused_attention_input or (op.module and "." not in op.module)) for op in ops)
+    return any(op.kind == "linear" and (op.fused_attention_input or op.output_split_on_features
+                                        or (op.module and "." not in op.module)) for op in ops)
 
 
 def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_parallel: bool = False,
@@ -198,7 +201,8 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_paral
         # rather than per micro-batch and without the replicated weights' memory, so it is
         # not offered here (the ILP's objective sees neither advantage of real TP).
         ok = {"replicate": True, "sequence": False, "rowwise": in_f % tp == 0}
-        ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0 and not op.fused_attention_input
+        ok["colwise"] = (out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0 and not op.fused_attention_input
+                         and not op.output_split_on_features)
         # Under sequence parallelism the runtime runs Megatron's layout (runtime/apply_tp.py): every
         # linear of a block sharded, activations between the sandwiches sequence-sharded. A
         # replicated linear there (or the attention it feeds) would need the whole sequence,
