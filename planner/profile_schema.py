@@ -82,6 +82,10 @@ class OpNode(_Model):
     `gate_up_proj` chunked into gate and up, Mamba's `in_proj` into x and z): a contiguous column
     shard would give a rank part of each piece, not whole pieces, so the solver keeps it
     replicated (as `fused_attention_input`)."""
+    output_reduced_on_features: bool = False
+    """A `linear` whose output its unit reduces over the output features (OLMo 2's q_norm and
+    k_norm, RMSNorms over all of q's features before the heads are split): each rank would
+    normalise its own shard, so the solver never leaves it column-sharded."""
     output_written_in_place: bool = False
     """A `linear` or `embedding` whose output (or a view of it) its unit then writes in place
     (Falcon's `mlp_output += attention_output`). Sharded, the module hands back DTensor's local

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -205,3 +206,29 @@ def test_op_graph_flags_a_linear_output_cut_along_its_features(how):
     ops = {op.name: op for op in record_op_graph(_FusedGlu(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
     assert ops["gate_up"].output_split_on_features is True
     assert ops["q"].output_split_on_features is False and ops["down"].output_split_on_features is False
+
+
+class _NormedProjection(nn.Module):
+    """q normalised over all its features before the heads are split (OLMo 2), beside a per-head
+    norm (Qwen 3's, over head_dim: not a reduction of the projection's features)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.q, self.k, self.how = nn.Linear(8, 8), nn.Linear(8, 8), how
+
+    def forward(self, x):
+        q = self.q(x)
+        q = {"rms": lambda: q * q.pow(2).mean(-1, keepdim=True).rsqrt(), "layer_norm": lambda: F.layer_norm(q, (8,)),
+             "softmax": lambda: q.softmax(dim=-1)}[self.how]()
+        k = self.k(x).view(*x.shape[:2], 2, 4)
+        k = F.rms_norm(k, (4,))
+        return q + k.flatten(-2)
+
+
+@pytest.mark.parametrize("how", ["rms", "layer_norm", "softmax"])
+def test_op_graph_flags_a_linear_output_reduced_over_its_features(how):
+    from planner.profiler.opgraph import record_op_graph
+
+    ops = {op.name: op for op in record_op_graph(_NormedProjection(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
+    assert ops["q"].output_reduced_on_features is True
+    assert ops["k"].output_reduced_on_features is False  # per head

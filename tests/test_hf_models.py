@@ -37,6 +37,8 @@ CONFIGS = {
                        vocab_size=256),
     # Fused projections the unit cuts in pieces: qkv_proj (fed to attention) and gate_up_proj (chunked).
     "phi-3-mini": dict(SMALL, pad_token_id=0),
+    # q_norm and k_norm over all of q's and k's features, before the heads are split.
+    "olmo2-7b": dict(SMALL, pad_token_id=0),
     # Multi-head latent attention (q and k 24 wide, v 8: another head dim than q's), a dense first
     # layer, then shared and routed experts. head_dim is the rotary width (qk_rope_head_dim).
     "deepseek-v3": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -150,7 +152,7 @@ LAYOUTS = {
 # what tp shards (Falcon's x @ W.T linears and the MLP output it writes in place; DeepSeek's
 # latent attention and experts): the full product cost a minute of a suite near its budget.
 PARITY_LAYOUTS = {"llama3-8b": sorted(LAYOUTS), "qwen3-8b": ["fsdp2", "pp2xtp2"], "gpt2": ["fsdp2", "pp2xtp2"],
-                  "falcon-40b": ["pp2xtp2"], "deepseek-v3": ["pp2xtp2"], "phi-3-mini": ["tp2"]}
+                  "falcon-40b": ["pp2xtp2"], "deepseek-v3": ["pp2xtp2"], "phi-3-mini": ["tp2"], "olmo2-7b": ["tp2"]}
 PARITY_CASES = [(name, layout) for name, layouts in PARITY_LAYOUTS.items() for layout in layouts]
 
 
@@ -202,6 +204,21 @@ def test_a_fused_projection_the_unit_chunks_is_never_column_sharded():
         styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
         assert styles.get("model.layers.0.mlp.gate_up_proj") != "colwise"
         assert styles.get("model.layers.0.self_attn.qkv_proj") != "colwise"
+
+
+def test_a_projection_normalised_over_its_features_is_never_column_sharded():
+    """OLMo 2 normalises q and k over all their features (one RMSNorm of width heads x head_dim)
+    before splitting heads: column-sharded, each rank would normalise its own shard (the solver's
+    tp plan failed at the norm's weight). The op graph flags the reduction; the attention then
+    stays replicated, and so does the unit under sequence parallelism."""
+    profile = profile_model(hf.__file__, args_of("olmo2-7b"), [1], device="meta", gpu="h100-80gb")
+    block = next(u for u in profile.units if u.kind == "Olmo2DecoderLayer")
+    assert {"self_attn.q_proj", "self_attn.k_proj"} <= {op.name for op in block.ops if op.output_reduced_on_features}
+    for sequence_parallel in (False, True):
+        plan = solve(profile, make_cluster(2, gpu="h100-80gb"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
+        styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
+        assert styles.get("model.layers.0.self_attn.q_proj") != "colwise"
+        assert styles.get("model.layers.0.self_attn.k_proj") != "colwise"
 
 
 def test_plan_refuses_copying_an_unsharded_output():

@@ -91,6 +91,29 @@ def _splits_features(func, args, kwargs, features: int) -> bool:
     return False
 
 
+REDUCING_FUNCS = {torch.mean: 1, torch.Tensor.mean: 1, torch.sum: 1, torch.Tensor.sum: 1, torch.var: 1, torch.Tensor.var: 1,
+                  torch.std: 1, torch.Tensor.std: 1, torch.amax: 1, torch.Tensor.amax: 1, torch.logsumexp: 1,
+                  torch.Tensor.logsumexp: 1, torch.norm: 2, torch.Tensor.norm: 2, torch.linalg.vector_norm: 2,
+                  F.softmax: 1, torch.softmax: 1, torch.Tensor.softmax: 1, F.log_softmax: 1, F.normalize: 2}
+"""Functions that reduce over a dim (a norm's statistics, a softmax): the dim's position in args."""
+NORM_FUNCS = {F.layer_norm, F.rms_norm, F.group_norm}
+
+
+def _reduced_sizes(func, args, kwargs) -> set[int]:
+    """Sizes of the dims `func(*args, **kwargs)` reduces its first argument over (all of them for a
+    reduction without a dim; the normalised shape's for layer_norm and rms_norm)."""
+    x = args[0]
+    if func in NORM_FUNCS:
+        shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else ())
+        return {int(d) for d in ([shape] if isinstance(shape, int) else shape)} if func is not F.group_norm else set(x.shape)
+    pos = REDUCING_FUNCS[func]
+    dim = kwargs.get("dim", args[pos] if len(args) > pos else None)
+    if dim is None:
+        return set(x.shape)
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return {x.shape[d] for d in dims if isinstance(d, int) and -x.dim() <= d < x.dim()}
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -265,6 +288,11 @@ class _OpGraphRecorder(TorchFunctionMode):
                         and isinstance(out, torch.Tensor) and out.dim() == first.dim() and out.shape[-1] < features):
                     node.output_split_on_features = True
         inputs = self.sources((args, kwargs))
+        if (func in REDUCING_FUNCS or func in NORM_FUNCS) and args and isinstance(args[0], torch.Tensor):
+            sizes = _reduced_sizes(func, args, kwargs)  # statistics over a linear's features
+            for op in self.ops:
+                if op.kind == "linear" and op.name in self.tags.get(id(args[0]), frozenset()) and op.output_shape[-1] in sizes:
+                    op.output_reduced_on_features = True
         kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None
         if kind is None:
             self.tag(out, inputs)
