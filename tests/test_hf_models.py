@@ -191,34 +191,30 @@ def test_falcon_mlp_is_sharded_and_its_written_output_copied():
     assert stage.tp_copy_outputs == ["transformer.h.0.mlp.dense_4h_to_h", "transformer.h.1.mlp.dense_4h_to_h"]
 
 
-def test_a_fused_projection_the_unit_chunks_is_never_column_sharded():
-    """Phi-3 computes gate and up with one gate_up_proj and chunks its output in two: a contiguous
-    column shard would hand rank 0 the gate alone, which it would chunk into a false gate and up
-    (a plan that trained to other losses, with no error). The op graph flags the cut; the solver
-    shards the projection by rows instead, or not at all."""
-    profile = profile_model(hf.__file__, args_of("phi-3-mini"), [1], device="meta", gpu="h100-80gb")
-    block = next(u for u in profile.units if u.kind == "Phi3DecoderLayer")
-    assert {op.name for op in block.ops if op.output_split_on_features} == {"mlp.gate_up_proj", "self_attn.qkv_proj"}
+NEVER_COLWISE = {
+    # Phi-3 computes gate and up with one gate_up_proj and chunks its output in two: a contiguous
+    # column shard would hand rank 0 the gate alone, which it would chunk into a false gate and up
+    # (a plan that trained to other losses, with no error).
+    "phi-3-mini": ("Phi3DecoderLayer", "output_split_on_features", {"mlp.gate_up_proj", "self_attn.qkv_proj"}),
+    # OLMo 2 normalises q and k over all their features (one RMSNorm of width heads x head_dim)
+    # before splitting heads: column-sharded, each rank would normalise its own shard (the
+    # solver's tp plan failed at the norm's weight).
+    "olmo2-7b": ("Olmo2DecoderLayer", "output_reduced_on_features", {"self_attn.q_proj", "self_attn.k_proj"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEVER_COLWISE))
+def test_a_projection_cut_or_reduced_along_its_features_is_never_column_sharded(name):
+    """The op graph flags the cut or the reduction; the solver shards the projection by rows
+    instead, or not at all, and under sequence parallelism keeps such a unit replicated."""
+    kind, flag, names = NEVER_COLWISE[name]
+    profile = profile_model(hf.__file__, args_of(name), [1], device="meta", gpu="h100-80gb")
+    block = next(u for u in profile.units if u.kind == kind)
+    assert names <= {op.name for op in block.ops if getattr(op, flag)}
     for sequence_parallel in (False, True):
         plan = solve(profile, make_cluster(2, gpu="h100-80gb"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
         styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
-        assert styles.get("model.layers.0.mlp.gate_up_proj") != "colwise"
-        assert styles.get("model.layers.0.self_attn.qkv_proj") != "colwise"
-
-
-def test_a_projection_normalised_over_its_features_is_never_column_sharded():
-    """OLMo 2 normalises q and k over all their features (one RMSNorm of width heads x head_dim)
-    before splitting heads: column-sharded, each rank would normalise its own shard (the solver's
-    tp plan failed at the norm's weight). The op graph flags the reduction; the attention then
-    stays replicated, and so does the unit under sequence parallelism."""
-    profile = profile_model(hf.__file__, args_of("olmo2-7b"), [1], device="meta", gpu="h100-80gb")
-    block = next(u for u in profile.units if u.kind == "Olmo2DecoderLayer")
-    assert {"self_attn.q_proj", "self_attn.k_proj"} <= {op.name for op in block.ops if op.output_reduced_on_features}
-    for sequence_parallel in (False, True):
-        plan = solve(profile, make_cluster(2, gpu="h100-80gb"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
-        styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
-        assert styles.get("model.layers.0.self_attn.q_proj") != "colwise"
-        assert styles.get("model.layers.0.self_attn.k_proj") != "colwise"
+        assert all(styles.get(f"model.layers.0.{n}") != "colwise" for n in names), styles
 
 
 def test_plan_refuses_copying_an_unsharded_output():
