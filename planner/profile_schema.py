@@ -86,6 +86,11 @@ class OpNode(_Model):
     """A `linear` whose output its unit reduces over the output features (OLMo 2's q_norm and
     k_norm, RMSNorms over all of q's features before the heads are split): each rank would
     normalise its own shard, so the solver never leaves it column-sharded."""
+    output_heads_fixed: bool = False
+    """A `linear` whose output its unit views into heads with the number of heads written out
+    (OPT's `view(bsz, -1, num_heads, head_dim)`) rather than inferred (`view(b, s, -1, head_dim)`):
+    column-sharded, the view would fold the rank's features into the sequence and train to other
+    losses without an error, so the solver keeps it replicated."""
     output_written_in_place: bool = False
     """A `linear` or `embedding` whose output (or a view of it) its unit then writes in place
     (Falcon's `mlp_output += attention_output`). Sharded, the module hands back DTensor's local

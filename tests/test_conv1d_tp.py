@@ -232,3 +232,29 @@ def test_op_graph_flags_a_linear_output_reduced_over_its_features(how):
     ops = {op.name: op for op in record_op_graph(_NormedProjection(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
     assert ops["q"].output_reduced_on_features is True
     assert ops["k"].output_reduced_on_features is False  # per head
+
+
+class _Heads(nn.Module):
+    """Projections viewed into heads: inferred count (Llama's view(b, s, -1, head_dim)), written-out
+    count with the sequence inferred (OPT's view(bsz, -1, num_heads, head_dim)), written-out head
+    dim with the count inferred."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.q, self.how = nn.Linear(8, 8), how
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x)
+        return {"inferred": lambda: q.view(b, s, -1, 4), "shape": lambda: q.view((*x.shape[:2], -1, 4)),
+                "opt": lambda: q.view(b, -1, 2, 4), "reshape": lambda: q.reshape(b, s, 2, 4),
+                "head_dim_inferred": lambda: q.view(b, s, 2, -1)}[self.how]()
+
+
+@pytest.mark.parametrize("how,fixed", [("inferred", False), ("shape", False), ("opt", True), ("reshape", True),
+                                       ("head_dim_inferred", True)])
+def test_op_graph_flags_heads_written_out_in_a_view(how, fixed):
+    from planner.profiler.opgraph import record_op_graph
+
+    ops = {op.name: op for op in record_op_graph(_Heads(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
+    assert ops["q"].output_heads_fixed is fixed

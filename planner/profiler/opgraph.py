@@ -114,6 +114,21 @@ def _reduced_sizes(func, args, kwargs) -> set[int]:
     return {x.shape[d] for d in dims if isinstance(d, int) and -x.dim() <= d < x.dim()}
 
 
+RESHAPE_FUNCS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
+
+
+def _heads_fixed(func, args, out, features: int) -> bool:
+    """Whether `func(*args)` splits a `features`-wide last dim into (heads, head_dim) with the
+    heads written out: only an inferred count (-1) follows a tensor-parallel rank's share of them."""
+    x = args[0]
+    if func not in RESHAPE_FUNCS or not isinstance(out, torch.Tensor) or out.dim() != x.dim() + 1:
+        return False
+    if x.shape[-1] != features or out.shape[-2] * out.shape[-1] != features or out.shape[-2] == 1:
+        return False
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+    return len(sizes) == out.dim() and sizes[-2] != -1
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -279,10 +294,14 @@ class _OpGraphRecorder(TorchFunctionMode):
             if node is not None:
                 node.output_written_in_place = True
         first = args[0] if args else None
-        if isinstance(first, torch.Tensor):  # a linear's output, or a view of it, cut along its features
-            node = self.outputs.get(id(first)) or self.outputs.get(id(first._base))
-            if node is not None and node.kind == "linear":
+        if isinstance(first, torch.Tensor):  # computed from a linear's output: cut along its features, or viewed into heads
+            tagged = self.tags.get(id(first), frozenset())
+            for node in self.ops:
+                if node.kind != "linear" or node.name not in tagged:
+                    continue
                 features = node.output_shape[-1]
+                if _heads_fixed(func, args, out, features):
+                    node.output_heads_fixed = True
                 if _splits_features(func, args, kwargs, features) or (
                         func is torch.Tensor.__getitem__ and first.shape[-1] == features
                         and isinstance(out, torch.Tensor) and out.dim() == first.dim() and out.shape[-1] < features):

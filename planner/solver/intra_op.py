@@ -58,7 +58,9 @@ column shard gives a rank a mix of q, k and v, not whole heads, and the runtime 
 re-layout the columns per head as Megatron-LM does. Nor is a linear whose output the unit cuts
 along its features (`output_split_on_features`: a fused gate|up projection chunked in two), for
 the same reason, nor one whose features it reduces over (`output_reduced_on_features`: a norm
-over all of q's features), which each rank would do over its own shard. Its attention then runs replicated (the
+over all of q's features), which each rank would do over its own shard, nor one it splits into a
+written-out number of heads (`output_heads_fixed`), whose view would fold a rank's share of the
+features into the sequence. Its attention then runs replicated (the
 runtime has no way to slice it), and under sequence parallelism such a unit stays wholly
 replicated (`_sequence_parallel_blocked`): Megatron's layout needs every linear sharded, and a
 replicated attention in the sequence-sharded region would see only its rank's tokens. So does a
@@ -190,7 +192,7 @@ def _sequence_parallel_blocked(ops) -> bool:
     rowwise module's sequence-sharded output."""
     heads = _heads_of(ops)
     return any(op.kind == "linear" and (op.fused_attention_input or op.output_split_on_features
-                                        or (op.output_reduced_on_features and op.name in heads)
+                                        or ((op.output_reduced_on_features or op.output_heads_fixed) and op.name in heads)
                                         or (op.module and "." not in op.module)) for op in ops)
 
 
@@ -206,7 +208,8 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_paral
         # not offered here (the ILP's objective sees neither advantage of real TP).
         ok = {"replicate": True, "sequence": False, "rowwise": in_f % tp == 0}
         ok["colwise"] = (out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0 and not op.fused_attention_input
-                         and not op.output_split_on_features and not op.output_reduced_on_features)
+                         and not op.output_split_on_features and not op.output_reduced_on_features
+                         and not op.output_heads_fixed)
         # Under sequence parallelism the runtime runs Megatron's layout (runtime/apply_tp.py): every
         # linear of a block sharded, activations between the sandwiches sequence-sharded. A
         # replicated linear there (or the attention it feeds) would need the whole sequence,
