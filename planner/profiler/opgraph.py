@@ -225,6 +225,7 @@ class _OpGraphRecorder(TorchFunctionMode):
         self.handles = []
         self.in_out: dict[str, bool] = {}  # structural linears -> weight stored [in, out]
         self.outputs: dict[int, OpNode] = {}  # id of a leaf's output (kept alive in `alive`) -> its op
+        self.linears: dict[str, OpNode] = {}  # name -> op, of the linears recorded so far
         for name, module in unit.named_modules():
             kind = LEAF_KINDS.get(type(module))
             if kind is None and (orientation := linear_weight_orientation(module)) is not None:
@@ -278,6 +279,8 @@ class _OpGraphRecorder(TorchFunctionMode):
                 )
                 self.tag(out, frozenset({name or info['kind']}))
                 self.outputs[id(y)] = node
+                if node.kind == "linear":
+                    self.linears[node.name] = node
                 if y._base is not None:  # a view itself (nn.Linear on 3-D input): its views share this base
                     self.outputs[id(y._base)] = node
 
@@ -294,24 +297,22 @@ class _OpGraphRecorder(TorchFunctionMode):
             if node is not None:
                 node.output_written_in_place = True
         first = args[0] if args else None
-        if isinstance(first, torch.Tensor):  # computed from a linear's output: cut along its features, or viewed into heads
-            tagged = self.tags.get(id(first), frozenset())
-            for node in self.ops:
-                if node.kind != "linear" or node.name not in tagged:
-                    continue
-                features = node.output_shape[-1]
-                if _heads_fixed(func, args, out, features):
-                    node.output_heads_fixed = True
-                if _splits_features(func, args, kwargs, features) or (
-                        func is torch.Tensor.__getitem__ and first.shape[-1] == features
-                        and isinstance(out, torch.Tensor) and out.dim() == first.dim() and out.shape[-1] < features):
-                    node.output_split_on_features = True
+        # Computed from one linear's output alone (a residual stream mixes in the unit's input, and
+        # an expert's functional F.linear passes its input's tags on): cut along its features,
+        # reduced over them, or viewed into heads.
+        tagged = self.tags.get(id(first), frozenset()) if isinstance(first, torch.Tensor) else frozenset()
+        node = self.linears.get(next(iter(tagged))) if len(tagged) == 1 else None
+        if node is not None:
+            if (func in REDUCING_FUNCS or func in NORM_FUNCS) and node.output_shape[-1] in _reduced_sizes(func, args, kwargs):
+                node.output_reduced_on_features = True
+            features = node.output_shape[-1]
+            if _heads_fixed(func, args, out, features):
+                node.output_heads_fixed = True
+            if _splits_features(func, args, kwargs, features) or (
+                    func is torch.Tensor.__getitem__ and first.shape[-1] == features
+                    and isinstance(out, torch.Tensor) and out.dim() == first.dim() and out.shape[-1] < features):
+                node.output_split_on_features = True
         inputs = self.sources((args, kwargs))
-        if (func in REDUCING_FUNCS or func in NORM_FUNCS) and args and isinstance(args[0], torch.Tensor):
-            sizes = _reduced_sizes(func, args, kwargs)  # statistics over a linear's features
-            for op in self.ops:
-                if op.kind == "linear" and op.name in self.tags.get(id(args[0]), frozenset()) and op.output_shape[-1] in sizes:
-                    op.output_reduced_on_features = True
         kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None
         if kind is None:
             self.tag(out, inputs)
