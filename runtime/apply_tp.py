@@ -115,7 +115,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
     if any(getattr(m, "inplace", False) is True for m in module.modules()):
         _copy_local_outputs(present, sharded)  # an in-place module may follow any of them
     else:
-        _copy_local_outputs(present, [n for n in sharded if n in set(copy_outputs)])
+        _copy_local_outputs(present, sorted(set(sharded) & set(copy_outputs)))
     # Read by sum_partial_gradients. (torch types nn.Module.__setattr__ for tensors and modules only.)
     module._tp_partial_gradients = _sandwiched_parameters(module, present, tp_plan, pairs) + moe_local  # type: ignore[assignment]
     if region:

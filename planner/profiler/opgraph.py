@@ -41,8 +41,7 @@ IN_OUT_FUNCS = {torch.mm: 1, torch.matmul: 1, torch.Tensor.mm: 1, torch.Tensor.m
 OUT_IN_FUNCS = {F.linear: 1}  # x @ W^T: W is [out, in]
 # W^T taken as a view of a 2-D weight (`W.T`, `W.t()`, `W.transpose(0, 1)`, `W.mT`), then used as an
 # IN_OUT_FUNCS operand: x @ W^T again, W stored [out, in].
-TRANSPOSE_PROPERTIES = {torch.Tensor.__dict__.get("T") or torch._C.TensorBase.__dict__["T"],
-                        torch.Tensor.__dict__.get("mT") or torch._C.TensorBase.__dict__["mT"]}
+TRANSPOSE_PROPERTIES = {torch._C.TensorBase.__dict__["T"], torch._C.TensorBase.__dict__["mT"]}
 
 
 def _transposes_weight(func, args, kwargs, weight: torch.Tensor) -> bool:
@@ -74,21 +73,21 @@ def _written_in_place(func, args, kwargs) -> torch.Tensor | None:
 SPLIT_FUNCS = {torch.chunk: 2, torch.Tensor.chunk: 2, torch.split: 2, torch.Tensor.split: 2, torch.tensor_split: 2,
                torch.Tensor.tensor_split: 2, torch.unbind: 1, torch.Tensor.unbind: 1, torch.narrow: 1,
                torch.Tensor.narrow: 1}
-"""Functions that cut a tensor into pieces along a dim: the dim's position in args."""
-_SPLIT_DIM_DEFAULT = {torch.chunk: 0, torch.Tensor.chunk: 0, torch.split: 0, torch.Tensor.split: 0, torch.tensor_split: 0,
-                      torch.Tensor.tensor_split: 0, torch.unbind: 0, torch.Tensor.unbind: 0}
+"""Functions that cut a tensor into pieces along a dim (0 unless given): the dim's position in args."""
 
 
-def _splits_features(func, args, kwargs, features: int) -> bool:
-    """Whether `func(*args, **kwargs)` cuts its first argument along a dim of size `features` (a
-    linear's output features, the last dim of its output or a dim of a view of it): chunk, split,
-    tensor_split, unbind, narrow by their `dim`, indexing by comparing shapes (`y[..., :n]`)."""
+def _splits_features(func, args, kwargs, out, features: int) -> bool:
+    """Whether `func(*args, **kwargs)` (giving `out`) cuts its first argument along a dim of size
+    `features` (a linear's output features, the last dim of its output or a dim of a view of it):
+    chunk, split, tensor_split, unbind, narrow by their `dim`, indexing by comparing shapes
+    (`y[..., :n]`)."""
     x = args[0]
     if func in SPLIT_FUNCS:
         pos = SPLIT_FUNCS[func]
-        dim = kwargs.get("dim", args[pos] if len(args) > pos else _SPLIT_DIM_DEFAULT.get(func, 0))
+        dim = kwargs.get("dim", args[pos] if len(args) > pos else 0)
         return isinstance(dim, int) and -x.dim() <= dim < x.dim() and x.shape[dim] == features
-    return False
+    return (func is torch.Tensor.__getitem__ and x.shape[-1] == features and isinstance(out, torch.Tensor)
+            and out.dim() == x.dim() and out.shape[-1] < features)
 
 
 REDUCING_FUNCS = {torch.mean: 1, torch.Tensor.mean: 1, torch.sum: 1, torch.Tensor.sum: 1, torch.var: 1, torch.Tensor.var: 1,
@@ -308,9 +307,7 @@ class _OpGraphRecorder(TorchFunctionMode):
             features = node.output_shape[-1]
             if _heads_fixed(func, args, out, features):
                 node.output_heads_fixed = True
-            if _splits_features(func, args, kwargs, features) or (
-                    func is torch.Tensor.__getitem__ and first.shape[-1] == features
-                    and isinstance(out, torch.Tensor) and out.dim() == first.dim() and out.shape[-1] < features):
+            if _splits_features(func, args, kwargs, out, features):
                 node.output_split_on_features = True
         inputs = self.sources((args, kwargs))
         kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None

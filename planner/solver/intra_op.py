@@ -196,6 +196,12 @@ def _sequence_parallel_blocked(ops) -> bool:
                                         or (op.module and "." not in op.module)) for op in ops)
 
 
+def _column_shard_breaks(op: OpNode) -> bool:
+    """Whether the unit's code would misuse a contiguous column shard of this linear's output
+    (module docstring: fused q|k|v, cut in pieces, reduced over its features, written-out heads)."""
+    return op.fused_attention_input or op.output_split_on_features or op.output_reduced_on_features or op.output_heads_fixed
+
+
 def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_parallel: bool = False,
                    replicated: frozenset = frozenset()) -> dict[str, tuple]:
     if tp == 1 or op.name in replicated:
@@ -207,9 +213,7 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_paral
         # rather than per micro-batch and without the replicated weights' memory, so it is
         # not offered here (the ILP's objective sees neither advantage of real TP).
         ok = {"replicate": True, "sequence": False, "rowwise": in_f % tp == 0}
-        ok["colwise"] = (out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0 and not op.fused_attention_input
-                         and not op.output_split_on_features and not op.output_reduced_on_features
-                         and not op.output_heads_fixed)
+        ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0 and not _column_shard_breaks(op)
         # Under sequence parallelism the runtime runs Megatron's layout (runtime/apply_tp.py): every
         # linear of a block sharded, activations between the sandwiches sequence-sharded. A
         # replicated linear there (or the attention it feeds) would need the whole sequence,
