@@ -19,6 +19,13 @@ from planner.errors import PlannerError
 
 PROFILE_SCHEMA_VERSION = 1
 
+OP_CHECKS = 1
+"""Revision of what the op graphs record about how a unit uses each projection's output
+(`OpNode.output_split_on_features`, `output_reduced_on_features`, `output_heads_fixed`,
+`output_written_in_place`; 1 since 2026-11-26). A profile written before them reads as 0: its
+flags are all false whatever the model does, and the solver refuses it tensor parallelism
+(planner/solver/solve.py `tp_refusal`) rather than shard a fused or normalised projection."""
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
@@ -329,6 +336,8 @@ class Profile(_Model):
     profile runs every process with as many."""
     notes: list[str] = []
     """Anything the profiler noticed (glue code, unused modules)."""
+    op_checks: int = OP_CHECKS
+    """`OP_CHECKS` of the profiler that wrote it (0: before the field existed)."""
 
     def computes_as(self) -> str | None:
         """`precision`, or for a profile that did not record it, what its profiler did."""
@@ -362,6 +371,7 @@ def load_profile(path: str | Path) -> Profile:
             f"Profile {path} has schema version {data.get('schema_version')}, this planner reads {PROFILE_SCHEMA_VERSION}.",
             "Re-create it with this version's `planner profile`.",
         )
+    data.setdefault("op_checks", 0)  # written before the op graphs' output checks
     try:
         return Profile.model_validate(data)
     except ValidationError as exc:

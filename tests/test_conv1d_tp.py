@@ -258,3 +258,26 @@ def test_op_graph_flags_heads_written_out_in_a_view(how, fixed):
 
     ops = {op.name: op for op in record_op_graph(_Heads(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
     assert ops["q"].output_heads_fixed is fixed
+
+
+def test_a_profile_written_before_the_output_checks_gets_no_tensor_parallelism(gpt2_meta_profile, tmp_path):
+    """Its flags read false whatever the model does: tp is refused with the fix named, pinned or free."""
+    import json
+
+    from planner.errors import PlannerError
+    from planner.profile_schema import load_profile
+
+    path = gpt2_meta_profile.save(tmp_path / "current.json")
+    assert load_profile(path).op_checks >= 1
+    data = json.loads(path.read_text())
+    del data["op_checks"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = load_profile(tmp_path / "old.json")
+    assert old.op_checks == 0
+    cluster = make_cluster(2, None, "a100-80gb")
+    with pytest.raises(PlannerError, match="re-profile"):
+        solve(old, cluster, 8, Pins(tp=2))
+    plan = solve(old, cluster, 8)
+    assert plan.layout.tp_degree == 1
+    assert any("re-profile" in note for note in plan.search.notes)
+    assert solve(load_profile(path), cluster, 8, Pins(tp=2)).layout.tp_degree == 2

@@ -34,7 +34,7 @@ from planner.plan import (
     SCHEDULES,
     Plan,
 )
-from planner.profile_schema import Profile
+from planner.profile_schema import OP_CHECKS, Profile
 from planner.solver.bounds import GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
@@ -166,6 +166,11 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
     that repeat each other's work."""
     if tp == 1:
         return None
+    if profile.op_checks < OP_CHECKS and any(op.kind == "linear" for u in profile.units for op in u.ops):
+        return ("the profile was written before the op graphs recorded how each projection's output is used "
+                "(chunked into pieces, normalised over its features, viewed into a written-out number of heads), "
+                "without which a column-sharded projection can train to other losses with no error; re-profile "
+                "the model with this planner (`planner profile`) to allow tensor parallelism")
     obstacles, shardable, seen = [], False, set()
     tied = tied_unit_indices(profile)  # replicated (planner/solver/costs.py)
     for unit in profile.units:
@@ -761,6 +766,10 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
     if plan.search is not None and profile.computes_as() == "pure" and (dtype or profile.dtype) != "float32" \
             and cluster.gpu.name != "cpu":
         plan.search.notes.append(AUTOCAST_NOTE)
+    if plan.search is not None and profile.op_checks < OP_CHECKS and not (pins.tp and pins.tp > 1):
+        why = tp_refusal(profile, 2)
+        if why:
+            plan.search.notes.append(f"tensor parallelism: not considered: {why}")
     return plan
 
 
