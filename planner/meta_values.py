@@ -177,6 +177,11 @@ class KnownValues(TorchDispatchMode):
             self.sampled_decisions[(what, model_line())] += 1
         return value
 
+    def exact(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The value of meta `tensor` where it follows from the inputs alone (not sampled), else None."""
+        value = self.values.get(tensor)
+        return None if value is None or tensor in self.sampled else value
+
     # -- dispatch ----------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # The ops this mode runs itself (shadows, samples, copies) are its own business: a

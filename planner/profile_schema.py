@@ -275,6 +275,11 @@ class ModelInfo(_Model):
     profiles written before it: read as `parameter_bytes`."""
     sequence_length: int | None = None
     """Tokens per sample when the input is a (batch, sequence) token tensor."""
+    sequence_scans: list[str] = []
+    """Scans the forward runs along the sequence, where (a cumsum of the attention mask that
+    numbers OPT's positions): context parallelism would run each over one rank's tokens, so the
+    solver offers such a model none (planner/cost/cp.py `cp_refusal`). Empty in profiles written
+    before it was recorded; the runtime refuses such a scan under CP as well."""
     tied_parameters: list[list[str]] = []
     """Groups of units sharing a parameter (e.g. tied embeddings)."""
     unsplit_units: list[list[str]] = []

@@ -119,6 +119,8 @@ class UnitTrace:
     """Per unit: (args, kwargs) of its first call, meta tensors (for per-unit profiling)."""
     joined: list[tuple[str, str]] = field(default_factory=list)
     """Runs of units (first, last) no pipeline cut may split (`joined_units`)."""
+    sequence_scans: list[str] = field(default_factory=list)
+    """Scans the forward ran along the token sequence (planner/profiler/counters.py `sequence_scan`)."""
 
     def unit_at(self, position: float) -> int:
         """The index of the unit whose stage runs code at `position` (see module docstring):

@@ -47,8 +47,10 @@ them is not, so a `torch.diff` along the last dim of a tensor holding this rank'
 `position_ids` as the start of another packed document and would otherwise mask the rank's
 second chunk off its first. Positions given as an input need no help (they are sliced with
 the sequence). What the contract cannot handle: positions computed any other way (a Python
-range, a `cumsum` of a mask, a precomputed table sliced `[:T]`: the last gives local positions
-silently); an `arange` of the local length that is not a position (a model with another size
+range, a precomputed table sliced `[:T]`: both give local positions silently); a scan along the
+sequence (OPT's `cumsum` of its attention mask numbers its positions), which this mode refuses at
+the first forward and the profile records so that the solver offers no CP
+(planner/profiler/counters.py `sequence_scan`); an `arange` of the local length that is not a position (a model with another size
 equal to T / cp would be miscomputed); attention not computed through
 `F.scaled_dot_product_attention` (materialised scores would see local keys only), which the
 root module's hook refuses after a forward without an SDPA call (`check_attention_seen`).
@@ -71,6 +73,7 @@ from torch.overrides import TorchFunctionMode
 
 from planner.errors import PlannerError
 from planner.plan import Plan
+from planner.profiler.counters import SEQUENCE_SCANS, sequence_scan
 from runtime.cp_ring import Ring, ring_attention
 from runtime.recompute import ATTENTION_NAMES
 
@@ -212,6 +215,15 @@ class ContextParallel(TorchFunctionMode):
             dtype = kwargs.get("dtype") or torch.int64
             out = self.positions.to(dtype=dtype, device=kwargs.get("device") or self.positions.device)
             return out.requires_grad_(bool(kwargs.get("requires_grad", False)))
+        if func in SEQUENCE_SCANS and not _on_meta(args):  # meta: a stage inferring its shapes
+            where = sequence_scan(func, args, kwargs, len(self.positions))
+            if where is not None:
+                raise PlannerError(
+                    f"Context parallelism cannot run this model: it scans along the sequence ({where}), which "
+                    "each rank would run over its own tokens alone and train to other losses (positions counted "
+                    "from an attention mask restart at 0 on every rank).",
+                    "Run the plan with cp_degree 1 (a profile made with this planner records the scan, and "
+                    "`planner solve` then offers no CP).")
         if func in (torch.diff, torch.Tensor.diff) and self._is_position_diff(args, kwargs):
             # Positions of one sequence are contiguous even where this rank's share is not: a diff
             # along them (Hugging Face's packed-sequence detection reads a jump as a new document)
@@ -277,6 +289,10 @@ class ContextParallel(TorchFunctionMode):
         tokens_first = x.movedim(_KV_SEQUENCE_DIM, 0).contiguous()
         gathered = funcol.all_gather_single_autograd(tokens_first, 0, self.group)
         return gathered.index_select(0, self.restore).movedim(0, _KV_SEQUENCE_DIM)
+
+
+def _on_meta(args: tuple) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta"
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, inputs: tuple, device: torch.device,

@@ -246,3 +246,20 @@ def test_mixture_of_experts_model_solves(layout, name):
     plan = solve(profile, make_cluster(world, gpu="h100-80gb"), 4, pins)
     assert plan.world_size == world and plan.prediction.iteration_time_s > 0
     assert [u for s in plan.stages for u in s.units] == [u.name for u in profile.units]
+
+
+def test_a_model_that_counts_positions_with_a_cumsum_gets_no_context_parallelism():
+    """OPT numbers its positions with a cumsum of its attention mask, which CP would run over each
+    rank's tokens alone (it trained to other losses with no error): the profile records the scan,
+    and a pinned cp is refused saying where (the free search reads the same field). Llama's one scan (the
+    packed-sequence check, a cumsum of zeros for one sequence per sample) does not count."""
+    from planner.errors import PlannerError
+
+    opt = profile_model(hf.__file__, args_of("opt-1.3b"), [1], device="meta", gpu="h100-80gb")
+    assert len(opt.model.sequence_scans) == 1 and opt.model.sequence_scans[0].startswith("cumsum along dim 1 at modeling_opt.py")
+    cluster = make_cluster(4, gpu="h100-80gb")
+    with pytest.raises(PlannerError, match="--cp 2: the model scans along the sequence"):
+        solve(opt, cluster, 8, Pins(cp=2))
+    llama = profile_model(hf.__file__, args_of("llama3-8b"), [1], device="meta", gpu="h100-80gb")
+    assert llama.model.sequence_scans == []
+    assert solve(llama, cluster, 8, Pins(cp=2)).layout.cp_degree == 2

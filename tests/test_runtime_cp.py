@@ -121,6 +121,20 @@ def test_a_diff_along_positions_sees_one_run():
     assert torch.diff(positions).tolist() == [[1, 5, 1]] * 2  # only while the mode is active
 
 
+def test_a_scan_along_the_sequence_is_refused_and_one_of_zeros_is_not():
+    """OPT numbers its positions with a cumsum of its attention mask: on each rank it would count
+    from 0. A scan of zeros (Hugging Face's packed-sequence check) is the same however it is split."""
+    mode = ContextParallel(group=None, seq_len=8, cp=2, cp_rank=0, device=torch.device("cpu"))
+    with mode:
+        assert torch.zeros(2, 4, dtype=torch.bool).cumsum(-1).sum() == 0
+        assert torch.ones(8).cumsum(0)[-1] == 8  # a flattened token dim, or not a sequence: left alone
+        assert torch.ones(2, 3).cumsum(1)[0, -1] == 3
+        with pytest.raises(PlannerError, match=r"scans along the sequence \(cumsum along dim 1 at test_runtime_cp.py"):
+            torch.ones(2, 4, dtype=torch.long).cumsum(dim=1)
+        with pytest.raises(PlannerError, match="cumprod along dim 2"):
+            torch.cumprod(torch.ones(2, 3, 4), -1)
+
+
 def test_a_model_without_sdpa_is_refused():
     mode = ContextParallel(group=None, seq_len=8, cp=2, cp_rank=0, device=torch.device("cpu"))
     with pytest.raises(PlannerError, match="no call to torch.nn.functional.scaled_dot_product_attention"):

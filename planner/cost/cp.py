@@ -43,7 +43,7 @@ whose backward passes the blocks around again), and the K/V in flight during one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 CP_METHODS = ("all-gather", "ring")
@@ -150,10 +150,14 @@ def gathered_kv_bytes(kv: float, cp: int, method: str) -> float:
     return kv * (cp - 1) / cp if method == "all-gather" else 2 * kv / cp
 
 
-def cp_refusal(sequence_length: int | None, cp: int) -> str | None:
-    """Why a CP degree cannot split this sequence (None: it can). Balancing needs 2 cp chunks."""
+def cp_refusal(sequence_length: int | None, cp: int, scans: Sequence[str] = ()) -> str | None:
+    """Why a CP degree cannot split this sequence (None: it can). Balancing needs 2 cp chunks;
+    `scans` (the profile's `sequence_scans`) would each see one rank's tokens alone."""
     if cp == 1:
         return None
+    if scans:
+        return (f"the model scans along the sequence ({'; '.join(scans[:2])}), which each rank would run over its own "
+                f"tokens alone (positions counted from an attention mask would restart at 0 on every rank)")
     if sequence_length is None:
         return "the profile records no sequence length (the input is not a (batch, sequence) token tensor)"
     if sequence_length % (2 * cp):

@@ -49,7 +49,7 @@ from planner.profile_schema import (
     WholeModel,
 )
 from planner.profiler.autocast import CPU_POLICY, CUDA_POLICY, EmulatedAutocast
-from planner.profiler.counters import FUSIONS, MetaAttentionMode
+from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceScans
 from planner.profiler.measure import (
     UnitJob,
     optimizer_step_time,
@@ -128,13 +128,26 @@ def _signature(module_fp: str, args, kwargs) -> tuple:
 
 
 def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None = None, precision=nullcontext) -> UnitTrace:
+    length = _sequence_length(inputs)
+    scans = SequenceScans(length, values) if length is not None else nullcontext()
     try:
-        with values or nullcontext(), MetaAttentionMode(), precision():
-            return trace_units(model, inputs)
+        with values or nullcontext(), MetaAttentionMode(), precision(), scans:
+            trace = trace_units(model, inputs)
     except PlannerError:
         raise
     except Exception as exc:
         raise user_code_error(mf.path, f"running the model's forward {where}", exc) from exc
+    trace.sequence_scans = scans.found if isinstance(scans, SequenceScans) else []
+    return trace
+
+
+def _sequence_length(inputs) -> int | None:
+    """T when the first input is a (batch, sequence) token tensor, as `ModelInfo.sequence_length` reads it."""
+    first = _as_tuple(inputs)[0] if _as_tuple(inputs) else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return int(first.shape[1])
+    return None
+
 
 
 @contextmanager
@@ -300,8 +313,6 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
                 first_batch, element: int) -> ModelInfo:
     """The profile's model record: its source (`file` as the user named it), sizes and structure."""
     total_params = sum(p.numel() for ps in owned.values() for _, p in ps)
-    first_input = _as_tuple(first_batch[0])[0]
-    token_ids = isinstance(first_input, torch.Tensor) and first_input.dim() == 2 and not first_input.is_floating_point()
     return ModelInfo(
         file=file,
         args=dict(mf.model_args),
@@ -310,7 +321,8 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         num_parameters=total_params,
         parameter_bytes=total_params * element,
         trainable_parameter_bytes=sum(_trainable(ps) for ps in owned.values()) * element,
-        sequence_length=int(first_input.shape[1]) if token_ids else None,
+        sequence_length=_sequence_length(first_batch[0]),
+        sequence_scans=sorted({scan for t in traces.values() for scan in t.sequence_scans}),
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
     )

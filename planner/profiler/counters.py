@@ -23,6 +23,7 @@ whose meta implementation and FLOP formula torch provides.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -325,6 +326,66 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return aten._scaled_dot_product_efficient_attention(
         query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
     )[0]
+
+
+SEQUENCE_SCANS = frozenset({torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod, torch.logcumsumexp,
+                            torch.Tensor.logcumsumexp, torch.cummax, torch.Tensor.cummax, torch.cummin, torch.Tensor.cummin})
+"""Scans: each output element reads every earlier element along the dim."""
+
+
+def sequence_scan(func, args: tuple, kwargs: dict, length: int, values=None) -> str | None:
+    """Where `func(*args, **kwargs)` scans along a sequence of `length` tokens (a dim other than
+    the first, of that size, of a tensor with a batch dim), as "cumsum along dim 1 at
+    modeling_opt.py:66"; None for any other call, and for a scan of zeros, which gives zeros
+    however the sequence is split (Hugging Face's packed-sequence check, a cumsum of "the
+    positions jump here", all false for one sequence per sample). A meta tensor's values come
+    from `values` (planner/meta_values.py `KnownValues.exact`); unknown, the scan counts. Context parallelism splits the
+    sequence, so such a scan would run over one rank's tokens alone: OPT counts its positions
+    with a cumsum of the attention mask, and under CP each rank numbered its tokens from 0 and
+    trained to other losses with no error (runtime/apply_cp.py refuses it; the profile records
+    it, `ModelInfo.sequence_scans`, and the solver offers such a model no CP)."""
+    if func not in SEQUENCE_SCANS:
+        return None
+    x = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not isinstance(dim, int) or isinstance(dim, bool):
+        return None
+    dim %= x.dim()
+    if dim == 0 or x.shape[dim] != length:
+        return None
+    value = x if x.device.type != "meta" else (values.exact(x) if values is not None else None)
+    if value is not None and not bool(value.any()):
+        return None
+    return f"{func.__name__} along dim {dim} at {_model_code_line()}"
+
+
+def _model_code_line() -> str:
+    """file:line of the innermost caller outside torch and this project (the model's code)."""
+    import traceback
+
+    ours = (f"{os.sep}torch{os.sep}", f"{os.sep}planner{os.sep}", f"{os.sep}runtime{os.sep}")
+    for frame in reversed(traceback.extract_stack()):
+        if not any(part in frame.filename for part in ours):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "an unknown line"
+
+
+class SequenceScans(TorchFunctionMode):
+    """Records the scans along the sequence a forward runs (`sequence_scan`; `values`: the meta
+    trace's KnownValues) in `found`."""
+
+    def __init__(self, length: int, values=None) -> None:
+        super().__init__()
+        self.length, self.values = length, values
+        self.found: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SEQUENCE_SCANS:
+            where = sequence_scan(func, args, kwargs, self.length, self.values)
+            if where is not None and where not in self.found:
+                self.found.append(where)
+        return func(*args, **kwargs)
 
 
 class MetaAttentionMode(TorchFunctionMode):

@@ -198,7 +198,7 @@ def check_model_pins(pins: Pins, profile: Profile) -> None:
         if why:
             problems.append(f"--tp {pins.tp}: {why}")
     if pins.cp and pins.cp > 1:
-        why = cp_refusal(profile.model.sequence_length, pins.cp)
+        why = cp_refusal(profile.model.sequence_length, pins.cp, profile.model.sequence_scans)
         if why:
             problems.append(f"--cp {pins.cp}: {why}")
     if pins.ep and pins.ep > 1:
@@ -333,6 +333,12 @@ def candidate_blocks(pins: Pins, cluster: Cluster, global_batch_size: int, num_u
                 continue
             yield from _batch_variants(pins, global_batch_size, num_units, profiled_mbs, experts, allow_offload,
                                        states_fit, sequence_length, tp, pp, dp, gpn, allow_async)
+
+
+def _cp_sequence_length(profile: Profile) -> int | None:
+    """The tokens per sample context parallelism may split: None (no CP in the search) for a
+    model that scans along its sequence (`cp_refusal`)."""
+    return None if profile.model.sequence_scans else profile.model.sequence_length
 
 
 def _cp_degrees(pins: Pins, sequence_length: int | None, dp: int, pp: int, experts: AbstractSet[int]) -> list[int]:
@@ -600,7 +606,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     blocks = list(candidate_blocks(pins, cluster, global_batch_size, len(profile.units), profile.micro_batch_sizes,
                                    tp_degrees, expert_counts(profile), allow_offload,
-                                   _states_fit(profile, dtype, env.usable_memory_bytes), profile.model.sequence_length,
+                                   _states_fit(profile, dtype, env.usable_memory_bytes), _cp_sequence_length(profile),
                                    allow_async))
     tick = time.perf_counter()
     tables = {}
