@@ -193,8 +193,9 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(query, key, value, ring: Ring, causal: bool, scale: float | None, enable_gqa: bool):
     """F.scaled_dot_product_attention's result for this rank's queries over the whole sequence
     (dropout 0): `query` (..., heads, T / cp, d) in the chunk layout, `key`/`value` likewise with
-    heads or (enable_gqa) a divisor of them."""
-    if query.shape[-3] != key.shape[-3] and not enable_gqa:
+    heads, one head (broadcast, as SDPA broadcasts its batch dims: Falcon's multi-query attention
+    passes its one key/value head so) or (enable_gqa) a divisor of them."""
+    if query.shape[-3] != key.shape[-3] and not enable_gqa and key.shape[-3] != 1:
         raise ValueError(f"attention with {query.shape[-3]} query heads and {key.shape[-3]} key/value heads needs "
                          "enable_gqa=True (as F.scaled_dot_product_attention does)")
     scale = query.shape[-1] ** -0.5 if scale is None else scale

@@ -113,23 +113,28 @@ TOLERANCES = {torch.float32: 1e-6, torch.float64: 1e-12, torch.bfloat16: 8e-3}
 
 def _attention_worker(rank: int, cp: int, dtype: torch.dtype) -> None:
     """Ring SDPA of the local queries: the whole sequence's outputs at this rank's positions and the
-    gradients of Q, K, V at its tokens; causal (is_causal and a plain mask), bidirectional, GQA."""
+    gradients of Q, K, V at its tokens; causal (is_causal and a plain mask), bidirectional, GQA, and
+    multi-query attention passed as one broadcast key/value head without enable_gqa (Falcon's)."""
     seq, group = 8 * cp, dist.group.WORLD  # chunks of 4 tokens
     assert group is not None
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, h, seq, 8, dtype=dtype) for h in (4, 2, 2))
+    q = torch.randn(2, 4, seq, 8, dtype=dtype)
+    kv_of = {heads: [torch.randn(2, heads, seq, 8, dtype=dtype) for _ in range(2)] for heads in (2, 1)}
     weight = torch.randn(2, 4, seq, 8, dtype=dtype)
     mine = local_positions(seq, cp, rank)
     local_mask = torch.ones(seq // cp, seq // cp, dtype=torch.bool).tril()
-    cases: list[tuple[bool, dict]] = [(True, dict(is_causal=True)), (True, dict(attn_mask=local_mask)), (False, {})]
-    for causal, local_kwargs in cases:
+    cases: list[tuple[bool, dict, int]] = [(True, dict(is_causal=True, enable_gqa=True), 2),
+                                           (True, dict(attn_mask=local_mask, enable_gqa=True), 2),
+                                           (False, dict(enable_gqa=True), 2), (True, dict(is_causal=True), 1)]
+    for causal, local_kwargs, heads in cases:
+        k, v = kv_of[heads]
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=causal, enable_gqa=True)
+        out = F.scaled_dot_product_attention(full[0], full[1], full[2], is_causal=causal, enable_gqa=heads > 1)
         (out * weight).sum().backward()
         part = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
         mode = ContextParallel(group, seq, cp, rank, torch.device("cpu"), algorithm="ring")
         with mode:
-            local = F.scaled_dot_product_attention(part[0], part[1], part[2], enable_gqa=True, **local_kwargs)
+            local = F.scaled_dot_product_attention(part[0], part[1], part[2], **local_kwargs)
         (local * weight[:, :, mine]).sum().backward()
         assert mode.attention_calls == 1
         tol = TOLERANCES[dtype]
@@ -139,6 +144,7 @@ def _attention_worker(rank: int, cp: int, dtype: torch.dtype) -> None:
             torch.testing.assert_close(a.grad, b.grad[:, :, mine], rtol=10 * tol, atol=10 * tol)
     with pytest.raises(PlannerError, match="dropout"), ContextParallel(group, seq, cp, rank, torch.device("cpu"),
                                                                         algorithm="ring"):
+        k, v = kv_of[2]
         F.scaled_dot_product_attention(q[:, :, mine], k[:, :, mine], v[:, :, mine], dropout_p=0.1, enable_gqa=True)
 
 
