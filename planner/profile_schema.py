@@ -280,6 +280,10 @@ class ModelInfo(_Model):
     numbers OPT's positions): context parallelism would run each over one rank's tokens, so the
     solver offers such a model none (planner/cost/cp.py `cp_refusal`). Empty in profiles written
     before it was recorded; the runtime refuses such a scan under CP as well."""
+    attention_calls: int | None = None
+    """Calls to F.scaled_dot_product_attention in one forward, the attention context parallelism
+    gathers keys for: 0 (attention computed as materialised scores, Gemma 2's softcapped eager
+    attention) gets no CP. None where not counted (no token sequence; profiles written before)."""
     tied_parameters: list[list[str]] = []
     """Groups of units sharing a parameter (e.g. tied embeddings)."""
     unsplit_units: list[list[str]] = []

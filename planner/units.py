@@ -121,6 +121,8 @@ class UnitTrace:
     """Runs of units (first, last) no pipeline cut may split (`joined_units`)."""
     sequence_scans: list[str] = field(default_factory=list)
     """Scans the forward ran along the token sequence (planner/profiler/counters.py `sequence_scan`)."""
+    attention_calls: int | None = None
+    """Its calls to F.scaled_dot_product_attention (None: not counted, the input has no sequence)."""
 
     def unit_at(self, position: float) -> int:
         """The index of the unit whose stage runs code at `position` (see module docstring):

@@ -99,6 +99,24 @@ def test_cp_pins_are_checked(long_llama):
     assert both.layout.cp_degree == 2 and both.layout.pp_degree == 2 and both.layout.schedule in ("gpipe", "1f1b")
 
 
+def test_attention_without_sdpa_gets_no_cp(long_llama):
+    """CP gathers keys for F.scaled_dot_product_attention alone: a model computing its scores
+    itself (examples/gpt.py's "math", Gemma 2's softcapped eager attention) is refused CP when
+    pinned and offered none when free, where the same model on SDPA is offered it."""
+    from planner.cluster import make_cluster
+    from planner.errors import PlannerError
+    from planner.solver.solve import Pins, _cp_sequence_length, solve
+
+    assert long_llama.model.attention_calls == 4  # one per layer
+    args = dict(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=64)
+    sdpa, math = (profile_model(str(EXAMPLES / "gpt.py"), dict(args, attention=a), [1], device="meta", gpu="h100-80gb",
+                                dtype="bfloat16") for a in ("sdpa", "math"))
+    assert (sdpa.model.attention_calls, math.model.attention_calls) == (2, 0)
+    assert (_cp_sequence_length(sdpa), _cp_sequence_length(math)) == (64, None)
+    with pytest.raises(PlannerError, match="--cp 2: the model's forward calls no F.scaled_dot_product_attention"):
+        solve(math, make_cluster(4, 4, "h100-80gb"), 8, Pins(cp=2))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_solver_cp_plan_runs_with_parity(tmp_path):

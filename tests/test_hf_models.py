@@ -257,6 +257,7 @@ def test_a_model_that_counts_positions_with_a_cumsum_gets_no_context_parallelism
 
     opt = profile_model(hf.__file__, args_of("opt-1.3b"), [1], device="meta", gpu="h100-80gb")
     assert len(opt.model.sequence_scans) == 1 and opt.model.sequence_scans[0].startswith("cumsum along dim 1 at modeling_opt.py")
+    assert opt.model.attention_calls == 2  # it does compute attention by SDPA: the scan alone refuses CP
     cluster = make_cluster(4, gpu="h100-80gb")
     with pytest.raises(PlannerError, match="--cp 2: the model scans along the sequence"):
         solve(opt, cluster, 8, Pins(cp=2))

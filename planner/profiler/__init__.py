@@ -137,7 +137,8 @@ def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None 
         raise
     except Exception as exc:
         raise user_code_error(mf.path, f"running the model's forward {where}", exc) from exc
-    trace.sequence_scans = scans.found if isinstance(scans, SequenceScans) else []
+    if isinstance(scans, SequenceScans):
+        trace.sequence_scans, trace.attention_calls = scans.found, scans.attention_calls
     return trace
 
 
@@ -323,6 +324,7 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         trainable_parameter_bytes=sum(_trainable(ps) for ps in owned.values()) * element,
         sequence_length=_sequence_length(first_batch[0]),
         sequence_scans=sorted({scan for t in traces.values() for scan in t.sequence_scans}),
+        attention_calls=next(iter(traces.values())).attention_calls if traces else None,
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
     )

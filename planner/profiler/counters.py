@@ -371,17 +371,22 @@ def _model_code_line() -> str:
 
 
 class SequenceScans(TorchFunctionMode):
-    """Records the scans along the sequence a forward runs (`sequence_scan`; `values`: the meta
-    trace's KnownValues) in `found`."""
+    """Records what decides whether a forward can split its sequence over context-parallel ranks:
+    the scans along the sequence it runs (`sequence_scan`; `values`: the meta trace's
+    KnownValues) in `found`, and its calls to F.scaled_dot_product_attention, the one attention
+    CP can gather keys for (runtime/apply_cp.py), in `attention_calls`."""
 
     def __init__(self, length: int, values=None) -> None:
         super().__init__()
         self.length, self.values = length, values
         self.found: list[str] = []
+        self.attention_calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SEQUENCE_SCANS:
+        if func is F.scaled_dot_product_attention:
+            self.attention_calls += 1
+        elif func in SEQUENCE_SCANS:
             where = sequence_scan(func, args, kwargs, self.length, self.values)
             if where is not None and where not in self.found:
                 self.found.append(where)
