@@ -111,6 +111,21 @@ def _in_bfloat16(func, args, kwargs, exc: BaseException):
     return tree_map_only(torch.Tensor, lambda x: x.to(dtype) if x.dtype == torch.bfloat16 else x, out)
 
 
+class Bfloat16Retry(TorchDispatchMode):
+    """Meta kernels that refuse a float dtype retried in bfloat16 (`_in_bfloat16`), for a forward on
+    meta that needs only shapes: torch's pipeline shape inference runs a stage's units so
+    (runtime/apply_pp.py), and a Hugging Face MoE layer's `_grouped_mm` refused float32 there."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as exc:
+            if not any(_is_meta(x) for x in tree_flatten((args, kwargs))[0]):
+                raise
+            return _in_bfloat16(func, args, kwargs, exc)
+
+
 def _on_cpu(value):
     """Arguments for running an op on shadows: meta devices become cpu."""
     if isinstance(value, torch.device) and value.type == "meta":

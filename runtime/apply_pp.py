@@ -47,6 +47,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from planner.errors import PlannerError
+from planner.meta_values import Bfloat16Retry
 from planner.plan import Plan, Schedule
 from runtime.metrics import synchronize
 from runtime.pp_flow import trace_layout
@@ -171,13 +172,15 @@ def _NO_SEPARATE_WEIGHT_PASS():  # noqa: N802  (torch's dw_builder: the W action
 
 class _PipelineStage(PipelineStage):
     """torch's stage, telling the stage module when torch runs it to infer shapes (runtime/pp_split.py
-    `StageSpec.shape_inference`): it then runs on uninitialised tensors, which glue must not read."""
+    `StageSpec.shape_inference`): it then runs on uninitialised tensors, which glue must not read,
+    and on meta ones, whose kernels that refuse float32 run in bfloat16 (`Bfloat16Retry`)."""
 
     def _forward_metadata_inference(self, *args, **kwargs):
         spec = stage_spec(self.submod)
         spec.shape_inference = True
         try:
-            return super()._forward_metadata_inference(*args, **kwargs)
+            with Bfloat16Retry():
+                return super()._forward_metadata_inference(*args, **kwargs)
         finally:
             spec.shape_inference = False
 

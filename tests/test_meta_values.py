@@ -137,3 +137,17 @@ def test_meta_profile_refuses_with_the_models_line_and_measured_profile_falls_ba
     measured = profile_model(str(path), device="cpu", repeats=1, warmup=0)
     assert [u.name for u in measured.units] == ["a", "b"]
     assert any("traced on the real model" in note for note in measured.notes)
+
+
+def test_a_meta_kernel_that_refuses_float32_runs_in_bfloat16_for_its_shape():
+    """torch's pipeline shape inference runs a stage's units on meta (runtime/apply_pp.py): a Hugging
+    Face MoE layer's `_grouped_mm`, whose meta kernel takes bfloat16 alone, gets its float32 shape."""
+    from planner.meta_values import Bfloat16Retry
+
+    x, w = torch.empty(6, 16, device="meta"), torch.empty(3, 16, 32, device="meta")  # 16-byte aligned in bfloat16
+    offs = torch.tensor([2, 4, 6], dtype=torch.int32, device="meta")
+    with pytest.raises(RuntimeError, match="BF16"):
+        torch._grouped_mm(x, w, offs=offs)
+    with Bfloat16Retry():
+        out = torch._grouped_mm(x, w, offs=offs)
+    assert out.shape == (6, 32) and out.dtype == torch.float32 and out.device.type == "meta"
