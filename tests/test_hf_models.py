@@ -264,3 +264,27 @@ def test_a_model_that_counts_positions_with_a_cumsum_gets_no_context_parallelism
     llama = profile_model(hf.__file__, args_of("llama3-8b"), [1], device="meta", gpu="h100-80gb")
     assert llama.model.sequence_scans == []
     assert solve(llama, cluster, 8, Pins(cp=2)).layout.cp_degree == 2
+
+
+def test_ep_is_not_folded_over_tp_where_the_experts_unit_stays_replicated(tmp_path):
+    """OLMoE normalises q over all its features (q_norm), so under sequence parallelism the
+    intra-op solution keeps its decoder layer, experts included, replicated; EP over the TP ranks
+    would then dispatch the same tokens from every TP rank, which the runtime refuses. The solver
+    offers no such plan and says why when it is pinned; EP over dp alone still solves."""
+    import json
+
+    from transformers import AutoConfig
+
+    from planner.errors import PlannerError
+
+    fields = AutoConfig.for_model("olmoe").to_dict()
+    config = tmp_path / "olmoe.json"
+    config.write_text(json.dumps(dict(fields, model_type="olmoe")))
+    args = dict(config=str(config), seq_len=32, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, vocab_size=256, pad_token_id=0, bos_token_id=0,
+                eos_token_id=1, num_experts=4, num_experts_per_tok=2)
+    profile = profile_model(hf.__file__, args, [1], device="meta", gpu="h100-80gb")
+    cluster = make_cluster(4, gpu="h100-80gb")
+    with pytest.raises(PlannerError, match=r"needs every unit holding experts tensor-parallel.*model\.layers\.0 replicated"):
+        solve(profile, cluster, 8, Pins(ep=2, tp=2, dp=2, sequence_parallel=True))
+    assert solve(profile, cluster, 8, Pins(ep=2, tp=2, dp=2, sequence_parallel=False)).layout.ep_degree == 2

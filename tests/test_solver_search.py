@@ -132,7 +132,7 @@ def test_weak_bound_per_group_equals_per_configuration(profiles):
     args = (Pins(), cluster, 64, len(profile.units), profile.micro_batch_sizes)
     blocks = list(candidate_blocks(*args, allow_offload=True, allow_async=True))
     tables = {block.table_key(g): costs.table(*block.table_key(g)) for block in blocks for g in range(len(block.rest))}
-    fitting = _Fitting(blocks, tables, TimeBound(env), env.usable_memory_bytes)
+    fitting = _Fitting(blocks, tables, TimeBound(env), env.usable_memory_bytes, profile.unit_names())
     configs = [cfg for group in candidate_configs(*args, allow_offload=True, allow_async=True) for cfg in group]
     pairs = [(tables[(c.tp, c.sequence_parallel, c.micro_batch_size, c.ep, c.cp, c.cp_algorithm)], c) for c in configs]
     kept = [(table, cfg) for table, cfg in pairs if memory_lower_bound(table, cfg, env) <= env.usable_memory_bytes]

@@ -494,6 +494,26 @@ class SearchResult:
     `inter_op` (the DPs over stage cuts and the pricing of their cuts)."""
     memory_fraction: float = MEMORY_FRACTION
     """Share of each GPU's memory the tensors may fill; the rest is the fragmentation allowance."""
+    refusals: list[str] = field(default_factory=list)
+    """Why configurations the pins allow were left out before any bound (a layout the runtime cannot run)."""
+
+
+def _fold_refusal(table: UnitCostTable, block: ConfigBlock, entry: int, names: list[str]) -> str | None:
+    """Why EP folded over the TP ranks (planner/solver/search.py `Config.ep_folded`) cannot run on
+    `table`: sequence parallelism gives each TP rank its own tokens only in the units whose tp plan
+    shards something, and a unit holding experts that the intra-op solution leaves replicated
+    (OLMoE's, whose q_norm over all of q's features keeps its attention, and so its unit,
+    replicated under SP) would dispatch the same tokens from every TP rank; the runtime refuses it
+    (runtime/apply_ep.py `apply_moe_sequence_parallel`). None: it can, or EP does not fold."""
+    ep = block.rest[entry][1]
+    if not (ep > 1 and block.sequence_parallel and block.tp > 1) or table.expert_parameters is None:
+        return None
+    for unit, plan in enumerate(table.tp_plans):
+        if table.expert_parameters[unit] > 0 and all(style == "replicate" for style in plan.values()):
+            return (f"expert parallelism over the TP ranks (ep {ep} with tp {block.tp} and sequence parallelism) needs "
+                    f"every unit holding experts tensor-parallel, and the intra-op solution keeps {names[unit]} "
+                    "replicated")
+    return None
 
 
 class _Fitting:
@@ -503,10 +523,12 @@ class _Fitting:
     held as (group, schedule) indices; a Config is made only for those the search refines or
     prices (`pairs`), not for the tens of thousands the weak bound orders (`weak_bounds`)."""
 
-    def __init__(self, blocks: list[ConfigBlock], tables: dict, bound: TimeBound, usable_bytes: float):
+    def __init__(self, blocks: list[ConfigBlock], tables: dict, bound: TimeBound, usable_bytes: float,
+                 unit_names: list[str]):
         self.bound = bound
         self.candidates = self.pruned = 0
         self.least_memory_bytes = math.inf
+        self.refusals: dict[str, None] = {}  # why groups were left out before any bound (`_fold_refusal`), in order
         self.groups: list[tuple[ConfigBlock, int, UnitCostTable]] = []  # (block, its entry of `rest`, cost table)
         group_ids: list = []
         schedule_ids: list = []
@@ -516,6 +538,11 @@ class _Fitting:
             kept = []
             for entry in range(len(block.rest)):
                 table = tables[block.table_key(entry)]
+                refused = _fold_refusal(table, block, entry, unit_names)
+                if refused is not None:  # no plan of the group can run
+                    self.pruned += len(block.schedules)
+                    self.refusals.setdefault(refused, None)
+                    continue
                 memory = bound.states_bytes(table, block.settings(entry), functools.partial(block.config, entry, 0)) / block.pp
                 if memory > usable_bytes:
                     self.pruned += len(block.schedules)
@@ -619,7 +646,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     phases["intra_op"] = time.perf_counter() - tick
     tick = time.perf_counter()
     bound = TimeBound(env)
-    fitting = _Fitting(blocks, tables, bound, env.usable_memory_bytes)
+    fitting = _Fitting(blocks, tables, bound, env.usable_memory_bytes, profile.unit_names())
     weak = fitting.weak_bounds(env.gpus_per_node)
 
     def whole(indices: list[int]) -> np.ndarray:
@@ -649,7 +676,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     return SearchResult(ranked, evaluated, fitting.pruned, min(unfit, fitting.least_memory_bytes),
                         time.perf_counter() - started, costs, candidates=fitting.candidates,
                         pruned_by_time=len(fitting) - evaluated, phase_times_s=phases,
-                        memory_fraction=memory_fraction)
+                        memory_fraction=memory_fraction, refusals=list(fitting.refusals))
 
 
 def check_float8(cluster: Cluster, dtype: str) -> None:
@@ -745,6 +772,10 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
                     allow_async=allow_async, workers=workers)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
+        if result.refusals and result.evaluated == 0 and math.isinf(result.min_memory_bytes):
+            raise PlannerError(f"No configuration of {cluster.world_size} GPUs that the pins allow can run: "
+                               + "; ".join(result.refusals) + ".",
+                               "Relax the pins (turn sequence parallelism off, or pin a smaller --ep or --tp).")
         if result.evaluated == 0 and result.pruned == 0:
             raise PlannerError(
                 f"No configuration of {cluster.world_size} GPUs matches the pins and a global batch of {global_batch_size}.",
