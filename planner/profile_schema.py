@@ -275,11 +275,12 @@ class ModelInfo(_Model):
     profiles written before it: read as `parameter_bytes`."""
     sequence_length: int | None = None
     """Tokens per sample when the input is a (batch, sequence) token tensor."""
-    sequence_scans: list[str] = []
-    """Scans the forward runs along the sequence, where (a cumsum of the attention mask that
-    numbers OPT's positions): context parallelism would run each over one rank's tokens, so the
-    solver offers such a model none (planner/cost/cp.py `cp_refusal`). Empty in profiles written
-    before it was recorded; the runtime refuses such a scan under CP as well."""
+    cp_obstacles: list[str] = []
+    """What in the forward a sequence split over context-parallel ranks cannot follow, and where: a
+    scan along the sequence (OPT counts its positions with a cumsum of its attention mask), an
+    attention mask other than plain causal (a sliding window). The solver offers such a model no
+    CP (planner/cost/cp.py `cp_refusal`). Empty in profiles written before it was recorded; the
+    runtime refuses either under CP as well."""
     attention_calls: int | None = None
     """Calls to F.scaled_dot_product_attention in one forward, the attention context parallelism
     gathers keys for: 0 (attention computed as materialised scores, Gemma 2's softcapped eager

@@ -119,8 +119,8 @@ class UnitTrace:
     """Per unit: (args, kwargs) of its first call, meta tensors (for per-unit profiling)."""
     joined: list[tuple[str, str]] = field(default_factory=list)
     """Runs of units (first, last) no pipeline cut may split (`joined_units`)."""
-    sequence_scans: list[str] = field(default_factory=list)
-    """Scans the forward ran along the token sequence (planner/profiler/counters.py `sequence_scan`)."""
+    cp_obstacles: list[str] = field(default_factory=list)
+    """What in the forward a split sequence cannot follow (planner/profiler/counters.py `SequenceSplitChecks`)."""
     attention_calls: int | None = None
     """Its calls to F.scaled_dot_product_attention (None: not counted, the input has no sequence)."""
 

@@ -73,7 +73,7 @@ from torch.overrides import TorchFunctionMode
 
 from planner.errors import PlannerError
 from planner.plan import Plan
-from planner.profiler.counters import SEQUENCE_SCANS, sequence_scan
+from planner.profiler.counters import SEQUENCE_SCANS, is_plain_causal, sequence_scan
 from runtime.cp_ring import Ring, ring_attention
 from runtime.recompute import ATTENTION_NAMES
 
@@ -131,21 +131,6 @@ def shard_batch(inputs: tuple, targets, cp: int, cp_rank: int) -> tuple[tuple, o
 def causal_mask(q_positions: torch.Tensor, seq_len: int) -> torch.Tensor:
     """(local queries, T keys) bool mask, True where attention is allowed: key position <= query position."""
     return q_positions[:, None] >= torch.arange(seq_len, device=q_positions.device)[None, :]
-
-
-def is_plain_causal(mask: torch.Tensor) -> bool:
-    """Whether an explicit SDPA mask over the local tokens says only "causal": a bool lower triangle,
-    or an additive mask that is 0 on and below the diagonal and -inf (or the dtype's most negative
-    value, Hugging Face's convention) above, the same for every batch and head."""
-    length_q, length_k = mask.shape[-2:]
-    if length_q != length_k:
-        return False
-    tril = torch.ones(length_q, length_k, dtype=torch.bool, device=mask.device).tril()
-    if mask.dtype == torch.bool:
-        return bool((mask == tril).all())
-    allowed = mask.masked_select(tril.expand_as(mask))
-    blocked = mask.masked_select(~tril.expand_as(mask))
-    return bool((allowed == 0).all()) and bool((blocked <= torch.finfo(mask.dtype).min / 2).all())
 
 
 class ContextParallel(TorchFunctionMode):

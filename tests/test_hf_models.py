@@ -248,7 +248,7 @@ def test_mixture_of_experts_model_solves(layout, name):
     assert [u for s in plan.stages for u in s.units] == [u.name for u in profile.units]
 
 
-def test_a_model_that_counts_positions_with_a_cumsum_gets_no_context_parallelism():
+def test_a_model_whose_forward_a_split_sequence_cannot_follow_gets_no_context_parallelism():
     """OPT numbers its positions with a cumsum of its attention mask, which CP would run over each
     rank's tokens alone (it trained to other losses with no error): the profile records the scan,
     and a pinned cp is refused saying where (the free search reads the same field). Llama's one scan (the
@@ -256,13 +256,18 @@ def test_a_model_that_counts_positions_with_a_cumsum_gets_no_context_parallelism
     from planner.errors import PlannerError
 
     opt = profile_model(hf.__file__, args_of("opt-1.3b"), [1], device="meta", gpu="h100-80gb")
-    assert len(opt.model.sequence_scans) == 1 and opt.model.sequence_scans[0].startswith("cumsum along dim 1 at modeling_opt.py")
+    assert len(opt.model.cp_obstacles) == 1 and opt.model.cp_obstacles[0].startswith("cumsum along dim 1 at modeling_opt.py")
     assert opt.model.attention_calls == 2  # it does compute attention by SDPA: the scan alone refuses CP
     cluster = make_cluster(4, gpu="h100-80gb")
-    with pytest.raises(PlannerError, match="--cp 2: the model scans along the sequence"):
+    with pytest.raises(PlannerError, match="--cp 2: the model's forward does what a split sequence cannot follow"):
         solve(opt, cluster, 8, Pins(cp=2))
     llama = profile_model(hf.__file__, args_of("llama3-8b"), [1], device="meta", gpu="h100-80gb")
-    assert llama.model.sequence_scans == []
+    assert llama.model.cp_obstacles == []
+    # A sliding window shorter than the sequence: a mask CP cannot translate to the other ranks' keys.
+    windowed = profile_model(hf.__file__, dict(args_of("mistral-7b"), sliding_window=SEQ_LEN // 2), [1], device="meta",
+                             gpu="h100-80gb")
+    assert [o.split(" at ")[0] for o in windowed.model.cp_obstacles] == [
+        f"attention with a mask other than plain causal (({SEQ_LEN}, {SEQ_LEN}) tokens)"]
     assert solve(llama, cluster, 8, Pins(cp=2)).layout.cp_degree == 2
 
 

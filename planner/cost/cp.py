@@ -150,19 +150,20 @@ def gathered_kv_bytes(kv: float, cp: int, method: str) -> float:
     return kv * (cp - 1) / cp if method == "all-gather" else 2 * kv / cp
 
 
-def cp_refusal(sequence_length: int | None, cp: int, scans: Sequence[str] = (), attention_calls: int | None = None
+def cp_refusal(sequence_length: int | None, cp: int, obstacles: Sequence[str] = (), attention_calls: int | None = None
                ) -> str | None:
     """Why a CP degree cannot split this sequence (None: it can). Balancing needs 2 cp chunks;
-    `scans` (the profile's `sequence_scans`) would each see one rank's tokens alone, and so would
-    attention not computed by SDPA (`attention_calls` 0)."""
+    the profile's `cp_obstacles` would each see one rank's tokens alone, and so would attention
+    not computed by SDPA (`attention_calls` 0)."""
     if cp == 1:
         return None
     if attention_calls == 0:
         return ("the model's forward calls no F.scaled_dot_product_attention (attention computed as materialised "
                 "scores, or none), so each rank's queries would see only its own keys")
-    if scans:
-        return (f"the model scans along the sequence ({'; '.join(scans[:2])}), which each rank would run over its own "
-                f"tokens alone (positions counted from an attention mask would restart at 0 on every rank)")
+    if obstacles:
+        return (f"the model's forward does what a split sequence cannot follow ({'; '.join(obstacles[:2])}): each rank "
+                "would run it over its own tokens alone (positions counted from an attention mask would restart at 0 "
+                "on every rank; a sliding window's mask cannot be translated to the other ranks' keys)")
     if sequence_length is None:
         return "the profile records no sequence length (the input is not a (batch, sequence) token tensor)"
     if sequence_length % (2 * cp):

@@ -49,7 +49,7 @@ from planner.profile_schema import (
     WholeModel,
 )
 from planner.profiler.autocast import CPU_POLICY, CUDA_POLICY, EmulatedAutocast
-from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceScans
+from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceSplitChecks
 from planner.profiler.measure import (
     UnitJob,
     optimizer_step_time,
@@ -129,16 +129,16 @@ def _signature(module_fp: str, args, kwargs) -> tuple:
 
 def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None = None, precision=nullcontext) -> UnitTrace:
     length = _sequence_length(inputs)
-    scans = SequenceScans(length, values) if length is not None else nullcontext()
+    checks = SequenceSplitChecks(length, values) if length is not None else nullcontext()
     try:
-        with values or nullcontext(), MetaAttentionMode(), precision(), scans:
+        with values or nullcontext(), MetaAttentionMode(), precision(), checks:
             trace = trace_units(model, inputs)
     except PlannerError:
         raise
     except Exception as exc:
         raise user_code_error(mf.path, f"running the model's forward {where}", exc) from exc
-    if isinstance(scans, SequenceScans):
-        trace.sequence_scans, trace.attention_calls = scans.found, scans.attention_calls
+    if isinstance(checks, SequenceSplitChecks):
+        trace.cp_obstacles, trace.attention_calls = checks.obstacles, checks.attention_calls
     return trace
 
 
@@ -323,7 +323,7 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         parameter_bytes=total_params * element,
         trainable_parameter_bytes=sum(_trainable(ps) for ps in owned.values()) * element,
         sequence_length=_sequence_length(first_batch[0]),
-        sequence_scans=sorted({scan for t in traces.values() for scan in t.sequence_scans}),
+        cp_obstacles=list(dict.fromkeys(o for t in traces.values() for o in t.cp_obstacles)),
         attention_calls=next(iter(traces.values())).attention_calls if traces else None,
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],

@@ -339,11 +339,11 @@ def sequence_scan(func, args: tuple, kwargs: dict, length: int, values=None) -> 
     modeling_opt.py:66"; None for any other call, and for a scan of zeros, which gives zeros
     however the sequence is split (Hugging Face's packed-sequence check, a cumsum of "the
     positions jump here", all false for one sequence per sample). A meta tensor's values come
-    from `values` (planner/meta_values.py `KnownValues.exact`); unknown, the scan counts. Context parallelism splits the
-    sequence, so such a scan would run over one rank's tokens alone: OPT counts its positions
+    from `values` (planner/meta_values.py `KnownValues.exact`); unknown, the scan counts.
+    Context parallelism splits the sequence, so such a scan would run over one rank's tokens alone: OPT counts its positions
     with a cumsum of the attention mask, and under CP each rank numbered its tokens from 0 and
     trained to other losses with no error (runtime/apply_cp.py refuses it; the profile records
-    it, `ModelInfo.sequence_scans`, and the solver offers such a model no CP)."""
+    it, `ModelInfo.cp_obstacles`, and the solver offers such a model no CP)."""
     if func not in SEQUENCE_SCANS:
         return None
     x = args[0] if args else kwargs.get("input")
@@ -370,26 +370,59 @@ def _model_code_line() -> str:
     return "an unknown line"
 
 
-class SequenceScans(TorchFunctionMode):
+def is_plain_causal(mask: torch.Tensor) -> bool:
+    """Whether an explicit SDPA mask over T tokens says only "causal": a bool lower triangle, or an
+    additive mask that is 0 on and below the diagonal and -inf (or the dtype's most negative
+    value, Hugging Face's convention) above, the same for every batch and head. The one mask
+    context parallelism can translate to the keys gathered from the other ranks."""
+    length_q, length_k = mask.shape[-2:]
+    if length_q != length_k:
+        return False
+    tril = torch.ones(length_q, length_k, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == tril).all())
+    allowed = mask.masked_select(tril.expand_as(mask))
+    blocked = mask.masked_select(~tril.expand_as(mask))
+    return bool((allowed == 0).all()) and bool((blocked <= torch.finfo(mask.dtype).min / 2).all())
+
+
+def masked_attention(args: tuple, kwargs: dict, values=None) -> str | None:
+    """Where an F.scaled_dot_product_attention call passes a mask other than plain causal (a sliding
+    window, say), which context parallelism cannot translate to the other ranks' keys
+    (runtime/apply_cp.py refuses it at the first forward); None otherwise. A meta mask's values
+    come from `values`; unknown, it counts."""
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if mask is None:
+        return None
+    value = mask if mask.device.type != "meta" else (values.exact(mask) if values is not None else None)
+    if value is not None and is_plain_causal(value):
+        return None
+    return f"attention with a mask other than plain causal ({tuple(mask.shape[-2:])} tokens) at {_model_code_line()}"
+
+
+class SequenceSplitChecks(TorchFunctionMode):
     """Records what decides whether a forward can split its sequence over context-parallel ranks:
-    the scans along the sequence it runs (`sequence_scan`; `values`: the meta trace's
-    KnownValues) in `found`, and its calls to F.scaled_dot_product_attention, the one attention
-    CP can gather keys for (runtime/apply_cp.py), in `attention_calls`."""
+    in `obstacles`, the scans along the sequence it runs (`sequence_scan`) and the attention masks
+    other than plain causal it passes (`masked_attention`; `values`: the meta trace's
+    KnownValues); in `attention_calls`, its calls to F.scaled_dot_product_attention, the one
+    attention CP can gather keys for (runtime/apply_cp.py)."""
 
     def __init__(self, length: int, values=None) -> None:
         super().__init__()
         self.length, self.values = length, values
-        self.found: list[str] = []
+        self.obstacles: list[str] = []
         self.attention_calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        found = None
         if func is F.scaled_dot_product_attention:
             self.attention_calls += 1
+            found = masked_attention(args, kwargs, self.values)
         elif func in SEQUENCE_SCANS:
-            where = sequence_scan(func, args, kwargs, self.length, self.values)
-            if where is not None and where not in self.found:
-                self.found.append(where)
+            found = sequence_scan(func, args, kwargs, self.length, self.values)
+        if found is not None and found not in self.obstacles:
+            self.obstacles.append(found)
         return func(*args, **kwargs)
 
 

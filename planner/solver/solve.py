@@ -198,7 +198,7 @@ def check_model_pins(pins: Pins, profile: Profile) -> None:
         if why:
             problems.append(f"--tp {pins.tp}: {why}")
     if pins.cp and pins.cp > 1:
-        why = cp_refusal(profile.model.sequence_length, pins.cp, profile.model.sequence_scans, profile.model.attention_calls)
+        why = cp_refusal(profile.model.sequence_length, pins.cp, profile.model.cp_obstacles, profile.model.attention_calls)
         if why:
             problems.append(f"--cp {pins.cp}: {why}")
     if pins.ep and pins.ep > 1:
@@ -337,9 +337,9 @@ def candidate_blocks(pins: Pins, cluster: Cluster, global_batch_size: int, num_u
 
 def _cp_sequence_length(profile: Profile) -> int | None:
     """The tokens per sample context parallelism may split: None (no CP in the search) for a
-    model that scans along its sequence or computes attention without SDPA (`cp_refusal`)."""
+    model with CP obstacles or attention without SDPA (`cp_refusal`)."""
     info = profile.model
-    return None if info.sequence_scans or info.attention_calls == 0 else info.sequence_length
+    return None if info.cp_obstacles or info.attention_calls == 0 else info.sequence_length
 
 
 def _cp_degrees(pins: Pins, sequence_length: int | None, dp: int, pp: int, experts: AbstractSet[int]) -> list[int]:
