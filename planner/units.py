@@ -314,6 +314,22 @@ def joined_units(late: list[Key], reach: list[float]) -> list[tuple[int, int]]:
     return sorted(run for run in runs if run[1] > run[0])
 
 
+def repeated_spans(calls: list[int], num_units: int) -> list[tuple[int, int]]:
+    """Runs of units (first, last index) one pipeline stage must hold for the units the forward
+    calls more than once: `calls` is the sequence of unit indices as the forward calls them. A
+    unit i called again after units up to k (k = i for calls in a row, as Gemma 3 calls its
+    rotary embedding for its local and its global layers) runs each call in its own stage only
+    if units i .. k are there, and the glue after its last call (numbered i + 0.5, so run with
+    unit i + 1's stage) too: i .. min(k + 1, last unit)."""
+    spans: dict[int, int] = {}
+    for k, unit in enumerate(calls):
+        first = calls.index(unit)
+        if first < k:
+            reach = max(calls[first:k + 1])
+            spans[unit] = max(spans.get(unit, unit), min(reach + 1, num_units - 1))
+    return sorted((unit, last) for unit, last in spans.items() if last > unit)
+
+
 class StorageBirths(TorchDispatchMode):
     """Records, while `flow` records, the glue position at which each storage was made."""
 
@@ -340,6 +356,8 @@ class _Tracer:
         self.flow = DataFlow()
         self.unit_names = unit_names
         self.order: list[str] = []
+        self.sequence: list[str] = []
+        """Every call of a unit outside another, in order (repeats included: `repeated_spans`)."""
         self.calls: Counter = Counter()
         self.unit_inputs: dict[str, tuple] = {}
         self.positions: dict[str, float] = {}
@@ -347,6 +365,8 @@ class _Tracer:
     def pre_hook(self, name: str):
         def hook(module, args, kwargs):
             self.calls[name] += 1
+            if self.flow.depth == 0:
+                self.sequence.append(name)
             if self.flow.depth == 0 and name not in self.positions:
                 self.positions[name] = float(len(self.order))
                 self.order.append(name)
@@ -419,7 +439,9 @@ def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
         repeated_calls=[n for n, c in tracer.calls.items() if c > 1 and n in tracer.positions],
         unit_inputs=tracer.unit_inputs,
         joined=[(tracer.order[a], tracer.order[b]) for a, b in joined_units(tracer.flow.late, tracer.flow.late_reach)
-                if b < len(tracer.order)],
+                if b < len(tracer.order)]
+        + [(tracer.order[a], tracer.order[b]) for a, b in
+           repeated_spans([int(tracer.positions[n]) for n in tracer.sequence], len(tracer.order))],
     )
 
 

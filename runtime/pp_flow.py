@@ -29,7 +29,7 @@ from torch import nn
 from planner.errors import PlannerError
 from planner.meta_values import KnownValues, model_line
 from planner.plan import Plan
-from planner.units import DataFlow, Key, StorageBirths, joined_units
+from planner.units import DataFlow, Key, StorageBirths, joined_units, repeated_spans
 
 INPUT = -1.0
 
@@ -260,13 +260,19 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
             meta_model(*inputs)
     finally:
         hooks.remove()
-    if flow.order != list(range(len(units))):
+    if list(dict.fromkeys(flow.order)) != list(range(len(units))):
         seen = [units[i] for i in flow.order]
         raise PlannerError(
-            f"The model's forward calls its units as {seen[:8]}..., not once each in the plan's order {units[:8]}...: "
-            "a pipeline needs each unit called once, in order.",
+            f"The model's forward calls its units as {seen[:8]}..., not in the plan's order {units[:8]}...: "
+            "a pipeline needs the units first called in its order.",
             "Re-solve the plan for this model, or run it without pipeline parallelism (--pp 1).",
         )
+    for first, last in repeated_spans(flow.order, len(units)):  # a unit called again: its calls in one stage
+        if len({unit_stage[i] for i in range(first, last + 1)}) > 1:
+            raise PlannerError(
+                f"The plan cuts the pipeline between {units[first]} and {units[last]}, but the model calls "
+                f"{units[first]} more than once, and each call must run in the stage that holds it.",
+                "Re-profile and re-solve (the solver keeps those units in one stage), or move the cut.")
     for k in range(layout.num_stages - 1):
         layout.crossings.append(sorted(
             key for key, users in flow.consumers.items()

@@ -101,3 +101,81 @@ def test_gpt3_175b_profiles_analytically():
     # Per layer per sequence: 24 s h^2 (1 + s / 6h) FLOPs forward (Narayanan et al. 2021, eq. 3 / 3).
     s, h = 2048, 12288
     assert block.forward_flops == pytest.approx(24 * s * h * h * (1 + s / (6 * h)), rel=0.01)
+
+
+def test_spans_of_units_called_more_than_once():
+    from planner.units import repeated_spans
+
+    assert repeated_spans([0, 1, 2, 3], 4) == []
+    assert repeated_spans([0, 1, 1, 2, 3], 4) == [(1, 2)]  # in a row (Gemma 3's rotary): with the next unit
+    assert repeated_spans([0, 1, 2, 1, 3, 4], 5) == [(1, 3)]  # again after unit 2: through the unit after that
+    assert repeated_spans([0, 1, 2, 2], 3) == []  # the last unit: no cut after it anyway
+
+
+TWICE = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Rotary(nn.Module):
+    """No parameters, called twice in a row with another base (as Gemma 3's rotary embedding)."""
+
+    def forward(self, x, base):
+        positions = torch.arange(x.shape[1], dtype=x.dtype)
+        return torch.cos(positions[:, None] / base), torch.sin(positions[:, None] / base)
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x, angles):
+        cos, sin = angles
+        return x + torch.tanh(self.fc(x * cos + sin))
+
+
+class Model(nn.Module):
+    def __init__(self, vocab=32, d=16, n=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.rotary = Rotary()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        local, wide = self.rotary(x, 10.0), self.rotary(x, 1000.0)
+        for i, block in enumerate(self.blocks):
+            x = block(x, local if i % 2 else wide)
+        return self.head(x)
+
+
+def build_model(**_):
+    return Model()
+
+
+def make_batch(batch_size, **_):
+    x = torch.randint(32, (batch_size, 9))
+    return x[:, :-1], x[:, 1:]
+
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+'''
+
+
+@pytest.mark.slow
+def test_a_unit_called_twice_in_a_row_stays_with_the_next_in_a_pipeline(write_model, tmp_path):
+    """The pipeline holds a unit called more than once with the unit after it (`repeated_spans`):
+    a pp 2 plan of such a model trains like one process, where the runtime refused it before."""
+    from planner.cluster import make_cluster
+    from planner.solver.solve import Pins, solve
+    from tests.test_runtime_parity import check_parity
+
+    profile = profile_model(str(write_model(TWICE)), {}, [1, 2], device="cpu", repeats=1, warmup=0)
+    assert ["rotary", "blocks.0"] in profile.model.unsplit_units
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(pp=2, schedule="1f1b"))
+    assert [k for k, stage in enumerate(plan.stages) for u in stage.units if u in ("rotary", "blocks.0")] in ([0, 0], [1, 1])
+    check_parity(plan, tmp_path)

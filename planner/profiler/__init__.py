@@ -586,7 +586,8 @@ def _notes(trace: UnitTrace, owned, values: KnownValues, meta_traced: bool) -> l
     if trace.unused:
         notes.append(f"modules never called in forward (left out of the units): {', '.join(trace.unused)}")
     if trace.repeated_calls:
-        notes.append(f"units called more than once (shared weights): {', '.join(trace.repeated_calls)}")
+        notes.append(f"units called more than once (a pipeline stage holds each with the units up to its last call): "
+                     f"{', '.join(trace.repeated_calls)}")
     if owned.get(""):
         notes.append(f"parameters held outside every unit: {', '.join(n for n, _ in owned[''])}")
     if not meta_traced:
