@@ -32,6 +32,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -89,17 +90,34 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
     else:
         region = []
     styles: dict[str, ParallelStyle] = {}
+    moe_in_region = [b for b in _moe_blocks(present) if any(_in_unit(b, u) for u in region)]
+    token_gathered: list[str] = []  # sharded alone inside an MoE block under SP: gather its tokens first
     for name, style in tp_plan.items():
         in_region = any(_in_unit(name, u) for u in region)
         paired = _parent(name) in pairs
+        # An MoE block runs on this rank's tokens (`_moe_block_parameters`): a module it holds
+        # sharded outside a pair (Qwen2-MoE's shared_expert_gate, rowwise) gathers every rank's
+        # tokens, as a pair's owner does, and hands back its own tokens' outputs.
+        alone_in_block = in_region and not paired and style in ("colwise", "rowwise") and \
+            any(_in_unit(name, b) for b in moe_in_region)
+        if alone_in_block:
+            token_gathered.append(name)
         structural = style in ("colwise", "rowwise") and not isinstance(present[name], (nn.Linear, nn.Embedding))
         colwise, rowwise = (_StructuralColwise, _StructuralRowwise) if structural else (ColwiseParallel, RowwiseParallel)
+        tokens = Shard(SEQUENCE_DIM)  # the token-sharded styles pick the dim by the output's rank
         if style == "colwise":
             # Paired: the owner hands it the full sequence (SP) or it is already replicated.
-            styles[name] = colwise() if paired else colwise(output_layouts=Replicate())
+            if paired:
+                styles[name] = colwise()
+            elif alone_in_block:
+                styles[name] = _TOKEN_SHARDED[colwise](output_layouts=tokens)
+            else:
+                styles[name] = colwise(output_layouts=Replicate())
         elif style == "rowwise":
             if paired:
-                styles[name] = rowwise(output_layouts=Shard(SEQUENCE_DIM)) if in_region else rowwise()
+                styles[name] = _TOKEN_SHARDED[rowwise](output_layouts=tokens) if in_region else rowwise()
+            elif alone_in_block:
+                styles[name] = _TOKEN_SHARDED[rowwise](input_layouts=Replicate(), output_layouts=tokens)
             else:
                 styles[name] = rowwise(input_layouts=Replicate())
         elif style == "sequence_parallel":
@@ -122,6 +140,8 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
         for owner in sorted(pairs):
             if any(_in_unit(owner, u) for u in region):
                 _gather_first_input(present[owner], tp_mesh)
+        for name in token_gathered:  # before the style's own input hook, which takes it as replicated
+            _gather_first_input(present[name], tp_mesh, prepend=True)
         local_blocks = sorted(b for b in _moe_blocks(present) if any(_in_unit(b, u) for u in region))
         for block in local_blocks:  # its local tokens as a plain tensor (`_moe_block_parameters`)
             present[block].register_forward_pre_hook(_first_input_hook(_to_local), with_kwargs=True)
@@ -289,6 +309,45 @@ class _StructuralRowwise(RowwiseParallel):
                                  partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
 
+def _token_dim(x) -> int:
+    """The dim of a sequence-parallel activation that holds the tokens: the sequence dim of a
+    (batch, sequence, features) one, dim 0 of (tokens, features) (an MoE block flattens its tokens
+    before its shared expert: Qwen2-MoE's; sharding dim 1 there would split the features)."""
+    return 0 if x.ndim == 2 else SEQUENCE_DIM
+
+
+class _TokenShardedOutput:
+    """The output sharded along the tokens (`_token_dim`) rather than a fixed dim (ColwiseParallel's
+    and RowwiseParallel's `_prepare_output_fn` are the same redistribute and `to_local`)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return RowwiseParallel._prepare_output_fn((Shard(_token_dim(outputs)),), use_local_output, mod, outputs,
+                                                  device_mesh)
+
+
+class _TokenColwise(_TokenShardedOutput, ColwiseParallel):
+    pass
+
+
+class _TokenStructuralColwise(_TokenShardedOutput, _StructuralColwise):
+    pass
+
+
+class _TokenRowwise(_TokenShardedOutput, RowwiseParallel):
+    pass
+
+
+class _TokenStructuralRowwise(_TokenShardedOutput, _StructuralRowwise):
+    pass
+
+
+_TOKEN_SHARDED: dict[type, Any] = {ColwiseParallel: _TokenColwise, _StructuralColwise: _TokenStructuralColwise,
+                  RowwiseParallel: _TokenRowwise, _StructuralRowwise: _TokenStructuralRowwise}
+"""Each style with its output reduce-scattered (rowwise) or cut (colwise) along the tokens: a
+pair's rowwise inside the sequence-parallel region, and a module sharded alone in an MoE block."""
+
+
 def _paired_owners(plan: Mapping[str, str], units: list[str] | None = None) -> set[str]:
     """Modules whose children include both a colwise and a rowwise module (a Megatron sandwich).
 
@@ -368,15 +427,15 @@ def _to_local(x):
     return x.to_local() if isinstance(x, DTensor) else x
 
 
-def _gather_first_input(owner: nn.Module, mesh: DeviceMesh) -> None:
+def _gather_first_input(owner: nn.Module, mesh: DeviceMesh, prepend: bool = False) -> None:
     """All-gather the sequence before a column/row pair. The result stays a Replicate DTensor
     (torchtitan does the same) so that backward sums the colwise input gradients as one
     Partial and reduce-scatters them once, rather than all-reducing each."""
     def convert(x):
         if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (Shard(SEQUENCE_DIM),), run_check=False)
+            x = DTensor.from_local(x, mesh, (Shard(_token_dim(x)),), run_check=False)
         return x.redistribute(mesh, (Replicate(),))
-    owner.register_forward_pre_hook(_first_input_hook(convert), with_kwargs=True)
+    owner.register_forward_pre_hook(_first_input_hook(convert), with_kwargs=True, prepend=prepend)
 
 
 def _mark_region_boundaries(present: dict, units: list[str], region: set[str], mesh: DeviceMesh) -> None:

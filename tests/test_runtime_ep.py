@@ -175,9 +175,13 @@ def test_solver_plan_with_ep_folded_over_tp_runs_with_parity(tmp_path):
 
 
 @pytest.mark.slow
-def test_hugging_face_qwen3_moe_plan_with_ep_folded_over_tp_runs_with_parity(tmp_path):
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen2_moe"])
+def test_hugging_face_moe_plan_with_ep_folded_over_tp_runs_with_parity(model, tmp_path):
     """The unmodified Qwen3-MoE (shrunk as tests/test_hf_models.py shrinks it; no aux loss:
-    `output_router_logits` is off in its config) solved with EP 2 over TP 2 under SP."""
+    `output_router_logits` is off in its config) solved with EP 2 over TP 2 under SP; and
+    Qwen2-MoE, whose MoE block flattens its tokens before a shared expert (a column/row pair fed
+    [tokens, features]) and gates it with a linear the plan shards alone (runtime/apply_tp.py
+    `_token_dim`, `alone_in_block`)."""
     pytest.importorskip("transformers")
     import planner.hf_config_model as hf
     from planner.cluster import make_cluster
@@ -185,7 +189,20 @@ def test_hugging_face_qwen3_moe_plan_with_ep_folded_over_tp_runs_with_parity(tmp
     from planner.solver.solve import Pins, solve
     from tests.test_hf_models import args_of
 
-    profile = profile_model(hf.__file__, args_of("qwen3-30b-a3b"), [1, 2], device="cpu", repeats=1, warmup=0)
+    if model == "qwen2_moe":
+        import json
+
+        from transformers import AutoConfig
+
+        config = tmp_path / "qwen2_moe.json"
+        config.write_text(json.dumps(dict(AutoConfig.for_model(model).to_dict(), model_type=model)))
+        args = dict(config=str(config), seq_len=32, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                    moe_intermediate_size=32, shared_expert_intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=256, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+                    num_experts=4, num_experts_per_tok=2)
+    else:
+        args = args_of(model)
+    profile = profile_model(hf.__file__, args, [1, 2], device="cpu", repeats=1, warmup=0)
     plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(ep=2, tp=2, dp=1, sequence_parallel=True))
     assert plan.layout.ep_degree == 2 and plan.layout.sequence_parallel
     check_parity(plan, tmp_path)
