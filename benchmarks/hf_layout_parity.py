@@ -10,7 +10,7 @@ two CPU processes, and run for three steps beside the one-process reference
 largest relative loss difference and the largest parameter difference after three steps, or the
 error (a refusal by the solver is an answer: it names why the model cannot take the layout). The
 suite's parity tolerances are 1e-5 (losses) and 1e-4 (parameters). Writes
-benchmarks/results/hf_layout_parity.csv.
+benchmarks/results/hf_layout_parity.csv, keeping the rows of the models and layouts not run.
 
     python benchmarks/hf_layout_parity.py [--layouts cp2,pp2-zb] [MODEL_TYPE ...]
 """
@@ -84,6 +84,16 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {' | '.join(lines[-2:])[:300] if lines else ''}"
 
 
+def _commit() -> str:
+    """The checkout's commit, with "+" when it has uncommitted changes: rows of several runs may share the file."""
+    import subprocess
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+" if dirty else "")
+
+
 def main() -> None:
     import transformers
 
@@ -106,13 +116,19 @@ def main() -> None:
                         row.update(check(profile, model_type, layout, Path(tmp)))
                     except Exception as exc:  # noqa: BLE001
                         row["error"] = _error(exc)
-                row.update(seconds=round(time.perf_counter() - started, 1), transformers=transformers.__version__)
+                row.update(seconds=round(time.perf_counter() - started, 1), transformers=transformers.__version__,
+                           commit=_commit())
                 rows.append(row)
                 print(row, flush=True)
     results = ROOT / "benchmarks" / "results"
     results.mkdir(parents=True, exist_ok=True)
-    with open(results / "hf_layout_parity.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    path = results / "hf_layout_parity.csv"
+    # Rows of other (model, layout) pairs already in the file are kept: a rerun of some models updates theirs.
+    fresh = {(r["model_type"], r["layout"]) for r in rows}
+    kept = [r for r in csv.DictReader(open(path))] if path.exists() else []
+    rows = [r for r in kept if (r["model_type"], r["layout"]) not in fresh] + rows
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[-1]))
         writer.writeheader()
         writer.writerows(rows)
 
