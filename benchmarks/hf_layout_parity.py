@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hf_tp_parity import MODEL_TYPES, SMALL  # noqa: E402
+from hf_tp_parity import MODEL_TYPES, parity, small_args  # noqa: E402
 
 LAYOUTS = {
     "cp2": dict(cp=2, dp=2),
@@ -43,36 +42,19 @@ LAYOUTS = {
 
 
 def _profile(model_type: str, folder: Path):
-    from transformers import AutoConfig
-
     import planner.hf_config_model as hf
     from planner.profiler import profile_model
 
-    cfg = AutoConfig.for_model(model_type)
-    fields = cfg.to_dict()
-    config = folder / f"{model_type}.json"
-    config.write_text(json.dumps(dict(fields, model_type=model_type)))
-    known = set(fields) | set(getattr(cfg, "attribute_map", {}))
-    small = dict(SMALL, num_hidden_layers=4, n_layer=4)
-    args = {"config": str(config), "seq_len": 32,
-            **{k: v for k, v in small.items() if k in known and fields.get(k, 0) is not None}}
-    return profile_model(hf.__file__, args, [1, 2], device="cpu", repeats=1, warmup=0)
+    return profile_model(hf.__file__, small_args(model_type, folder, layers=4), [1, 2], device="cpu", repeats=1, warmup=0)
 
 
 def check(profile, model_type: str, layout: str, folder: Path) -> dict:
     from planner.cluster import make_cluster
     from planner.solver.solve import Pins, solve
-    from tests.test_runtime_parity import run
 
     plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(**LAYOUTS[layout]))
     lay = plan.layout
-    out = folder / f"{model_type}-{layout}"
-    out.mkdir()
-    path = plan.save(out / "plan.json")
-    ref, ref_params = run(path, out, 1, reference=True)
-    par, par_params = run(path, out, 2)
-    loss = max(abs(a - b) / abs(a) for a, b in zip(ref["losses"], par["losses"], strict=True))
-    worst = max((par_params[k] - ref_params[k]).abs().max().item() for k in ref_params)
+    loss, worst = parity(plan, folder / f"{model_type}-{layout}")
     modes = sorted({s.recompute for s in plan.stages} | {m for s in plan.stages for m in s.unit_recompute.values()})
     return dict(plan=f"pp{lay.pp_degree} dp{lay.dp_degree} cp{lay.cp_degree} {lay.schedule} v{lay.virtual_stages} "
                      f"zero{lay.zero_stage} recompute={'/'.join(modes)}",

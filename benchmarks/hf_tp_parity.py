@@ -36,31 +36,43 @@ SMALL = {"num_hidden_layers": 2, "n_layer": 2, "hidden_size": 64, "n_embd": 64, 
          "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout": 0.0}
 
 
-def check(model_type: str, folder: Path) -> dict:
+def small_args(model_type: str, folder: Path, layers: int = 2) -> dict:
+    """Model arguments of planner/hf_config_model.py for transformers' default config of
+    `model_type`, written to `folder`, shrunk to `layers` layers and the sizes of `SMALL`."""
     from transformers import AutoConfig
-
-    import planner.hf_config_model as hf
-    from planner.cluster import make_cluster
-    from planner.profiler import profile_model
-    from planner.solver.solve import Pins, solve
-    from tests.test_runtime_parity import run
 
     cfg = AutoConfig.for_model(model_type)
     fields = cfg.to_dict()
     config = folder / f"{model_type}.json"
     config.write_text(json.dumps(dict(fields, model_type=model_type)))
     known = set(fields) | set(getattr(cfg, "attribute_map", {}))
-    args = {"config": str(config), "seq_len": 32,
-            **{k: v for k, v in SMALL.items() if k in known and fields.get(k, 0) is not None}}
-    profile = profile_model(hf.__file__, args, [1, 2], device="cpu", repeats=1, warmup=0)
-    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=False))
-    out = folder / model_type
-    out.mkdir()
-    path = plan.save(out / "plan.json")
-    ref, ref_params = run(path, out, 1, reference=True)
-    par, par_params = run(path, out, 2)
+    small = dict(SMALL, num_hidden_layers=layers, n_layer=layers)
+    return {"config": str(config), "seq_len": 32,
+            **{k: v for k, v in small.items() if k in known and fields.get(k, 0) is not None}}
+
+
+def parity(plan, folder: Path) -> tuple[float, float]:
+    """Three steps of `plan` on its ranks beside one process (tests/test_runtime_parity.py `run`):
+    the largest relative loss difference and the largest parameter difference."""
+    from tests.test_runtime_parity import run
+
+    folder.mkdir()
+    path = plan.save(folder / "plan.json")
+    ref, ref_params = run(path, folder, 1, reference=True)
+    par, par_params = run(path, folder, plan.world_size)
     loss = max(abs(a - b) / abs(a) for a, b in zip(ref["losses"], par["losses"], strict=True))
-    worst = max((par_params[k] - ref_params[k]).abs().max().item() for k in ref_params)
+    return loss, max((par_params[k] - ref_params[k]).abs().max().item() for k in ref_params)
+
+
+def check(model_type: str, folder: Path) -> dict:
+    import planner.hf_config_model as hf
+    from planner.cluster import make_cluster
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+
+    profile = profile_model(hf.__file__, small_args(model_type, folder), [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=False))
+    loss, worst = parity(plan, folder / model_type)
     return dict(sharded=sum(1 for s in plan.stages for v in s.tp_plan.values() if v != "replicate"),
                 loss_rel_diff=loss, param_max_diff=worst)
 
