@@ -498,22 +498,27 @@ class SearchResult:
     """Why configurations the pins allow were left out before any bound (a layout the runtime cannot run)."""
 
 
-def _fold_refusal(table: UnitCostTable, block: ConfigBlock, entry: int, names: list[str]) -> str | None:
+def _fold_refusal(table: UnitCostTable, block: ConfigBlock, entry: int, names: list[str],
+                  unsharded: dict[int, int | None]) -> str | None:
     """Why EP folded over the TP ranks (planner/solver/search.py `Config.ep_folded`) cannot run on
     `table`: sequence parallelism gives each TP rank its own tokens only in the units whose tp plan
     shards something, and a unit holding experts that the intra-op solution leaves replicated
     (OLMoE's, whose q_norm over all of q's features keeps its attention, and so its unit,
     replicated under SP) would dispatch the same tokens from every TP rank; the runtime refuses it
-    (runtime/apply_ep.py `apply_moe_sequence_parallel`). None: it can, or EP does not fold."""
+    (runtime/apply_ep.py `apply_moe_sequence_parallel`). None: it can, or EP does not fold.
+    `unsharded` keeps, per table (its id: the search holds the tables), the first such unit."""
     ep = block.rest[entry][1]
     if not (ep > 1 and block.sequence_parallel and block.tp > 1) or table.expert_parameters is None:
         return None
-    for unit, plan in enumerate(table.tp_plans):
-        if table.expert_parameters[unit] > 0 and all(style == "replicate" for style in plan.values()):
-            return (f"expert parallelism over the TP ranks (ep {ep} with tp {block.tp} and sequence parallelism) needs "
-                    f"every unit holding experts tensor-parallel, and the intra-op solution keeps {names[unit]} "
-                    "replicated")
-    return None
+    if id(table) not in unsharded:
+        experts = table.expert_parameters
+        unsharded[id(table)] = next((u for u, plan in enumerate(table.tp_plans)
+                                     if experts[u] > 0 and all(style == "replicate" for style in plan.values())), None)
+    unit = unsharded[id(table)]
+    if unit is None:
+        return None
+    return (f"expert parallelism over the TP ranks (ep {ep} with tp {block.tp} and sequence parallelism) needs every "
+            f"unit holding experts tensor-parallel, and the intra-op solution keeps {names[unit]} replicated")
 
 
 class _Fitting:
@@ -529,6 +534,7 @@ class _Fitting:
         self.candidates = self.pruned = 0
         self.least_memory_bytes = math.inf
         self.refusals: dict[str, None] = {}  # why groups were left out before any bound (`_fold_refusal`), in order
+        self._unsharded: dict[int, int | None] = {}  # `_fold_refusal`'s per table
         self.groups: list[tuple[ConfigBlock, int, UnitCostTable]] = []  # (block, its entry of `rest`, cost table)
         group_ids: list = []
         schedule_ids: list = []
@@ -538,9 +544,8 @@ class _Fitting:
             kept = []
             for entry in range(len(block.rest)):
                 table = tables[block.table_key(entry)]
-                refused = _fold_refusal(table, block, entry, unit_names)
+                refused = _fold_refusal(table, block, entry, unit_names, self._unsharded)
                 if refused is not None:  # no plan of the group can run
-                    self.pruned += len(block.schedules)
                     self.refusals.setdefault(refused, None)
                     continue
                 memory = bound.states_bytes(table, block.settings(entry), functools.partial(block.config, entry, 0)) / block.pp
@@ -772,7 +777,7 @@ def solve(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pins
                     allow_async=allow_async, workers=workers)
     usable = cluster.gpu.memory_bytes * memory_fraction
     if not result.ranked:
-        if result.refusals and result.evaluated == 0 and math.isinf(result.min_memory_bytes):
+        if result.refusals and result.evaluated == 0 and result.pruned == 0:
             raise PlannerError(f"No configuration of {cluster.world_size} GPUs that the pins allow can run: "
                                + "; ".join(result.refusals) + ".",
                                "Relax the pins (turn sequence parallelism off, or pin a smaller --ep or --tp).")
