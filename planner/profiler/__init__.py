@@ -150,7 +150,6 @@ def _sequence_length(inputs) -> int | None:
     return None
 
 
-
 @contextmanager
 def cpu_threads(threads: int | None):
     """torch's intra-op thread count set to `threads` for the block (None: left as it is)."""

@@ -340,10 +340,11 @@ def sequence_scan(func, args: tuple, kwargs: dict, length: int, values=None) -> 
     however the sequence is split (Hugging Face's packed-sequence check, a cumsum of "the
     positions jump here", all false for one sequence per sample). A meta tensor's values come
     from `values` (planner/meta_values.py `KnownValues.exact`); unknown, the scan counts.
-    Context parallelism splits the sequence, so such a scan would run over one rank's tokens alone: OPT counts its positions
-    with a cumsum of the attention mask, and under CP each rank numbered its tokens from 0 and
-    trained to other losses with no error (runtime/apply_cp.py refuses it; the profile records
-    it, `ModelInfo.cp_obstacles`, and the solver offers such a model no CP)."""
+    Context parallelism splits the sequence, so such a scan would run over one rank's tokens
+    alone: OPT counts its positions with a cumsum of the attention mask, and under CP each rank
+    numbered its tokens from 0 and trained to other losses with no error (runtime/apply_cp.py
+    refuses it; the profile records it, `ModelInfo.cp_obstacles`, and the solver offers such a
+    model no CP)."""
     if func not in SEQUENCE_SCANS:
         return None
     x = args[0] if args else kwargs.get("input")
