@@ -398,7 +398,11 @@ def _moe_block_parameters(module: nn.Module, region: list[str], plan: Mapping[st
 
 def _implicit_sequence_parallel(present: dict, region: list[str], plan: Mapping[str, str], pairs: set[str]) -> dict:
     """SequenceParallel for every other parameter-owning module in the region (the norms), except
-    inside an MoE block (`_moe_block_parameters`)."""
+    inside an MoE block (`_moe_block_parameters`). Each hands back its local chunk, as the
+    rowwise outputs do, so that the residual stream stays plain local tensors: Gemma 2 and 3
+    norm the attention's and the MLP's outputs before adding them to the residual, and a
+    DTensor there met a plain tensor in the add. (A pair's owner gathers a plain input as well:
+    `_gather_first_input`.)"""
     covered = set(plan) | pairs | _moe_blocks(present)
     out = {}
     for name, mod in present.items():
@@ -406,7 +410,7 @@ def _implicit_sequence_parallel(present: dict, region: list[str], plan: Mapping[
             continue
         if any(_in_unit(name, c) for c in covered):
             continue
-        out[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM)
+        out[name] = SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)
     return out
 
 
