@@ -19,12 +19,14 @@ from planner.errors import PlannerError
 
 PROFILE_SCHEMA_VERSION = 1
 
-OP_CHECKS = 1
+OP_CHECKS = 2
 """Revision of what the op graphs record about how a unit uses each projection's output
 (`OpNode.output_split_on_features`, `output_reduced_on_features`, `output_heads_fixed`,
-`output_written_in_place`; 1 since 2026-11-26). A profile written before them reads as 0: its
-flags are all false whatever the model does, and the solver refuses it tensor parallelism
-(planner/solver/solve.py `tp_refusal`) rather than shard a fused or normalised projection."""
+`output_written_in_place`: 1 since 2026-11-26; 2, `output_heads_fixed` also for a view into
+more than two dims, BLOOM's (heads, 3, head_dim)). A profile written before reads as an older
+revision (0 before the field existed): its flags may be false where the model needs them, and
+the solver refuses it tensor parallelism (planner/solver/solve.py `tp_refusal`) rather than
+shard a fused or normalised projection."""
 
 
 class _Model(BaseModel):

@@ -236,8 +236,8 @@ def test_op_graph_flags_a_linear_output_reduced_over_its_features(how):
 
 class _Heads(nn.Module):
     """Projections viewed into heads: inferred count (Llama's view(b, s, -1, head_dim)), written-out
-    count with the sequence inferred (OPT's view(bsz, -1, num_heads, head_dim)), written-out head
-    dim with the count inferred."""
+    count with the sequence inferred (OPT's view(bsz, -1, num_heads, head_dim)), written-out count
+    with the head dim inferred, and BLOOM's fused view(b, s, num_heads, 3, head_dim)."""
 
     def __init__(self, how):
         super().__init__()
@@ -248,11 +248,12 @@ class _Heads(nn.Module):
         q = self.q(x)
         return {"inferred": lambda: q.view(b, s, -1, 4), "shape": lambda: q.view((*x.shape[:2], -1, 4)),
                 "opt": lambda: q.view(b, -1, 2, 4), "reshape": lambda: q.reshape(b, s, 2, 4),
-                "head_dim_inferred": lambda: q.view(b, s, 2, -1)}[self.how]()
+                "head_dim_inferred": lambda: q.view(b, s, 2, -1),
+                "bloom": lambda: q.view(b, s, 2, 2, 2), "bloom_inferred": lambda: q.view(b, s, -1, 2, 2)}[self.how]()
 
 
 @pytest.mark.parametrize("how,fixed", [("inferred", False), ("shape", False), ("opt", True), ("reshape", True),
-                                       ("head_dim_inferred", True)])
+                                       ("head_dim_inferred", True), ("bloom", True), ("bloom_inferred", False)])
 def test_op_graph_flags_heads_written_out_in_a_view(how, fixed):
     from planner.profiler.opgraph import record_op_graph
 
@@ -265,10 +266,10 @@ def test_a_profile_written_before_the_output_checks_gets_no_tensor_parallelism(g
     import json
 
     from planner.errors import PlannerError
-    from planner.profile_schema import load_profile
+    from planner.profile_schema import OP_CHECKS, load_profile
 
     path = gpt2_meta_profile.save(tmp_path / "current.json")
-    assert load_profile(path).op_checks >= 1
+    assert load_profile(path).op_checks == OP_CHECKS >= 2
     data = json.loads(path.read_text())
     del data["op_checks"]
     (tmp_path / "old.json").write_text(json.dumps(data))
@@ -281,3 +282,30 @@ def test_a_profile_written_before_the_output_checks_gets_no_tensor_parallelism(g
     assert plan.layout.tp_degree == 1
     assert any("re-profile" in note for note in plan.search.notes)
     assert solve(load_profile(path), cluster, 8, Pins(tp=2)).layout.tp_degree == 2
+
+
+class _BloomAttention(nn.Module):
+    """BLOOM's attention: one fused projection viewed into (heads, 3, head_dim) with the heads
+    written out, and scores by hand on (batch x heads, s, s) tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.dense = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 2, 3, 4).unbind(3)
+        q, k, v = (t.transpose(1, 2).reshape(b * 2, s, 4) for t in (q, k, v))
+        probs = torch.bmm(q, k.transpose(1, 2)).softmax(-1)
+        return self.dense(torch.bmm(probs, v).view(b, 2, s, 4).transpose(1, 2).reshape(b, s, 8))
+
+
+def test_a_unit_whose_hand_written_attention_reads_an_unshardable_projection_stays_replicated_under_sp():
+    """Its projection cannot be column-sharded (heads written out), so its attention would stay
+    replicated and, under SP, mix only this rank's share of the tokens: the unit is kept whole."""
+    from planner.profiler.opgraph import record_op_graph
+    from planner.solver.intra_op import _sequence_parallel_blocked
+
+    ops = record_op_graph(_BloomAttention().to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})
+    assert {op.name: op.output_heads_fixed for op in ops if op.kind == "linear"} == {"qkv": True, "dense": False}
+    assert _sequence_parallel_blocked(ops)

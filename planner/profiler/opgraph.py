@@ -117,15 +117,18 @@ RESHAPE_FUNCS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape}
 
 
 def _heads_fixed(func, args, out, features: int) -> bool:
-    """Whether `func(*args)` splits a `features`-wide last dim into (heads, head_dim) with the
-    heads written out: only an inferred count (-1) follows a tensor-parallel rank's share of them."""
+    """Whether `func(*args)` splits a `features`-wide last dim into several, (heads, head_dim) or
+    BLOOM's (heads, 3, head_dim), with the first (the heads) written out: only an inferred count
+    (-1) follows a tensor-parallel rank's share of the features."""
     x = args[0]
-    if func not in RESHAPE_FUNCS or not isinstance(out, torch.Tensor) or out.dim() != x.dim() + 1:
+    if func not in RESHAPE_FUNCS or not isinstance(out, torch.Tensor) or out.dim() <= x.dim() or x.shape[-1] != features:
         return False
-    if x.shape[-1] != features or out.shape[-2] * out.shape[-1] != features or out.shape[-2] == 1:
+    split = out.dim() - x.dim() + 1  # the dims the features became, the leading ones kept
+    if tuple(out.shape[:-split]) != tuple(x.shape[:-1]) or math.prod(out.shape[-split:]) != features \
+            or out.shape[-split] == 1:
         return False
     sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
-    return len(sizes) == out.dim() and sizes[-2] != -1
+    return len(sizes) == out.dim() and sizes[-split] != -1
 
 
 def _tensors(obj) -> list[torch.Tensor]:

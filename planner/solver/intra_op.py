@@ -189,11 +189,15 @@ def _sequence_parallel_blocked(ops) -> bool:
     child of the unit (torch's nn.TransformerEncoderLayer holds linear1 and linear2 beside its norms
     and attention). A pair's owner all-gathers its first input under SP (runtime/apply_tp.py);
     were the owner the unit, that would be the residual stream, which the unit then adds to the
-    rowwise module's sequence-sharded output."""
+    rowwise module's sequence-sharded output. Nor can a matmul of activations (attention computed
+    by hand, on any rank of tensor: BLOOM's (batch x heads, s, s) scores) that reads such a linear,
+    which would stay replicated and mix the tokens of this rank's share of the sequence alone."""
     heads = _heads_of(ops)
+    unshardable = {op.name for op in ops if op.kind == "linear" and _column_shard_breaks(op)}
     return any(op.kind == "linear" and (op.fused_attention_input or op.output_split_on_features
                                         or ((op.output_reduced_on_features or op.output_heads_fixed) and op.name in heads)
-                                        or (op.module and "." not in op.module)) for op in ops)
+                                        or (op.module and "." not in op.module)) for op in ops) \
+        or any(op.kind in ("matmul", "attention") and unshardable & set(op.inputs) for op in ops)
 
 
 def _column_shard_breaks(op: OpNode) -> bool:
