@@ -1,8 +1,9 @@
 """The other dimensions on stock Hugging Face architectures: does each pinned layout train like one
 process?
 
-benchmarks/hf_tp_parity.py does this for tensor parallelism; this file for context parallelism,
-the pipeline schedules with several stages per rank, ZeRO 3 and the recomputation modes. Each
+benchmarks/hf_tp_parity.py does this for tensor parallelism; this file for tensor parallelism with
+sequence parallelism, context parallelism, the pipeline schedules with several stages per rank,
+ZeRO 3 and the recomputation modes. Each
 model type's default transformers config is shrunk as there (`SMALL`, with four layers so that a
 pipeline of two ranks holds two chunks each), profiled on CPU, solved with the layout pinned on
 two CPU processes, and run for three steps beside the one-process reference
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from hf_tp_parity import MODEL_TYPES, parity, small_args  # noqa: E402
 
 LAYOUTS = {
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
     "cp2": dict(cp=2, dp=2),
     "pp2-zero-bubble": dict(pp=2, schedule="zero-bubble"),
     "pp2-interleaved-v2": dict(pp=2, schedule="interleaved-1f1b", virtual_stages=2),
