@@ -189,15 +189,25 @@ def _sequence_parallel_blocked(ops) -> bool:
     child of the unit (torch's nn.TransformerEncoderLayer holds linear1 and linear2 beside its norms
     and attention). A pair's owner all-gathers its first input under SP (runtime/apply_tp.py);
     were the owner the unit, that would be the residual stream, which the unit then adds to the
-    rowwise module's sequence-sharded output. Nor can a matmul of activations (attention computed
-    by hand, on any rank of tensor: BLOOM's (batch x heads, s, s) scores) that reads such a linear,
-    which would stay replicated and mix the tokens of this rank's share of the sequence alone."""
+    rowwise module's sequence-sharded output. Nor can attention computed by hand on any rank of
+    tensor (`_mixes_tokens`: BLOOM's (batch x heads, s, s) scores) that reads such a linear, which
+    would stay replicated and mix the tokens of this rank's share of the sequence alone."""
     heads = _heads_of(ops)
     unshardable = {op.name for op in ops if op.kind == "linear" and _column_shard_breaks(op)}
     return any(op.kind == "linear" and (op.fused_attention_input or op.output_split_on_features
                                         or ((op.output_reduced_on_features or op.output_heads_fixed) and op.name in heads)
                                         or (op.module and "." not in op.module)) for op in ops) \
-        or any(op.kind in ("matmul", "attention") and unshardable & set(op.inputs) for op in ops)
+        or any(_mixes_tokens(op) and unshardable & set(op.inputs) for op in ops)
+
+
+def _mixes_tokens(op: OpNode) -> bool:
+    """Attention's core whatever its rank: fused, a product into square (s, s) scores (q @ k^T),
+    or one of square scores (scores @ v). Not a mixture of experts' batched matmuls, which read
+    the router's softmax over the experts but keep each token to itself."""
+    if op.kind == "attention":
+        return True
+    return op.kind == "matmul" and len(op.input_shape) >= 3 and (
+        op.output_shape[-1] == op.output_shape[-2] or op.input_shape[-1] == op.input_shape[-2])
 
 
 def _column_shard_breaks(op: OpNode) -> bool:
