@@ -73,21 +73,12 @@ from torch.overrides import TorchFunctionMode
 
 from planner.errors import PlannerError
 from planner.plan import Plan
-from planner.profiler.counters import SEQUENCE_SCANS, is_plain_causal, sequence_scan
+from planner.profiler.counters import SEQUENCE_SCANS, is_plain_causal, sequence_length, sequence_scan
 from runtime.cp_ring import Ring, ring_attention
 from runtime.recompute import ATTENTION_NAMES
 
 SEQUENCE_DIM = 1  # (batch, sequence, ...) inputs and targets, as the profiler records them
 _KV_SEQUENCE_DIM = -2  # SDPA's (batch, heads, sequence, head_dim)
-
-
-def sequence_length(inputs: tuple) -> int | None:
-    """T of a (batch, sequence) token tensor first input, as the profiler reads it
-    (planner/profiler/__init__.py); None when the first input is not one."""
-    first = inputs[0] if inputs else None
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-        return int(first.shape[SEQUENCE_DIM])
-    return None
 
 
 def load_balance_indices(seq_len: int, cp: int) -> torch.Tensor:

@@ -142,7 +142,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
                 _gather_first_input(present[owner], tp_mesh)
         for name in token_gathered:  # before the style's own input hook, which takes it as replicated
             _gather_first_input(present[name], tp_mesh, prepend=True)
-        local_blocks = sorted(b for b in _moe_blocks(present) if any(_in_unit(b, u) for u in region))
+        local_blocks = sorted(moe_in_region)
         for block in local_blocks:  # its local tokens as a plain tensor (`_moe_block_parameters`)
             present[block].register_forward_pre_hook(_first_input_hook(_to_local), with_kwargs=True)
         module._sp_moe_blocks = local_blocks  # type: ignore[assignment]  # read by runtime/apply_ep.py

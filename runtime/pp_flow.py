@@ -267,12 +267,6 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
             "a pipeline needs the units first called in its order.",
             "Re-solve the plan for this model, or run it without pipeline parallelism (--pp 1).",
         )
-    for first, last in repeated_spans(flow.order, len(units)):  # a unit called again: its calls in one stage
-        if len({unit_stage[i] for i in range(first, last + 1)}) > 1:
-            raise PlannerError(
-                f"The plan cuts the pipeline between {units[first]} and {units[last]}, but the model calls "
-                f"{units[first]} more than once, and each call must run in the stage that holds it.",
-                "Re-profile and re-solve (the solver keeps those units in one stage), or move the cut.")
     for k in range(layout.num_stages - 1):
         layout.crossings.append(sorted(
             key for key, users in flow.consumers.items()
@@ -283,19 +277,24 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
                         for u in users if u % 1 == 0 and u >= 0}
     layout.trained = {i for i, name in enumerate(units) if any(p.requires_grad for p in meta_model.get_submodule(name).parameters())}
     check_unsplit(layout, joined_units(flow.late, flow.late_reach))
+    check_unsplit(layout, repeated_spans(flow.order, len(units)),
+                  "the model calls the first more than once, and each call must run in the stage that holds it")
     layout.known = {key: values.values[flow.values[key]] for keys in layout.crossings for key in keys
                     if flow.values[key] in values.values and flow.values[key] not in values.sampled}
     layout.traced = {key: (flow.values[key].dtype, tuple(flow.values[key].shape)) for keys in layout.crossings for key in keys}
     return layout
 
 
-def check_unsplit(layout: CutLayout, runs: list[tuple[int, int]]) -> None:
-    """Refuse a cut inside a run of units one stage must hold (planner/units.py `joined_units`)."""
+def check_unsplit(layout: CutLayout, runs: list[tuple[int, int]],
+                  why: str = "the model makes a tensor there that no tracer sees being made (a torch.vmap result, "
+                             "such as transformers 4.x's attention mask), which only the stage that first uses it "
+                             "can send") -> None:
+    """Refuse a cut inside a run of units one stage must hold (planner/units.py `joined_units`,
+    `repeated_spans`), saying `why`."""
     for first, last in runs:
         if len({layout.unit_stage[i] for i in range(first, min(last, len(layout.units) - 1) + 1)}) > 1:
             raise PlannerError(
-                f"The plan cuts the pipeline between {layout.units[first]} and {layout.units[min(last, len(layout.units) - 1)]}, "
-                "but the model makes a tensor there that no tracer sees being made (a torch.vmap result, such as "
-                "transformers 4.x's attention mask), which only the stage that first uses it can send.",
+                f"The plan cuts the pipeline between {layout.units[first]} and "
+                f"{layout.units[min(last, len(layout.units) - 1)]}, but {why}.",
                 "Re-profile and re-solve (the solver keeps those units in one stage), or move the cut.",
             )

@@ -49,7 +49,7 @@ from planner.profile_schema import (
     WholeModel,
 )
 from planner.profiler.autocast import CPU_POLICY, CUDA_POLICY, EmulatedAutocast
-from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceSplitChecks
+from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceSplitChecks, sequence_length
 from planner.profiler.measure import (
     UnitJob,
     optimizer_step_time,
@@ -128,7 +128,7 @@ def _signature(module_fp: str, args, kwargs) -> tuple:
 
 
 def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None = None, precision=nullcontext) -> UnitTrace:
-    length = _sequence_length(inputs)
+    length = sequence_length(inputs)
     checks = SequenceSplitChecks(length, values) if length is not None else nullcontext()
     try:
         with values or nullcontext(), MetaAttentionMode(), precision(), checks:
@@ -140,14 +140,6 @@ def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None 
     if isinstance(checks, SequenceSplitChecks):
         trace.cp_obstacles, trace.attention_calls = checks.obstacles, checks.attention_calls
     return trace
-
-
-def _sequence_length(inputs) -> int | None:
-    """T when the first input is a (batch, sequence) token tensor, as `ModelInfo.sequence_length` reads it."""
-    first = _as_tuple(inputs)[0] if _as_tuple(inputs) else None
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-        return int(first.shape[1])
-    return None
 
 
 @contextmanager
@@ -321,7 +313,7 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         num_parameters=total_params,
         parameter_bytes=total_params * element,
         trainable_parameter_bytes=sum(_trainable(ps) for ps in owned.values()) * element,
-        sequence_length=_sequence_length(first_batch[0]),
+        sequence_length=sequence_length(first_batch[0]),
         cp_obstacles=list(dict.fromkeys(o for t in traces.values() for o in t.cp_obstacles)),
         attention_calls=next(iter(traces.values())).attention_calls if traces else None,
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],

@@ -328,6 +328,16 @@ def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     )[0]
 
 
+def sequence_length(inputs) -> int | None:
+    """T when the first input is a (batch, sequence) token tensor (`ModelInfo.sequence_length`;
+    runtime/apply_cp.py splits that sequence); None when it is not one."""
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    first = inputs[0] if inputs else None
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return int(first.shape[1])
+    return None
+
+
 SEQUENCE_SCANS = frozenset({torch.cumsum, torch.Tensor.cumsum, torch.cumprod, torch.Tensor.cumprod, torch.logcumsumexp,
                             torch.Tensor.logcumsumexp, torch.cummax, torch.Tensor.cummax, torch.cummin, torch.Tensor.cummin})
 """Scans: each output element reads every earlier element along the dim."""
