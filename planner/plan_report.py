@@ -98,7 +98,7 @@ def print_plan(plan: Plan, console: Console | None = None, all_stages: bool = Fa
         console.print(f"[bold yellow]device mismatch:[/] {escape(plan.device_mismatch)} (solved with --allow-device-mismatch).")
     pred = plan.prediction
     stages = Table(title="Stages")
-    for col in ("stage", "units", "ranks", "recompute", "TP modules", "time / micro-batch", "peak memory"):
+    for col in ("stage", "units", "ranks", "recompute", "TP-sharded modules", "time / micro-batch", "peak memory"):
         stages.add_column(col, justify="left" if col in ("units", "ranks") else "right")
     for k in shown_stages(len(plan.stages), all_stages):
         if k is None:
@@ -107,7 +107,7 @@ def print_plan(plan: Plan, console: Console | None = None, all_stages: bool = Fa
         s = plan.stages[k]
         t = format_time(pred.stage_time_s[k]) if pred and k < len(pred.stage_time_s) else "-"
         m = format_bytes(pred.peak_memory_bytes[k]) if pred and k < len(pred.peak_memory_bytes) else "-"
-        stages.add_row(str(k), _units_summary(s.units), ",".join(map(str, s.ranks)), recompute_summary(s), str(len(s.tp_plan)), t, m)
+        stages.add_row(str(k), _units_summary(s.units), ",".join(map(str, s.ranks)), recompute_summary(s), _tp_sharded(s), t, m)
     console.print(stages)
     if (memory := memory_terms_table(plan, all_stages)) is not None:
         console.print(memory)
@@ -153,6 +153,15 @@ def print_plan(plan: Plan, console: Console | None = None, all_stages: bool = Fa
         print_search(search, console)
     for note in search.notes if search is not None else []:
         console.print(f"note: {note}")
+
+
+def _tp_sharded(stage) -> str:
+    """`sharded of listed` modules of a stage's TP plan ("-" without one): the plan lists every module
+    with a weight the ILP placed, kept whole ("replicate") or not."""
+    if not stage.tp_plan:
+        return "-"
+    sharded = sum(style != "replicate" for style in stage.tp_plan.values())
+    return f"{sharded} of {len(stage.tp_plan)}"
 
 
 ASYNC_SCHEDULE_NOTE = ("asynchronous schedule pipedream-2bw (PipeDream-2BW): each stage keeps the previous weights; step t "

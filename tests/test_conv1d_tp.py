@@ -309,3 +309,79 @@ def test_a_unit_whose_hand_written_attention_reads_an_unshardable_projection_sta
     ops = record_op_graph(_BloomAttention().to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})
     assert {op.name: op.output_heads_fixed for op in ops if op.kind == "linear"} == {"qkv": True, "dense": False}
     assert _sequence_parallel_blocked(ops)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_plan_says_what_tensor_parallelism_leaves_whole(gpt2_meta_profile, sequence_parallel):
+    """GPT-2 under tp 2 keeps its fused q|k|v (and, beside it, the attention's output projection)
+    whole on every rank, and its tied embedding; the plan's note gives the share of weights split,
+    counted from the plan's own TP plan, and names the whole modules by pattern with why."""
+    import math
+    import re
+
+    plan = solve(gpt2_meta_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, pp=1, sequence_parallel=sequence_parallel))
+    note = next(n for n in plan.search.notes if n.startswith("tensor parallelism"))
+    styles = {name: style for stage in plan.stages for name, style in stage.tp_plan.items()}
+    sizes = {f"{u.name}.{op.module}" if op.module else u.name: math.prod(op.weight_shape)
+             for u in gpt2_meta_profile.units for op in u.ops if op.weight_shape}
+    sizes.pop("lm_head")  # tied to transformer.wte: one weight
+    split = sum(size for name, size in sizes.items() if styles.get(name, "replicate") != "replicate")
+    assert f"splits {split / sum(sizes.values()):.0%} of the weights" in note
+    assert "transformer.h.*.attn.c_attn x2 (its output holds q, k and v together" in note
+    assert "transformer.wte (tied to lm_head" in note
+    if sequence_parallel:  # the fused projection keeps each block whole under SP, MLP included
+        assert re.search(r"mlp.c_fc x2 \(sequence parallelism keeps its unit whole", note), note
+    else:
+        assert "mlp" not in note  # the MLP splits: c_fc colwise, c_proj rowwise
+
+
+def test_plan_says_a_megatron_gpt_splits_every_weight():
+    """examples/gpt.py at a size where the collectives pay on H100s: every weight splits, and the
+    note says so without a list; a plan without TP has no such note."""
+    prof = profile_model(str(EXAMPLES / "gpt.py"), dict(n_layers=2, d_model=2048, n_heads=16, vocab_size=8192, seq_len=1024),
+                         [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    cluster = make_cluster(2, gpu="h100-80gb")
+    plan = solve(prof, cluster, 4, Pins(tp=2, pp=1))
+    assert "tensor parallelism (tp 2) splits 100% of the weights of linears, embeddings and convolutions" in plan.search.notes
+    assert not any(note.startswith("tensor parallelism") for note in solve(prof, cluster, 4, Pins(tp=1)).search.notes)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_copies_of_outputs_written_in_place_are_priced(sequence_parallel):
+    """The runtime clones a sharded output the model writes in place (`Stage.tp_copy_outputs`):
+    one read and one write of the local output per forward, at the GPU's bandwidth. Flagging
+    examples/gpt.py's MLP outputs as written in place adds exactly that to each block's forward
+    (and to its full recomputation), not to its backward: the colwise up-projection's slice of the
+    features, the rowwise down-projection's whole output (its slice of the sequence under SP)."""
+    import math
+
+    from planner.cost.collectives import CollectiveModel, group_placement
+    from planner.cost.compute import ComputeModel
+    from planner.solver.costs import UnitCosts
+
+    args = dict(n_layers=2, d_model=1024, n_heads=16, d_ff=4096, vocab_size=32000, seq_len=2048)
+    plain = profile_model(str(EXAMPLES / "gpt.py"), args, [1, 2], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    written = plain.model_copy(deep=True)
+    for unit in written.units:
+        for op in unit.ops:
+            op.output_written_in_place = op.kind == "linear" and op.module is not None and op.module.startswith("mlp")
+    cluster = make_cluster(8, 8, "h100-80gb")
+    coll = CollectiveModel(cluster)
+
+    def table(profile):
+        costs = UnitCosts(profile, ComputeModel(profile, cluster.gpu, "bfloat16"),
+                          lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16")
+        return costs.table(2, sequence_parallel, 2)
+
+    before, after = table(plain), table(written)
+    block = next(u for u in plain.units if u.name == "blocks.0")
+    styles = {op.module: before.tp_plans[block.index][op.module] for op in block.ops if op.module and op.module.startswith("mlp")}
+    assert sorted(styles.values()) == ["colwise", "rowwise"]
+    local = sum(math.prod(op.output_shape) * 2 / (1 if styles[op.module] == "rowwise" and not sequence_parallel else 2)
+                for op in block.ops if op.module in styles)  # micro-batch 2: twice the traced batch of 1
+    copy_s = 2 * local * 2 / cluster.gpu.achievable_bandwidth
+    assert after.forward_s[block.index] - before.forward_s[block.index] == pytest.approx(copy_s, rel=1e-9)
+    assert after.recompute_s["full"][block.index] - before.recompute_s["full"][block.index] == pytest.approx(copy_s, rel=1e-9)
+    assert after.backward_s[block.index] == before.backward_s[block.index]
+    head = next(u for u in plain.units if u.name == "head")
+    assert after.forward_s[head.index] == before.forward_s[head.index]

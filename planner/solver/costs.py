@@ -347,6 +347,17 @@ class UnitCosts:
         return (tp_time_s(time.forward_s * (1 - ef), fraction, t, sp) + sum(f for f, _ in layers),
                 tp_time_s(time.backward_s * (1 - eb), fraction, t, sp) + sum(bk for _, bk in layers), layers)
 
+    def _copy_s(self, unit: Unit, strategies: dict[str, str], t: int, sp: bool, scale: float) -> float:
+        """Seconds of the copies the runtime makes of sharded outputs the model writes in place
+        (runtime/apply_tp.py `_copy_local_outputs`; the plan's `Stage.tp_copy_outputs`): one read
+        and one write of each local output at the GPU's bandwidth, per forward (a recomputed
+        forward makes them again; a clone's backward passes the gradient through). The local
+        output is a colwise module's slice of the features, a rowwise one's whole (reduced) output,
+        or under sequence parallelism its slice of the sequence."""
+        local = sum(math.prod(op.output_shape) * scale / (1 if strategies[op.name] == "rowwise" and not sp else t)
+                    for op in unit.ops if op.output_written_in_place and strategies.get(op.name) in ("colwise", "rowwise"))
+        return 2 * local * self.dtype_bytes / self.compute.gpu.achievable_bandwidth * self.compute.slowdown
+
     def _with_ep(self, base: UnitCostTable, t: int, sp: bool, b: int, ep: int) -> UnitCostTable:
         """`base` (ep 1) with the experts spread over ep ranks (planner/cost/moe.py): experts'
         GEMM time rescaled, permutation and all-to-alls added, experts' parameters / ep."""
@@ -414,6 +425,7 @@ class UnitCosts:
         is_sharded = bool(sharded_ops)
         row: dict = {}
         row["fwd"], row["bwd"], row["layers"] = self._unit_seconds(u, t, sp, b, sharded_ops)
+        row["fwd"] += self._copy_s(u, sol.strategies if sol else {}, t, sp, scale)
         row["comm"] = sol.comm_time_s if sol else 0.0
         row["plan"] = dict(sol.tp_plan) if (sol and is_sharded) else {}
         fp8 = None

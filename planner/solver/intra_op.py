@@ -81,6 +81,7 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, Protocol
@@ -242,6 +243,54 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_paral
     if _is_attention(op) and op.input_shape[-3] % tp == 0:
         return dict(HEADS)
     return {"replicate": HEADS["replicate"]}
+
+
+WEIGHT_KINDS = ("linear", "embedding", "conv")
+"""Ops whose weight tensor parallelism may split (norms' weights stay whole, as in Megatron)."""
+
+
+def whole_weights(ops, tp: int, tp_plan: dict[str, str], routers: AbstractSet[str] = frozenset(),
+                  sequence_parallel: bool = False) -> list[tuple[OpNode, str]]:
+    """The weights of a unit's ops (`WEIGHT_KINDS`) that its tensor-parallel plan `tp_plan` (module
+    -> style, `IntraOpSolution.tp_plan`) leaves whole on every TP rank, each with why in words for
+    the plan's notes: what keeps `_op_strategies` from offering the column shard Megatron gives a
+    projection (`_whole_reason`), a mixture-of-experts router (`routers`: module paths, kept
+    replicated by design), sequence parallelism keeping the whole unit replicated
+    (`_sequence_parallel_blocked`), else the ILP's choice."""
+    heads_of = _heads_of(ops)
+    otherwise = ("sequence parallelism keeps its unit whole, as Megatron's layout shards every linear of a block or none"
+                 if sequence_parallel and _sequence_parallel_blocked(ops) else "cheaper whole by the intra-op ILP's prices")
+    out = []
+    for op in ops:
+        if op.kind not in WEIGHT_KINDS or not op.weight_shape or op.module is None:
+            continue
+        if tp_plan.get(op.module, "replicate") != "replicate":
+            continue
+        why = "a mixture-of-experts router" if op.module in routers else _whole_reason(op, tp, heads_of)
+        out.append((op, why or otherwise))
+    return out
+
+
+def _whole_reason(op: OpNode, tp: int, heads_of: dict[str, int]) -> str | None:
+    """Why `_op_strategies` offers no column shard of this weight `tp` ways, or None where it
+    offers one."""
+    if op.kind == "conv":
+        return "a convolution (DTensor has no TP style for it)"
+    if op.kind == "embedding":
+        assert op.weight_shape is not None, "an embedding op has a weight"
+        num, dim = op.weight_shape
+        return None if num % tp == 0 or dim % tp == 0 else f"neither its {num} rows nor its {dim} features split {tp} ways"
+    flags = [(op.fused_attention_input, "its output holds q, k and v together"),
+             (op.output_split_on_features, "the model cuts its output into pieces"),
+             (op.output_reduced_on_features, "a norm reduces over all its output features"),
+             (op.output_heads_fixed, "the model's code writes out its number of heads")]
+    found = [text for flagged, text in flags if flagged]
+    if found:
+        return "; ".join(found)
+    heads, out_f = heads_of.get(op.name, tp), _linear_features(op)[1]
+    if heads % tp:
+        return f"its {heads} heads do not split {tp} ways"
+    return f"its {out_f} output features do not split {tp} ways" if out_f % tp else None
 
 
 def _is_attention(op: OpNode) -> bool:

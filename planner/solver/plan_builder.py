@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 from planner.cluster import Cluster
 from planner.cost.fp8 import mfu_conventions
 from planner.plan import (
@@ -71,6 +74,54 @@ def device_mismatch(profile: Profile, cluster: Cluster) -> str | None:
         return None
     return (f"the profile's times are {'measured on' if profile.device != 'meta' else 'analytic for'} {times}, "
             f"the cluster's GPU is {gpu}: the prediction uses {times}'s times")
+
+
+def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, sequence_parallel: bool = False,
+                     shown: int = 4) -> str:
+    """The plan's note on what tensor parallelism splits: the share of the weights of linears,
+    embeddings and convolutions (planner/solver/intra_op.py `WEIGHT_KINDS`; a weight tied across
+    units counted once) sharded `tp` ways, and those every TP rank holds whole, grouped by name
+    with block numbers as `*` (`transformer.h.*.attn.c_attn`), largest first, with why
+    (`whole_weights`). A model whose attention stays whole shards far less than its tp degree
+    suggests (GPT-2's fused q|k|v, for one); the prediction prices that, and this says it."""
+    from planner.solver.intra_op import whole_weights
+
+    names = profile.unit_names()
+    index = {name: u for u, name in enumerate(names)}
+    tied: dict[int, set[int]] = {}  # a later unit of a tied group -> weight sizes its first unit holds
+    partners: dict[int, str] = {}  # a unit of a tied group -> the others, named
+    for group in profile.model.tied_parameters:
+        members = sorted(index[name] for name in group if name in index)
+        for u in members:
+            partners[u] = ", ".join(names[w] for w in members if w != u)
+        for u in members[1:]:
+            tied[u] = {math.prod(op.weight_shape) for op in profile.units[members[0]].ops if op.weight_shape}
+    total = whole = 0
+    groups: dict[tuple[str, str], list[int]] = {}  # (pattern, why) -> [count, parameters]
+    for u, unit in enumerate(profile.units):
+        ops = [op for op in unit.ops if op.weight_shape and math.prod(op.weight_shape) not in tied.get(u, ())]
+        routers = {layer.router for layer in unit.moe if layer.router}
+        kept = {id(op): why if u not in partners else f"tied to {partners[u]}: tied weights are never TP-sharded"
+                for op, why in whole_weights(ops, tp, tp_plans[u], routers, sequence_parallel)}
+        for op in ops:
+            if op.kind not in ("linear", "embedding", "conv") or op.module is None:
+                continue
+            size = math.prod(op.weight_shape or [])
+            total += size
+            if id(op) in kept:
+                whole += size
+                pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", module_fqn(names[u], op.module))
+                entry = groups.setdefault((pattern, kept[id(op)]), [0, 0])
+                entry[0], entry[1] = entry[0] + 1, entry[1] + size
+    if total == 0:
+        return f"tensor parallelism (tp {tp}): the model has no linear, embedding or convolution weights to split"
+    text = f"tensor parallelism (tp {tp}) splits {1 - whole / total:.0%} of the weights of linears, embeddings and convolutions"
+    if not groups:
+        return text
+    ranked = sorted(groups.items(), key=lambda item: -item[1][1])
+    listed = "; ".join(f"{pattern}{f' x{count}' if count > 1 else ''} ({why})" for (pattern, why), (count, _) in ranked[:shown])
+    more = f"; and {len(ranked) - shown} more" if len(ranked) > shown else ""
+    return f"{text}; every TP rank holds whole: {listed}{more}"
 
 
 def _alternative(e: Evaluation, winner: Evaluation) -> Alternative:
@@ -180,6 +231,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
             stage_forward_s=list(best.stage_forward_s),
             stage_backward_s=list(best.stage_backward_s),
             alternatives=alternatives,
+            notes=[tp_coverage_note(profile, table.tp_plans, cfg.tp, cfg.sequence_parallel)] if cfg.tp > 1 else [],
         ),
         device_mismatch=device_mismatch(profile, cluster),
     )
