@@ -57,11 +57,37 @@ def load_config(config: str, **overrides: Any):
         raise PlannerError(f"Model arguments {said} are not fields of the {model_type} config {path}.",
                            "Use the config's own field names (e.g. -a num_hidden_layers=2; a nested config's with its "
                            "name, e.g. -a text_config.num_hidden_layers=2), or seq_len for the batch.")
+    if overrides:
+        # Built again with the overrides among the fields, so that what the config class derives
+        # from them in its __init__ follows (Falcon's ffn_hidden_size is 4 x hidden_size unless
+        # given: set after construction, -a hidden_size=64 kept an FFN 32768 wide). Then set, for
+        # an alias (num_experts) or a field the class does not take in __init__. A class that
+        # refuses the combination (Gemma 3's validator wants as many layer_types as layers, and
+        # the JSON lists them all) keeps the fields as built and the overrides set on top, the
+        # model reading what it needs of them (the first layers' types).
+        try:
+            cfg = AutoConfig.for_model(model_type, **_with_overrides(fields, overrides))
+        except Exception:  # noqa: BLE001 - any refusal of the class: the config built above stands
+            pass
     for key, value in overrides.items():
         owner, _, name = key.rpartition(".")
         setattr(_sub_config(cfg, owner), name, value)
     _check_padding_token(cfg, path, overrides)
     return cfg
+
+
+def _with_overrides(fields: dict, overrides: dict[str, Any]) -> dict:
+    """`fields` (a config.json's) with `overrides` in place, a dotted key (text_config.hidden_size)
+    in the nested config's fields where the JSON holds them as an object."""
+    merged = json.loads(json.dumps(fields))  # a deep copy of plain JSON
+    for key, value in overrides.items():
+        *owners, name = key.split(".")
+        target = merged
+        for part in owners:
+            target = target.get(part) if isinstance(target, dict) else None
+        if isinstance(target, dict):
+            target[name] = value
+    return merged
 
 
 def _text_config(cfg):

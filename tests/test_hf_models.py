@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +28,12 @@ SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_att
              vocab_size=256)
 NO_DROPOUT_GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 CONFIGS = {
-    "llama3-8b": SMALL,
+    # head_dim 32: 4 query heads of 32 on a width of 64 (head_dim is derived from the overridden
+    # sizes otherwise: 16 here). At 16, one embedding element's gradient at the second step is
+    # 1e-6, cancelled from terms a thousand times larger: a one-process batch of 4 and micro-batches
+    # of 2 sum it in another order, its sign flips, and Adam's normalised step turns that into a
+    # 1.4e-3 parameter difference, the losses agreeing to 2e-7 (Adam's amplification, not a layout's).
+    "llama3-8b": dict(SMALL, head_dim=32),
     "qwen3-8b": dict(SMALL, head_dim=16),
     "mistral-7b": SMALL,
     "gpt2": NO_DROPOUT_GPT2,
@@ -88,6 +94,25 @@ def test_config_overrides_are_checked_by_name():
         hf.load_config(str(EXAMPLES / "hf" / "gpt2.json"), n_layr=2)
     with pytest.raises(PlannerError, match="longer than the config's context"):
         hf.make_batch(1, str(EXAMPLES / "hf" / "gpt2.json"), seq_len=4096)
+
+
+def test_fields_a_config_derives_follow_the_overridden_sizes(tmp_path):
+    """Falcon's config derives ffn_hidden_size (4 x hidden_size) when its JSON leaves it out: -a
+    hidden_size=64 gives a 256-wide FFN, not the 32768 of the shipped size. A field the JSON names
+    keeps its value, and an override of it wins; so does one of a nested config's field."""
+    falcon = str(EXAMPLES / "hf" / "falcon-40b.json")
+    assert "ffn_hidden_size" not in json.loads(Path(falcon).read_text())
+    assert hf.load_config(falcon).ffn_hidden_size == 4 * 8192
+    assert hf.load_config(falcon, hidden_size=64, num_attention_heads=4).ffn_hidden_size == 256
+    assert hf.load_config(falcon, hidden_size=64, ffn_hidden_size=96).ffn_hidden_size == 96
+    qwen = str(EXAMPLES / "hf" / "qwen3-8b.json")
+    assert hf.load_config(qwen, hidden_size=64).head_dim == json.loads(Path(qwen).read_text())["head_dim"]
+    assert hf._with_overrides({"text_config": {"hidden_size": 8, "vocab_size": 9}, "tie": True},
+                              {"text_config.hidden_size": 64, "tie": False}) == \
+        {"text_config": {"hidden_size": 64, "vocab_size": 9}, "tie": False}
+    gemma = _shipped_default("gemma3", tmp_path)  # lists every layer's type: built first, overridden after
+    nested = hf.load_config(gemma, **{"text_config.hidden_size": 64, "text_config.num_hidden_layers": 2})
+    assert (nested.text_config.hidden_size, nested.text_config.num_hidden_layers) == (64, 2)
 
 
 def test_a_padding_token_outside_a_shrunk_vocabulary_is_named(tmp_path):

@@ -84,7 +84,7 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
     with block numbers as `*` (`transformer.h.*.attn.c_attn`), largest first, with why
     (`whole_weights`). A model whose attention stays whole shards far less than its tp degree
     suggests (GPT-2's fused q|k|v, for one); the prediction prices that, and this says it."""
-    from planner.solver.intra_op import whole_weights
+    from planner.solver.intra_op import WEIGHT_KINDS, whole_weights
 
     names = profile.unit_names()
     index = {name: u for u, name in enumerate(names)}
@@ -104,7 +104,7 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
         kept = {id(op): why if u not in partners else f"tied to {partners[u]}: tied weights are never TP-sharded"
                 for op, why in whole_weights(ops, tp, tp_plans[u], routers, sequence_parallel)}
         for op in ops:
-            if op.kind not in ("linear", "embedding", "conv") or op.module is None:
+            if op.kind not in WEIGHT_KINDS or op.module is None:
                 continue
             size = math.prod(op.weight_shape or [])
             total += size
@@ -115,7 +115,9 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
                 entry[0], entry[1] = entry[0] + 1, entry[1] + size
     if total == 0:
         return f"tensor parallelism (tp {tp}): the model has no linear, embedding or convolution weights to split"
-    text = f"tensor parallelism (tp {tp}) splits {1 - whole / total:.0%} of the weights of linears, embeddings and convolutions"
+    share = 1 - whole / total
+    text = (f"tensor parallelism (tp {tp}) splits {'over 99%' if whole and share >= 0.995 else f'{share:.0%}'} of the "
+            "weights of linears, embeddings and convolutions")
     if not groups:
         return text
     ranked = sorted(groups.items(), key=lambda item: -item[1][1])
