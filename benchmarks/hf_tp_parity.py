@@ -33,7 +33,8 @@ SMALL = {"num_hidden_layers": 2, "n_layer": 2, "hidden_size": 64, "n_embd": 64, 
          "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 256, "pad_token_id": 0,
          "bos_token_id": 0, "eos_token_id": 1, "rotary_dim": 8, "n_positions": 128, "max_position_embeddings": 128,
          "word_embed_proj_dim": 64, "sliding_window": 16, "dropout": 0.0, "attention_dropout": 0.0, "layerdrop": 0.0,
-         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout": 0.0}
+         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout": 0.0,
+         "residual_dropout": 0.0}
 
 
 def small_args(model_type: str, folder: Path, layers: int = 2) -> dict:

@@ -98,6 +98,41 @@ def test_a_weight_used_twice_is_not_a_linear():
     assert linear_weight_orientation(_Transposed(8, 8, "twice")) is None  # x @ (W^T W): not one product with x
 
 
+class _Router(nn.Module):
+    """GPT-OSS's router: multiplies by its own [experts, in] weight, then returns the logits with the
+    top-k scores and indices, a tuple."""
+
+    def __init__(self, n_in, experts):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, n_in))
+
+    def forward(self, x):
+        logits = nn.functional.linear(x, self.weight)
+        scores, indices = logits.topk(2, dim=-1)
+        return logits, scores, indices
+
+
+class _Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.router = nn.Linear(8, 8), _Router(8, 4)
+
+    def forward(self, x):
+        logits, _, _ = self.router(x)
+        return self.up(x) * logits.softmax(-1).sum(-1, keepdim=True)
+
+
+def test_a_module_returning_more_than_its_product_is_not_a_linear():
+    """A TP style's output hook takes the module's one output tensor: GPT-OSS's router, planned
+    colwise as a linear by structure, failed every tp plan with 'tuple' has no attribute
+    'placements'. Such a module is not recorded as a linear, so it stays replicated."""
+    from planner.profiler.opgraph import record_op_graph
+
+    ops = {op.name: op for op in record_op_graph(_Routed().to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
+    assert linear_weight_orientation(_Router(8, 4)) is False  # a linear by structure...
+    assert set(ops) == {"up"}  # ...but not a shardable one
+
+
 class _WritesInPlace(nn.Module):
     """A unit that adds into its second linear's output in place (as Falcon's decoder layer does)."""
 

@@ -262,6 +262,11 @@ class _OpGraphRecorder(TorchFunctionMode):
             self.depth -= 1
             if self.depth == 0 and name in self.pending:
                 info = self.pending.pop(name)
+                if name in self.in_out and not isinstance(out, torch.Tensor):
+                    # A module that multiplies by its weight but returns more than the product
+                    # (GPT-OSS's router: logits, scores and indices) is no linear to shard: a TP
+                    # style's output hook takes one tensor. Not recorded, it stays replicated.
+                    return
                 module, x = info["module"], info["x"]
                 y = _tensors(out)[0]
                 in_out = self.in_out.get(name)
