@@ -420,3 +420,96 @@ def test_copies_of_outputs_written_in_place_are_priced(sequence_parallel):
     assert after.backward_s[block.index] == before.backward_s[block.index]
     head = next(u for u in plain.units if u.name == "head")
     assert after.forward_s[head.index] == before.forward_s[head.index]
+
+
+class _GatedMix(nn.Module):
+    """Qwen3.5's gated delta net in small: a whole-width core computed from one projection,
+    gated elementwise by another before the output projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj_qkv, self.in_proj_z, self.out_proj = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        core = torch.tanh(self.in_proj_qkv(x))
+        return self.out_proj(core * torch.sigmoid(self.in_proj_z(x)))
+
+
+class _GatedUnit(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mix = _GatedMix()
+
+    def forward(self, x):
+        return x + self.mix(x)
+
+
+def _gated_problem():
+    from planner.profiler.opgraph import record_op_graph
+
+    ops = tuple(record_op_graph(_GatedUnit().to("meta"), (torch.empty(2, 3, 8, device="meta"),), {}))
+    return IntraOpProblem(ops, 2, 4, 1e-12, _Collectives(), require_sharding=True)
+
+
+@pytest.mark.parametrize("strategies,blamed", [
+    # Qwen3.5's plan that failed at the first forward: in_proj_qkv paired (a colwise sibling) yet fed
+    # the replicated input; the sharded z gating the whole core; out_proj paired, reading that merge.
+    (dict(qkv="rowwise", z="colwise", out="rowwise"), {"qkv", "z", "out"}),
+    (dict(qkv="replicate", z="colwise", out="rowwise"), {"z", "out"}),  # a Megatron pair, but z gates a whole core
+    (dict(qkv="replicate", z="replicate", out="rowwise"), set()),  # alone: slices its replicated input
+    (dict(qkv="colwise", z="replicate", out="replicate"), set()),  # alone: gathers its output
+])
+def test_plans_the_runtime_cannot_run_as_priced_are_found(strategies, blamed):
+    from planner.solver.intra_op import _unrunnable
+
+    names = {"qkv": "mix.in_proj_qkv", "z": "mix.in_proj_z", "out": "mix.out_proj"}
+    chosen = {names[k]: v for k, v in strategies.items()}
+    assert _unrunnable(_gated_problem(), chosen) == {names[k] for k in blamed}
+
+
+class _PerByte:
+    """Every collective at `seconds` per byte."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def all_reduce_s(self, nbytes):
+        return self.seconds * nbytes
+
+    all_gather_s = reduce_scatter_s = all_to_all_s = all_reduce_s
+
+
+class _HeadsWrittenOut(nn.Module):
+    """Attention whose projections are viewed into a written-out head count (OPT's `view(b, s,
+    num_heads, head_dim)`): no colwise q, k or v, so sharded heads could only come from slicing or
+    reduce-scattering their outputs, which the ILP prices and the runtime cannot do."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 2, 8).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, 16))
+
+
+def test_solved_unit_plans_are_runnable_as_priced(gpt2_meta_profile):
+    """The ILP alone gives that attention sharded heads (q, k, v rowwise, or replicated and
+    sliced, whatever the collectives cost); the solver re-solves with the blamed attention
+    replicated, so its answer runs as priced. A Megatron MLP is left as it was."""
+    from planner.profiler.opgraph import record_op_graph
+    from planner.solver.intra_op import _solve, _unrunnable
+
+    ops = tuple(record_op_graph(_HeadsWrittenOut().to("meta"), (torch.empty(2, 64, 16, device="meta"),), {}))
+    for per_byte in (1e-12, 1e-6):
+        problem = IntraOpProblem(ops, 2, 4, 1e-9, _PerByte(per_byte), require_sharding=True)
+        assert _unrunnable(problem, _solve(problem).strategies) == {"attention_1"}
+        solution = solve_intra_op(problem)
+        assert solution.strategies["attention_1"] == "replicate" and not _unrunnable(problem, solution.strategies)
+        assert {"rowwise", "colwise"} & set(solution.tp_plan.values())  # TP is pinned: something still shards
+    problem = _gated_problem()
+    assert not _unrunnable(problem, solve_intra_op(problem).strategies)
+    block = next(u for u in gpt2_meta_profile.units if u.kind == "GPT2Block")
+    plan = solve_intra_op(IntraOpProblem(tuple(block.ops), 2, 4, 1e-12, _Collectives(), require_sharding=True)).tp_plan
+    assert (plan["mlp.c_fc"], plan["mlp.c_proj"]) == ("colwise", "rowwise")

@@ -455,10 +455,112 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str]) -> IntraOpSolu
 
 
 def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
+    """The ILP's answer (`_solve`) that the runtime can run as priced: where it cannot
+    (`_unrunnable`), some of the ops to blame are kept replicated and the unit solved again, until
+    none is left (each round replicates at least one more op, so it ends). The column-parallel
+    ones go first (they make the pairs and the sharded outputs), then sharded attention, then the
+    rest: replicating all at once would leave less sharded than needed (a row-parallel q, k and v
+    run once their colwise sibling is gone)."""
+    for _ in range(len(problem.ops) + 1):
+        graph = _build_graph(problem)
+        solution = _solve(problem, graph)
+        blamed = _unrunnable(problem, solution.strategies, graph) - problem.replicated_ops
+        if not blamed:
+            return solution
+        for kind in ("colwise", "heads", None):
+            first = {n for n in blamed if kind is None or solution.strategies.get(n) == kind}
+            if first:
+                break
+        problem = dataclasses.replace(problem, replicated_ops=problem.replicated_ops | first)
+    return solution
+
+
+def _unrunnable(problem: IntraOpProblem, strategies: dict[str, str], graph: _Graph | None = None) -> frozenset[str]:
+    """Ops whose strategy the runtime cannot realise as the ILP priced it, to keep replicated.
+
+    The ILP converts a tensor's layout on any edge, a replicated one to a feature shard for free
+    (a slice). The runtime (runtime/apply_tp.py) converts only where a module's style does: a
+    column-parallel module's output stays sharded when its parent also holds a row-parallel one
+    (a Megatron pair, `_paired_owners`) and is gathered otherwise; a row-parallel module reads a
+    sharded input when paired and slices a replicated one otherwise; its output is all-reduced.
+    Between modules nothing converts, so what a node hands on must be what its consumer reads,
+    and the tensors an elementwise merge combines must agree (the unit's input excepted: Llama's
+    rotary cos and sin, replicated, broadcast over the heads of a sharded q). Qwen3.5's gated
+    delta net got `in_proj_qkv` rowwise beside a colwise `in_proj_z` (so paired, reading its
+    replicated input as if sharded) and a norm gating the replicated attention output with the
+    sharded z: the plan failed at the first forward. Blamed: a paired row-parallel module fed a
+    replicated tensor, a column-parallel module or sharded attention whose sharded output meets
+    a replicated reader or merge, attention reading a replicated tensor. Sequence parallelism
+    runs its own layout (Megatron's, units whose linears all shard or none): not checked."""
+    if problem.sequence_parallel or not SHARDED & set(strategies.values()):
+        return frozenset()
+    graph = graph or _build_graph(problem)
+    by_name = {op.name: op for op in problem.ops}
+
+    def owner(name: str) -> str | None:
+        module = by_name[name].module
+        return None if not module else module.rpartition(".")[0]  # the unit itself (a Linear unit) pairs with nothing
+
+    under: dict[str, set[str]] = {}
+    for name, chosen in strategies.items():
+        parent = owner(name) if name in by_name else None
+        if parent is not None and chosen in ("colwise", "rowwise"):
+            under.setdefault(parent, set()).add(chosen)
+    pairs = {o for o, styles in under.items() if {"colwise", "rowwise"} <= styles}
+
+    def paired(name: str) -> bool:
+        return owner(name) in pairs
+
+    def strategy(node: str) -> str:
+        return strategies.get(node, "fixed")
+
+    def hands_on(node: str) -> str:
+        if node == INPUT:
+            return "R"
+        if node.startswith("merge:"):
+            return merged[node]
+        s = strategy(node)
+        if s == "colwise":
+            return "F" if paired(node) else "R"
+        return "R" if s == "rowwise" else graph.nodes[node][s][1]
+
+    def reads(node: str) -> str:
+        s = strategy(node)
+        if s == "rowwise":
+            return "F" if paired(node) else "R"
+        return "R" if s == "colwise" or node == OUTPUT else graph.nodes[node][s][0]
+
+    blamed: set[str] = set()
+    merged: dict[str, str] = {}
+    for merge in (n for n in graph.nodes if n.startswith("merge:")):
+        sources = [src for key, src in graph.sources.items() if key.startswith(merge + "<-") and src != INPUT]
+        layouts = {hands_on(src) for src in sources}
+        if len(layouts) > 1:
+            blamed |= {src for src in sources if hands_on(src) != "R"}
+        merged[merge] = layouts.pop() if len(layouts) == 1 else "R"
+    for key, src in graph.sources.items():
+        consumer = _consumer_of(key)
+        if consumer.startswith("merge:") or hands_on(src) == reads(consumer):
+            continue
+        if reads(consumer) == "F":  # a paired row-parallel module or sharded attention fed a whole tensor
+            blamed.add(consumer)
+        else:  # a sharded output where a whole one is read
+            blamed |= {n for n in _producers(src, graph) if hands_on(n) == "F"}
+    return frozenset(n for n in blamed if n in by_name)
+
+
+def _producers(node: str, graph: _Graph) -> list[str]:
+    """`node`, or the sources of a merge node."""
+    if not node.startswith("merge:"):
+        return [node]
+    return [src for key, src in graph.sources.items() if key.startswith(node + "<-")]
+
+
+def _solve(problem: IntraOpProblem, graph: _Graph | None = None) -> IntraOpSolution:
     """Build and solve the ILP of the module docstring; raise if the memory bound cannot be met.
     An optimal answer is kept on disk (`_cached`): a later solve of the same problem (the next
     "what if" on the same model and GPU) reads it instead of building and solving the ILP."""
-    graph = _build_graph(problem)
+    graph = graph or _build_graph(problem)
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     if all(len(s) == 1 for s in free.values()):
         return evaluate(problem, {v: next(iter(s)) for v, s in free.items()})
