@@ -256,10 +256,12 @@ def whole_weights(ops, tp: int, tp_plan: dict[str, str], routers: AbstractSet[st
     the plan's notes: what keeps `_op_strategies` from offering the column shard Megatron gives a
     projection (`_whole_reason`), a mixture-of-experts router (`routers`: module paths, kept
     replicated by design), sequence parallelism keeping the whole unit replicated
-    (`_sequence_parallel_blocked`), else the ILP's choice."""
+    (`_sequence_parallel_blocked`), else the intra-op solver's choice (cheaper, or `_unrunnable`)."""
     heads_of = _heads_of(ops)
-    otherwise = ("sequence parallelism keeps its unit whole, as Megatron's layout shards every linear of a block or none"
-                 if sequence_parallel and _sequence_parallel_blocked(ops) else "cheaper whole by the intra-op ILP's prices")
+    if sequence_parallel and _sequence_parallel_blocked(ops):
+        otherwise = "sequence parallelism keeps its unit whole, as Megatron's layout shards every linear of a block or none"
+    else:
+        otherwise = "kept whole by the intra-op solver: cheaper, or not runnable sharded beside its neighbours"
     out = []
     for op in ops:
         if op.kind not in WEIGHT_KINDS or not op.weight_shape or op.module is None:
