@@ -84,14 +84,13 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
     with block numbers as `*` (`transformer.h.*.attn.c_attn`), largest first, with why
     (`whole_weights`). A model whose attention stays whole shards far less than its tp degree
     suggests (GPT-2's fused q|k|v, for one); the prediction prices that, and this says it."""
+    from planner.solver.costs import tied_groups
     from planner.solver.intra_op import WEIGHT_KINDS, whole_weights
 
     names = profile.unit_names()
-    index = {name: u for u, name in enumerate(names)}
     tied: dict[int, set[int]] = {}  # a later unit of a tied group -> weight sizes its first unit holds
     partners: dict[int, str] = {}  # a unit of a tied group -> the others, named
-    for group in profile.model.tied_parameters:
-        members = sorted(index[name] for name in group if name in index)
+    for members in tied_groups(profile):
         for u in members:
             partners[u] = ", ".join(names[w] for w in members if w != u)
         for u in members[1:]:
