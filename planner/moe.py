@@ -8,7 +8,9 @@ An *experts module* (`find_experts`) meets the contract that Hugging Face transf
 - `forward(hidden_states [T, D], top_k_index [T, k], top_k_weights [T, k]) -> [T, D]`, each
   token's output the `top_k_weights`-weighted sum of its experts' outputs, expert e computed
   from the slices `p[e]` alone (so a module over a slice of the experts computes those);
-- an integer attribute `num_experts`, if it has one, is E.
+- an integer attribute `num_experts`, if it has one, is E. A forward whose index and weights
+  have defaults (GPT-OSS's `forward(hidden_states, router_indices=None, routing_weights=None)`)
+  qualifies only with that attribute: three positional parameters alone say little.
 runtime/apply_ep.py shards such modules; the profiler records them (`recognise_moe`).
 
 The rest of the MoE layer is found around the experts module, in its parent (the *layer*), by
@@ -45,6 +47,17 @@ def _forward_arguments(module: nn.Module) -> list[inspect.Parameter] | None:
     return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
 
 
+def experts_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    """(hidden_states, top_k_index, top_k_weights) of one call of an experts module, bound by
+    its forward's own parameter names (GPT-OSS passes the last two by keyword, as
+    `router_indices=` and `routing_weights=`); None when the call does not give all three."""
+    names = [p.name for p in _forward_arguments(module) or []]
+    bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    if len(names) != 3 or any(bound.get(n) is None for n in names):
+        return None
+    return tuple(bound[n] for n in names)
+
+
 def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     """FQN -> experts module, by the structure the module docstring states."""
     found = {}
@@ -58,7 +71,7 @@ def find_experts(model: nn.Module) -> dict[str, nn.Module]:
         if positional is None:
             continue
         required = [p for p in positional if p.default is p.empty]
-        if len(positional) == 3 and len(required) == 3:
+        if len(positional) == 3 and (len(required) == 3 or getattr(module, "num_experts", None) == own[0].shape[0]):
             found[name] = module
     return found
 
@@ -191,12 +204,10 @@ def _watch(module: nn.Module, experts: dict[str, nn.Module], seen: _Seen) -> lis
 
         handles.append(sub.register_forward_hook(after))
     for name, sub in experts.items():
-        names = [p.name for p in _forward_arguments(sub) or []]  # find_experts kept only modules with a signature
-
-        def before(_m, args, kwargs, name=name, names=names):
-            bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
-            if name not in seen.calls and len(bound) == 3:
-                seen.calls[name] = ExpertsCall(*(bound[n] for n in names))
+        def before(m, args, kwargs, name=name):
+            inputs = experts_inputs(m, args, kwargs)
+            if name not in seen.calls and inputs is not None:
+                seen.calls[name] = ExpertsCall(*inputs)
 
         handles.append(sub.register_forward_pre_hook(before, with_kwargs=True))
     return handles

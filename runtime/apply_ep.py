@@ -86,7 +86,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from planner.errors import PlannerError
-from planner.moe import find_experts, num_experts
+from planner.moe import experts_inputs, find_experts, num_experts
 from planner.plan import Plan
 
 
@@ -273,13 +273,23 @@ def _tp_compute(compute, runner: nn.Module, tp_group, hidden: torch.Tensor, inde
 def _expert_tp_forward(experts: nn.Module, runner: nn.Module, tp_group):
     compute = type(experts).forward
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(*args, **kwargs) -> torch.Tensor:
+        hidden_states, top_k_index, top_k_weights = _inputs(experts, args, kwargs)
         runner.__dict__["_parameters"] = _local_slices(experts)
         out = _tp_compute(compute, runner, tp_group, hidden_states, top_k_index, top_k_weights)
         runner.__dict__["_parameters"] = {}  # hold no activations' graph between calls
         return out
 
     return forward
+
+
+def _inputs(experts: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The call's (hidden_states, top_k_index, top_k_weights), by the class's parameter names."""
+    inputs = experts_inputs(experts, args, kwargs)
+    if inputs is None:
+        raise TypeError(f"{type(experts).__name__}.forward was called without all three of its inputs "
+                        "(hidden_states, top_k_index, top_k_weights), which expert parallelism routes by")
+    return inputs
 
 
 def _local_slices(experts: nn.Module) -> dict[str, torch.Tensor]:
@@ -291,7 +301,8 @@ def _dispatching_forward(experts: nn.Module, runner: nn.Module, total: int, ep_d
     local = total // ep_degree
     compute = type(experts).forward
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(*args, **kwargs) -> torch.Tensor:
+        hidden_states, top_k_index, top_k_weights = _inputs(experts, args, kwargs)
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = flat.argsort(stable=True)  # token copies grouped by expert, hence by owning rank

@@ -106,6 +106,23 @@ def test_experts_are_found_by_structure():
     with torch.device("meta"):
         block = Qwen3MoeSparseMoeBlock(config)
     assert list(find_experts(block)) == ["experts"]
+    with torch.device("meta"):
+        assert list(find_experts(_hf_block("gpt_oss"))) == ["experts"]
+
+    class Stacked(torch.nn.Module):
+        """Stacked weights and three positional inputs, two defaulted, but no `num_experts`: not experts."""
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(3, 4, 4))
+
+        def forward(self, x, mask=None, bias=None):
+            return x
+
+    assert find_experts(Stacked()) == {}
+    stacked = Stacked()
+    stacked.num_experts = 3
+    assert list(find_experts(stacked)) == [""]
 
 
 @pytest.mark.parametrize("layout,ep,message", [
@@ -329,12 +346,27 @@ def test_folded_expert_gradients_equal_the_one_process_gradients(world, dp, ep, 
     mp.spawn(_sp_gradient_worker, args=(world, _free_port(), dp, ep, zero), nprocs=world, join=True)
 
 
-def _hf_worker(rank: int, world: int, port: int) -> None:
-    """Hugging Face's Qwen3MoeSparseMoeBlock with its experts sharded: the same outputs and gradients."""
-    import copy
+def _hf_block(kind: str) -> torch.nn.Module:
+    """A Hugging Face MoE block with 4 experts of width 8 over 16 features, top 2."""
+    if kind == "gpt_oss":  # experts with biases, transposed matrices, index and weights defaulted
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
+        return GptOssMLP(GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2))
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4,
+                                                 num_experts_per_tok=2))
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out  # GPT-OSS's block also returns its router scores
+
+
+def _hf_worker(rank: int, world: int, port: int, kind: str) -> None:
+    """A Hugging Face MoE block (`_hf_block`) with its experts sharded: the same outputs and gradients."""
+    import copy
 
     from runtime.apply_dp import average_gradients
     from runtime.apply_ep import apply_ep, expert_parameters
@@ -348,18 +380,24 @@ def _hf_worker(rank: int, world: int, port: int) -> None:
         mesh = build_mesh(plan, "cpu")
         ep_mesh = build_ep_mesh(mesh, world)
         torch.manual_seed(0)
-        config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
-        reference = Qwen3MoeSparseMoeBlock(config)
+        reference = _hf_block(kind)
         for p in reference.parameters():  # HF leaves them to _init_weights: any values will do
             torch.nn.init.normal_(p, std=0.3)
         block = copy.deepcopy(reference)
         apply_ep(block, ep_mesh["ep"])
+        assert len(expert_parameters([block])) == len(list(block.experts.parameters())) > 0
         x = torch.randn(2 * world, 8, 16)
-        full = reference(x)
+        full = _first(reference(x))
         full.square().mean().backward()
         mine = slice(2 * rank, 2 * rank + 2)
-        out = block(x[mine])
+        out = _first(block(x[mine]))
         torch.testing.assert_close(out, full[mine])
+        if kind == "gpt_oss":  # the dispatch binds its inputs by the class's names when passed by keyword
+            with torch.no_grad():
+                h = x[mine].reshape(-1, 16)
+                _, scores, index = block.router(h)
+                torch.testing.assert_close(block.experts(h, router_indices=index, routing_weights=scores),
+                                           block.experts(h, index, scores))
         out.square().mean().backward()
         average_gradients([block], mesh["dp"].get_group(), expert_parameters([block]), ep_mesh["edp"].get_group())
         for name, p in block.named_parameters():
@@ -371,9 +409,10 @@ def _hf_worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.slow
-def test_hugging_face_experts_under_ep():
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_hugging_face_experts_under_ep(kind):
     pytest.importorskip("transformers")
-    mp.spawn(_hf_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_hf_worker, args=(2, _free_port(), kind), nprocs=2, join=True)
 
 
 # ---- whole runs against --reference ----
