@@ -30,7 +30,17 @@ software, not a fitted constant:
   * FSDP (llm-foundry): gradient reduce-scatter and prefetched parameter all-gathers
     (FSDP's backward prefetch); no TP, no pipeline.
 
-The solver always chooses the stage cuts. No per-row constant. Writes
+The solver always chooses the stage cuts. No per-row constant.
+
+The one row past 10%, MPT-70B on 64 A100-40GB (-31%), is the one whose ZeRO 3 traffic (three
+collectives of the 16-bit weights a step: forward and backward all-gathers, the gradients'
+reduce-scatter) is largest against its compute: two sequences per GPU a step. Priced with the
+inter-node links at 1/8 of the a100-40gb preset (a node's 8 x 200 Gb/s, the stated 1600 Gb/s
+RoCE), that row is +13.7% (6.6 s of ZeRO 3 communication exposed), MPT-70B x128 -2.5% and the 30B,
+13B and 7B rows +0.6% to +2.7%; at 1/4 nothing is exposed anywhere and x64 stays -28%. So the five
+rows agree with a network that delivered about 1/7 of its stated rate to FSDP's collectives;
+the source does not say so (nor give a measured NCCL rate), so the preset keeps the stated one
+and the row stays a miss (2026-11-27). Writes
 benchmarks/results/cost_model_vs_reference.{csv,png}.
 
     python benchmarks/cost_model_vs_reference.py

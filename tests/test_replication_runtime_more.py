@@ -94,13 +94,15 @@ def test_replicated_parity_with_ties_and_clipping(replicas, tied, clip, write_mo
 
 
 def _run(plan, out, steps: int, world: int | None = None, extra=()) -> tuple[list[float], dict]:
-    """`python -m runtime` (torchrun with `world` processes, or the reference): losses and parameters."""
+    """`python -m runtime` (`world` ranks, tests/ranks.py, or the reference): losses and parameters."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out.mkdir(parents=True, exist_ok=True)
     args = [str(plan), "--steps", str(steps), "--output", str(out / "m.json"), "--save-params", str(out / "p.pt"), *extra]
-    command = [sys.executable, "-m", "runtime", *args, "--reference"] if world is None else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m", "runtime", *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    if world is None:
+        done = subprocess.run([sys.executable, "-m", "runtime", *args, "--reference"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+    else:
+        done = run_ranks(world, args, ROOT, env)
     assert done.returncode == 0, done.stderr[-3000:]
     params: dict = {}
     for path in sorted(out.glob("p*.pt")):

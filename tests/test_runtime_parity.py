@@ -1,7 +1,7 @@
 """Parity: every parallel layout trains to the one-process reference's losses and parameters.
 
-Each case writes a plan, runs it with torchrun on gloo CPU processes (`python -m runtime`,
-under a timeout) and the same plan with `--reference` (one process, whole global batch),
+Each case writes a plan, runs it on gloo CPU processes (`python -m runtime` on each rank with
+torchrun's environment, tests/ranks.py, under a timeout) and the same plan with `--reference` (one process, whole global batch),
 then compares the per-step losses and the final parameters.
 
 Tolerances: float32 throughout. Splitting the batch over ranks and micro-batches changes
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.ranks import run_ranks
 from tests.runtime_plans import GPT_TP, GPT_UNITS, LLAMA_TP, make_plan
 
 STEPS = 3
@@ -37,10 +38,10 @@ def run(plan_path, out_dir, world_size: int, reference: bool = False, extra=()):
     args = [str(plan_path), "--steps", str(STEPS), "--output", str(out_dir / f"{tag}.json"),
             "--save-params", str(out_dir / f"{tag}.pt"), *extra]
     if reference:
-        command = [sys.executable, "-m", "runtime", *args, "--reference"]
+        done = subprocess.run([sys.executable, "-m", "runtime", *args, "--reference"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size), "-m", "runtime", *args]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        done = run_ranks(world_size, args, ROOT, env)  # torchrun's environment without its agent (tests/ranks.py)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = json.loads((out_dir / f"{tag}.json").read_text())
     if reference:
