@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import ROOT
+from tests.ranks import run_ranks
 from tests.runtime_plans import make_plan
 from tests.test_replication import _replicated_plan
 from tests.test_runtime_parity import LOSS_RTOL, PARAM_ATOL, check_parity
