@@ -1,6 +1,6 @@
 """The image models of PipeDream and GPipe, as torchvision builds them (examples/resnet.py,
 examples/vgg.py): their units, analytic and measured profiles, a solve at the papers' sizes,
-and training parity with one process under PP2 (1F1B) and DP2.
+and training parity with one process under PP2 (1F1B) cut beside an in-place ReLU.
 
 Parity uses the harness and tolerances of test_runtime_parity.py (losses 1e-5 relative,
 parameters 1e-4 absolute, explained there), on models with nothing that depends on how the
@@ -99,17 +99,8 @@ PARITY = {
     "resnet": (dict(RESNET_ARGS, depth=18, image_size=64, norm="group"), RESNET18_UNITS),
     "vgg": (dict(VGG_ARGS, dropout=0.0), VGG_UNITS),
 }
-CASES = {"pp2-1f1b": dict(pp=2, schedule="1f1b", m=2), "dp2": dict(dp=2)}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("model", sorted(PARITY))
-def test_parity(model, case, tmp_path):
-    from tests.test_runtime_parity import check_parity
-
-    args, units = PARITY[model]
-    check_parity(make_plan(model=model, args=args, units=units, **CASES[case]), tmp_path)
+# Both models' solved plans (pp2 1F1B, dp2 ZeRO 3, tp2) run against the reference in
+# tests/test_solver_plans_run.py; here, the pipeline cuts beside their in-place ReLUs.
 
 
 @pytest.mark.slow

@@ -419,25 +419,23 @@ def test_hugging_face_experts_under_ep(kind):
 
 EP_CASES = {
     "ep2-dp2": dict(ep=2, dp=2),
-    "ep2-dp4": dict(ep=2, dp=4),
-    # The per-sequence aux loss crosses the pipeline cut beside the hidden state.
-    "ep2-pp2": dict(ep=2, pp=2, dp=2, m=2),
     # Attention and the shared expert TP-sharded; the experts replicated over tp, each tp rank
     # dispatching within its own EP group.
     "ep2-tp2": dict(ep=2, dp=2, tp=2, tp_plan=MOE_TP, args={"shared_expert": True}),
+    # The per-sequence aux loss crosses the pipeline cut beside the hidden state, in zero
+    # bubble's split backward.
     "ep2-pp2-zero-bubble": dict(ep=2, pp=2, dp=2, schedule="zero-bubble", m=4),
     "ep2-recompute-full": dict(ep=2, dp=2, recompute="full"),  # the all-to-alls replayed in backward
-    # Clipping (active: the norm is ~0.5) over the experts' DTensor gradients. Weak on the norm's
-    # value: AdamW nearly undoes a per-step scale, so this mostly checks that clipping composes.
-    "ep2-dp4-clip": dict(ep=2, dp=4, grad_clip=0.05),
     # FSDP: the experts sharded over expert-dp (2 ranks), the rest over dp (4).
     "ep2-dp4-zero3": dict(ep=2, dp=4, zero=3),
-    "ep2-dp4-zero1-m2": dict(ep=2, dp=4, zero=1, m=2),
+    # ZeRO 1 accumulating two micro-batches, and clipping (active: the norm is ~0.5) over the
+    # experts' DTensor gradients. Weak on the norm's value: AdamW nearly undoes a per-step
+    # scale, so this mostly checks that clipping composes.
+    "ep2-dp4-zero1-m2-clip": dict(ep=2, dp=4, zero=1, m=2, grad_clip=0.05),
     # Sequence parallelism: each TP rank routes its own half of every sequence, the EP group is
     # the two TP ranks (folded over dp x tp) and the aux loss takes whole-sequence statistics.
     "ep2-tp2-sp": dict(ep=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
-    # EP over the TP ranks, expert-dp over dp (2); then one EP group of all four ranks.
-    "ep2-dp2-tp2-sp": dict(ep=2, dp=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
+    # One EP group of all four ranks (EP over the TP ranks with expert-dp over dp: the zero3 case below).
     # The aux loss crosses the pipeline cut; each stage's EP group is its two TP ranks.
     "ep2-pp2-tp2-sp": dict(ep=2, pp=2, tp=2, m=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
     "ep4-dp2-tp2-sp": dict(ep=4, dp=2, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
@@ -447,10 +445,9 @@ EP_CASES = {
     # ep 1 under SP: the experts replicated, each TP rank computing its tokens' share of their gradients.
     "ep1-tp2-sp": dict(ep=1, tp=2, tp_plan=MOE_TP, sequence_parallel=True, args={"shared_expert": True}),
     # Expert TP (tests/test_expert_tp.py): each expert's gate/up by columns, down by rows over tp;
-    # alone, and with EP over dp (each tp rank dispatching in its own EP group).
-    "etp2-tp2": dict(expert_tp=2, tp=2, tp_plan=MOE_TP, args=ETP_ARGS),
+    # with EP over dp (each tp rank dispatching in its own EP group), and alone below.
     "ep2-etp2-dp2-tp2": dict(ep=2, expert_tp=2, dp=2, tp=2, tp_plan=MOE_TP, args=ETP_ARGS),
-    # f and g replayed by full recomputation; expert TP in both pipeline stages.
+    # Alone, with f and g replayed by full recomputation; expert TP in both pipeline stages.
     "etp2-tp2-recompute-full": dict(expert_tp=2, tp=2, recompute="full", tp_plan=MOE_TP, args=ETP_ARGS),
     "etp2-pp2-tp2": dict(expert_tp=2, pp=2, tp=2, m=2, tp_plan=MOE_TP, args=ETP_ARGS),
 }

@@ -145,7 +145,6 @@ CASES = {
     "unet-pp2-interleaved-v2": dict(model="unet", pp=2, v=2, schedule="interleaved-1f1b", m=2, cuts=[0, 2, 4, 7, 9]),
     "unet-pp2-zero-bubble": dict(model="unet", pp=2, schedule="zero-bubble", m=2, cuts=[0, 4, 9]),
     "cnn-pp2-gpipe": dict(model="cnn", pp=2, schedule="gpipe", m=2),
-    "hf_llama-pp2-1f1b": dict(model="hf_llama", pp=2, m=2, cuts=[0, 3, 6]),
     "gpt-pp2-zero-bubble-v2": dict(pp=2, schedule="zero-bubble", v=2, m=4),
     "gpt-pp2xdp2-zero3": dict(pp=2, dp=2, zero=3, m=2),
 }
