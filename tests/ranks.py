@@ -7,6 +7,7 @@ interpreter importing torch, a rendezvous store, a monitor loop and a graceful s
 about as long as the ranks' few training steps on the 2-core machine, for every parallel run
 in the suite. Here each rank gets the environment torchrun would give it (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: torch.distributed's env:// contract),
+the ranks are forked from one interpreter that imported what they import (tests/fork_ranks.py),
 and the job is supervised as torchrun supervises it: when one rank fails the others are
 stopped at once (a rank left waiting in a collective for a dead peer would otherwise hang until
 gloo's timeout), and the whole job under a deadline.
@@ -14,13 +15,13 @@ gloo's timeout), and the whole job under a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 
 
@@ -29,7 +30,7 @@ class Job:
     returncode: int
     """0 when every rank exited 0; else the first failing rank's exit code."""
     stderr: str
-    """Every rank's standard error, rank by rank."""
+    """Every rank's standard error."""
     stdout: str
 
 
@@ -39,45 +40,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
-    for p in processes:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)  # each rank leads a session of its own, with its children
-    for p in processes:
-        p.wait()
-
-
 def run_ranks(world: int, args: list[str], cwd, env: dict | None = None, timeout: float = 240) -> Job:
-    """`python -m runtime ARGS` on `world` ranks of one gloo job (module docstring); every rank's
-    output once all have ended. Raises subprocess.TimeoutExpired past `timeout` seconds, after
-    stopping them."""
-    base = {**(env if env is not None else os.environ), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-    processes, outputs = [], []
-    try:
-        for rank in range(world):
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # no pipe to fill and block on
-            outputs.append((out, err))
-            processes.append(subprocess.Popen([sys.executable, "-u", "-m", "runtime", *args], cwd=cwd, stdout=out,
-                                              stderr=err, start_new_session=True,
-                                              env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in processes]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed or all(c == 0 for c in codes):
-                break
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(args, timeout)
-            time.sleep(0.05)
-        _stop(processes)
-        texts = []
-        for out, err in outputs:
-            out.seek(0), err.seek(0)
-            texts.append((out.read(), err.read()))
-        return Job(failed[0] if failed else 0, "".join(f"[rank {r}] {e}" for r, (_, e) in enumerate(texts) if e),
-                   "".join(o for o, _ in texts))
-    finally:
-        _stop(processes)
-        for out, err in outputs:
-            out.close(), err.close()
+    """`python -m runtime ARGS` on `world` ranks of one gloo job (module docstring), forked from
+    one interpreter (tests/fork_ranks.py); their output once all have ended. Raises
+    subprocess.TimeoutExpired past `timeout` seconds, after stopping every rank."""
+    env = {**(env if env is not None else os.environ), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:  # no pipe to fill and block on
+        job = subprocess.Popen([sys.executable, "-u", "-m", "tests.fork_ranks", str(world), *args], cwd=cwd, env=env,
+                               stdout=out, stderr=err, start_new_session=True)
+        try:
+            code = job.wait(timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, signal.SIGKILL)  # the ranks are in its session
+            job.wait()
+        out.seek(0), err.seek(0)
+        return Job(code, err.read(), out.read())
