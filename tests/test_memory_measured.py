@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
@@ -25,6 +23,7 @@ from planner.profiler import profile_model
 from planner.solver.plan_builder import build_plan
 from planner.solver.solve import Pins, search
 from tests.conftest import EXAMPLES, ROOT
+from tests.ranks import run_ranks
 
 TOLERANCE = 0.10
 GPT_SMALL = dict(n_layers=4, d_model=64, n_heads=4, d_ff=256, vocab_size=128, seq_len=32)
@@ -77,8 +76,7 @@ def _largest_parameter(unit, tp_degree: int) -> float:
 def run_measured(plan, tmp_path, steps: int = 2) -> list[int]:
     path, out = tmp_path / "plan.json", tmp_path / "metrics.json"
     plan.save(path)
-    ran = subprocess.run([sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(steps), "--output", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    ran = run_ranks(plan.world_size, [str(path), "--steps", str(steps), "--output", str(out)], ROOT, timeout=300)
     assert ran.returncode == 0, ran.stderr[-2000:]
     return json.loads(out.read_text())["peak_tensor_bytes"]
 
