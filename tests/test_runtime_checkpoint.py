@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.ranks import run_ranks
 from tests.runtime_plans import GPT_TP, make_plan
 
 
@@ -32,13 +33,17 @@ def test_resume_under_another_plan_matches_reference(tmp_path, case):
 
 
 def check_resume_matches_reference(a, b, tmp_path):
-    """3 steps under plan `a` saved, 3 more resumed under plan `b`: the losses of 6 reference steps."""
+    """3 steps under plan `a` saved, 3 more resumed under plan `b`: the losses of 6 reference steps.
+    The runs are `python -m runtime` as `planner run` starts it (the reference in this process,
+    the ranks by tests/ranks.py); test_checkpoint_of_another_model_is_refused goes through the CLI."""
+    from tests.test_runtime_parity import _reference_here
+
     plan_a, plan_b = a.save(tmp_path / "a.json"), b.save(tmp_path / "b.json")
     ck = tmp_path / "ck"
-    ref = cli("run", str(plan_a), "--reference", "--steps", "6", "--output", str(tmp_path / "ref.json"))
-    first = cli("run", str(plan_a), "--steps", "3", "--checkpoint-dir", str(ck), "--output", str(tmp_path / "a-m.json"))
-    second = cli("run", str(plan_b), "--steps", "3", "--checkpoint-dir", str(ck), "--resume", "--output", str(tmp_path / "b-m.json"))
-    for done in (ref, first, second):
+    _reference_here(plan_a, tmp_path, 6)  # ref.json
+    for plan, path, resume, out in ((a, plan_a, [], "a-m.json"), (b, plan_b, ["--resume"], "b-m.json")):
+        done = run_ranks(plan.world_size, [str(path), "--steps", "3", "--checkpoint-dir", str(ck), *resume,
+                                           "--output", str(tmp_path / out)], ROOT, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
     losses = [json.loads((tmp_path / f).read_text())["losses"] for f in ("ref.json", "a-m.json", "b-m.json")]
     # Same tolerance as the parity tests (float32, reordered sums); resuming must not restart Adam or the data.
