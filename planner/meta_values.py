@@ -23,6 +23,12 @@ shadows:
   balanced routing the cost model assumes. Each such decision is counted in
   `sampled_decisions`, by operation and model line, so a profile can say so.
 
+A sampled value is only a plausible draw, so computing one is never worth much time: an op
+that reads a sampled shadow and costs more than `MAX_SAMPLED_FLOPS` by torch's FLOP formulas
+(a convolution of a 224x224 image's feature maps: seconds of one CPU core each, which made a
+meta profile of VGG-16 take a minute) gets a fresh standard-normal draw for its floating
+outputs instead, as a large output does. Exact values are always computed.
+
 A data-dependent operation on a tensor without a shadow (too large to shadow, or made before
 the mode was entered) raises `DataDependentError`, which names the operation and the model's
 line. Shadows are only computed for outputs of at most `max_numel` elements, so the cost stays
@@ -46,6 +52,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
+from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from planner.errors import PlannerError
@@ -55,6 +62,10 @@ aten = torch.ops.aten
 DEFAULT_MAX_NUMEL = 1 << 20
 """Largest tensor (elements) given a shadow: 4 MiB in float32, far below any hidden state of a
 model worth planning, above any mask of a few thousand tokens or router logits of 128 experts."""
+
+MAX_SAMPLED_FLOPS = 1e8
+"""Most FLOPs an op computing from sampled shadows may cost (about 0.1 s of one slow CPU core);
+past it the output is drawn instead (module docstring)."""
 
 _TORCH_DIR = Path(torch.__file__).parent
 _PLANNER_DIRS = (Path(__file__).parent, Path(__file__).parent.parent / "runtime")
@@ -80,6 +91,17 @@ def model_line() -> str:
         code = f"\n    {frame.line}" if frame.line else ""
         return f"{frame.filename}:{frame.lineno} (in {frame.name}){code}"
     return "an unknown line"
+
+
+def _flops(func, args, kwargs, out) -> float:
+    """FLOPs of one call by torch's formulas (torch.utils.flop_counter), 0 for an op it has none for."""
+    formula = flop_registry.get(func.overloadpacket)
+    if formula is None:
+        return 0.0
+    try:
+        return float(formula(*args, **kwargs, out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that cannot read these arguments counts as cheap
+        return 0.0
 
 
 def _is_meta(x) -> bool:
@@ -253,7 +275,7 @@ class KnownValues(TorchDispatchMode):
         if not outs and not mutated:
             return
         small = all(t.numel() <= self.max_numel for t in outs + mutated)
-        if known and small:
+        if known and small and not (sampled and _flops(func, args, kwargs, out) > MAX_SAMPLED_FLOPS):
             try:
                 real = self._run_on_shadows(func, args, kwargs)
             except Exception:  # a shadow is a convenience: losing one only loses an answer

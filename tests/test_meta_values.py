@@ -86,6 +86,28 @@ def test_sampled_routing_is_about_balanced():
     assert sum(hits) == 1024 and min(hits) > 1024 / 8 / 2 and max(hits) < 1024 / 8 * 2, hits
 
 
+def test_a_costly_op_on_sampled_values_is_drawn_not_computed(monkeypatch):
+    """A matmul of sampled shadows is computed while it is cheap; past MAX_SAMPLED_FLOPS its
+    output is a fresh draw (a VGG convolution at 224x224 cost seconds of CPU per call)."""
+    import planner.meta_values as mv
+
+    exact = torch.randn(4, 8)
+
+    def product(values):
+        with values:
+            x = values.to_meta(exact)  # exact: bound from the batch
+            w = torch.empty(8, 8, device="meta").normal_()  # sampled: a parameter's initialisation
+            y = x @ w
+        assert w in values.sampled and y in values.sampled
+        return values.values[y], values.values[x] @ values.values[w]
+
+    shadow, computed = product(KnownValues())  # 512 FLOPs
+    torch.testing.assert_close(shadow, computed)
+    monkeypatch.setattr(mv, "MAX_SAMPLED_FLOPS", 100)
+    shadow, computed = product(KnownValues())
+    assert shadow.shape == computed.shape and not torch.allclose(shadow, computed)
+
+
 def test_a_value_that_cannot_be_known_names_the_line_and_the_operation():
     values = KnownValues(max_numel=16)  # nothing larger than 16 elements gets a value
 
