@@ -24,7 +24,7 @@ shadows:
   `sampled_decisions`, by operation and model line, so a profile can say so.
 
 A sampled value is only a plausible draw, so computing one is never worth much time: an op
-that reads a sampled shadow and costs more than `MAX_SAMPLED_FLOPS` by torch's FLOP formulas
+that reads a sampled shadow and costs more than `MAX_SAMPLED_FLOPS` by the profiler's FLOP formulas
 (a convolution of a 224x224 image's feature maps: seconds of one CPU core each, which made a
 meta profile of VGG-16 take a minute) gets a fresh standard-normal draw for its floating
 outputs instead, as a large output does. Exact values are always computed.
@@ -52,7 +52,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
-from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from planner.errors import PlannerError
@@ -94,8 +93,11 @@ def model_line() -> str:
 
 
 def _flops(func, args, kwargs, out) -> float:
-    """FLOPs of one call by torch's formulas (torch.utils.flop_counter), 0 for an op it has none for."""
-    formula = flop_registry.get(func.overloadpacket)
+    """FLOPs of one call by the profiler's formulas (torch's and its own, planner/profiler/counters.py
+    `FLOP_FORMULAS`), 0 for an op they have none for."""
+    from planner.profiler.counters import FLOP_FORMULAS  # here: the profiler imports this module
+
+    formula = FLOP_FORMULAS.get(func.overloadpacket)
     if formula is None:
         return 0.0
     try:
