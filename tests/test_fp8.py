@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from planner.hardware import FP8_GEMM_RELATIVE_EFFICIENCY, get_gpu
 from planner.plan import Plan, parse_plan
 from planner.profile_schema import OpNode, Unit, UnitCosts, load_profile
 from tests.conftest import ROOT
+from tests.ranks import free_port
 from tests.runtime_plans import GPT_TP, make_plan
 
 H100 = get_gpu("h100")
@@ -267,12 +267,6 @@ def test_emulated_fp8_step_matches_bf16():
     assert cosine > 0.99
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _forward_backward(model, mf):
     torch.manual_seed(1)
     inputs, targets = mf.make_batch(4)
@@ -317,7 +311,7 @@ def _tp_worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_fp8_then_tp_equals_fp8_in_one_process():
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def _fsdp_worker(rank: int, world: int, port: int) -> None:
@@ -368,7 +362,7 @@ def _fsdp_worker(rank: int, world: int, port: int) -> None:
 
 @pytest.mark.slow
 def test_fp8_with_fsdp_float8_all_gather_equals_one_process():
-    mp.spawn(_fsdp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_fsdp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 # ---- the solver (planner/solver: `--fp8`) ----

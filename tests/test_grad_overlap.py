@@ -6,7 +6,6 @@ buckets launched while the backward runs. Whole runs under it: tests/test_runtim
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,11 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ranks import free_port
 
 
 def _entry(rank: int, world: int, port: int, scaled_after: float) -> None:
@@ -92,4 +87,4 @@ def _worker(rank: int, world: int, scaled_after: float) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scaled_after", [1.0, 1 / 3], ids=["scaled-in-loss", "scaled-after-backward"])
 def test_overlapped_reduction_equals_the_synchronous_one(scaled_after):
-    mp.spawn(_entry, args=(2, _free_port(), scaled_after), nprocs=2, join=True)
+    mp.spawn(_entry, args=(2, free_port(), scaled_after), nprocs=2, join=True)

@@ -16,7 +16,6 @@ tensor is already in host memory; runtime/apply_dp.py), so its parity checks the
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ import torch.multiprocessing as mp
 from planner.errors import PlannerError
 from planner.plan import Plan, parse_plan
 from tests.conftest import EXAMPLES
+from tests.ranks import free_port
 from tests.runtime_plans import GPT_UNITS, make_plan
 from tests.test_runtime_checkpoint import check_resume_matches_reference
 from tests.test_runtime_parity import check_parity
@@ -113,12 +113,6 @@ def test_checkpoint_saved_under_hsdp_resumes_under_plain_zero3(tmp_path):
 
 # --- the mesh and policy really applied (parity alone would pass a silent fallback) -------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _placement_worker(rank: int, world: int, port: int) -> None:
     """dp 4 = 2 replicas x 2 shards with offload: every parameter is a DTensor on the 2D
     (dp_replicate, dp_shard) mesh placed (Replicate, Shard(0)), rank r shards with r xor 1 and
@@ -157,4 +151,4 @@ def _placement_worker(rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hsdp_mesh_placements_and_offload_policy_are_applied():
-    mp.spawn(_placement_worker, args=(4, _free_port()), nprocs=4, join=True)
+    mp.spawn(_placement_worker, args=(4, free_port()), nprocs=4, join=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -23,18 +22,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import ROOT
-from tests.ranks import run_ranks
+from tests.ranks import free_port, run_ranks
 from tests.runtime_plans import make_plan
 from tests.test_replication import _replicated_plan
 from tests.test_runtime_parity import LOSS_RTOL, PARAM_ATOL, check_parity
 from tests.test_tied_stages import TIED_GPT
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # ---- the reductions, on 3 spawned gloo ranks: stage 0 on ranks 0 and 1, stage 1 on rank 2 ----
 
@@ -75,7 +67,7 @@ def _reduction_worker(rank: int, port: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tied_and_clipped_gradients_are_summed_and_counted_once():
-    mp.spawn(_reduction_worker, args=(_free_port(),), nprocs=3, join=True)
+    mp.spawn(_reduction_worker, args=(free_port(),), nprocs=3, join=True)
 
 
 # ---- end to end: examples/gpt.py on 3 gloo processes against the one-process reference ----

@@ -14,7 +14,6 @@ reduce-scatter changes the outputs by O(1e-2) and more.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -36,6 +35,7 @@ from runtime.apply_cp import (
     shard_sequence,
 )
 from tests.conftest import EXAMPLES
+from tests.ranks import free_port
 from tests.runtime_plans import GPT_TP, LLAMA_TP, make_plan
 from tests.test_runtime_checkpoint import check_resume_matches_reference
 from tests.test_runtime_parity import check_parity
@@ -204,14 +204,8 @@ def test_cp2_x_pp2_parity(case, tmp_path):
 # ---- attention and one backward on 2 spawned gloo ranks ----
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawned(worker, world: int, *args) -> None:
-    mp.spawn(_entry, args=(worker, world, _free_port(), args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(worker, world, free_port(), args), nprocs=world, join=True)
 
 
 def _entry(rank: int, worker, world: int, port: int, args: tuple) -> None:

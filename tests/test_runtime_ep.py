@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 
 from planner.plan import Plan
 from tests.conftest import EXAMPLES
+from tests.ranks import free_port
 from tests.runtime_plans import make_plan, megatron_tp_plan
 from tests.test_runtime_checkpoint import check_resume_matches_reference, cli
 from tests.test_runtime_parity import check_parity
@@ -227,12 +227,6 @@ def test_hugging_face_moe_plan_with_ep_folded_over_tp_runs_with_parity(model, tm
 
 # ---- gradients of one step, spawned gloo ranks ----
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gradient_worker(rank: int, world: int, port: int, ep: int, zero: int) -> None:
     """One backward under dp=world, ep (ZeRO 0: replicated, 3: FSDP): every full gradient (experts
     gathered) equals the one-process one, reduced as runtime/train.py reduces them."""
@@ -283,7 +277,7 @@ def _gradient_worker(rank: int, world: int, port: int, ep: int, zero: int) -> No
 @pytest.mark.parametrize("world,ep,zero", [(2, 2, 0), pytest.param(4, 2, 0, marks=pytest.mark.slow),
                                             pytest.param(4, 2, 3, marks=pytest.mark.slow)])
 def test_expert_gradients_equal_the_one_process_gradients(world, ep, zero):
-    mp.spawn(_gradient_worker, args=(world, _free_port(), ep, zero), nprocs=world, join=True)
+    mp.spawn(_gradient_worker, args=(world, free_port(), ep, zero), nprocs=world, join=True)
 
 
 def _sp_gradient_worker(rank: int, world: int, port: int, dp: int, ep: int, zero: int) -> None:
@@ -343,7 +337,7 @@ def _sp_gradient_worker(rank: int, world: int, port: int, dp: int, ep: int, zero
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,dp,ep,zero", [(2, 1, 2, 0), (4, 2, 2, 0), (4, 2, 4, 0), (4, 2, 2, 3)])
 def test_folded_expert_gradients_equal_the_one_process_gradients(world, dp, ep, zero):
-    mp.spawn(_sp_gradient_worker, args=(world, _free_port(), dp, ep, zero), nprocs=world, join=True)
+    mp.spawn(_sp_gradient_worker, args=(world, free_port(), dp, ep, zero), nprocs=world, join=True)
 
 
 def _hf_block(kind: str) -> torch.nn.Module:
@@ -412,7 +406,7 @@ def _hf_worker(rank: int, world: int, port: int, kind: str) -> None:
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
 def test_hugging_face_experts_under_ep(kind):
     pytest.importorskip("transformers")
-    mp.spawn(_hf_worker, args=(2, _free_port(), kind), nprocs=2, join=True)
+    mp.spawn(_hf_worker, args=(2, free_port(), kind), nprocs=2, join=True)
 
 
 # ---- whole runs against --reference ----
