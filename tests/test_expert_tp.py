@@ -28,7 +28,8 @@ from planner.profiler import profile_model
 from planner.solver.costs import UnitCosts
 from planner.solver.solve import Pins, ep_all_to_all, search, solve
 from tests.conftest import EXAMPLES
-from tests.test_runtime_ep import ETP_ARGS, MOE_TP, MOE_UNITS, _free_port, moe_plan
+from tests.ranks import free_port
+from tests.test_runtime_ep import ETP_ARGS, MOE_TP, MOE_UNITS, moe_plan
 
 # As tests/test_moe_cost.py: four layers of top-2-of-8 experts, on H100s.
 MOE = dict(n_layers=4, d_model=256, n_heads=4, vocab_size=256, seq_len=128, num_experts=8, top_k=2, moe_d_ff=512)
@@ -207,7 +208,7 @@ def _gradient_worker(rank: int, world: int, port: int, ep: int) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,ep", [(2, 1), (4, 2)])
 def test_expert_tp_gradients_equal_the_one_process_gradients(world, ep):
-    mp.spawn(_gradient_worker, args=(world, _free_port(), ep), nprocs=world, join=True)
+    mp.spawn(_gradient_worker, args=(world, free_port(), ep), nprocs=world, join=True)
 
 
 # ---- checkpoints: what runtime/checkpoint.py saves, through apply_ep's strided helpers ----
@@ -281,7 +282,7 @@ def _checkpoint_worker(rank: int, world: int, port: int, folder: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_expert_tp_checkpoint_loads_without_expert_tp_and_back(tmp_path):
-    mp.spawn(_checkpoint_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_checkpoint_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
 
 
 @pytest.mark.slow
