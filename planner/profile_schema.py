@@ -100,6 +100,13 @@ class OpNode(_Model):
     (OPT's `view(bsz, -1, num_heads, head_dim)`) rather than inferred (`view(b, s, -1, head_dim)`):
     column-sharded, the view would fold the rank's features into the sequence and train to other
     losses without an error, so the solver keeps it replicated."""
+    output_heads: int | None = None
+    """A `linear` whose output its unit views into heads with their number inferred
+    (`view(b, s, -1, head_dim)`): that number (0: two views that disagree; None: no such view, or a
+    profile from before this field). Each head's block of features is contiguous, so a column
+    shard over tp ranks holds whole heads where tp divides it, whatever a head's block holds:
+    DeepSeek-V3's kv_b_proj gives each head its k and v (256 features, not q's 192), so its
+    head count is not its features over q's head dim."""
     output_written_in_place: bool = False
     """A `linear` or `embedding` whose output (or a view of it) its unit then writes in place
     (Falcon's `mlp_output += attention_output`). Sharded, the module hands back DTensor's local

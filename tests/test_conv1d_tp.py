@@ -296,6 +296,76 @@ def test_op_graph_flags_heads_written_out_in_a_view(how, fixed):
     assert ops["q"].output_heads_fixed is fixed
 
 
+class _FusedAttention(nn.Module):
+    """One projection feeding more than one of q, k and v of a fused attention (2 heads of 4), then
+    `dense` on the attention's output:
+    - "neox": `qkv` viewed into (b, s, -1, 3 x head_dim), each head's q, k, v side by side (GPT-NeoX);
+    - "gpt2": `qkv` cut into [q | k | v] along its features first (GPT-2's c_attn);
+    - "falcon": `qkv` viewed into (-1, 3 x head_dim) blocks, then q, k and v reshaped with the head
+      count written out (as Falcon's new decoder architecture does), which a column shard breaks;
+    - "mla": `kv` gives each head its k and v side by side, k completed by a rotary part that the
+      replicated `rope` gives every head, copied into a fresh tensor (DeepSeek-V3's kv_b_proj)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how, self.dense = how, nn.Linear(8, 8)
+        if how == "mla":
+            self.q, self.kv, self.rope = nn.Linear(8, 12), nn.Linear(8, 16), nn.Linear(8, 2)
+        else:
+            self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        if self.how == "mla":
+            k_nope, v = self.kv(x).view(b, s, -1, 8).transpose(1, 2).split([4, 4], dim=-1)
+            k = k_nope.new_empty(*k_nope.shape[:-1], 6)
+            k[..., :4].copy_(k_nope)
+            k[..., 4:].copy_(self.rope(x).view(b, 1, s, 2).expand(-1, k_nope.shape[1], -1, -1))
+            q = self.q(x).view(b, s, -1, 6).transpose(1, 2)
+        elif self.how == "gpt2":
+            q, k, v = (t.view(b, s, -1, 4).transpose(1, 2) for t in self.qkv(x).split(8, dim=2))
+        else:
+            q, k, v = self.qkv(x).view(b, s, -1, 12).transpose(1, 2).chunk(3, dim=-1)
+            if self.how == "falcon":
+                q, k, v = (t.reshape(b, 2, s, 4) for t in (q, k, v))
+        return self.dense(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1))
+
+
+def _fused_ops(how):
+    from planner.profiler.counters import MetaAttentionMode
+    from planner.profiler.opgraph import record_op_graph
+
+    with MetaAttentionMode():
+        return {op.name: op for op in record_op_graph(_FusedAttention(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
+
+
+@pytest.mark.parametrize("how,fused", [("neox", False), ("gpt2", True), ("falcon", True)])
+def test_a_projection_feeding_q_k_and_v_head_by_head_may_be_column_sharded(how, fused):
+    """A projection whose output holds q, k and v is column-sharded only where a shard holds whole
+    heads of each, and the unit's code runs on one (the profiler tries it, `_shards_whole_heads`)."""
+    from planner.solver.intra_op import _heads_of, _op_strategies
+
+    ops = _fused_ops(how)
+    assert ops["qkv"].fused_attention_input is fused
+    assert ops["qkv"].output_heads == (None if how == "gpt2" else 2)
+    assert ("colwise" in _op_strategies(ops["qkv"], 2, _heads_of(list(ops.values())))) is not fused
+
+
+def test_what_a_unit_writes_into_a_view_reaches_what_reads_it():
+    """DeepSeek-V3 fills its keys by copies into slices of a fresh tensor: the replicated rotary
+    projection reaches the attention through them, so attention is not sharded over heads that
+    part of k is not (each rank would sum that projection's gradient over its own heads only)."""
+    from planner.solver.intra_op import IntraOpProblem, solve_intra_op
+
+    ops = _fused_ops("mla")
+    attention = next(op for op in ops.values() if op.kind == "attention")
+    assert set(attention.inputs) == {"q", "kv", "rope"}
+    assert ops["kv"].output_heads == 2 and not ops["kv"].fused_attention_input  # each head's k and v side by side
+    problem = IntraOpProblem(ops=tuple(ops.values()), tp_degree=2, dtype_bytes=2, seconds_per_flop=1e-6,
+                             collectives=_Collectives(), require_sharding=True)
+    assert solve_intra_op(problem).strategies[attention.name] != "heads"
+
+
 def test_a_profile_written_before_the_output_checks_gets_no_tensor_parallelism(gpt2_meta_profile, tmp_path):
     """Its flags read false whatever the model does: tp is refused with the fix named, pinned or free."""
     import json

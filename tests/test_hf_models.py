@@ -319,3 +319,38 @@ def test_ep_is_not_folded_over_tp_where_the_experts_unit_stays_replicated(tmp_pa
     with pytest.raises(PlannerError, match=r"needs every unit holding experts tensor-parallel.*model\.layers\.0 replicated"):
         solve(profile, cluster, 8, Pins(ep=2, tp=2, dp=2, sequence_parallel=True))
     assert solve(profile, cluster, 8, Pins(ep=2, tp=2, dp=2, sequence_parallel=False)).layout.ep_degree == 2
+
+
+def _default_config(model_type: str, folder: Path, **sizes) -> dict:
+    """planner/hf_config_model.py's arguments for transformers' default config of `model_type`."""
+    from transformers import AutoConfig
+
+    config = folder / f"{model_type}.json"
+    config.write_text(json.dumps(dict(AutoConfig.for_model(model_type).to_dict(), model_type=model_type)))
+    return dict(config=str(config), **sizes)
+
+
+@pytest.mark.slow
+def test_gpt_neox_fused_query_key_value_is_split_head_by_head(tmp_path):
+    """GPT-NeoX's query_key_value feeds q, k and v, viewed into (b, s, -1, 3 x head_dim): each
+    head's q, k and v side by side, so a column shard holds whole heads of each (the profiler runs
+    the layer on one, `_shards_whole_heads`). At GPT-NeoX-20B's sizes tp 8 is Megatron's layout
+    (it was row-parallel with attention computed whole on every rank, 8 times over), and under
+    sequence parallelism the small model trains like one process."""
+    from tests.test_runtime_parity import check_parity
+
+    full = profile_model(hf.__file__, _default_config("gpt_neox", tmp_path, seq_len=512, num_hidden_layers=2), [1],
+                         device="meta", gpu="h100-80gb")
+    layer = next(u for u in full.units if u.kind == "GPTNeoXLayer")
+    qkv = next(op for op in layer.ops if op.name == "attention.query_key_value")
+    assert not qkv.fused_attention_input and qkv.output_heads == 64
+    plan = solve(full, make_cluster(8, gpu="h100-80gb"), 8, Pins(tp=8, pp=1, sequence_parallel=False))
+    styles = plan.stages[0].tp_plan
+    assert styles["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    assert styles["gpt_neox.layers.0.attention.dense"] == "rowwise"
+    small = _default_config("gpt_neox", tmp_path, seq_len=32, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                            num_attention_heads=4, vocab_size=256)
+    measured = profile_model(hf.__file__, small, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(measured, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=True))
+    assert plan.stages[0].tp_plan["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    check_parity(plan, tmp_path)

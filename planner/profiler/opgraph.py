@@ -131,6 +131,27 @@ def _heads_fixed(func, args, out, features: int) -> bool:
     return len(sizes) == out.dim() and sizes[-split] != -1
 
 
+def _inferred_heads(func, args, out, features: int) -> int | None:
+    """The number of heads `func(*args)` views a `features`-wide last dim into, where that number
+    is inferred (-1) and the rest of each head's width written out: (b, s, -1, head_dim), GPT-NeoX's
+    fused (b, s, -1, 3 head_dim), DeepSeek-V3's kv_b_proj (b, s, -1, k_head_dim + v_head_dim),
+    Falcon's (b, s, -1, q_per_kv + 2, head_dim). Each head's block is then contiguous in the
+    features, so a contiguous column shard of tp ways holds whole heads (those counts divided by
+    tp), whatever the block holds. None for any other op, or a head count written out
+    (`_heads_fixed`)."""
+    x = args[0]
+    if func not in RESHAPE_FUNCS or not isinstance(out, torch.Tensor) or x.shape[-1] != features:
+        return None
+    sizes = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+    if len(sizes) != out.dim():
+        return None
+    for first in range(out.dim() - 2, -1, -1):  # the heads' dim, with each head's block after it
+        if math.prod(out.shape[first:]) == features:
+            tokens = math.prod(out.shape[:first]) == math.prod(x.shape[:-1])
+            return int(out.shape[first]) if tokens and sizes[first] == -1 and out.shape[first] > 1 else None
+    return None
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -236,6 +257,7 @@ class _OpGraphRecorder(TorchFunctionMode):
                 self.handles.append(module.register_forward_pre_hook(self._pre(name, kind, module), with_kwargs=True))
                 self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
         self.pending: dict[str, dict] = {}
+        self.per_head_fused: dict[str, OpNode] = {}  # `_mark_fused`'s exceptions, for `_shards_whole_heads`
 
     def tag(self, obj, sources: frozenset) -> None:
         for t in _tensors(obj):
@@ -315,9 +337,16 @@ class _OpGraphRecorder(TorchFunctionMode):
             features = node.output_shape[-1]
             if _heads_fixed(func, args, out, features):
                 node.output_heads_fixed = True
+            heads = _inferred_heads(func, args, out, features)
+            if heads is not None:  # two views that disagree keep neither (the solver's own count)
+                node.output_heads = heads if node.output_heads in (None, heads) else 0
             if _splits_features(func, args, kwargs, out, features):
                 node.output_split_on_features = True
         inputs = self.sources((args, kwargs))
+        if written is not None and written._base is not None:
+            # Written into a view (DeepSeek-V3 fills its keys by `key[..., :n].copy_(k_nope)` and
+            # `key[..., n:].copy_(k_rot)`): what flowed in reaches the base, and what reads it.
+            self.tag(written._base, self.tags.get(id(written._base), frozenset()) | inputs)
         kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None
         if kind is None:
             self.tag(out, inputs)
@@ -341,14 +370,20 @@ class _OpGraphRecorder(TorchFunctionMode):
 
 
     def _mark_fused(self, operands: list[torch.Tensor]) -> None:
-        """A linear feeding more than one of q, k, v (one fused projection split into them)."""
+        """A linear feeding more than one of q, k, v (one fused projection split into them), unless
+        its output was viewed into heads of an inferred count (`OpNode.output_heads`): then q, k
+        and v are pieces of each head's block (GPT-NeoX's query_key_value, DeepSeek-V3's
+        kv_b_proj holding k and v), and a column shard holds whole heads of each."""
         seen: dict[str, int] = {}
         for t in operands:
             for src in self.tags.get(id(t), frozenset()):
                 seen[src] = seen.get(src, 0) + 1
         for op in self.ops:
             if op.kind == "linear" and seen.get(op.name, 0) > 1:
-                op.fused_attention_input = True
+                if op.output_heads:
+                    self.per_head_fused[op.name] = op
+                else:
+                    op.fused_attention_input = True
 
 
 def record_op_graph(unit: nn.Module, args: tuple, kwargs: dict, precision=nullcontext) -> list[OpNode]:
@@ -363,4 +398,69 @@ def record_op_graph(unit: nn.Module, args: tuple, kwargs: dict, precision=nullco
     finally:
         for h in recorder.handles:
             h.remove()
+    if recorder.per_head_fused and not _shards_whole_heads(unit, args, kwargs, precision, recorder.ops):
+        for op in recorder.per_head_fused.values():
+            op.fused_attention_input = True
     return recorder.ops
+
+
+class _AttentionShapes(TorchFunctionMode):
+    """The (q, k, v) shapes of every fused attention call of a forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[torch.Size, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in ATTENTION_FUNCS:
+            self.shapes.append(tuple(t.shape for t in _tensors(args)[:3]))
+        return func(*args, **(kwargs or {}))
+
+
+def _shards_whole_heads(unit: nn.Module, args: tuple, kwargs: dict, precision, ops: list[OpNode]) -> bool:
+    """Whether the unit runs as a tensor-parallel rank would with every projection that feeds an
+    attention and is viewed into heads (`OpNode.output_heads`) column-sharded p ways (p: the least
+    prime dividing all their head counts) and the projections reading the attention's output
+    row-sharded: the forward runs, its output keeps its shape, and each attention call sees the
+    same shapes but for its heads, divided by p.
+
+    Asked where a projection feeds more than one of q, k and v through a per-head view
+    (`_mark_fused`'s exceptions), which may be sound (DeepSeek-V3's kv_b_proj: each head's k and v
+    side by side) or not: Falcon views its fused query_key_value into (-1, q_per_kv + 2, head_dim)
+    blocks, then reshapes q, k and v with the head counts written out, which a shard breaks. The
+    code after the view decides, so the unit is run on shards, as `linear_weight_orientation` runs
+    a module to learn its weight's use. False keeps those projections replicated."""
+    attention = {op.name for op in ops if op.kind == "attention"}
+    feeding = {src for op in ops if op.kind == "attention" for src in op.inputs}
+    columns = [op for op in ops if op.kind == "linear" and op.output_heads and op.name in feeding]
+    rows = [op for op in ops if op.kind == "linear" and attention & set(op.inputs)]  # o_proj, row-sharded
+    common = math.gcd(*(op.output_heads for op in columns if op.output_heads))
+    if common < 2 or not rows or any(set(op.inputs) - attention for op in rows):
+        return False
+    ways = next(p for p in range(2, common + 1) if common % p == 0)
+    params = dict(unit.named_parameters())
+    shards = {}
+    for op, column in [(op, True) for op in columns] + [(op, False) for op in rows]:
+        for suffix in ("weight", "bias") if column else ("weight",):
+            full = params.get(f"{op.module}.{suffix}")
+            if full is None:
+                continue
+            shape = list(full.shape)  # [out, in], or [in, out] (`weight_in_out`); a bias [out]
+            shape[0 if suffix == "bias" or column != op.weight_in_out else 1] //= ways
+            shards[f"{op.module}.{suffix}"] = torch.empty(shape, dtype=full.dtype, device=full.device)
+    whole, split = _AttentionShapes(), _AttentionShapes()
+    try:
+        with torch.no_grad(), precision():
+            with whole:
+                expected = _tensors(unit(*args, **kwargs))[0].shape
+            with split:
+                got = _tensors(functional_call(unit, shards, args, kwargs, strict=False))[0].shape
+    except Exception:  # noqa: BLE001 - the model's code refuses a shard: not whole heads
+        return False
+    if got != expected or len(whole.shapes) != len(split.shapes):
+        return False
+    for whole_call, shard_call in zip(whole.shapes, split.shapes, strict=True):
+        for before, after in zip(whole_call, shard_call, strict=True):
+            if len(before) < 3 or before[:-3] + before[-2:] != after[:-3] + after[-2:] or after[-3] * ways != before[-3]:
+                return False
+    return True

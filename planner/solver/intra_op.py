@@ -217,6 +217,12 @@ def _column_shard_breaks(op: OpNode) -> bool:
     return op.fused_attention_input or op.output_split_on_features or op.output_reduced_on_features or op.output_heads_fixed
 
 
+def _whole_heads(heads: int, tp: int) -> bool:
+    """Whether `heads` split `tp` ways leave whole heads on every rank (none narrower than a head:
+    a projection with fewer features than a head, as a rotary part every head shares, has 0)."""
+    return heads > 0 and heads % tp == 0
+
+
 def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_parallel: bool = False,
                    replicated: frozenset = frozenset()) -> dict[str, tuple]:
     if tp == 1 or op.name in replicated:
@@ -228,7 +234,7 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_paral
         # rather than per micro-batch and without the replicated weights' memory, so it is
         # not offered here (the ILP's objective sees neither advantage of real TP).
         ok = {"replicate": True, "sequence": False, "rowwise": in_f % tp == 0}
-        ok["colwise"] = out_f % tp == 0 and heads_of.get(op.name, tp) % tp == 0 and not _column_shard_breaks(op)
+        ok["colwise"] = out_f % tp == 0 and _whole_heads(heads_of.get(op.name, tp), tp) and not _column_shard_breaks(op)
         # Under sequence parallelism the runtime runs Megatron's layout (runtime/apply_tp.py): every
         # linear of a block sharded, activations between the sandwiches sequence-sharded. A
         # replicated linear there (or the attention it feeds) would need the whole sequence,
@@ -306,8 +312,9 @@ def _heads_of(ops) -> dict[str, int]:
 
     The runtime leaves a colwise q/k/v projection's output sharded and the model's own code splits
     it into heads (`view(b, s, -1, head_dim)`, runtime/apply_tp.py), so colwise must split whole
-    heads. The head dim is the last dim of q (fused attention and `q @ k^T`, whose output is the
-    square score matrix) or of the output (`scores @ v`)."""
+    heads. A linear's count is the one its output was viewed into (`OpNode.output_heads`), else
+    its features over the head dim: the last dim of q (fused attention and `q @ k^T`, whose output
+    is the square score matrix) or of the output (`scores @ v`)."""
     by_name = {op.name: op for op in ops}
     heads: dict[str, int] = {}
     for op in ops:
@@ -317,8 +324,9 @@ def _heads_of(ops) -> dict[str, int]:
         head_dim = op.input_shape[-1] if op.kind == "attention" or scores else op.output_shape[-1]
         for src in op.inputs:
             linear = by_name.get(src)
-            if linear is not None and linear.weight_shape and linear.kind == "linear" and not linear.fused_attention_input:
-                heads[src] = _linear_features(linear)[1] // head_dim
+            if linear is not None and linear.weight_shape and linear.kind == "linear" and not (
+                    linear.fused_attention_input or linear.output_split_on_features):  # never colwise: no heads to split
+                heads[src] = linear.output_heads or _linear_features(linear)[1] // head_dim
     return heads
 
 
