@@ -38,6 +38,7 @@ from planner.solver.intra_op import (
     IntraOpProblem,
     IntraOpSolution,
     evaluate,
+    moe_blocks,
     solve_intra_op,
 )
 
@@ -240,6 +241,7 @@ class UnitCosts:
         return IntraOpProblem(
             ops=tuple(unit.ops),
             replicated_ops=self.moe_ops(unit),
+            moe_blocks=moe_blocks(unit),
             tp_degree=t,
             dtype_bytes=self.dtype_bytes,
             seconds_per_flop=1.0 / self.compute.gpu.achievable_flops(self.dtype),

@@ -89,7 +89,7 @@ from typing import NoReturn, Protocol
 import pulp
 
 from planner.errors import PlannerError
-from planner.profile_schema import OpNode
+from planner.profile_schema import OpNode, Unit
 
 ILP_TIME_LIMIT_S = 10.0
 INPUT, OUTPUT = "input", "output"
@@ -137,6 +137,9 @@ class IntraOpProblem:
     the compute they split."""
     replicated_ops: frozenset[str] = frozenset()
     """Ops kept replicated whatever the cost (a MoE layer's router and experts: planner/solver/costs.py)."""
+    moe_blocks: frozenset[str] = frozenset()
+    """Module paths (relative to the unit) of its MoE blocks, the parents of its experts modules,
+    which the runtime runs on each rank's own tokens under SP (`_sequence_parallel_blocked`)."""
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ def _fused_attention(ops) -> set[str]:
     return {op.name for op in ops if _is_attention(op) and fused & set(op.inputs)}
 
 
-def _sequence_parallel_blocked(ops) -> bool:
+def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) -> bool:
     """Whether sequence parallelism must leave this unit replicated: its attention cannot be
     sharded (a fused q|k|v projection, module docstring; a q or k projection whose features a
     norm reduces over, OLMo 2's), a fused projection is cut in pieces, or a linear is a direct
@@ -192,13 +195,30 @@ def _sequence_parallel_blocked(ops) -> bool:
     were the owner the unit, that would be the residual stream, which the unit then adds to the
     rowwise module's sequence-sharded output. Nor can attention computed by hand on any rank of
     tensor (`_mixes_tokens`: BLOOM's (batch x heads, s, s) scores) that reads such a linear, which
-    would stay replicated and mix the tokens of this rank's share of the sequence alone."""
+    would stay replicated and mix the tokens of this rank's share of the sequence alone.
+
+    Nor a linear fed flattened tokens [T, D] outside the unit's MoE blocks (`moe_blocks`, module
+    paths: the parents of the experts the profile found, which the runtime runs on each rank's
+    own tokens): SP wraps the modules of its region as sequence-sharded along dim 1, which there
+    is the features. Llama 4's MoE block flattens its tokens for its router, shared expert and
+    experts, whose forward takes tokens already routed and weighted (not an experts module
+    `planner/moe.py` recognises): its SP plan failed at the router's first forward."""
     heads = _heads_of(ops)
     unshardable = {op.name for op in ops if op.kind == "linear" and _column_shard_breaks(op)}
+
+    def flattened(op: OpNode) -> bool:
+        inside = op.module is not None and any(not block or op.module.startswith(block + ".") for block in moe_blocks)
+        return len(op.input_shape) == 2 and not inside
     return any(op.kind == "linear" and (op.fused_attention_input or op.output_split_on_features
                                         or ((op.output_reduced_on_features or op.output_heads_fixed) and op.name in heads)
-                                        or (op.module and "." not in op.module)) for op in ops) \
+                                        or (op.module and "." not in op.module) or flattened(op)) for op in ops) \
         or any(_mixes_tokens(op) and unshardable & set(op.inputs) for op in ops)
+
+
+def moe_blocks(unit: Unit) -> frozenset[str]:
+    """`IntraOpProblem.moe_blocks` of a profiled unit: the parent of each experts module ("" when
+    the unit is the block itself)."""
+    return frozenset(layer.experts.rpartition(".")[0] for layer in unit.moe)
 
 
 def _mixes_tokens(op: OpNode) -> bool:
@@ -256,7 +276,7 @@ WEIGHT_KINDS = ("linear", "embedding", "conv")
 
 
 def whole_weights(ops, tp: int, tp_plan: dict[str, str], routers: AbstractSet[str] = frozenset(),
-                  sequence_parallel: bool = False) -> list[tuple[OpNode, str]]:
+                  sequence_parallel: bool = False, moe_blocks: AbstractSet[str] = frozenset()) -> list[tuple[OpNode, str]]:
     """The weights of a unit's ops (`WEIGHT_KINDS`) that its tensor-parallel plan `tp_plan` (module
     -> style, `IntraOpSolution.tp_plan`) leaves whole on every TP rank, each with why in words for
     the plan's notes: what keeps `_op_strategies` from offering the column shard Megatron gives a
@@ -264,7 +284,7 @@ def whole_weights(ops, tp: int, tp_plan: dict[str, str], routers: AbstractSet[st
     replicated by design), sequence parallelism keeping the whole unit replicated
     (`_sequence_parallel_blocked`), else the intra-op solver's choice (cheaper, or `_unrunnable`)."""
     heads_of = _heads_of(ops)
-    if sequence_parallel and _sequence_parallel_blocked(ops):
+    if sequence_parallel and _sequence_parallel_blocked(ops, moe_blocks):
         otherwise = "sequence parallelism keeps its unit whole, as Megatron's layout shards every linear of a block or none"
     else:
         otherwise = "kept whole by the intra-op solver: cheaper, or not runnable sharded beside its neighbours"
@@ -357,7 +377,7 @@ def _build_graph(problem: IntraOpProblem) -> _Graph:
     boundary = "S" if problem.sequence_parallel else "R"
     heads_of = _heads_of(ops)
     replicated = frozenset(_fused_attention(ops)) | problem.replicated_ops
-    if problem.sequence_parallel and _sequence_parallel_blocked(ops):
+    if problem.sequence_parallel and _sequence_parallel_blocked(ops, problem.moe_blocks):
         replicated = frozenset(op.name for op in ops)
     nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}
     nbytes: dict[str, float] = {INPUT: 0.0}

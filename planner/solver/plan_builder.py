@@ -85,7 +85,7 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
     (`whole_weights`). A model whose attention stays whole shards far less than its tp degree
     suggests (GPT-2's fused q|k|v, for one); the prediction prices that, and this says it."""
     from planner.solver.costs import tied_groups
-    from planner.solver.intra_op import WEIGHT_KINDS, whole_weights
+    from planner.solver.intra_op import WEIGHT_KINDS, moe_blocks, whole_weights
 
     names = profile.unit_names()
     tied: dict[int, set[int]] = {}  # a later unit of a tied group -> weight sizes its first unit holds
@@ -101,7 +101,7 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
         ops = [op for op in unit.ops if op.weight_shape and math.prod(op.weight_shape) not in tied.get(u, ())]
         routers = {layer.router for layer in unit.moe if layer.router}
         kept = {id(op): why if u not in partners else f"tied to {partners[u]}: tied weights are never TP-sharded"
-                for op, why in whole_weights(ops, tp, tp_plans[u], routers, sequence_parallel)}
+                for op, why in whole_weights(ops, tp, tp_plans[u], routers, sequence_parallel, moe_blocks(unit))}
         for op in ops:
             if op.kind not in WEIGHT_KINDS or op.module is None:
                 continue
