@@ -94,7 +94,10 @@ class OpNode(_Model):
     output_reduced_on_features: bool = False
     """A `linear` whose output its unit reduces over the output features (OLMo 2's q_norm and
     k_norm, RMSNorms over all of q's features before the heads are split): each rank would
-    normalise its own shard, so the solver never leaves it column-sharded."""
+    normalise its own shard, so the solver never leaves it column-sharded. Also set where the
+    reduced tensor combines several ops' outputs (BitNet's norm of act(gate) * up), and on an
+    `attention` whose output the unit reduces over all heads' features (BitNet's attn_sub_norm):
+    its heads are then never sharded."""
     output_heads_fixed: bool = False
     """A `linear` whose output its unit views into heads with the number of heads written out
     (OPT's `view(bsz, -1, num_heads, head_dim)`) rather than inferred (`view(b, s, -1, head_dim)`):

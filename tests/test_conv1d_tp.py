@@ -366,6 +366,53 @@ def test_what_a_unit_writes_into_a_view_reaches_what_reads_it():
     assert solve_intra_op(problem).strategies[attention.name] != "heads"
 
 
+class _SubNorms(nn.Module):
+    """A block that norms what several ops combine into: "bitnet" norms the attention's output over
+    all heads before o_proj and act(gate) * up over the intermediate features before down (BitNet's
+    attn_sub_norm and ffn_sub_norm); "gemma" norms o_proj's and down's outputs, after the
+    projections, before they join the residual stream (Gemma 2's post-norms)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.attn = nn.ModuleDict({name: nn.Linear(8, 8) for name in "qkvo"})
+        self.mlp = nn.ModuleDict(dict(gate=nn.Linear(8, 16), up=nn.Linear(8, 16), down=nn.Linear(16, 8)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        a, m = self.attn, self.mlp
+        q, k, v = (a[name](x).view(b, s, -1, 4).transpose(1, 2) for name in "qkv")
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        if self.how == "bitnet":
+            h = x + a["o"](F.rms_norm(attn, (8,)))
+            return h + m["down"](F.rms_norm(F.silu(m["gate"](h)) * m["up"](h), (16,)))
+        h = x + F.rms_norm(a["o"](attn), (8,))
+        return h + F.rms_norm(m["down"](F.silu(m["gate"](h)) * m["up"](h)), (8,))
+
+
+@pytest.mark.parametrize("how", ["bitnet", "gemma"])
+def test_a_norm_over_what_several_ops_combine_keeps_them_whole(how):
+    """BitNet's sub-norms read whole features: sharded, each rank normed its half with a whole
+    weight (its tp 2 plan failed at the first forward), and under SP the ILP, its Megatron layout
+    barred, chose one the runtime ran to other parameters. The gate, the up projection and the
+    attention's heads are never sharded, and SP keeps such a unit whole; Gemma's post-norms after
+    the projections change neither."""
+    from planner.profiler.counters import MetaAttentionMode
+    from planner.profiler.opgraph import record_op_graph
+    from planner.solver.intra_op import _heads_of, _op_strategies, _sequence_parallel_blocked
+
+    with MetaAttentionMode():
+        ops = {op.name: op for op in record_op_graph(_SubNorms(how).to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})}
+    attention = next(op for op in ops.values() if op.kind == "attention")
+    bitnet = how == "bitnet"
+    assert {n for n, op in ops.items() if op.output_reduced_on_features} == (
+        {attention.name, "mlp.gate", "mlp.up"} if bitnet else {"attn.o", "mlp.down"})
+    heads = _heads_of(list(ops.values()))
+    assert ("heads" in _op_strategies(attention, 2, heads)) is not bitnet
+    assert ("colwise" in _op_strategies(ops["mlp.gate"], 2, heads)) is not bitnet
+    assert _sequence_parallel_blocked(list(ops.values())) is bitnet
+
+
 def test_a_profile_written_before_the_output_checks_gets_no_tensor_parallelism(gpt2_meta_profile, tmp_path):
     """Its flags read false whatever the model does: tp is refused with the fix named, pinned or free."""
     import json

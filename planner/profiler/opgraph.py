@@ -152,6 +152,16 @@ def _inferred_heads(func, args, out, features: int) -> int | None:
     return None
 
 
+def _features(op: OpNode) -> int | None:
+    """The features of an op's output a unit may reduce over: a linear's output features, an
+    attention's heads x value head dim (its (b, heads, s, d) output merged back), else None."""
+    if op.kind == "linear":
+        return op.output_shape[-1]
+    if op.kind == "attention" and len(op.output_shape) >= 3:
+        return op.output_shape[-3] * op.output_shape[-1]
+    return None
+
+
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
@@ -342,6 +352,14 @@ class _OpGraphRecorder(TorchFunctionMode):
                 node.output_heads = heads if node.output_heads in (None, heads) else 0
             if _splits_features(func, args, kwargs, out, features):
                 node.output_split_on_features = True
+        elif tagged and INPUT not in tagged and (func in REDUCING_FUNCS or func in NORM_FUNCS):
+            # Reduced over the features several ops' outputs combine into, none of the unit's input
+            # (which a residual stream carries): BitNet norms its MLP's act(gate) * up over the
+            # intermediate features and its attention's output over all heads before o_proj.
+            reduced = _reduced_sizes(func, args, kwargs)
+            for op in self.ops:
+                if op.name in tagged and _features(op) in reduced:
+                    op.output_reduced_on_features = True
         inputs = self.sources((args, kwargs))
         if written is not None and written._base is not None:
             # Written into a view (DeepSeek-V3 fills its keys by `key[..., :n].copy_(k_nope)` and

@@ -202,9 +202,19 @@ def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) 
     own tokens): SP wraps the modules of its region as sequence-sharded along dim 1, which there
     is the features. Llama 4's MoE block flattens its tokens for its router, shared expert and
     experts, whose forward takes tokens already routed and weighted (not an experts module
-    `planner/moe.py` recognises): its SP plan failed at the router's first forward."""
+    `planner/moe.py` recognises): its SP plan failed at the router's first forward.
+
+    Nor a unit where an op whose output the unit reduces over its features (so never sharded on
+    them) feeds another op directly, not through the residual stream (which carries the unit's
+    input): that would be the column half of a Megatron pair (BitNet norms its MLP's act(gate) *
+    up and its attention's output before the projection after them; under SP its plan then
+    trained to other parameters with no error). Gemma's norm of o_proj's output reaches the MLP
+    through the residual stream and does not count."""
     heads = _heads_of(ops)
     unshardable = {op.name for op in ops if op.kind == "linear" and _column_shard_breaks(op)}
+    reduced = {op.name for op in ops if op.output_reduced_on_features}
+    if any(INPUT not in op.inputs and reduced & set(op.inputs) for op in ops):
+        return True
 
     def flattened(op: OpNode) -> bool:
         inside = op.module is not None and any(not block or op.module.startswith(block + ".") for block in moe_blocks)
@@ -266,7 +276,7 @@ def _op_strategies(op: OpNode, tp: int, heads_of: dict[str, int], sequence_paral
         num, dim = op.weight_shape
         ok = {"replicate": True, "rowwise": num % tp == 0, "colwise": dim % tp == 0}
         return {s: v for s, v in EMBEDDING.items() if ok[s]}
-    if _is_attention(op) and op.input_shape[-3] % tp == 0:
+    if _is_attention(op) and op.input_shape[-3] % tp == 0 and not op.output_reduced_on_features:
         return dict(HEADS)
     return {"replicate": HEADS["replicate"]}
 
