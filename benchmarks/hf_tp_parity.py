@@ -3,7 +3,8 @@ one process?
 
 For each model type, transformers' own default config (`AutoConfig.for_model`), shrunk to two
 layers of width 64 (the fields each config has of: layers, width, MLP width, heads, key/value
-heads, head dim, vocabulary 256, token ids inside it, dropout off), is profiled on CPU, solved
+heads, head dim, vocabulary 256, token ids inside it, dropout and PhiMoE's router jitter off:
+noise drawn in training draws differently over ranks than in one process), is profiled on CPU, solved
 with tp 2 pinned (no sequence parallelism) on two CPU processes, and run for three steps beside
 the one-process reference (tests/test_runtime_parity.py `run`). A row per model: how many
 modules the plan shards, the largest relative loss difference, the largest parameter
@@ -27,14 +28,16 @@ sys.path.insert(0, str(ROOT))
 
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt_neox", "olmo",
                "olmo2", "mixtral", "granite", "starcoder2", "opt", "cohere", "stablelm", "gptj", "gpt2", "bloom",
-               "gpt_bigcode", "codegen", "persimmon", "mpt", "glm", "exaone4", "smollm3", "qwen3_moe", "falcon"]
+               "gpt_bigcode", "codegen", "persimmon", "mpt", "glm", "exaone4", "smollm3", "qwen3_moe", "falcon",
+               "llama4_text", "qwen2_moe", "phimoe", "jetmoe", "bitnet", "glm4", "ernie4_5", "helium", "internlm3", "olmo3",
+               "seed_oss", "cohere2", "apertus", "vaultgemma", "gpt_neo", "xglm"]
 SMALL = {"num_hidden_layers": 2, "n_layer": 2, "hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128,
          "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128, "num_attention_heads": 4, "n_head": 4,
          "num_key_value_heads": 2, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 256, "pad_token_id": 0,
          "bos_token_id": 0, "eos_token_id": 1, "rotary_dim": 8, "n_positions": 128, "max_position_embeddings": 128,
          "word_embed_proj_dim": 64, "sliding_window": 16, "dropout": 0.0, "attention_dropout": 0.0, "layerdrop": 0.0,
          "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "hidden_dropout": 0.0,
-         "residual_dropout": 0.0}
+         "residual_dropout": 0.0, "router_jitter_noise": 0.0}
 
 
 def small_args(model_type: str, folder: Path, layers: int = 2) -> dict:
