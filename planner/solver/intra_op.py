@@ -205,20 +205,24 @@ def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) 
     `planner/moe.py` recognises): its SP plan failed at the router's first forward.
 
     Nor a unit where an op whose output the unit reduces over its features (so never sharded on
-    them) feeds another op directly, not through the residual stream (which carries the unit's
-    input): that would be the column half of a Megatron pair (BitNet norms its MLP's act(gate) *
+    them) feeds a linear or an attention directly, not through the residual stream (which carries
+    the unit's input) and outside an MoE block (whose router's softmax feeds its experts): that
+    would be the column half of a Megatron pair (BitNet norms its MLP's act(gate) *
     up and its attention's output before the projection after them; under SP its plan then
     trained to other parameters with no error). Gemma's norm of o_proj's output reaches the MLP
     through the residual stream and does not count."""
     heads = _heads_of(ops)
     unshardable = {op.name for op in ops if op.kind == "linear" and _column_shard_breaks(op)}
     reduced = {op.name for op in ops if op.output_reduced_on_features}
-    if any(INPUT not in op.inputs and reduced & set(op.inputs) for op in ops):
+
+    def in_moe_block(op: OpNode) -> bool:
+        return op.module is not None and any(not block or op.module.startswith(block + ".") for block in moe_blocks)
+    if any(op.kind in ("linear", "attention") and INPUT not in op.inputs and reduced & set(op.inputs)
+           and not in_moe_block(op) for op in ops):
         return True
 
     def flattened(op: OpNode) -> bool:
-        inside = op.module is not None and any(not block or op.module.startswith(block + ".") for block in moe_blocks)
-        return len(op.input_shape) == 2 and not inside
+        return len(op.input_shape) == 2 and not in_moe_block(op)
     return any(op.kind == "linear" and (op.fused_attention_input or op.output_split_on_features
                                         or ((op.output_reduced_on_features or op.output_heads_fixed) and op.name in heads)
                                         or (op.module and "." not in op.module) or flattened(op)) for op in ops) \
