@@ -302,18 +302,11 @@ def test_ep_is_not_folded_over_tp_where_the_experts_unit_stays_replicated(tmp_pa
     intra-op solution keeps its decoder layer, experts included, replicated; EP over the TP ranks
     would then dispatch the same tokens from every TP rank, which the runtime refuses. The solver
     offers no such plan and says why when it is pinned; EP over dp alone still solves."""
-    import json
-
-    from transformers import AutoConfig
-
     from planner.errors import PlannerError
 
-    fields = AutoConfig.for_model("olmoe").to_dict()
-    config = tmp_path / "olmoe.json"
-    config.write_text(json.dumps(dict(fields, model_type="olmoe")))
-    args = dict(config=str(config), seq_len=32, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=256, pad_token_id=0, bos_token_id=0,
-                eos_token_id=1, num_experts=4, num_experts_per_tok=2)
+    args = _default_config("olmoe", tmp_path, seq_len=32, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=256, pad_token_id=0, bos_token_id=0,
+                           eos_token_id=1, num_experts=4, num_experts_per_tok=2)
     profile = profile_model(hf.__file__, args, [1], device="meta", gpu="h100-80gb")
     if not any(u.moe for u in profile.units):
         import transformers
@@ -329,11 +322,7 @@ def test_ep_is_not_folded_over_tp_where_the_experts_unit_stays_replicated(tmp_pa
 
 def _default_config(model_type: str, folder: Path, **sizes) -> dict:
     """planner/hf_config_model.py's arguments for transformers' default config of `model_type`."""
-    from transformers import AutoConfig
-
-    config = folder / f"{model_type}.json"
-    config.write_text(json.dumps(dict(AutoConfig.for_model(model_type).to_dict(), model_type=model_type)))
-    return dict(config=str(config), **sizes)
+    return dict(config=_shipped_default(model_type, folder), **sizes)
 
 
 @pytest.mark.slow
