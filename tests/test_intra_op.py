@@ -132,12 +132,50 @@ def test_ilp_matches_brute_force(gpt_block, bandwidth, flops, sp):
     assert sol.compute_time_s + sol.comm_time_s == pytest.approx(_brute_force(problem), rel=1e-6)
 
 
+@pytest.mark.parametrize("block", ["gpt_block", "llama_block"])
+@pytest.mark.parametrize("tp, bandwidth, flops, sp, pinned, memory", [
+    (2, 300e9, 250e12, False, False, None), (4, 25e9, 250e12, True, False, None), (8, 300e9, 2e12, False, True, None),
+    (2, 1e9, 1e15, False, True, None), (4, 1e9, 1e15, False, False, 0.6), (8, 50e9, 1e14, True, True, 0.3)])
+def test_table_and_ilp_agree(request, block, tp, bandwidth, flops, sp, pinned, memory, monkeypatch):
+    """The numpy table (`_by_table`) and CBC find the same optimum, under the memory limit (a share
+    of the replicated unit's parameters) and the pinned-TP constraint too."""
+    import planner.solver.intra_op as intra_op
+
+    monkeypatch.setenv(intra_op.CACHE_ENV, "")
+    ops, _ = request.getfixturevalue(block)
+    limit = None if memory is None else memory * sum(intra_op._node_cost(_problem(ops, tp), op, "replicate")[2] for op in ops)
+    problem = IntraOpProblem(ops, tp, 2, 1 / flops, Ring(tp, bandwidth), sequence_parallel=sp,
+                             require_sharding=pinned, parameter_bytes_limit=limit)
+    graph = _build_graph(problem)
+    free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
+    table = intra_op._by_table(problem, graph, free)
+    ilp = evaluate(problem, intra_op._solve_ilp(problem, graph, free))
+    assert table.compute_time_s + table.comm_time_s == pytest.approx(ilp.compute_time_s + ilp.comm_time_s, rel=1e-9)
+    if limit is not None:
+        assert table.parameter_bytes <= limit
+    if pinned:
+        assert {"colwise", "rowwise"} & set(table.strategies.values())
+
+
+def test_table_refuses_what_the_ilp_refuses(gpt_block, monkeypatch):
+    """No assignment under the memory limit: the table raises the ILP's error, before any ILP."""
+    import planner.solver.intra_op as intra_op
+
+    ops, _ = gpt_block
+    problem = _problem(ops, 2, parameter_bytes_limit=1.0)
+    graph = _build_graph(problem)
+    free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
+    with pytest.raises(PlannerError, match="parameter_memory"):
+        intra_op._by_table(problem, graph, free)
+
+
 # --- the solved ILPs kept on disk (planner/solver/intra_op.py `_cache_path`) ---------------------
 
 def test_a_solved_ilp_is_read_back_from_the_cache(gpt_block, tmp_path, monkeypatch):
     import planner.solver.intra_op as intra_op
 
     monkeypatch.setenv(intra_op.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(intra_op, "TABLE_UP_TO", 0)  # a block goes to the ILP, as a larger unit would
     ops, _ = gpt_block
     problem = _problem(ops, 4)
     first = solve_intra_op(problem)

@@ -66,10 +66,11 @@ replicated (`_sequence_parallel_blocked`): Megatron's layout needs every linear 
 replicated attention in the sequence-sharded region would see only its rank's tokens. So does a
 unit whose linears are its own children (the pair's owner would be the unit itself).
 
-CBC solves it with a time limit (`ILP_TIME_LIMIT_S`); a block has about 40 variables. Units
-with at most `ENUMERATE_UP_TO` assignments are solved by pricing each one instead. The
-same cost is computed in closed form by `evaluate` for any assignment, which the tests
-compare with brute force and the search uses to re-price a cached plan at other micro-batch
+Units with at most `TABLE_UP_TO` assignments of their free nodes (a transformer block has
+about 13,000) are solved exactly by pricing them all in one numpy array (`_by_table`); larger
+ones by CBC with a time limit (`ILP_TIME_LIMIT_S`), the answer kept on disk. The same cost is
+computed in closed form by `evaluate` for any assignment, which the tests compare with brute
+force and with the ILP, and the search uses to re-price a cached plan at other micro-batch
 sizes.
 """
 
@@ -86,6 +87,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, Protocol
 
+import numpy as np
 import pulp
 
 from planner.errors import PlannerError
@@ -608,8 +610,8 @@ def _solve(problem: IntraOpProblem, graph: _Graph | None = None) -> IntraOpSolut
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     if all(len(s) == 1 for s in free.values()):
         return evaluate(problem, {v: next(iter(s)) for v, s in free.items()})
-    if math.prod(len(s) for s in free.values()) <= ENUMERATE_UP_TO:
-        return _enumerate(problem, graph, free)
+    if math.prod(len(s) for s in free.values()) <= TABLE_UP_TO:
+        return _by_table(problem, graph, free)
     cache = _cache_path(problem, graph)
     chosen = _cached(cache, free)
     if chosen is None:
@@ -618,36 +620,83 @@ def _solve(problem: IntraOpProblem, graph: _Graph | None = None) -> IntraOpSolut
     return evaluate(problem, chosen)
 
 
-ENUMERATE_UP_TO = 64
-"""Problems with at most this many assignments of the free nodes (an embedding, a head, a norm:
-one to three nodes) are solved by pricing every assignment (`_enumerate`): exact, and about a
-hundred times faster than starting the ILP solver for them."""
+TABLE_UP_TO = 1 << 20
+"""Problems with at most this many assignments of the free nodes (a transformer block's nine
+nodes have at most 3^8 x 2) are solved by pricing every assignment at once (`_by_table`): exact,
+and tens of times faster than starting the ILP solver (CBC runs as a subprocess, ~50 ms a unit).
+Larger ones (a block with many linears, each with three or four strategies) go to the ILP."""
 
 
-def _enumerate(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolution:
-    """The ILP's optimum by enumeration: every assignment priced by `evaluate` (the ILP's
-    objective), under the ILP's constraints (`parameter_memory` over the free nodes,
-    `pinned_tp`); the first of equal cost in the order of the strategies. Raises as the ILP
-    does when none meets them."""
+def _by_table(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolution:
+    """The ILP's optimum by pricing every assignment of the free nodes in one numpy array, one axis
+    per node: the objective is a sum of terms that each read few nodes (a node's compute and
+    weight-gradient time; a producer's conversions, which read it and its consumers), so each term
+    is a small array broadcast over the others. The ILP's constraints (`parameter_memory`,
+    `pinned_tp`) mask it. Of equal costs the first in the order of the strategies is kept, as
+    pricing them one by one would; `evaluate` prices the answer. Raises as the ILP does when no
+    assignment meets the constraints."""
     by_name = {op.name: op for op in problem.ops}
     nodes = list(free)
+    axis = {v: i for i, v in enumerate(nodes)}
+    shape = tuple(len(free[v]) for v in nodes)
+
+    def along(node: str, values) -> np.ndarray | float:
+        """`values` (one per strategy of `node`) shaped to broadcast over the table; a number for a fixed node."""
+        if node not in axis:
+            (value,) = values
+            return value
+        out = np.asarray(values, dtype=float)
+        return out.reshape([len(out) if i == axis[node] else 1 for i in range(len(nodes))])
+
+    def strategies(node: str) -> list:
+        return list(free[node]) if node in axis else ["fixed"]
+
+    total: np.ndarray | float = 0.0
+    params: np.ndarray | float = 0.0
+    for node in graph.nodes:
+        costs = [_node_cost(problem, by_name.get(node), s) for s in strategies(node)]
+        total = total + along(node, [c + w for c, w, _ in costs])
+        params = params + along(node, [p for _, _, p in costs])
+    coll = problem.collectives
+    readers: dict[str, list[str]] = {}
+    for key, src in graph.sources.items():
+        readers.setdefault(src, []).append(_consumer_of(key))
+    for src, consumers in readers.items():
+        outs = [graph.nodes[src][s][1] for s in strategies(src)]
+        for position in (0, 2):  # what a consumer reads (forward), the gradient it returns (backward)
+            wanted: dict[str, np.ndarray | float] = {}  # layout -> whether some consumer wants it
+            for consumer in consumers:
+                layouts = [graph.nodes[consumer][s][position] for s in strategies(consumer)]
+                for layout in set(layouts):
+                    if position == 2 and layout is None:
+                        continue  # no gradient comes back
+                    hit = along(consumer, [float(x == layout) for x in layouts])
+                    wanted[layout] = np.maximum(wanted.get(layout, 0.0), hit)
+            for layout, hit in wanted.items():
+                if position == 0:
+                    seconds = [conversion_s(out, layout, graph.nbytes[src], coll) for out in outs]
+                else:
+                    seconds = [conversion_s(layout, _grad_target(out), graph.nbytes[src], coll) for out in outs]
+                if any(seconds):  # one payment per (producer, its layout, the layout wanted), as the ILP's y
+                    total = total + hit * along(src, seconds)
+    total = np.broadcast_to(total, shape)
+    allowed = np.ones(shape, dtype=bool)
+    if problem.parameter_bytes_limit is not None:
+        allowed &= np.broadcast_to(params, shape) <= problem.parameter_bytes_limit
     shardable = [v for v in nodes if v in by_name and by_name[v].weight_shape
                  and any(s in ("colwise", "rowwise") for s in free[v])]
-    limit = problem.parameter_bytes_limit
-    best: IntraOpSolution | None = None
-    for picks in itertools.product(*(list(free[v]) for v in nodes)):
-        chosen = dict(zip(nodes, picks, strict=True))
-        if limit is not None and sum(_node_cost(problem, by_name.get(v), s)[2] for v, s in chosen.items()) > limit:
-            continue
-        if problem.require_sharding and shardable and not any(chosen[v] in ("colwise", "rowwise") for v in shardable):
-            continue
-        solution = evaluate(problem, chosen)
-        if best is None or solution.compute_time_s + solution.comm_time_s < \
-                (best.compute_time_s + best.comm_time_s) * (1 - 1e-12):
-            best = solution
-    if best is None:
+    if problem.require_sharding and shardable:
+        sharded = np.zeros(shape, dtype=bool)
+        for v in shardable:
+            sharded = sharded | along(v, [s in ("colwise", "rowwise") for s in free[v]]).astype(bool)
+        allowed &= sharded
+    if not allowed.any():
         _raise_infeasible(problem)
-    return best
+    priced = np.where(allowed, total, np.inf)
+    least = priced.min()
+    first = int(np.flatnonzero(priced <= least + abs(least) * 1e-12)[0])
+    picks = np.unravel_index(first, shape)
+    return evaluate(problem, {v: list(free[v])[int(i)] for v, i in zip(nodes, picks, strict=True)})
 
 
 CACHE_ENV = "PLANNER_CACHE_DIR"
