@@ -45,10 +45,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from planner.cluster_schema import GPUOverride, LinkFile, NodeGroup, validate_cluster_file
 from planner.errors import PlannerError
 from planner.hardware import GPUS, GPUSpec, get_gpu
+
+if TYPE_CHECKING:  # the schema is imported where a file is read: `planner solve --gpus` reads none
+    from planner.cluster_schema import GPUOverride, LinkFile, NodeGroup
 
 # Per-message latency of one hop, seconds (module docstring).
 NVLINK_LATENCY_S = 3e-6
@@ -163,6 +166,8 @@ def _one_node_type(nodes: list[NodeGroup], source: str) -> tuple[GPUSpec, int, i
 
 def parse_cluster(data, source: str = "cluster") -> Cluster:
     """A Cluster from a parsed YAML/JSON mapping; `source` names it in errors."""
+    from planner.cluster_schema import validate_cluster_file
+
     form = validate_cluster_file(data, source)
     if form.nodes is not None:
         gpu, num_nodes, gpus_per_node = _one_node_type(form.nodes, source)

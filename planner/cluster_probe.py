@@ -18,8 +18,6 @@ from pathlib import Path
 import typer
 
 from planner.errors import PlannerError
-from planner.launcher import failure_summary as launcher_failure_summary
-from planner.launcher import launch, torchrun_command
 
 GPU_NAMES = (("h200", "h200"), ("h100", "h100-80gb"), ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"),
              ("a100", "a100-80gb"))
@@ -53,6 +51,8 @@ def profile_cluster_command(
         if backend == "nccl" and gpus < nproc:
             raise PlannerError(f"--backend nccl needs {nproc} visible GPUs, found {gpus}.", "Lower --nproc or use --backend gloo.")
         backend = "nccl" if gpus >= nproc else "gloo"
+    from planner.launcher import torchrun_command  # not at import: the CLI imports this module for every verb
+
     with tempfile.TemporaryDirectory(prefix="profile-cluster-") as status_dir, \
             tempfile.TemporaryDirectory(prefix="profile-cluster-logs-") as log_dir:
         program = ["-m", "planner.cluster_worker", "--output", str(output), "--min-bytes", str(min_bytes),
@@ -73,6 +73,8 @@ def profile_cluster_command(
 
 def _launch(command: list[str], timeout_s: float, status_dir: Path, threads: int = 1, log_dir: Path | None = None) -> None:
     """Run the measurement (planner/launcher.py): a hang, a dead rank or a signal becomes a PlannerError."""
+    from planner.launcher import launch
+
     def last_seen() -> str:
         where = "; ".join(f"{p.stem}: {p.read_text().strip()}" for p in sorted(status_dir.glob("rank*"))) or "no rank started"
         return f" (last seen: {where})"
@@ -85,4 +87,6 @@ def _launch(command: list[str], timeout_s: float, status_dir: Path, threads: int
 
 def failure_summary(stderr: str, code: int) -> str:
     """Which rank failed first, and why (planner/launcher.py's summary, worded for a measurement)."""
+    from planner.launcher import failure_summary as launcher_failure_summary
+
     return launcher_failure_summary(stderr, code, "the measurement was stopped")

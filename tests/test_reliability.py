@@ -245,13 +245,13 @@ def _unwritable(tmp_path) -> Path:
 
 @pytest.mark.parametrize("verb", ["profile", "profile-cluster", "solve", "show-csv", "show-gantt", "validate-gantt"])
 def test_unwritable_output_is_refused_before_any_work(tmp_path, monkeypatch, verb, meta_profile, plan_file, model_file):
-    import planner.cluster_probe
+    import planner.launcher
     import planner.profiler
     import planner.solver.solve
 
     monkeypatch.setattr(planner.profiler, "profile_model", _forbid)
     monkeypatch.setattr(planner.solver.solve, "solve", _forbid)
-    monkeypatch.setattr(planner.cluster_probe, "launch", _forbid)
+    monkeypatch.setattr(planner.launcher, "launch", _forbid)
     bad = str(_unwritable(tmp_path))
     metrics = tmp_path / "m.json"
     metrics.write_text(json.dumps({"median_iteration_time_s": 0.1, "samples_per_s": 1.0}))

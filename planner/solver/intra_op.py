@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -88,7 +87,6 @@ from pathlib import Path
 from typing import NoReturn, Protocol
 
 import numpy as np
-import pulp
 
 from planner.errors import PlannerError
 from planner.profile_schema import OpNode, Unit
@@ -710,6 +708,7 @@ def _cache_path(problem: IntraOpProblem, graph: _Graph) -> Path | None:
     of the graph's tensors and at powers of 4 from 1 B to 1 TiB: a collective model is a
     function, and its object has no stable text), and of this file's source and pulp's version
     (a changed formulation or solver is a different answer)."""
+    import pulp
     folder = os.environ.get(CACHE_ENV)
     if folder == "":
         return None
@@ -756,6 +755,7 @@ def _store(path: Path | None, chosen: dict[str, str]) -> None:
 
 def _solve_ilp(problem: IntraOpProblem, graph: _Graph, free: dict) -> dict[str, str]:
     """The ILP of the module docstring, solved by CBC: the chosen strategy per free node."""
+    import pulp  # only here: most units never reach the ILP (`_by_table`), and the import costs ~80 ms
     by_name = {op.name: op for op in problem.ops}
     model = pulp.LpProblem("intra_op", pulp.LpMinimize)
     # x[v, s]: node v uses strategy s (1) or not (0).
@@ -790,6 +790,8 @@ def _raise_infeasible(problem: IntraOpProblem) -> NoReturn:
 
 
 def _add_one_strategy(model, x, free) -> None:
+    import pulp
+
     # [Constraint] one_strategy[v]: every free node picks exactly one strategy.
     for i, (v, strategies) in enumerate(free.items()):
         model += pulp.lpSum(x[v, s] for s in strategies) == 1, f"one_strategy_{i}"
@@ -797,6 +799,7 @@ def _add_one_strategy(model, x, free) -> None:
 
 def _layout_expr(x, graph: _Graph, node: str, position: int, layout: str):
     """sum of x[node, s] over strategies whose layout at `position` (0 in, 1 out, 2 grad) is `layout`."""
+    import pulp
     strategies = graph.nodes[node]
     if "fixed" in strategies:
         return 1 if strategies["fixed"][position] == layout else 0
@@ -811,6 +814,7 @@ def _add_conversions(model, x, graph: _Graph, coll: TPCollectives) -> list:
     returns); y[dir, p, a, t] >= e[a, t] then charges each (producer, layout pair) once.
     This is tighter than the plain AND linearisation, so CBC closes the gap at the root.
     """
+    import pulp
     terms: list = []
     y: dict = {}
     layouts = ("R", "F", "S", "P")
@@ -853,6 +857,7 @@ def _is_zero(expr) -> bool:
 
 
 def _add_pinned_tp(model, x, by_name) -> None:
+    import pulp
     # [Constraint] pinned_tp: with the TP degree pinned, at least one weight is sharded (where any can be).
     sharded = [var for (v, s), var in x.items() if v in by_name and by_name[v].weight_shape and s in ("colwise", "rowwise")]
     if sharded:
@@ -860,6 +865,7 @@ def _add_pinned_tp(model, x, by_name) -> None:
 
 
 def _add_parameter_memory(model, x, node_costs, limit: float | None) -> None:
+    import pulp
     # [Constraint] parameter_memory: parameter bytes per GPU of the unit's ops stay under the limit.
     if limit is not None:
         model += pulp.lpSum(x[k] * p for k, (_, _, p) in node_costs.items()) <= limit, "parameter_memory"
