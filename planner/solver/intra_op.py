@@ -686,7 +686,7 @@ def _by_table(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolu
     if problem.require_sharding and shardable:
         sharded = np.zeros(shape, dtype=bool)
         for v in shardable:
-            sharded = sharded | along(v, [s in ("colwise", "rowwise") for s in free[v]]).astype(bool)
+            sharded = sharded | (along(v, [s in ("colwise", "rowwise") for s in free[v]]) > 0)
         allowed &= sharded
     if not allowed.any():
         _raise_infeasible(problem)
