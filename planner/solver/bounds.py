@@ -36,8 +36,9 @@ Memory by rank (z*, `_memory_rank_s`): rank r holds its units' states and L_r mi
 their activations in M, so the ranks with more in flight hold fewer units or recompute more,
 and the busiest rank's time rises above the mean. Taking the units of the most common kind
 (a transformer's blocks; leaving the others out only lowers it), z* is the least z for which
-the ranks can hold them all when each runs at most z seconds of them, fractional counts and
-modes allowed (a linear relaxation per rank, solved in closed form at its vertices). With
+the ranks can hold them all when each runs at most z seconds of them, fractional modes allowed
+(a linear relaxation per rank, solved in closed form at its vertices) and whole units (a rank
+holds at most the floor of the relaxation's count). With
 v = 1 a rank is a chunk, so X >= z* + min_u p2p_u too. The schedules' closed forms
 (planner/cost/schedules.py) then give at least
 
@@ -397,8 +398,11 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
         max sum_r x_r   s.t.   sum_r t_r x_r <= z,   sum_r (s + L a_r) x_r <= M,   x >= 0
 
     (fractional counts and modes: a relaxation of any plan). Its optimum lies on a vertex: one
-    mode with the tighter of the two constraints, or two modes with both tight. The units fit
-    only if sum_ranks h_L(z) >= count; that is nondecreasing in z, so z* is found by bisection,
+    mode with the tighter of the two constraints, or two modes with both tight. A rank holds whole
+    units, so at most floor(h_L(z)) of them: with 96 blocks on 8 ranks, a first rank whose memory
+    holds 11.5 leaves 85 to seven that then need 13 blocks' time, not the 12.07 of the fractional
+    count. The units fit only if sum_ranks floor(h_L(z)) >= count; that is nondecreasing in z, so
+    z* is found by bisection,
     and the lower end of the bracket after `iterations` halvings is returned (it failed the test:
     a proven lower bound, within 2^-24 of the bracket [0, count x max_r t_r] below z*)."""
     width = states[:, None, None] + levels[:, :, None] * activation[:, None, :]  # [N, K, mode]: s + L a_r
@@ -418,7 +422,9 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
                 x_i = (zz[..., 0] * width[..., j] - memory * times[..., j]) / det
                 x_j = (memory * times[..., i] - zz[..., 0] * width[..., i]) / det
                 most = np.fmax(most, np.where((x_i >= 0) & (x_j >= 0), x_i + x_j, np.nan))
-            return (np.minimum(most, count[:, None]) * weights).sum(axis=1)
+            # Units come whole: a rank holds an integer count of them, at most floor(h_L(z)) (a
+            # hair above, 1e-9, so float noise in h never raises z* past a plan's time).
+            return (np.minimum(np.floor(most * (1 + 1e-9)), count[:, None]) * weights).sum(axis=1)
 
         low = np.zeros(len(count))
         high = count * time_s.max(axis=1)
