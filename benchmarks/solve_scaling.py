@@ -91,6 +91,17 @@ rich), printing and writing the plan 0.1 s, and the search about 1.1 s on two co
 cost tables and TP ILPs, 0.2 s of bounds, 0.25 s refining 1,024 configurations to the whole
 bound and 85 inter-op DPs at about 5 ms each. (The MoE row's iteration time moved +15% since the
 previous CSV: attention on H100 is now priced at FlashAttention-2's rate, not from this round.)
+This round (2026-11-27): (1) a unit's TP layout is priced for every assignment at once in numpy
+(planner/solver/intra_op.py `_by_table`, exact, up to 2^20 assignments; a GPT block has 13,122)
+instead of starting CBC for it (~50 ms a unit, six units on 64 GPUs), and pulp is imported
+only when a unit is larger; (2) z* counts whole units (planner/solver/bounds.py
+`_memory_rank_s`: a rank holds at most the floor of the relaxation's count), DPs run 175B x64
+85 -> 61, x1024 298 -> 287, 192 layers 63 -> 54, 530B 138 -> 77, the MoE 29 -> 16, same top 3 on
+every row; (3) the timed processes run byte-compiled code (below). The machine ran about 2.5x
+slower than for the previous CSV (the same 96-layer profile took 12.4 s, then 4.9 s), so the
+CSV's seconds are not comparable with it; the code before this round (061b005) and after, run
+alternately on it (`planner solve` processes, both byte-compiled, median of 5): 175B x64 2.95 ->
+2.53 s, x1024 5.20 -> 4.74 s. Goals for 175B (1 s on 64 GPUs, 2 s on 1024) still not met.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
