@@ -283,9 +283,15 @@ def updated_parameters(table: UnitCostTable, cfg: Config, start: int, end: int) 
     held = float(table.parameters[start:end].sum() + table.copy_parameters(start, end)[0])
     if table.frozen_parameters is not None:
         held -= float(table.frozen_parameters[start:end].sum())
+    experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters[start:end].sum())
+    return updated_share(held, experts, cfg)
+
+
+def updated_share(held: float, experts: float, cfg: Config) -> float:
+    """`updated_parameters` from the trained parameters a rank holds (`held`, tied copies in) and
+    the experts' among them."""
     if cfg.zero_stage == 0:
         return held
-    experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters[start:end].sum())
     return (held - experts) / cfg.zero_dp + experts / cfg.expert_dp
 
 
