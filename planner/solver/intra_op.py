@@ -601,9 +601,10 @@ def _producers(node: str, graph: _Graph) -> list[str]:
 
 
 def _solve(problem: IntraOpProblem, graph: _Graph | None = None) -> IntraOpSolution:
-    """Build and solve the ILP of the module docstring; raise if the memory bound cannot be met.
-    An optimal answer is kept on disk (`_cached`): a later solve of the same problem (the next
-    "what if" on the same model and GPU) reads it instead of building and solving the ILP."""
+    """The optimum of the module docstring's ILP; raise if the memory bound cannot be met. Up to
+    `TABLE_UP_TO` assignments it is found by pricing them all (`_by_table`); beyond, by CBC, and
+    the answer is kept on disk (`_cached`): a later solve of the same problem (the next "what if"
+    on the same model and GPU) reads it instead of building and solving the ILP."""
     graph = graph or _build_graph(problem)
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     if all(len(s) == 1 for s in free.values()):
