@@ -159,7 +159,7 @@ class TimeBound:
         self._groups: dict[tuple, tuple] = {}  # `group_columns`: key -> (the table, its columns)
         self._memory: dict[tuple, float] = {}  # `states_bytes`
         self._sums: dict[int, tuple] = {}  # id of a table -> (the table, `parameter_sums`)
-        self._grouping: dict[int, tuple] = {}  # `_unit_terms`
+        self._grouping: dict[int, list] = {}  # `_unit_terms`: number of units -> recent groupings
         self._slowest: dict[tuple, float] = {}  # (id of _UnitTerms or its least prefix, chunks) -> B* (held in self._units)
         self._busiest: dict[tuple, tuple] = {}  # `_memory_rank`
         self._parts: dict[tuple, tuple] = {}  # `_group`'s parts (the tables are held by the groups)
@@ -468,34 +468,45 @@ def _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v):
                              m * rank + (p - 1) * forward / chunks))
 
 
+GROUPINGS = 4
+"""Groupings `_unit_terms` keeps per number of units, the most recently found first."""
+
+
 def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: dict) -> _UnitTerms:
-    """`grouping` holds, per table, the representative of each unit and its index among them, as
-    the first call found them; a later call (another ZeRO 2/3 or dp setting of the same table)
-    reuses them where every unit still equals its representative, a check cheaper than
-    `np.unique` over the columns again."""
+    """`grouping` holds the last few groupings calls found (the representative of each unit and its
+    index among them), per number of units; a later call (another table of the model: another
+    TP degree, micro-batch or CP degree, or another ZeRO 2/3 setting) reuses one where every unit
+    still equals its representative, a check cheaper than `np.unique` over the columns again.
+    There are few: a model's tables group its units alike (a transformer: the embedding, the
+    blocks, the norm, the head), and ZeRO 2/3's traffic sets the first block apart (the
+    embedding before it hides little of its gather)."""
     times, first, _, _ = stage_arrays(table, cfg, env)
     modes = env.allowed_recompute
     time_s = np.stack([times[r] + np.minimum(first[r], 0.0) for r in modes])
     activation = np.stack([table.activations[r] for r in modes])
     columns = np.concatenate([time_s, activation])
-    held = grouping.get(id(table))
     distinct = None
-    if held is not None and np.array_equal(columns[:, held[0]][:, held[1]], columns):
+    found = grouping.setdefault(columns.shape[1], [])
+    for held in found:
+        if not np.array_equal(columns[:, held[0]][:, held[1]], columns):
+            continue
         # In np.unique's order (columns sorted lexicographically, first row first) and only if the
         # representatives are still distinct, so the sums below add as without the cache: same
         # numbers to the last bit.
-        representatives, inverse, _ = held
+        representatives, inverse = held
         order = np.lexsort(columns[:, representatives][::-1])
         distinct = columns[:, representatives[order]]
         if np.all(distinct[:, 1:] == distinct[:, :-1], axis=0).any():
             distinct = None
-        else:
-            rank = np.empty_like(order)
-            rank[order] = np.arange(order.size)
-            inverse = rank[inverse]
+            continue
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        inverse = rank[inverse]
+        break
     if distinct is None:
         distinct, representatives, inverse = _distinct_columns(columns)
-        grouping[id(table)] = (representatives, inverse, table)  # the table held: its id stays its own
+        found.insert(0, (representatives, inverse))
+        del found[GROUPINGS:]
     time_s, activation = distinct[:len(modes)], distinct[len(modes):]
     saved = activation[:, None, :] - activation[None, :, :]  # [r, r', unit]
     slower = time_s[None, :, :] - time_s[:, None, :]
