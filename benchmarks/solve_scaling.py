@@ -101,7 +101,11 @@ every row; (3) the timed processes run byte-compiled code (below). The machine r
 slower than for the previous CSV (the same 96-layer profile took 12.4 s, then 4.9 s), so the
 CSV's seconds are not comparable with it; the code before this round (061b005) and after, run
 alternately on it (`planner solve` processes, both byte-compiled, median of 5): 175B x64 2.95 ->
-2.53 s, x1024 5.20 -> 4.74 s. Goals for 175B (1 s on 64 GPUs, 2 s on 1024) still not met.
+2.53 s, x1024 5.20 -> 4.74 s. Then (4) `_unit_terms` shares its unit groupings across a model's
+tables (474 np.unique passes on 64 GPUs become 2) and the bound's optimizer term is read once per
+table; with those, later the same day and slower still: x64 4.00 -> 3.24 s (median of 5), x1024
+6.33 -> 5.63 s (median of 9; fastest 5.89 -> 4.53 s). The CSV predates (4). Goals for 175B (1 s
+on 64 GPUs, 2 s on 1024) still not met.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
