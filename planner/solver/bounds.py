@@ -74,9 +74,9 @@ from planner.solver.search import (
     Config,
     Environment,
     gpu_state_bytes,
+    held_parameters,
     p2p_arrays,
     stage_arrays,
-    updated_parameters,
     updated_share,
 )
 
@@ -222,11 +222,9 @@ class TimeBound:
         updated_key = (id(table), zero == 0, shard or dp, dp, tp, ep, sp)  # ZeRO's shards, the experts' dp
         if updated_key not in self._updated:
             # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
-            totals_key = ("updated", id(table))  # what the whole model's ranks hold, once per table
+            totals_key = ("held", id(table))  # what the whole model's ranks hold, once per table
             if totals_key not in self._parts:
-                all_held = replace(cfg(), zero_stage=0, shard_degree=None)  # ZeRO 0: a rank updates all it holds
-                experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters.sum())
-                self._parts[totals_key] = (updated_parameters(table, all_held, 0, len(table.parameters)), experts)
+                self._parts[totals_key] = held_parameters(table, 0, len(table.parameters))
             held, experts = self._parts[totals_key]
             self._updated[updated_key] = updated_share(held, experts, cfg()) * env.optimizer_s_per_param
         states = self.states_bytes(table, settings, cfg)

@@ -280,16 +280,20 @@ def _add(a: ModelStateBytes, b: ModelStateBytes, sign: float = 1.0) -> ModelStat
 def updated_parameters(table: UnitCostTable, cfg: Config, start: int, end: int) -> float:
     """Parameters a rank's optimizer updates for units [start, end): its shard under ZeRO >= 1
     (dense over dp, experts over expert-dp), all it holds under ZeRO 0."""
+    return updated_share(*held_parameters(table, start, end), cfg)
+
+
+def held_parameters(table: UnitCostTable, start: int, end: int) -> tuple[float, float]:
+    """(trained parameters of units [start, end), tied copies in; the experts' among them)."""
     held = float(table.parameters[start:end].sum() + table.copy_parameters(start, end)[0])
     if table.frozen_parameters is not None:
         held -= float(table.frozen_parameters[start:end].sum())
     experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters[start:end].sum())
-    return updated_share(held, experts, cfg)
+    return held, experts
 
 
 def updated_share(held: float, experts: float, cfg: Config) -> float:
-    """`updated_parameters` from the trained parameters a rank holds (`held`, tied copies in) and
-    the experts' among them."""
+    """`updated_parameters` from `held_parameters`."""
     if cfg.zero_stage == 0:
         return held
     return (held - experts) / cfg.zero_dp + experts / cfg.expert_dp
