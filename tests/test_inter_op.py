@@ -1,12 +1,14 @@
 """Inter-op DP: optimal against brute force over all cut positions."""
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import PlannerError
-from planner.solver.inter_op import SharedRows, brute_force_cuts, solve_cuts
+from planner.solver.inter_op import SharedRows, brute_force_cuts, level_ranks, solve_cuts
 
 
 def _cost_table(unit_times, num_stages, p2p, memory, stage_limit):
@@ -108,3 +110,51 @@ def _matches_brute_force(cost, dense, num_microbatches: int, num_units: int) -> 
     assert got.pipeline_time_s == pytest.approx(expected.pipeline_time_s, rel=1e-12)
     assert got.bounds[0][0] == 0 and got.bounds[-1][1] == num_units
     assert all(a[1] == b[0] for a, b in zip(got.bounds, got.bounds[1:], strict=False))
+
+
+def _rank_time(cost, bounds, num_ranks, num_microbatches) -> float:
+    """The v > 1 schedules' pipeline time at these cuts: m x the busiest rank's chunks + (p - 1) x the slowest chunk."""
+    times = [cost[k, i, j] for k, (i, j) in enumerate(bounds)]
+    return num_microbatches * max(sum(times[r::num_ranks]) for r in range(num_ranks)) + (num_ranks - 1) * max(times)
+
+
+def test_leveling_spreads_the_ranks_work_the_dp_stacked():
+    # 11 units (a heavy first and last) in 6 chunks on 3 ranks: the DP's per-chunk objective
+    # ties on many cuts and takes ones that put chunks 0 and 3 (3 + 3 units of time) on rank 0;
+    # leveled, every rank does 5 or 6, the optimum of the ranks' objective over all cuts.
+    times = [3.0] + [1.0] * 9 + [2.0]
+    cost = _cost_table(times, 6, [0.0] * 11, [1.0] * 11, np.inf)
+    dp = solve_cuts(cost, 12).bounds
+    leveled, gain = level_ranks(cost, dp, 3, 12)
+    best = min(_rank_time(cost, tuple(zip((0, *inner), (*inner, 11), strict=True)), 3, 12)
+               for inner in itertools.combinations(range(1, 11), 5))
+    assert _rank_time(cost, dp, 3, 12) == 78.0
+    assert _rank_time(cost, leveled, 3, 12) == best == 66.0
+    assert gain == 12.0
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), num_ranks=st.integers(2, 3), virtual=st.integers(2, 3), num_microbatches=st.integers(1, 16))
+def test_leveling_never_worsens_the_cuts(data, num_ranks, virtual, num_microbatches):
+    # Whatever the instance: the leveled cuts still cover the units in non-empty contiguous
+    # chunks, each within its own memory; the ranks' time does not grow, and no rank that fit
+    # its memory limit with the DP's cuts overflows it (the limit: the DP's busiest rank).
+    num_chunks = num_ranks * virtual
+    num_units = data.draw(st.integers(num_chunks, 12))
+    times = data.draw(st.lists(st.floats(0.1, 10.0), min_size=num_units, max_size=num_units))
+    memory = data.draw(st.lists(st.floats(1.0, 10.0), min_size=num_units, max_size=num_units))
+    cost = _cost_table(times, num_chunks, [0.0] * num_units, memory, np.inf)
+    size = num_units + 1
+    prefix = np.concatenate([[0.0], np.cumsum(memory)])
+    nbytes = np.where(np.isfinite(cost), prefix[None, None, :] - prefix[None, :, None], np.inf)
+    dp = solve_cuts(cost, num_microbatches).bounds
+    held = lambda cuts: [sum(nbytes[k, i, j] for k, (i, j) in enumerate(cuts) if k % num_ranks == r)  # noqa: E731
+                         for r in range(num_ranks)]
+    limit = max(held(dp))
+    leveled, gain = level_ranks(cost, dp, num_ranks, num_microbatches, nbytes, limit)
+    assert leveled[0][0] == 0 and leveled[-1][1] == size - 1
+    assert all(i < j for i, j in leveled) and all(a[1] == b[0] for a, b in zip(leveled, leveled[1:]))
+    assert all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(leveled))
+    assert _rank_time(cost, leveled, num_ranks, num_microbatches) <= _rank_time(cost, dp, num_ranks, num_microbatches) * (1 + 1e-12)
+    assert gain >= 0
+    assert max(held(leveled)) <= limit * (1 + 1e-12)

@@ -21,6 +21,7 @@ from planner.errors import PlannerError
 from planner.plan import parse_plan
 from planner.plan_report import recompute_summary
 from planner.profiler import profile_model
+from planner.solver.search import _per_unit_range_costs
 from planner.solver.solve import Pins, solve
 from planner.solver.unit_recompute import UnitChoices, fastest_fitting
 from runtime.recompute import apply_unit_recompute
@@ -207,3 +208,61 @@ def test_torchtitan_exports_every_nth_layer(engine_plan):
     assert 'selective_ac_option = "2"' in exported.text and exported.warnings == []
     other = export_plan(_with_full(engine_plan, {"blocks.0"}), "torchtitan")
     assert 'mode = "full"' in other.text and "per-unit recompute" in other.warnings[0]
+
+
+@st.composite
+def rank_instances(draw):
+    """One pipeline rank's chunks: a small random model (`instances`' values), cut into 1-3
+    contiguous chunks the rank holds, each with fixed bytes, and a memory limit."""
+    n = draw(st.integers(2, 6))
+    ties = draw(st.booleans())
+    value = st.integers(0, 4).map(float) if ties else st.floats(0.0, 10.0, allow_nan=False)
+    grid = lambda: np.array(draw(st.lists(st.lists(value, min_size=n, max_size=n), min_size=3, max_size=3)))  # noqa: E731
+    unit_s, start_s, act = grid(), grid(), grid()
+    transient = np.array(draw(st.lists(value, min_size=n, max_size=n)))
+    edges = sorted(draw(st.lists(st.integers(1, n - 1), max_size=3, unique=True)))
+    cuts = list(zip([0, *edges], [*edges, n], strict=True))
+    chunks = draw(st.lists(st.sampled_from(cuts), min_size=1, max_size=3, unique=True))
+    fixed = {c: draw(value) for c in cuts}
+    level = draw(st.integers(1, 4))
+    limit = draw(st.floats(0.0, 120.0, allow_nan=False))
+    return unit_s, start_s, act, transient, sorted(chunks), fixed, level, limit
+
+
+def _rank_brute_force(unit_s, start_s, act, transient, chunks, fixed, level, limit) -> float:
+    """Least summed time over every assignment of modes to the units of `chunks` whose bytes
+    (per chunk: fixed, the range's largest transient if a unit is full, level x activations)
+    fit `limit` together."""
+    best = np.inf
+    options = [list(itertools.product(range(3), repeat=j - i)) for i, j in chunks]
+    for assignment in itertools.product(*options):
+        held = sum(fixed[(i, j)] + (transient[i:j].max() if FULL in modes else 0.0)
+                   + level * sum(act[r, i + k] for k, r in enumerate(modes)) for (i, j), modes in zip(chunks, assignment))
+        if held <= limit:
+            best = min(best, sum(_time_s(unit_s, start_s, i, modes) for (i, _), modes in zip(chunks, assignment)))
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(rank_instances())
+def test_rank_refit_equals_brute_force(instance):
+    # A rank's chunks whose modes are chosen together under the rank's memory (the search's
+    # repair where the chunks fit one by one but not together): the least summed time of any
+    # assignment that fits, and the modes it returns achieve it.
+    unit_s, start_s, act, transient, chunks, fixed, level, limit = instance
+    n = unit_s.shape[1]
+    start, end = np.triu_indices(n + 1, k=1)
+    fixed_of = np.array([fixed.get((int(i), int(j)), 0.0) for i, j in zip(start, end)])
+    transient_of = np.array([transient[i:j].max() for i, j in zip(start, end)])
+    choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)
+    *_, width, refit = _per_unit_range_costs(choices, start, end, fixed_of, transient_of, np.zeros(n), np.array([level]))
+    columns = refit(chunks, float(level), limit)
+    best = _rank_brute_force(unit_s, start_s, act, transient, chunks, fixed, level, limit)
+    assert (columns is None) == (not np.isfinite(best))
+    if columns is not None:
+        modes = [choices.modes(i, j, c, choices.width) for (i, j), c in zip(chunks, columns)]
+        total = sum(_time_s(unit_s, start_s, i, m) for (i, _), m in zip(chunks, modes))
+        held = sum(fixed[(i, j)] + (transient[i:j].max() if FULL in m else 0.0)
+                   + level * sum(act[r, i + k] for k, r in enumerate(m)) for (i, j), m in zip(chunks, modes))
+        assert total == pytest.approx(best, rel=1e-12, abs=1e-12)
+        assert held <= limit * (1 + 1e-12) + 1e-12

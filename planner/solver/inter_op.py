@@ -48,6 +48,7 @@ per stage (runtime/pp_split.py), and a range's cost includes the copy it holds
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -335,3 +336,84 @@ def brute_force_cuts(cost: np.ndarray, num_microbatches: int, cut_allowed: np.nd
     if best is None:
         raise PlannerError("No way to cut the model into stages that each fit in memory.", "Add GPUs.")
     return best
+
+
+
+def level_ranks(cost: np.ndarray | SharedRows, bounds: tuple[tuple[int, int], ...] | list[tuple[int, int]],
+                num_ranks: int, num_microbatches: int, range_bytes: np.ndarray | SharedRows | None = None,
+                memory_limit: float = math.inf, max_moves: int | None = None) -> tuple[tuple[tuple[int, int], ...], float]:
+    """Cuts of `bounds` leveled across the pipeline ranks. With v > 1 chunks per rank (chunk k on
+    rank k mod p) the schedules' closed forms pay m x the busiest rank's chunks together plus
+    (p - 1) x a chunk (planner/cost/schedules.py: interleaved 1F1B, zero bubble), and a rank's
+    chunks share its memory; the DP's per-chunk objective (sum + (m - 1) max, Alpa's) sees
+    neither. Of its many tied optima it may stack the longer chunks on one rank (98 units in 96
+    chunks: two chunks of two units, both on rank 0), or chunks that each fit but together
+    overflow their rank.
+
+    A local search moves one unit at a time across a cut of one rank's chunks, to the chunk
+    before or after (on another rank), while that lowers, in this order, the bytes by which the
+    ranks overflow `memory_limit` (summed; `range_bytes` gives each range's bytes as the cost
+    table chose them, same shape as `cost`; None: not checked), the schedules' time
+
+        m max_r sum_{k = r mod p} cost[k] + (p - 1) max_k cost[k]
+
+    and the sum of squares of the ranks' work (spreading it where the time ties). It moves from
+    the rank that overflows most, else the busiest. Every chunk stays within its own memory
+    (finite `cost`). Each move lowers that triple, so the search ends; `max_moves` (default 4 S)
+    bounds it. Returns the cuts and how much they lower the time above (seconds). A heuristic on
+    top of the exact DP: the caller prices both cuts and keeps the faster."""
+    edges = [int(start) for start, _ in bounds] + [int(bounds[-1][1])]
+    num_chunks, p, m = len(bounds), num_ranks, num_microbatches
+    if num_chunks <= p:
+        return tuple((int(i), int(j)) for i, j in bounds), 0.0
+    cost_rows = [_stage_row(cost, k) for k in range(num_chunks)]
+    byte_rows = [_stage_row(range_bytes, k) for k in range(num_chunks)] if range_bytes is not None else None
+
+    def chunk(k: int, i: int, j: int) -> tuple[float, float]:
+        return float(cost_rows[k][i, j]), float(byte_rows[k][i, j]) if byte_rows is not None else 0.0
+
+    parts = [chunk(k, edges[k], edges[k + 1]) for k in range(num_chunks)]
+    times, sizes = [t for t, _ in parts], [b for _, b in parts]
+    loads, held = [sum(times[r::p]) for r in range(p)], [sum(sizes[r::p]) for r in range(p)]
+
+    def key(loads: list[float], held: list[float], times: list[float]) -> tuple[float, float, float]:
+        return (sum(max(b - memory_limit, 0.0) for b in held), m * max(loads) + (p - 1) * max(times),
+                sum(x * x for x in loads))
+
+    def lower(a: tuple, b: tuple) -> bool:
+        """a below b, lexicographically, by more than float noise (1e-12 relative)."""
+        for x, y in zip(a, b, strict=True):
+            if x < y - 1e-12 * abs(y):
+                return True
+            if x > y + 1e-12 * abs(y):
+                return False
+        return False
+
+    current = initial = key(loads, held, times)
+    for _ in range(4 * num_chunks if max_moves is None else max_moves):
+        over = [b - memory_limit for b in held]
+        source = max(range(p), key=over.__getitem__) if max(over) > 0 else max(range(p), key=loads.__getitem__)
+        best = None
+        for k in range(source, num_chunks, p):
+            # (the cut moved, its new position): chunk k gives its first unit to k - 1, or its last to k + 1
+            for edge, to in ((k, edges[k] + 1), (k + 1, edges[k + 1] - 1)):
+                if not 0 < edge < num_chunks or not edges[edge - 1] < to < edges[edge + 1]:
+                    continue
+                trial = {edge - 1: chunk(edge - 1, edges[edge - 1], to), edge: chunk(edge, to, edges[edge + 1])}
+                if not all(math.isfinite(t) for t, _ in trial.values()):
+                    continue
+                new_times, new_loads, new_held = list(times), list(loads), list(held)
+                for c, (t, b) in trial.items():
+                    new_loads[c % p] += t - times[c]
+                    new_held[c % p] += b - sizes[c]
+                    new_times[c] = t
+                value = key(new_loads, new_held, new_times)
+                if lower(value, current) and (best is None or lower(value, best[0])):
+                    best = (value, edge, to, trial, new_times, new_loads, new_held)
+        if best is None:
+            break
+        current, edge, to, trial, times, loads, held = best
+        edges[edge] = to
+        for c, (_, b) in trial.items():
+            sizes[c] = b
+    return tuple(zip(edges[:-1], edges[1:], strict=True)), initial[1] - current[1]

@@ -70,7 +70,7 @@ from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
 from planner.solver.comm_pricing import dp_tail_s, range_sums, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
-from planner.solver.inter_op import SharedRows, least_bottleneck, range_allowed, solve_cuts
+from planner.solver.inter_op import SharedRows, least_bottleneck, level_ranks, range_allowed, solve_cuts
 from planner.solver.unit_recompute import UnitChoices, fastest_fitting
 
 
@@ -351,26 +351,28 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     fixed = p_states[end] - p_states[start] + copy_states + 2 * table.cut_bytes[end - 1]
     fixed = fixed + np.where(end == num_units, _loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
     transient = _transient_max(table, env)[start, end]
-    width = 0  # per-unit modes: K, the frontier columns per set in the table's choices
+    width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
         range_costs, min_needed = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
                                                        first[env.allowed_recompute[0]], start, end, fixed, transient, p2p, levels)
     else:
-        range_costs, min_needed, width = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed, transient,
-                                                               p2p, levels)
+        range_costs, min_needed, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
+                                                                      transient, p2p, levels)
 
     def stage_costs(limit: float):
         """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
         column (per in-flight level, `row_of_stage` maps stage k to its level; `stage_modes`
-        reads it), and the distinct finite costs ascending (the DP's bottleneck candidates)."""
-        level_cost, level_choice = range_costs(limit)
+        reads it), the bytes the range holds at that choice, and the distinct finite costs
+        ascending (the DP's bottleneck candidates)."""
+        level_cost, level_choice, level_bytes = range_costs(limit)
         if env.cut_allowed is not None:
             level_cost[:, ~range_allowed(start, end, np.array(env.cut_allowed))] = np.inf
         cost = np.full((len(levels), size, size), np.inf)
         choice = np.full((len(levels), size, size), -1)
-        cost[:, start, end], choice[:, start, end] = level_cost, level_choice
+        held = np.full((len(levels), size, size), np.inf)
+        cost[:, start, end], choice[:, start, end], held[:, start, end] = level_cost, level_choice, level_bytes
         values = np.unique(level_cost[np.isfinite(level_cost)])
-        return SharedRows(cost, row_of_stage), choice, values
+        return SharedRows(cost, row_of_stage), choice, SharedRows(held, row_of_stage), values
 
     def stage_modes(choice: np.ndarray, bounds) -> list[tuple[int, ...]]:
         """Per stage, the mode index (into env.allowed_recompute) of each of its units."""
@@ -382,11 +384,19 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     # A rank's v chunks share its memory, a constraint that couples stages the DP places
     # independently. First each chunk may use what the other v - 1 leave at the least (a
     # relaxation: it loses no feasible plan); if the chosen chunks then overflow a rank
-    # together, the DP runs again with each chunk held to 1/v of the memory (always safe).
+    # together, they are repaired (the cuts leveled, the rank's modes chosen together) and the
+    # DP runs again with each chunk held to 1/v of the memory (always safe): the fastest wins.
+    # A DP that sees the ranks' shared memory would do better still where the repairs fall
+    # short (a per-chunk limit between the two finds faster plans at several DPs each).
     limits = [env.usable_memory_bytes] if cfg.virtual_stages == 1 else \
         [env.usable_memory_bytes - (cfg.virtual_stages - 1) * min_needed, env.usable_memory_bytes / cfg.virtual_stages]
+
+    def price(cuts, modes: list[tuple[int, ...]]) -> Evaluation:
+        return _price(table, cfg, env, cuts, modes, times, first, states, zero, p2p, hops, flushed=blocker is not None)
+
+    best: Evaluation | None = None
     for attempt, limit in enumerate(limits):
-        cost, choice, candidates = stage_costs(limit)
+        cost, choice, held_bytes, candidates = stage_costs(limit)
         if fixed_bounds is not None:
             if len(fixed_bounds) != num_chunks or not all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(fixed_bounds)):
                 if attempt + 1 < len(limits):
@@ -404,21 +414,63 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                 dominated = math.isfinite(time_cap_s)
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
                                   min_memory_bytes=math.inf if dominated else min_needed)
-        evaluation = _price(table, cfg, env, bounds, stage_modes(choice, bounds), times, first, states, zero, p2p, hops,
-                            flushed=blocker is not None)
-        if evaluation.feasible or attempt + 1 == len(limits):
+        evaluation = price(bounds, stage_modes(choice, bounds))
+        overflowed = not evaluation.feasible
+        tried = [evaluation]
+        if fixed_bounds is None and cfg.virtual_stages > 1 and cfg.schedule in LEVELED_SCHEDULES:
+            # Cuts leveled across the pipeline ranks (`level_ranks`, which also moves units off a
+            # rank whose chunks together overflow its memory), priced where the DP's overflowed or
+            # where they save time by the leveling's own measure. Not gated by the cap: a
+            # configuration is priced alike whenever the search reaches it (a pinned one too).
+            leveled, gain = level_ranks(cost, bounds, cfg.pp, cfg.num_microbatches, held_bytes, env.usable_memory_bytes)
+            if leveled != bounds and (overflowed or gain > 0):
+                tried.append(price(leveled, stage_modes(choice, leveled)))
+        if overflowed and refit is not None:
+            # Each chunk fits alone but a rank's chunks together do not: their units' modes are
+            # chosen again together, sharing the rank's memory (`refit`), on the same cuts.
+            modes = _refit_ranks(bounds, stage_modes(choice, bounds), held_bytes, rank_in_flight, env.usable_memory_bytes,
+                                 refit, unit_choices(table, cfg, env), width)
+            if modes is not None:
+                tried.append(price(bounds, modes))
+        for other in tried:
+            if other.feasible and (best is None or other.iteration_time_s < best.iteration_time_s):
+                best = other
+        # Where the DP's cuts overflowed a rank, the next (stricter) limit's plan may be faster
+        # than the repaired ones: it is priced too.
+        if not overflowed or attempt + 1 == len(limits):
             break
+    evaluation = best or evaluation
     evaluation.p2p_scatter_gather = sliced
     evaluation.flushed_by = blocker
     evaluation.overlap = tuple(env.overlap.names())
     return evaluation
 
 
+def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, rank_in_flight: list[float],
+                 limit: float, refit, choices: UnitChoices, width: int) -> list[tuple[int, ...]] | None:
+    """`modes` (per chunk of `bounds`, each unit's mode index) with the chunks of every pipeline
+    rank whose bytes (`held_bytes`, as the cost table chose them) overflow `limit` together chosen
+    again by `refit` (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
+    pp = len(rank_in_flight)
+    out = list(modes)
+    for rank in range(pp):
+        chunks = list(range(rank, len(bounds), pp))
+        if sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
+            continue
+        columns = refit([bounds[k] for k in chunks], rank_in_flight[rank], limit)
+        if columns is None:
+            return None
+        for k, column in zip(chunks, columns, strict=True):
+            out[k] = choices.modes(bounds[k][0], bounds[k][1], column, width)
+    return out
+
+
 def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
                          start: np.ndarray, end: np.ndarray, fixed: np.ndarray, transient: np.ndarray, p2p: np.ndarray,
                          levels: np.ndarray):
     """One allowed mode (`--recompute` pinned): every unit of every range runs it. Returns
-    (limit -> (cost [level, range], choice [level, range]: 0 or -1), least bytes of any range)."""
+    (limit -> (cost [level, range], choice [level, range]: 0 or -1, bytes [level, range] at that
+    choice, inf where none fits), least bytes of any range)."""
     prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
@@ -427,7 +479,7 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
 
     def costs(limit: float):
         fits = memory <= limit
-        return np.where(fits, time_s[None, :], np.inf), np.where(fits, 0, -1)
+        return np.where(fits, time_s[None, :], np.inf), np.where(fits, 0, -1), np.where(fits, memory, np.inf)
     return costs, float(memory.min())
 
 
@@ -445,8 +497,51 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
 
     def costs(limit: float):
         cost, choice = fastest_fitting(choices, rows, limit - held, levels)
-        return cost + offset, choice
-    return costs, min_needed, choices.width
+        fits = choice >= 0
+        column = np.where(fits, choice, 0)
+        memory = held[np.arange(len(rows))[None, :], (column >= choices.width).astype(int)] \
+            + np.asarray(levels, dtype=float)[:, None] * choices.padded[1][rows[None, :], column]
+        return cost + offset, choice, np.where(fits, memory, np.inf)
+
+    position = np.full((choices.num_units + 1, choices.num_units + 1), -1)
+    position[start, end] = np.arange(start.size)
+
+    def refit(ranges: list[tuple[int, int]], level: float, limit: float) -> list[int] | None:
+        """One pipeline rank's chunks `ranges` together in `limit` bytes with `level` micro-batches
+        in flight: the `padded` column of each (its units' modes) of least summed time whose
+        summed bytes fit, or None. The chunks' frontiers are merged one by one into the Pareto
+        frontier of (summed time, summed bytes) over their combinations, thinned as
+        planner/solver/unit_recompute.py thins a frontier (every kept point real: never better
+        than the truth, and the least-bytes combination always kept)."""
+        time_all, act_all, _ = choices.padded
+        width = time_all.shape[1] // 2
+        sets = (np.arange(2 * width) >= width).astype(int)
+        merged_t, merged_b = np.zeros(1), np.zeros(1)
+        trail: list[tuple[np.ndarray, np.ndarray]] = []  # per chunk: (parent point, its column) of each point
+        for i, j in ranges:
+            n = int(position[i, j])
+            if n < 0:
+                return None
+            row = rows[n]
+            option_t, option_b = time_all[row], held[n, sets] + level * act_all[row]
+            total_t = (merged_t[:, None] + option_t[None, :]).ravel()
+            total_b = (merged_b[:, None] + option_b[None, :]).ravel()
+            fit = np.flatnonzero(np.isfinite(total_t) & (total_b <= limit))
+            if fit.size == 0:
+                return None
+            order = fit[np.lexsort((total_b[fit], total_t[fit]))]
+            ordered_b = total_b[order]
+            keep = order[np.concatenate([[True], ordered_b[1:] < np.minimum.accumulate(ordered_b)[:-1]])]
+            if keep.size > MERGE_CAP:
+                keep = keep[np.unique(np.round(np.linspace(0, keep.size - 1, MERGE_CAP)).astype(int))]
+            trail.append((keep // option_t.size, keep % option_t.size))
+            merged_t, merged_b = total_t[keep], total_b[keep]
+        point, columns = 0, []  # the fastest point comes first
+        for parent, column in reversed(trail):
+            columns.append(int(column[point]))
+            point = int(parent[point])
+        return columns[::-1]
+    return costs, min_needed, choices.width, refit
 
 
 def unit_choices(table: UnitCostTable, cfg: Config, env: Environment) -> UnitChoices:
@@ -547,6 +642,13 @@ def _p2p_s(nbytes: float, tp: int, same_node: bool, sliced: bool, env: Environme
     return env.p2p_s(nbytes / tp, same_node) + env.tp_all_gather_s(nbytes, tp)
 
 
+MERGE_CAP = 256
+"""Most points `_per_unit_range_costs`' refit keeps of a rank's merged frontier (thinned as a
+unit range's frontier is: planner/solver/unit_recompute.py `FRONTIER_CAP`)."""
+LEVELED_SCHEDULES = ("interleaved-1f1b", "zero-bubble")
+"""Schedules whose v > 1 closed form pays the busiest rank's chunks together (m max_rank), which the
+stage DP's objective does not see: their cuts are leveled across ranks after it
+(planner/solver/inter_op.py `level_ranks`)."""
 REBUILDING = ("full", "op")
 """Modes whose backward rebuilds a unit's activations for a while: a range with such a unit holds
 its largest full-recomputation transient (conservative for `op`, which rebuilds only what it
