@@ -425,12 +425,15 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             leveled, gain = level_ranks(cost, bounds, cfg.pp, cfg.num_microbatches, held_bytes, env.usable_memory_bytes)
             if leveled != bounds and (overflowed or gain > 0):
                 tried.append(price(leveled, stage_modes(choice, leveled)))
-        if overflowed and refit is not None:
-            # Each chunk fits alone but a rank's chunks together do not: their units' modes are
+        if refit is not None and cfg.virtual_stages > 1 and (overflowed or attempt > 0):
+            # Each chunk fits alone but a rank's chunks together do not, or each chunk was held to
+            # 1/v of the memory (and some hold less): the units' modes of a rank's chunks are
             # chosen again together, sharing the rank's memory (`refit`), on the same cuts.
-            modes = _refit_ranks(bounds, stage_modes(choice, bounds), held_bytes, rank_in_flight, env.usable_memory_bytes,
-                                 refit, unit_choices(table, cfg, env), width)
-            if modes is not None:
+            chosen = stage_modes(choice, bounds)
+            modes = _refit_ranks(bounds, chosen, held_bytes, rank_in_flight, env.usable_memory_bytes,
+                                 refit, unit_choices(table, cfg, env), width, every_rank=attempt > 0,
+                                 fastest=np.argmin(np.stack([times[r] for r in env.allowed_recompute]), axis=0))
+            if modes is not None and modes != chosen:
                 tried.append(price(bounds, modes))
         for other in tried:
             if other.feasible and (best is None or other.iteration_time_s < best.iteration_time_s):
@@ -447,15 +450,20 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
 
 
 def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, rank_in_flight: list[float],
-                 limit: float, refit, choices: UnitChoices, width: int) -> list[tuple[int, ...]] | None:
+                 limit: float, refit, choices: UnitChoices, width: int, every_rank: bool = False,
+                 fastest: np.ndarray | None = None) -> list[tuple[int, ...]] | None:
     """`modes` (per chunk of `bounds`, each unit's mode index) with the chunks of every pipeline
-    rank whose bytes (`held_bytes`, as the cost table chose them) overflow `limit` together chosen
-    again by `refit` (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
+    rank whose bytes (`held_bytes`, as the cost table chose them) overflow `limit` together
+    (`every_rank`: of every rank with a unit not at its `fastest` mode) chosen again by `refit`
+    (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
     pp = len(rank_in_flight)
     out = list(modes)
     for rank in range(pp):
         chunks = list(range(rank, len(bounds), pp))
-        if sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
+        if every_rank:
+            if fastest is not None and all(mode == fastest[bounds[k][0] + u] for k in chunks for u, mode in enumerate(modes[k])):
+                continue
+        elif sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
             continue
         columns = refit([bounds[k] for k in chunks], rank_in_flight[rank], limit)
         if columns is None:
