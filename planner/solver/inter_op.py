@@ -44,6 +44,12 @@ a group of units that must share a stage): ranges starting or ending at a forbid
 +inf (`forbid_cuts`). The search no longer needs it for tied weights: the runtime holds a copy
 per stage (runtime/pp_split.py), and a range's cost includes the copy it holds
 (planner/solver/costs.py `UnitCostTable.copy_parameters`), which depends on the range alone.
+
+Virtual stages. With v > 1 chunks per pipeline rank the schedules pay the busiest rank's chunks
+together, and a rank's chunks share its memory; the DP above sees chunks one by one. Its cuts
+are then leveled across the ranks (`level_ranks`, a local search) and priced beside the DP's
+(planner/solver/search.py `evaluate_config`, which also chooses a rank's recomputation modes
+together where its chunks overflow it).
 """
 
 from __future__ import annotations
