@@ -171,8 +171,9 @@ def test_search_never_prefers_a_flushed_2bw(gpt_profile):
 
 def test_plan_notes_say_once_why_2bw_ran_flushed(gpt_profile):
     cluster = make_cluster(8, 8, "a100-80gb")
-    # top 50: the flushed candidates tie their 1F1B twins at best, so a short list may prune them unpriced
-    plan = solve(gpt_profile, cluster, 64, Pins(pp=4), top_k=50, allow_async=True)
+    # Every configuration priced: the flushed candidates tie their 1F1B twins at best, so a
+    # short list may prune them unpriced
+    plan = solve(gpt_profile, cluster, 64, Pins(pp=4), top_k=10**6, allow_async=True)
     assert plan.search is not None and plan.search.notes[0] == ASYNC_NOTE
     flushed = [n for n in plan.search.notes if n.startswith(FLUSHED_NOTE)]
     assert len(flushed) == 1 and flushed[0].count("zero_stage > 0") == 1

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,7 +160,7 @@ class Evaluation:
     """Activations cross the cuts as TP slices (`scatter_gather`)."""
     overlap: tuple[str, ...] = ()
     """Communication the price assumes hidden behind compute (planner/cost/overlap.py names)."""
-    memory_terms: tuple = ()
+    memory_terms: Sequence[dict[str, float]] = ()
     """Per stage, `peak_memory_bytes` by term ({name: bytes}, `memory_terms`): they sum to it."""
     flushed_by: str | None = None
     """pipedream-2bw only: why the runtime runs it flushed, so it was priced with 1F1B's time
@@ -689,7 +689,7 @@ def _loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> float:
 
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
                  held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
-                 communication: np.ndarray, loss: np.ndarray) -> tuple[dict[str, float], ...]:
+                 communication: np.ndarray, loss: np.ndarray) -> StageTerms:
     """Per stage [starts[k], ends[k]), the terms of `_price`'s memory by name (planner/cost/memory.py
     `StageMemory.terms`): the model states split into parameters, gradients and optimizer state
     (the stage's units and its tied copies, ZeRO and offload applied), PipeDream-2BW's stashed
@@ -706,16 +706,30 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     zeros = np.zeros(len(starts), dtype=int)
     weights, gradients, optimizer = (range_sums(a[None], zeros, starts, ends) for a in held_parts[1])
     copy = gpu_state_parts(copies, cfg, env)
-    stashed = held - (weights + gradients + optimizer)
-    out = []
-    for k in range(len(starts)):
-        terms = {"parameters": float(weights[k] + copy.weights[k]), "gradients": float(gradients[k] + copy.gradients[k]),
-                 "optimizer_state": float(optimizer[k] + copy.optimizer[k]), "activations": float(activations[k]),
-                 "transient": float(transient[k]), "communication": float(communication[k]), "loss": float(loss[k])}
-        if cfg.schedule == "pipedream-2bw":
-            terms["stashed_weights"] = float(stashed[k])
-        out.append(terms)
-    return tuple(out)
+    columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients,
+               "optimizer_state": optimizer + copy.optimizer, "activations": activations, "transient": transient,
+               "communication": communication, "loss": loss}
+    if cfg.schedule == "pipedream-2bw":
+        columns["stashed_weights"] = held - (weights + gradients + optimizer)
+    return StageTerms(tuple(columns), np.stack([np.broadcast_to(np.asarray(c, dtype=float), (len(starts),))
+                                                for c in columns.values()], axis=1))
+
+
+class StageTerms(Sequence):
+    """Per stage, {term name: bytes} (`memory_terms`), held as one [stage, term] array and made
+    into dicts only when read: the search prices hundreds of configurations and the plan reads
+    the terms of one."""
+
+    def __init__(self, names: tuple[str, ...], values: np.ndarray):
+        self.names, self.values = names, values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __getitem__(self, stage):
+        if isinstance(stage, slice):
+            return [self[k] for k in range(len(self))[stage]]
+        return dict(zip(self.names, self.values[stage].tolist(), strict=True))
 
 
 def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, first, states, zero, p2p, hops,
@@ -756,8 +770,6 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     copy_states = gpu_state_bytes(copies, cfg, env)
     loss = np.where(ends == len(table.parameters), _loss_bytes(table, env, cfg), 0.0)
     memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1] + loss
-    terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient,
-                         2 * table.cut_bytes[ends - 1], loss)
     half_p2p = p2p[ends - 1] / 2
     fwd = (forward + half_p2p).tolist()
     bwd = np.maximum(total - forward - half_p2p, 0.0).tolist()  # a unit without backward (rotary) can round below 0
@@ -766,6 +778,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
+    terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient,
+                         2 * table.cut_bytes[ends - 1], loss)
     pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
     fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0
