@@ -133,6 +133,21 @@ def test_leveling_spreads_the_ranks_work_the_dp_stacked():
     assert gain == 12.0
 
 
+def test_leveling_moves_work_through_a_chain_of_cuts():
+    # 3 ranks x 2 chunks: the DP's cuts leave rank 0 (chunks 0 and 3: 8 s against 5 and 7) the
+    # busiest, and no single unit moved to a chunk beside one of its chunks lowers the busiest
+    # rank's work or spreads it. A chain of cuts (the chunk between passes a unit on) does,
+    # reaching the optimum over all cuts.
+    times = [1.0, 3.0, 1.0, 1.0, 1.0, 3.0, 1.0, 3.0, 1.0, 2.0, 3.0]
+    cost = _cost_table(times, 6, [0.0] * 11, [1.0] * 11, np.inf)
+    dp = solve_cuts(cost, 8).bounds
+    leveled, gain = level_ranks(cost, dp, 3, 8)
+    best = min(_rank_time(cost, tuple(zip((0, *inner), (*inner, 11), strict=True)), 3, 8)
+               for inner in itertools.combinations(range(1, 11), 5))
+    assert _rank_time(cost, dp, 3, 8) == 72.0
+    assert _rank_time(cost, leveled, 3, 8) == best == 64.0 and gain == 8.0
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), num_ranks=st.integers(2, 3), virtual=st.integers(2, 3), num_microbatches=st.integers(1, 16))
 def test_leveling_never_worsens_the_cuts(data, num_ranks, virtual, num_microbatches):

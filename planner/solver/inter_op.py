@@ -356,8 +356,10 @@ def level_ranks(cost: np.ndarray | SharedRows, bounds: tuple[tuple[int, int], ..
     chunks: two chunks of two units, both on rank 0), or chunks that each fit but together
     overflow their rank.
 
-    A local search moves one unit at a time across a cut of one rank's chunks, to the chunk
-    before or after (on another rank), while that lowers, in this order, the bytes by which the
+    A local search moves one unit at a time out of one rank's chunk, to the chunk before or after
+    it (on the next rank) or, through a chain of up to p cuts each moved by one unit, to a chunk
+    on any other rank (the chunks between keep their sizes: three ranks of 13 blocks and one of
+    12 beside them level only so; the shortest chain to a less busy rank), while that lowers, in this order, the bytes by which the
     ranks overflow `memory_limit` (summed; `range_bytes` gives each range's bytes as the cost
     table chose them, same shape as `cost`; None: not checked), the schedules' time
 
@@ -382,8 +384,8 @@ def level_ranks(cost: np.ndarray | SharedRows, bounds: tuple[tuple[int, int], ..
     times, sizes = [t for t, _ in parts], [b for _, b in parts]
     loads, held = [sum(times[r::p]) for r in range(p)], [sum(sizes[r::p]) for r in range(p)]
 
-    def key(loads: list[float], held: list[float], times: list[float]) -> tuple[float, float, float]:
-        return (sum(max(b - memory_limit, 0.0) for b in held), m * max(loads) + (p - 1) * max(times),
+    def key(loads: list[float], held: list[float], slowest: float) -> tuple[float, float, float]:
+        return (sum(max(b - memory_limit, 0.0) for b in held), m * max(loads) + (p - 1) * slowest,
                 sum(x * x for x in loads))
 
     def lower(a: tuple, b: tuple) -> bool:
@@ -395,31 +397,54 @@ def level_ranks(cost: np.ndarray | SharedRows, bounds: tuple[tuple[int, int], ..
                 return False
         return False
 
-    current = initial = key(loads, held, times)
-    for _ in range(4 * num_chunks if max_moves is None else max_moves):
-        over = [b - memory_limit for b in held]
-        source = max(range(p), key=over.__getitem__) if max(over) > 0 else max(range(p), key=loads.__getitem__)
-        best = None
+    def slowest_but(touched: dict) -> float:
+        """The slowest chunk outside `touched` (`order`: chunks slowest first; usually its first)."""
+        return next((times[c] for c in order if c not in touched), 0.0)
+
+    def chains(source: int, by_bytes: bool):
+        """Each move out of a chunk of rank `source`, by the shortest chain of cuts that reaches a
+        rank less busy (`by_bytes`: holding fewer bytes) by more than the unit it takes (any other
+        would leave the pair less spread): (the cuts moved and their new positions, the chunks
+        whose ranges change)."""
+        busy, per_chunk, part = (held, sizes, 1) if by_bytes else (loads, times, 0)
         for k in range(source, num_chunks, p):
-            # (the cut moved, its new position): chunk k gives its first unit to k - 1, or its last to k + 1
-            for edge, to in ((k, edges[k] + 1), (k + 1, edges[k + 1] - 1)):
-                if not 0 < edge < num_chunks or not edges[edge - 1] < to < edges[edge + 1]:
+            if edges[k + 1] - edges[k] < 2:  # chunk k keeps a unit
+                continue
+            for step in (1, -1):  # its last unit on (1), or its first back (-1)
+                rest = chunk(k, edges[k], edges[k + 1] - 1) if step == 1 else chunk(k, edges[k] + 1, edges[k + 1])
+                unit = per_chunk[k] - rest[part]  # what chunk k sheds, about what the receiving rank takes
+                length = next((n for n in range(1, p) if busy[(k + step * n) % p] + unit < busy[source]), None)
+                if length is None:
                     continue
-                trial = {edge - 1: chunk(edge - 1, edges[edge - 1], to), edge: chunk(edge, to, edges[edge + 1])}
-                if not all(math.isfinite(t) for t, _ in trial.values()):
+                moved = range(k + 1, k + 1 + length) if step == 1 else range(k, k - length, -1)
+                if moved[-1] < 1 or moved[-1] > num_chunks - 1:
                     continue
-                new_times, new_loads, new_held = list(times), list(loads), list(held)
-                for c, (t, b) in trial.items():
-                    new_loads[c % p] += t - times[c]
-                    new_held[c % p] += b - sizes[c]
-                    new_times[c] = t
-                value = key(new_loads, new_held, new_times)
-                if lower(value, current) and (best is None or lower(value, best[0])):
-                    best = (value, edge, to, trial, new_times, new_loads, new_held)
+                yield ({e: edges[e] - step for e in moved},
+                       range(k, k + length + 1) if step == 1 else range(k - length, k + 1))
+
+    current = initial = key(loads, held, max(times))
+    order = sorted(range(num_chunks), key=times.__getitem__, reverse=True)
+    for _ in range(4 * num_chunks if max_moves is None else max_moves):
+        overflowing = max(held) > memory_limit
+        source = max(range(p), key=(held if overflowing else loads).__getitem__)
+        best = None
+        for shifted, touched in chains(source, overflowing):
+            trial = {c: chunk(c, shifted.get(c, edges[c]), shifted.get(c + 1, edges[c + 1])) for c in touched}
+            if not all(math.isfinite(t) for t, _ in trial.values()):
+                continue
+            new_loads, new_held = list(loads), list(held)
+            for c, (t, b) in trial.items():
+                new_loads[c % p] += t - times[c]
+                new_held[c % p] += b - sizes[c]
+            value = key(new_loads, new_held, max(slowest_but(trial), *(t for t, _ in trial.values())))
+            if lower(value, current) and (best is None or lower(value, best[0])):
+                best = (value, shifted, trial, new_loads, new_held)
         if best is None:
             break
-        current, edge, to, trial, times, loads, held = best
-        edges[edge] = to
-        for c, (_, b) in trial.items():
-            sizes[c] = b
+        current, shifted, trial, loads, held = best
+        for e, position in shifted.items():
+            edges[e] = position
+        for c, (t, b) in trial.items():
+            times[c], sizes[c] = t, b
+        order = sorted(range(num_chunks), key=times.__getitem__, reverse=True)
     return tuple(zip(edges[:-1], edges[1:], strict=True)), initial[1] - current[1]

@@ -416,7 +416,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                                   min_memory_bytes=math.inf if dominated else min_needed)
         evaluation = price(bounds, stage_modes(choice, bounds))
         overflowed = not evaluation.feasible
-        tried = [evaluation]
+        tried, to_refit = [evaluation], [bounds]
         if fixed_bounds is None and cfg.virtual_stages > 1 and cfg.schedule in LEVELED_SCHEDULES:
             # Cuts leveled across the pipeline ranks (`level_ranks`, which also moves units off a
             # rank whose chunks together overflow its memory), priced where the DP's overflowed or
@@ -425,16 +425,20 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             leveled, gain = level_ranks(cost, bounds, cfg.pp, cfg.num_microbatches, held_bytes, env.usable_memory_bytes)
             if leveled != bounds and (overflowed or gain > 0):
                 tried.append(price(leveled, stage_modes(choice, leveled)))
+            if overflowed:  # leveled for time alone, to fit by recomputing below
+                by_time, _ = level_ranks(cost, bounds, cfg.pp, cfg.num_microbatches)
+                to_refit += [by_time] if by_time != bounds else []
         if refit is not None and cfg.virtual_stages > 1 and (overflowed or attempt > 0):
             # Each chunk fits alone but a rank's chunks together do not, or each chunk was held to
             # 1/v of the memory (and some hold less): the units' modes of a rank's chunks are
             # chosen again together, sharing the rank's memory (`refit`), on the same cuts.
-            chosen = stage_modes(choice, bounds)
-            modes = _refit_ranks(bounds, chosen, held_bytes, rank_in_flight, env.usable_memory_bytes,
-                                 refit, unit_choices(table, cfg, env), width, every_rank=attempt > 0,
-                                 fastest=np.argmin(np.stack([times[r] for r in env.allowed_recompute]), axis=0))
-            if modes is not None and modes != chosen:
-                tried.append(price(bounds, modes))
+            fastest = np.argmin(np.stack([times[r] for r in env.allowed_recompute]), axis=0)
+            for cuts in to_refit:
+                chosen = stage_modes(choice, cuts)
+                modes = _refit_ranks(cuts, chosen, held_bytes, rank_in_flight, env.usable_memory_bytes, refit,
+                                     unit_choices(table, cfg, env), width, every_rank=attempt > 0, fastest=fastest)
+                if modes is not None and modes != chosen:
+                    tried.append(price(cuts, modes))
         for other in tried:
             if other.feasible and (best is None or other.iteration_time_s < best.iteration_time_s):
                 best = other
