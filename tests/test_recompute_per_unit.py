@@ -293,3 +293,24 @@ def test_rank_whose_chunks_overflow_together_is_refitted(monkeypatch, layers, wi
     assert max(sum(refitted.peak_memory_bytes[rank::4]) for rank in range(4)) <= usable
     assert refitted.iteration_time_s <= roomy.iteration_time_s * (1 + slack)
     assert refitted.iteration_time_s < fallback.iteration_time_s * 0.98
+
+
+def test_plan_repaired_at_the_first_limit_is_kept_where_the_strict_one_has_none():
+    # 4 ranks x 4 chunks with 20% less memory than the roomy plan's busiest rank: holding every
+    # chunk to 1/4 of the memory leaves no cuts at all (the head does not fit a quarter), but the
+    # first limit's cuts, their ranks' modes chosen together, fit: that plan is the answer.
+    from planner.solver import search
+    from planner.solver.solve import price_config
+
+    gpt = dict(n_layers=16, d_model=2048, n_heads=16, d_ff=8192, vocab_size=32000, seq_len=1024)
+    profile = profile_model("examples/gpt.py", gpt, [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    cluster = make_cluster(4, 4, "a100-80gb")
+    cfg = search.Config(tp=1, sequence_parallel=False, pp=4, dp=1, micro_batch_size=1, num_microbatches=16,
+                        schedule="interleaved-1f1b", virtual_stages=4, zero_stage=0)
+    roomy = price_config(profile, cluster, cfg)
+    busiest = max(sum(roomy.peak_memory_bytes[rank::4]) for rank in range(4))
+    small = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=int(busiest * 0.8 / 0.9)))
+    plan = price_config(profile, small, cfg)
+    assert plan.feasible, plan.reason
+    assert max(sum(plan.peak_memory_bytes[rank::4]) for rank in range(4)) <= small.gpu.memory_bytes * 0.9
+    assert any(mode != "none" for modes in plan.unit_recompute for mode in modes)

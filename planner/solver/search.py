@@ -401,6 +401,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             if len(fixed_bounds) != num_chunks or not all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(fixed_bounds)):
                 if attempt + 1 < len(limits):
                     continue
+                if best is not None:  # repaired at the first limit
+                    break
                 return Evaluation(cfg, False, "the given cuts do not fit in memory", min_memory_bytes=min_needed)
             bounds = tuple(fixed_bounds)
         else:
@@ -411,6 +413,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                 bounds = solve_cuts(cost, cfg.num_microbatches, candidates=candidates, bottleneck_floor=least,
                                     flush_free=cfg.schedule == "pipedream-2bw" and blocker is None).bounds
             except PlannerError:
+                if best is not None:  # repaired at the first limit; the stricter one has no cuts
+                    break
                 dominated = math.isfinite(time_cap_s)
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
                                   min_memory_bytes=math.inf if dominated else min_needed)
@@ -446,7 +450,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
         # than the repaired ones: it is priced too.
         if not overflowed or attempt + 1 == len(limits):
             break
-    evaluation = best or evaluation
+    evaluation = best if best is not None else evaluation
     evaluation.p2p_scatter_gather = sliced
     evaluation.flushed_by = blocker
     evaluation.overlap = tuple(env.overlap.names())
