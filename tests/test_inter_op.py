@@ -152,8 +152,8 @@ def test_leveling_moves_work_through_a_chain_of_cuts():
 @given(data=st.data(), num_ranks=st.integers(2, 3), virtual=st.integers(2, 3), num_microbatches=st.integers(1, 16))
 def test_leveling_never_worsens_the_cuts(data, num_ranks, virtual, num_microbatches):
     # Whatever the instance: the leveled cuts still cover the units in non-empty contiguous
-    # chunks, each within its own memory; the ranks' time does not grow, and no rank that fit
-    # its memory limit with the DP's cuts overflows it (the limit: the DP's busiest rank).
+    # chunks, each within its own memory; the bytes by which the ranks overflow their limit do
+    # not grow (none where none did), and where they stay the ranks' time does not grow either.
     num_chunks = num_ranks * virtual
     num_units = data.draw(st.integers(num_chunks, 12))
     times = data.draw(st.lists(st.floats(0.1, 10.0), min_size=num_units, max_size=num_units))
@@ -165,11 +165,13 @@ def test_leveling_never_worsens_the_cuts(data, num_ranks, virtual, num_microbatc
     dp = solve_cuts(cost, num_microbatches).bounds
     held = lambda cuts: [sum(nbytes[k, i, j] for k, (i, j) in enumerate(cuts) if k % num_ranks == r)  # noqa: E731
                          for r in range(num_ranks)]
-    limit = max(held(dp))
+    limit = max(held(dp)) * data.draw(st.sampled_from([0.8, 0.95, 1.0]))
     leveled, gain = level_ranks(cost, dp, num_ranks, num_microbatches, nbytes, limit)
     assert leveled[0][0] == 0 and leveled[-1][1] == size - 1
     assert all(i < j for i, j in leveled) and all(a[1] == b[0] for a, b in zip(leveled, leveled[1:]))
     assert all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(leveled))
-    assert _rank_time(cost, leveled, num_ranks, num_microbatches) <= _rank_time(cost, dp, num_ranks, num_microbatches) * (1 + 1e-12)
-    assert gain >= 0
-    assert max(held(leveled)) <= limit * (1 + 1e-12)
+    over = lambda cuts: sum(max(b - limit, 0.0) for b in held(cuts))  # noqa: E731
+    assert over(leveled) <= over(dp) * (1 + 1e-12) + 1e-9 * limit and (over(dp) > 0 or over(leveled) <= 1e-9 * limit)
+    if over(leveled) >= over(dp) * (1 - 1e-12):
+        assert _rank_time(cost, leveled, num_ranks, num_microbatches) <= _rank_time(cost, dp, num_ranks, num_microbatches) * (1 + 1e-12)
+        assert gain >= 0
