@@ -118,34 +118,26 @@ def _rank_time(cost, bounds, num_ranks, num_microbatches) -> float:
     return num_microbatches * max(sum(times[r::num_ranks]) for r in range(num_ranks)) + (num_ranks - 1) * max(times)
 
 
-def test_leveling_spreads_the_ranks_work_the_dp_stacked():
-    # 11 units (a heavy first and last) in 6 chunks on 3 ranks: the DP's per-chunk objective
-    # ties on many cuts and takes ones that put chunks 0 and 3 (3 + 3 units of time) on rank 0;
-    # leveled, every rank does 5 or 6, the optimum of the ranks' objective over all cuts.
-    times = [3.0] + [1.0] * 9 + [2.0]
+@pytest.mark.parametrize("times, num_microbatches, dp_time, best_time", [
+    # A heavy first and last unit: the DP's per-chunk objective ties on many cuts and takes
+    # ones that put chunks 0 and 3 (3 + 3 units of time) on rank 0; leveled, every rank does 5 or 6.
+    ([3.0] + [1.0] * 9 + [2.0], 12, 78.0, 66.0),
+    # The DP's cuts leave rank 0 (chunks 0 and 3: 8 s against 5 and 7) the busiest, and no
+    # single unit moved to a chunk beside one of its chunks lowers the busiest rank's work or
+    # spreads it; a chain of cuts (the chunk between passes a unit on) does.
+    ([1.0, 3.0, 1.0, 1.0, 1.0, 3.0, 1.0, 3.0, 1.0, 2.0, 3.0], 8, 72.0, 64.0),
+])
+def test_leveling_reaches_the_ranks_optimum(times, num_microbatches, dp_time, best_time):
+    # 11 units in 6 chunks on 3 ranks: leveled, the DP's cuts reach the optimum of the ranks'
+    # objective over all cuts.
     cost = _cost_table(times, 6, [0.0] * 11, [1.0] * 11, np.inf)
-    dp = solve_cuts(cost, 12).bounds
-    leveled, gain = level_ranks(cost, dp, 3, 12)
-    best = min(_rank_time(cost, tuple(zip((0, *inner), (*inner, 11), strict=True)), 3, 12)
+    dp = solve_cuts(cost, num_microbatches).bounds
+    leveled, gain = level_ranks(cost, dp, 3, num_microbatches)
+    best = min(_rank_time(cost, tuple(zip((0, *inner), (*inner, 11), strict=True)), 3, num_microbatches)
                for inner in itertools.combinations(range(1, 11), 5))
-    assert _rank_time(cost, dp, 3, 12) == 78.0
-    assert _rank_time(cost, leveled, 3, 12) == best == 66.0
-    assert gain == 12.0
-
-
-def test_leveling_moves_work_through_a_chain_of_cuts():
-    # 3 ranks x 2 chunks: the DP's cuts leave rank 0 (chunks 0 and 3: 8 s against 5 and 7) the
-    # busiest, and no single unit moved to a chunk beside one of its chunks lowers the busiest
-    # rank's work or spreads it. A chain of cuts (the chunk between passes a unit on) does,
-    # reaching the optimum over all cuts.
-    times = [1.0, 3.0, 1.0, 1.0, 1.0, 3.0, 1.0, 3.0, 1.0, 2.0, 3.0]
-    cost = _cost_table(times, 6, [0.0] * 11, [1.0] * 11, np.inf)
-    dp = solve_cuts(cost, 8).bounds
-    leveled, gain = level_ranks(cost, dp, 3, 8)
-    best = min(_rank_time(cost, tuple(zip((0, *inner), (*inner, 11), strict=True)), 3, 8)
-               for inner in itertools.combinations(range(1, 11), 5))
-    assert _rank_time(cost, dp, 3, 8) == 72.0
-    assert _rank_time(cost, leveled, 3, 8) == best == 64.0 and gain == 8.0
+    assert _rank_time(cost, dp, 3, num_microbatches) == dp_time
+    assert _rank_time(cost, leveled, 3, num_microbatches) == best == best_time
+    assert gain == dp_time - best_time
 
 
 @settings(max_examples=100, deadline=None)
@@ -168,7 +160,7 @@ def test_leveling_never_worsens_the_cuts(data, num_ranks, virtual, num_microbatc
     limit = max(held(dp)) * data.draw(st.sampled_from([0.8, 0.95, 1.0]))
     leveled, gain = level_ranks(cost, dp, num_ranks, num_microbatches, nbytes, limit)
     assert leveled[0][0] == 0 and leveled[-1][1] == size - 1
-    assert all(i < j for i, j in leveled) and all(a[1] == b[0] for a, b in zip(leveled, leveled[1:]))
+    assert all(i < j for i, j in leveled) and all(a[1] == b[0] for a, b in zip(leveled, leveled[1:], strict=False))
     assert all(np.isfinite(cost[k, i, j]) for k, (i, j) in enumerate(leveled))
     over = lambda cuts: sum(max(b - limit, 0.0) for b in held(cuts))  # noqa: E731
     assert over(leveled) <= over(dp) * (1 + 1e-12) + 1e-9 * limit and (over(dp) > 0 or over(leveled) <= 1e-9 * limit)

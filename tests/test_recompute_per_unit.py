@@ -66,15 +66,21 @@ def _table(unit_s, start_s, act, transient, cap, i, j, level, limit):
     return float(cost[0, 0]), modes
 
 
-@st.composite
-def instances(draw):
-    """Small random instances; small integers make ties (equal times, equal bytes) frequent."""
-    n = draw(st.integers(1, 6))
+def _draw_units(draw, n: int):
+    """A value strategy (small integers half the time, which make ties: equal times, equal
+    bytes) and, drawn with it for n units and 3 modes, their times, start terms, activation
+    bytes and full-recomputation transients."""
     ties = draw(st.booleans())
     value = st.integers(0, 4).map(float) if ties else st.floats(0.0, 10.0, allow_nan=False)
     grid = lambda: np.array(draw(st.lists(st.lists(value, min_size=n, max_size=n), min_size=3, max_size=3)))  # noqa: E731
-    unit_s, start_s, act = grid(), grid(), grid()
-    transient = np.array(draw(st.lists(value, min_size=n, max_size=n)))
+    return value, grid(), grid(), grid(), np.array(draw(st.lists(value, min_size=n, max_size=n)))
+
+
+@st.composite
+def instances(draw):
+    """Small random instances of one unit range."""
+    n = draw(st.integers(1, 6))
+    value, unit_s, start_s, act, transient = _draw_units(draw, n)
     i = draw(st.integers(0, n - 1))
     j = draw(st.integers(i + 1, n))
     level = draw(st.integers(1, 4))
@@ -215,11 +221,7 @@ def rank_instances(draw):
     """One pipeline rank's chunks: a small random model (`instances`' values), cut into 1-3
     contiguous chunks the rank holds, each with fixed bytes, and a memory limit."""
     n = draw(st.integers(2, 6))
-    ties = draw(st.booleans())
-    value = st.integers(0, 4).map(float) if ties else st.floats(0.0, 10.0, allow_nan=False)
-    grid = lambda: np.array(draw(st.lists(st.lists(value, min_size=n, max_size=n), min_size=3, max_size=3)))  # noqa: E731
-    unit_s, start_s, act = grid(), grid(), grid()
-    transient = np.array(draw(st.lists(value, min_size=n, max_size=n)))
+    value, unit_s, start_s, act, transient = _draw_units(draw, n)
     edges = sorted(draw(st.lists(st.integers(1, n - 1), max_size=3, unique=True)))
     cuts = list(zip([0, *edges], [*edges, n], strict=True))
     chunks = draw(st.lists(st.sampled_from(cuts), min_size=1, max_size=3, unique=True))
@@ -237,9 +239,9 @@ def _rank_brute_force(unit_s, start_s, act, transient, chunks, fixed, level, lim
     options = [list(itertools.product(range(3), repeat=j - i)) for i, j in chunks]
     for assignment in itertools.product(*options):
         held = sum(fixed[(i, j)] + (transient[i:j].max() if FULL in modes else 0.0)
-                   + level * sum(act[r, i + k] for k, r in enumerate(modes)) for (i, j), modes in zip(chunks, assignment))
+                   + level * sum(act[r, i + k] for k, r in enumerate(modes)) for (i, j), modes in zip(chunks, assignment, strict=True))
         if held <= limit:
-            best = min(best, sum(_time_s(unit_s, start_s, i, modes) for (i, _), modes in zip(chunks, assignment)))
+            best = min(best, sum(_time_s(unit_s, start_s, i, modes) for (i, _), modes in zip(chunks, assignment, strict=True)))
     return best
 
 
@@ -252,18 +254,18 @@ def test_rank_refit_equals_brute_force(instance):
     unit_s, start_s, act, transient, chunks, fixed, level, limit = instance
     n = unit_s.shape[1]
     start, end = np.triu_indices(n + 1, k=1)
-    fixed_of = np.array([fixed.get((int(i), int(j)), 0.0) for i, j in zip(start, end)])
-    transient_of = np.array([transient[i:j].max() for i, j in zip(start, end)])
+    fixed_of = np.array([fixed.get((int(i), int(j)), 0.0) for i, j in zip(start, end, strict=True)])
+    transient_of = np.array([transient[i:j].max() for i, j in zip(start, end, strict=True)])
     choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)
     *_, width, refit = _per_unit_range_costs(choices, start, end, fixed_of, transient_of, np.zeros(n), np.array([level]))
     columns = refit(chunks, float(level), limit)
     best = _rank_brute_force(unit_s, start_s, act, transient, chunks, fixed, level, limit)
     assert (columns is None) == (not np.isfinite(best))
     if columns is not None:
-        modes = [choices.modes(i, j, c, choices.width) for (i, j), c in zip(chunks, columns)]
-        total = sum(_time_s(unit_s, start_s, i, m) for (i, _), m in zip(chunks, modes))
+        modes = [choices.modes(i, j, c, choices.width) for (i, j), c in zip(chunks, columns, strict=True)]
+        total = sum(_time_s(unit_s, start_s, i, m) for (i, _), m in zip(chunks, modes, strict=True))
         held = sum(fixed[(i, j)] + (transient[i:j].max() if FULL in m else 0.0)
-                   + level * sum(act[r, i + k] for k, r in enumerate(m)) for (i, j), m in zip(chunks, modes))
+                   + level * sum(act[r, i + k] for k, r in enumerate(m)) for (i, j), m in zip(chunks, modes, strict=True))
         assert total == pytest.approx(best, rel=1e-12, abs=1e-12)
         assert held <= limit * (1 + 1e-12) + 1e-12
 
