@@ -362,17 +362,21 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     def stage_costs(limit: float):
         """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
         column (per in-flight level, `row_of_stage` maps stage k to its level; `stage_modes`
-        reads it), the bytes the range holds at that choice, and the distinct finite costs
-        ascending (the DP's bottleneck candidates)."""
-        level_cost, level_choice, level_bytes = range_costs(limit)
+        reads it), the bytes the range holds at that choice (with v > 1 only), and the distinct
+        finite costs ascending (the DP's bottleneck candidates)."""
+        level_cost, level_choice, level_bytes = range_costs(limit, cfg.virtual_stages > 1)
         if env.cut_allowed is not None:
             level_cost[:, ~range_allowed(start, end, np.array(env.cut_allowed))] = np.inf
         cost = np.full((len(levels), size, size), np.inf)
         choice = np.full((len(levels), size, size), -1)
-        held = np.full((len(levels), size, size), np.inf)
-        cost[:, start, end], choice[:, start, end], held[:, start, end] = level_cost, level_choice, level_bytes
+        cost[:, start, end], choice[:, start, end] = level_cost, level_choice
         values = np.unique(level_cost[np.isfinite(level_cost)])
-        return SharedRows(cost, row_of_stage), choice, SharedRows(held, row_of_stage), values
+        held: SharedRows | None = None  # read only where a rank holds several chunks
+        if cfg.virtual_stages > 1:
+            nbytes = np.full((len(levels), size, size), np.inf)
+            nbytes[:, start, end] = level_bytes
+            held = SharedRows(nbytes, row_of_stage)
+        return SharedRows(cost, row_of_stage), choice, held, values
 
     def stage_modes(choice: np.ndarray, bounds) -> list[tuple[int, ...]]:
         """Per stage, the mode index (into env.allowed_recompute) of each of its units."""
@@ -485,17 +489,18 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
                          start: np.ndarray, end: np.ndarray, fixed: np.ndarray, transient: np.ndarray, p2p: np.ndarray,
                          levels: np.ndarray):
     """One allowed mode (`--recompute` pinned): every unit of every range runs it. Returns
-    (limit -> (cost [level, range], choice [level, range]: 0 or -1, bytes [level, range] at that
-    choice, inf where none fits), least bytes of any range)."""
+    ((limit, with_bytes) -> (cost [level, range], choice [level, range]: 0 or -1, and with_bytes
+    the bytes [level, range] at that choice, inf where none fits), least bytes of any range)."""
     prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
     memory = held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]
 
-    def costs(limit: float):
+    def costs(limit: float, with_bytes: bool = True):
         fits = memory <= limit
-        return np.where(fits, time_s[None, :], np.inf), np.where(fits, 0, -1), np.where(fits, memory, np.inf)
+        return (np.where(fits, time_s[None, :], np.inf), np.where(fits, 0, -1),
+                np.where(fits, memory, np.inf) if with_bytes else None)
     return costs, float(memory.min())
 
 
@@ -511,8 +516,10 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     min_needed = float((held + levels.min() * least_act).min())
     offset = p2p[end - 1][None, :]
 
-    def costs(limit: float):
+    def costs(limit: float, with_bytes: bool = True):
         cost, choice = fastest_fitting(choices, rows, limit - held, levels)
+        if not with_bytes:
+            return cost + offset, choice, None
         fits = choice >= 0
         column = np.where(fits, choice, 0)
         memory = held[np.arange(len(rows))[None, :], (column >= choices.width).astype(int)] \
