@@ -436,15 +436,16 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             if overflowed:  # leveled for time alone, to fit by recomputing below
                 by_time, _ = level_ranks(cost, bounds, cfg.pp, cfg.num_microbatches)
                 to_refit += [by_time] if by_time != bounds else []
-        if refit is not None and cfg.virtual_stages > 1 and (overflowed or attempt > 0):
-            # Each chunk fits alone but a rank's chunks together do not, or each chunk was held to
-            # 1/v of the memory (and some hold less): the units' modes of a rank's chunks are
-            # chosen again together, sharing the rank's memory (`refit`), on the same cuts.
-            fastest = np.argmin(np.stack([times[r] for r in env.allowed_recompute]), axis=0)
+        if refit is not None and cfg.virtual_stages > 1 and overflowed:
+            # Each chunk fits alone but a rank's chunks together do not: the units' modes of that
+            # rank's chunks are chosen again together, sharing the rank's memory (`refit`), on the
+            # same cuts. (Choosing every rank's modes so at the 1/v limit below, where each chunk
+            # recomputes to fit 1/v, changed no plan of benchmarks/virtual_stage_cuts.py or of the
+            # solve_scaling rows once the cuts were leveled, and cost a refit per rank.)
             for cuts in to_refit:
                 chosen = stage_modes(choice, cuts)
                 modes = _refit_ranks(cuts, chosen, held_bytes, rank_in_flight, env.usable_memory_bytes, refit,
-                                     unit_choices(table, cfg, env), width, every_rank=attempt > 0, fastest=fastest)
+                                     unit_choices(table, cfg, env), width)
                 if modes is not None and modes != chosen:
                     tried.append(price(cuts, modes))
         for other in tried:
@@ -462,20 +463,15 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
 
 
 def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, rank_in_flight: list[float],
-                 limit: float, refit, choices: UnitChoices, width: int, every_rank: bool = False,
-                 fastest: np.ndarray | None = None) -> list[tuple[int, ...]] | None:
+                 limit: float, refit, choices: UnitChoices, width: int) -> list[tuple[int, ...]] | None:
     """`modes` (per chunk of `bounds`, each unit's mode index) with the chunks of every pipeline
     rank whose bytes (`held_bytes`, as the cost table chose them) overflow `limit` together
-    (`every_rank`: of every rank with a unit not at its `fastest` mode) chosen again by `refit`
-    (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
+    chosen again by `refit` (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
     pp = len(rank_in_flight)
     out = list(modes)
     for rank in range(pp):
         chunks = list(range(rank, len(bounds), pp))
-        if every_rank:
-            if fastest is not None and all(mode == fastest[bounds[k][0] + u] for k in chunks for u, mode in enumerate(modes[k])):
-                continue
-        elif sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
+        if sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
             continue
         columns = refit([bounds[k] for k in chunks], rank_in_flight[rank], limit)
         if columns is None:
