@@ -357,11 +357,12 @@ def level_ranks(cost: np.ndarray | SharedRows, bounds: tuple[tuple[int, int], ..
     overflow their rank.
 
     A local search moves one unit at a time out of one rank's chunk, to the chunk before or after
-    it (on the next rank) or, through a chain of up to p cuts each moved by one unit, to a chunk
-    on any other rank (the chunks between keep their sizes: three ranks of 13 blocks and one of
-    12 beside them level only so; the shortest chain to a less busy rank), while that lowers, in this order, the bytes by which the
-    ranks overflow `memory_limit` (summed; `range_bytes` gives each range's bytes as the cost
-    table chose them, same shape as `cost`; None: not checked), the schedules' time
+    it (on the next rank) or, through a chain of up to p - 1 cuts each moved by one unit, to a
+    chunk on any other rank (the chunks between keep their sizes: three ranks of 13 blocks and
+    one of 12 beside them level only so; the shortest chain to a rank less busy by more than the
+    unit), while that lowers, in this order, the bytes by which the ranks overflow
+    `memory_limit` (summed; `range_bytes` gives each range's bytes as the cost table chose them,
+    same shape as `cost`; None: not checked), the schedules' time
 
         m max_r sum_{k = r mod p} cost[k] + (p - 1) max_k cost[k]
 
