@@ -106,6 +106,17 @@ tables (474 np.unique passes on 64 GPUs become 2) and the bound's optimizer term
 table; with those, later the same day and slower still: x64 4.00 -> 3.24 s (median of 5), x1024
 6.33 -> 5.63 s (median of 9; fastest 5.89 -> 4.53 s). The CSV predates (4). Goals for 175B (1 s
 on 64 GPUs, 2 s on 1024) still not met.
+This round (2026-11-27, second session): plans, not speed. With v > 1 chunks per rank the DP's
+cuts are leveled across the pipeline ranks and a rank whose chunks overflow it together has its
+recomputation modes chosen together (planner/solver/inter_op.py `level_ranks`, search.py
+`_refit_ranks`; benchmarks/virtual_stage_cuts.py). Faster plans on three rows: 175B x1024
+16.603 -> 16.597 s (zero bubble v13), x12,288 5.833 -> 5.813 s (v9, and 2,083 -> 1,808 DPs: the
+better plans lower the cap sooner), the MoE 18.376 -> 18.350 s. The cost, in-process on one
+core, old (40b19ec) and new code alternately, fastest of 3: 175B x64 1.39 -> 1.61 s, x1024 3.18
+-> 3.88 s, 192 layers 2.41 -> 2.54 s, 530B 1.36 -> 1.47 s, the MoE 0.81 -> 0.79 s: the leveled
+and refitted cuts are priced beside the DP's. The machine ran about 1.3x faster than for the
+previous CSV (the 96-layer profile took 9.3 s, then 12.4 s). Goals for 175B (1 s on 64 GPUs,
+2 s on 1024) still not met.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
