@@ -71,7 +71,7 @@ from planner.plan import RECOMPUTE
 from planner.solver.comm_pricing import dp_tail_s, range_sums, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
 from planner.solver.inter_op import SharedRows, least_bottleneck, level_ranks, range_allowed, solve_cuts
-from planner.solver.unit_recompute import UnitChoices, fastest_fitting
+from planner.solver.unit_recompute import UnitChoices, fastest_fitting, pareto
 
 
 @dataclass(frozen=True)
@@ -529,9 +529,9 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
         """One pipeline rank's chunks `ranges` together in `limit` bytes with `level` micro-batches
         in flight: the `padded` column of each (its units' modes) of least summed time whose
         summed bytes fit, or None. The chunks' frontiers are merged one by one into the Pareto
-        frontier of (summed time, summed bytes) over their combinations, thinned as
-        planner/solver/unit_recompute.py thins a frontier (every kept point real: never better
-        than the truth, and the least-bytes combination always kept)."""
+        frontier of (summed time, summed bytes) over their combinations, fastest first, thinned
+        as a unit range's frontier is (planner/solver/unit_recompute.py `pareto`: every kept
+        point real, never better than the truth, and the least-bytes combination always kept)."""
         time_all, act_all, _ = choices.padded
         width = time_all.shape[1] // 2
         sets = (np.arange(2 * width) >= width).astype(int)
@@ -548,11 +548,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
             fit = np.flatnonzero(np.isfinite(total_t) & (total_b <= limit))
             if fit.size == 0:
                 return None
-            order = fit[np.lexsort((total_b[fit], total_t[fit]))]
-            ordered_b = total_b[order]
-            keep = order[np.concatenate([[True], ordered_b[1:] < np.minimum.accumulate(ordered_b)[:-1]])]
-            if keep.size > MERGE_CAP:
-                keep = keep[np.unique(np.round(np.linspace(0, keep.size - 1, MERGE_CAP)).astype(int))]
+            keep = fit[pareto(total_t[fit], total_b[fit], np.zeros(fit.size, dtype=bool), MERGE_CAP)[0]]
             trail.append((keep // option_t.size, keep % option_t.size))
             merged_t, merged_b = total_t[keep], total_b[keep]
         point, columns = 0, []  # the fastest point comes first

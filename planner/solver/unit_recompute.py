@@ -55,7 +55,7 @@ class Frontier:
     """How many points are in set 0 (they come first)."""
 
 
-def _pareto(time_s: np.ndarray, act: np.ndarray, in_set1: np.ndarray, cap: int | None) -> tuple[np.ndarray, int]:
+def pareto(time_s: np.ndarray, act: np.ndarray, in_set1: np.ndarray, cap: int | None) -> tuple[np.ndarray, int]:
     """Indices of the non-dominated (time, act) points of each set, set 0 first, each fastest
     first and at most `cap` long (thinned evenly, ends kept), and how many are in set 0."""
     order = np.lexsort((act, time_s, in_set1))
@@ -76,7 +76,7 @@ def _pareto(time_s: np.ndarray, act: np.ndarray, in_set1: np.ndarray, cap: int |
 
 def _first(unit_time: np.ndarray, act: np.ndarray, full_mode: np.ndarray) -> Frontier:
     """The frontier of one unit (its start term already in `unit_time`)."""
-    keep, split = _pareto(unit_time, act, full_mode, None)
+    keep, split = pareto(unit_time, act, full_mode, None)
     return Frontier(unit_time[keep], act[keep], keep, np.full(keep.size, -1), split)
 
 
@@ -87,7 +87,7 @@ def _grow(prev: Frontier, unit_time: np.ndarray, act: np.ndarray, full_mode: np.
     time_s = (prev.time_s[:, None] + unit_time[None, :]).ravel()
     bytes_ = (prev.activation_bytes[:, None] + act[None, :]).ravel()
     in_set1 = ((np.arange(n) >= prev.num_without_full)[:, None] | full_mode[None, :]).ravel()
-    keep, split = _pareto(time_s, bytes_, in_set1, cap)
+    keep, split = pareto(time_s, bytes_, in_set1, cap)
     return Frontier(time_s[keep], bytes_[keep], keep % num_modes, keep // num_modes, split)
 
 
