@@ -4,6 +4,7 @@ by a configuration the user pins (it searches a superset and prunes only what ca
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -203,6 +204,68 @@ def test_least_slowest_chunk_is_the_minimax_cut_from_below(times, chunks):
     least = _least_slowest_chunk_s(prefix, chunks)
     assert least <= best * (1 + 1e-12) + 1e-12
     assert least >= best - 1e-3 * (1 + max(times))  # 12 halvings of a bracket one unit wide
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(times=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=8), starts=st.data(), chunks=st.integers(1, 8))
+def test_least_slowest_chunk_with_start_terms_is_below_every_cut(times, starts, chunks):
+    """B* with start terms (a chunk of units i..j-1 takes sum c + s_i, s_i >= 0: ZeRO 3's
+    exposed gather at a chunk's first unit) against every cut into `chunks` contiguous chunks:
+    never above the best cut's slowest chunk, and never below B* without the start terms."""
+    from itertools import accumulate, combinations
+
+    import numpy as np
+
+    from planner.solver.bounds import _least_slowest_chunk_s
+
+    s = starts.draw(st.lists(st.floats(0.0, 10.0), min_size=len(times), max_size=len(times)))
+    chunks = min(chunks, len(times))
+    prefix = [0.0, *accumulate(times)]
+    offsets = np.maximum.accumulate(np.array(prefix[:-1]) - np.array(s)).tolist()  # as _unit_terms makes them
+    best = min(max(prefix[b] - prefix[a] + s[a] for a, b in zip((0, *cuts), (*cuts, len(times)), strict=True))
+               for cuts in combinations(range(1, len(times)), chunks - 1))
+    least = _least_slowest_chunk_s(prefix, chunks, offsets)
+    assert least <= best * (1 + 1e-12) + 1e-12
+    assert least >= _least_slowest_chunk_s(prefix, chunks) - 1e-3 * (1 + max(times) + max(s))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(times=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=7), ranks=st.integers(1, 4))
+def test_busiest_rank_bound_is_below_every_partition(times, ranks):
+    """The pigeonhole bound on the busiest rank (bounds.py `_busiest_rank_s`) against every
+    assignment of the units to `ranks` ranks, contiguous or not (interleaving's are not): never
+    above the best assignment's busiest rank, and at least the ceil(n / p) fastest units."""
+    from itertools import product
+
+    import numpy as np
+
+    from planner.solver.bounds import _busiest_rank_s
+
+    best = min(max(sum(t for t, r in zip(times, owner, strict=True) if r == rank) for rank in range(ranks))
+               for owner in product(range(ranks), repeat=len(times)))
+    largest = np.concatenate([[0.0], np.cumsum(sorted(times, reverse=True))])
+    terms = SimpleNamespace(largest_prefix_s=largest)
+    bound = float(_busiest_rank_s(terms, np.array([float(ranks)]))[0])
+    assert bound <= best * (1 + 1e-12) + 1e-12
+    assert bound >= sum(sorted(times)[:-(-len(times) // ranks)]) * (1 - 1e-12) - 1e-12
+
+
+def test_whole_unit_bounds_see_what_the_mean_does_not():
+    """Two cases the old bounds missed. 96 blocks, a small embedding and a head on 8 ranks: some
+    rank holds 12 blocks and the head (12.35), where the 13 fastest units take 11.36. Four units
+    of 1 s whose chunks pay 3 s at any start but the first, cut in two: the best cut is 3 + 1
+    (4 s), where the units alone allow 2."""
+    import numpy as np
+
+    from planner.solver.bounds import _busiest_rank_s, _least_slowest_chunk_s
+
+    times = [0.01] + [1.0] * 96 + [0.35]
+    terms = SimpleNamespace(largest_prefix_s=np.concatenate([[0.0], np.cumsum(sorted(times, reverse=True))]))
+    assert _busiest_rank_s(terms, np.array([8.0]))[0] == pytest.approx(12.35)
+    prefix, start = [0.0, 1.0, 2.0, 3.0, 4.0], np.array([0.0, 3.0, 3.0, 3.0])
+    offsets = np.maximum.accumulate(np.array(prefix[:-1]) - start).tolist()  # as _unit_terms makes them
+    assert _least_slowest_chunk_s(prefix, 2) == pytest.approx(2.0, abs=1e-3)
+    assert _least_slowest_chunk_s(prefix, 2, offsets) == pytest.approx(4.0, abs=1e-2)
 
 
 def test_even_block_cuts_split_the_layers_as_megatron_does(profiles):

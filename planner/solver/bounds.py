@@ -28,9 +28,13 @@ the S chunks' start terms add beyond their negative parts (they start at distinc
 `_UnitTerms.starts_prefix_s`), W = D + S x min_u p2p_u + P_S. Every arrangement's chunk
 times sum to at least W. Its slowest chunk takes at least X = max(W / S, B* + min_u p2p_u),
 where B* is the least slowest chunk of any cut of the units into S contiguous chunks, each
-unit at its least time min_r t_r,u (`_least_slowest_chunk_s`: units come whole, so 98 units
-in 8 chunks leave one chunk above the mean), and its busiest pipeline rank (v chunks) at
-least R = max(W / p, X, the ceil(n / p) smallest units (`_busiest_rank_s`), z* + v min_u p2p_u).
+unit at its least time min_r t_r,u and each chunk paying its first unit's start term at the
+least (`_least_slowest_chunk_s`: units come whole, so 98 units in 8 chunks leave one chunk
+above the mean; under ZeRO 3 every chunk but one starts at a block and waits for its gather),
+and its busiest pipeline rank (v chunks) at least R = max(W / p, X, K, z* + v min_u p2p_u),
+where K is the pigeonhole bound on whole units (`_busiest_rank_s`: of the k p + 1 slowest
+units some rank holds k + 1, so 96 blocks and a head on 8 ranks leave one rank 12 blocks and
+the head).
 
 Memory by rank (z*, `_memory_rank_s`): rank r holds its units' states and L_r micro-batches of
 their activations in M, so the ranks with more in flight hold fewer units or recompute more,
@@ -102,8 +106,13 @@ class _UnitTerms:
     least_prefix_s: list[float]
     """Prefix sums, in unit order, of c_u = min_r t_r,u: what a chunk of units i..j-1 takes at
     the least (`_least_slowest_chunk_s`)."""
-    smallest_prefix_s: np.ndarray
-    """Prefix sums of the c_u sorted ascending: [k] is the least k units can take together
+    start_offsets_s: list[float]
+    """[i]: the most of least_prefix_s[k] - s_k over k <= i, s_k = min_r max(first_r,k, 0) the
+    positive part of a range's start term at unit k (ZeRO 3's exposed gather, say): a chunk of
+    units i..j-1 takes at least least_prefix_s[j] - start_offsets_s[i], which is nondecreasing in
+    i, so `_least_slowest_chunk_s`'s greedy cut stays exact (`_least_slowest_chunk_s`)."""
+    largest_prefix_s: np.ndarray
+    """Prefix sums of the c_u sorted descending: [k] is what the k slowest units take together
     (`_busiest_rank_s`)."""
     inverse: np.ndarray
     """[unit]: the index of its distinct unit."""
@@ -258,11 +267,11 @@ class TimeBound:
             key = (id(terms), count)
             value = self._slowest.get(key)
             if value is None:
-                prefix = terms.least_prefix_s
-                content = (tuple(prefix), count)
+                prefix, offsets = terms.least_prefix_s, terms.start_offsets_s
+                content = (tuple(prefix), tuple(offsets), count)
                 value = self._slowest.get(content)
                 if value is None:
-                    value = self._slowest[content] = _least_slowest_chunk_s(prefix, count)
+                    value = self._slowest[content] = _least_slowest_chunk_s(prefix, count, offsets)
                 self._slowest[key] = value
             values[index] = value
         return values
@@ -362,10 +371,11 @@ class TimeBound:
         whole = pairs is not None
         units = [distinct[i] for i in which.tolist()] if whole else []
         # The slowest chunk takes at least W / S, and at least B* plus its cut's p2p (`_least_slowest_chunk_s`):
-        # layers come whole, so S chunks of 98 units cannot all take the mean.
+        # layers come whole, so S chunks of 98 units cannot all take the mean, and chunks start
+        # where their start terms are paid.
         slowest = np.maximum(work / chunks, self._least_slowest(units, chunks) + min_p2p) if whole else work / chunks
         # A rank's chunks run in series: their mean share, its slowest chunk, and (units come
-        # whole) the least the ceil(n / p) units some rank must hold can take.
+        # whole) the pigeonhole bound K on the units some rank must hold.
         rank = np.maximum(np.maximum(work / p, slowest), pigeon + v * min_p2p)
         if pairs is not None:
             # Memory by rank: the ranks holding more micro-batches in flight hold fewer units or
@@ -442,12 +452,20 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
 
 def _busiest_rank_s(terms: _UnitTerms, ranks: np.ndarray) -> np.ndarray:
     """The least time of the busiest of `ranks` pipeline ranks (per configuration), each unit at
-    its least time: some rank holds at least ceil(n / p) of the n units (pigeonhole; a rank's
-    units need not be contiguous, as interleaving's are not), and those take at least the sum of
-    the ceil(n / p) smallest (`_UnitTerms.smallest_prefix_s`). 98 units on 16 ranks leave one
-    rank 7, 14% above the mean 6.125, unless some units are small."""
-    n = len(terms.smallest_prefix_s) - 1
-    return terms.smallest_prefix_s[-(-n // ranks.astype(int))]
+    its least time c_u. Pigeonhole: of the k p + 1 slowest units, some rank holds k + 1 (a rank's
+    units need not be contiguous, as interleaving's are not), and those take at least the k + 1
+    fastest of them; the bound is the most of that over k = 0 .. (n - 1) // p (k = 0: the slowest
+    unit; the last k: ceil(n / p) units, at least the ceil(n / p) fastest of all). 98 units on 16
+    ranks leave one rank 7, 14% above the mean 6.125; 96 blocks and a head on 8 ranks leave one
+    rank 12 blocks and the head (97 = 12 x 8 + 1), where the mean and the 13 fastest units both
+    count the head as a fraction of a block. Once per distinct p."""
+    largest = terms.largest_prefix_s
+    n = len(largest) - 1
+    values = {}
+    for p in np.unique(ranks).astype(int).tolist():
+        k = np.arange((n - 1) // p + 1)
+        values[p] = float((largest[k * p + 1] - largest[k * p - k]).max())
+    return np.array([values[p] for p in ranks.astype(int).tolist()])
 
 
 def _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v):
@@ -515,12 +533,14 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: d
     per_unit = (time_s[None] + lambdas[:, None, None] * activation[None]).min(axis=1)
     least = time_s.min(axis=0)[inverse]
     prefix = np.concatenate([[0.0], np.cumsum(least)])
-    smallest = np.concatenate([[0.0], np.cumsum(np.sort(least))])
+    largest = np.concatenate([[0.0], np.cumsum(np.sort(least)[::-1])])
     common = int(np.argmax(count))
     others = inverse != common
     positive = np.maximum(np.stack([first[r] for r in modes]).min(axis=0), 0.0)
     starts = np.cumsum(np.concatenate([positive[:1], np.sort(positive[1:])]))
-    return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist(), smallest, inverse,
+    offsets = np.maximum.accumulate(prefix[:-1] - positive)
+    return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist(), offsets.tolist(),
+                      largest, inverse,
                       common, starts, float(np.minimum(least[others], 0.0).sum()))
 
 
@@ -539,25 +559,41 @@ def _distinct_columns(columns: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return columns[:, representatives], representatives, inverse
 
 
-def _least_slowest_chunk_s(prefix: list[float], chunks: int, iterations: int = 12) -> float:
+def _least_slowest_chunk_s(prefix: list[float], chunks: int, offsets: list[float] | None = None,
+                           iterations: int = 12) -> float:
     """B*: no cut of the units into `chunks` contiguous chunks has a slowest chunk below this,
-    with each unit at its least time c_u (prefix sums `prefix`). The minimax partition is found
-    by bisection on B with the greedy test (cut as late as B allows: it fits in `chunks` chunks iff
-    some cut does); the lower end of the bracket is returned, which is a proven lower bound (the
-    start, the larger of the mean and the largest unit, is one; each later value failed the test).
-    Cuts the plan may not make (`Environment.cut_allowed`) only raise the true value."""
+    with each unit at its least time c_u (prefix sums `prefix`) and each chunk's start term at
+    its least: a chunk of units i..j-1 takes at least prefix[j] - offsets[i] (`offsets`
+    nondecreasing, at most prefix: `_UnitTerms.start_offsets_s`; None: prefix, no start terms).
+    The minimax partition is found by bisection on B with the greedy test (cut as late as B
+    allows: as offsets never fall, a later cut never leaves the next chunk less reach, so it fits
+    in `chunks` chunks iff some cut does); the lower end of the bracket is returned, which is a
+    proven lower bound (the start, the larger of the mean and the most any unit takes in a chunk
+    it starts, is one: a chunk i..j-1 holding unit u takes at least prefix[u + 1] - offsets[u];
+    each later value failed the test). Fewer chunks than `chunks` pass the test too (a chunk split
+    at a unit with a large start term can take longer), which only lowers the bound. Cuts the plan
+    may not make (`Environment.cut_allowed`) only raise the true value."""
     n, total = len(prefix) - 1, prefix[-1]
-    if chunks <= 1 or n == 0:
+    if offsets is None:
+        offsets = prefix[:-1]
+    if n == 0:
         return total
+    alone = [b - a for a, b in zip(offsets, prefix[1:], strict=False)]
+    if chunks <= 1:
+        return total - offsets[0]
     largest = max(b - a for a, b in zip(prefix, prefix[1:], strict=False))
-    low, high = max(total / chunks, largest), total / chunks + largest
+    most_start = max(a - b for a, b in zip(prefix, offsets, strict=False))
+    low, high = max(total / chunks, max(alone)), total / chunks + largest + most_start
 
     def fits(limit: float) -> bool:
         start = 0
         for _ in range(chunks):
-            start = bisect.bisect_right(prefix, prefix[start] + limit, lo=start) - 1
-            if start >= n:
+            end = bisect.bisect_right(prefix, offsets[start] + limit, lo=start) - 1
+            if end <= start:
+                return False
+            if end >= n:
                 return True
+            start = end
         return False
 
     if not fits(low):
