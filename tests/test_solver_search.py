@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -115,6 +116,12 @@ def test_batched_time_bound_equals_one_at_a_time(profiles):
     alone = [TimeBound(env)(table, cfg) for table, cfg in pairs[::7]]
     assert len({cfg.schedule for _, cfg in pairs}) == 3 and any(cfg.offload for _, cfg in pairs)
     assert list(batched[::7]) == alone
+    # With a cap, B* and z* are left out where the rest of the bound already reaches it: the same
+    # value below the cap, a weaker one (still at least the cap) above it.
+    cap = float(np.median(batched))
+    capped = TimeBound(env).many(pairs, cap=cap)
+    assert np.all(capped <= batched) and np.all(capped[capped < cap] == batched[capped < cap])
+    assert np.all(capped[capped != batched] >= cap) and (capped != batched).any()
 
 
 def test_weak_bound_per_group_equals_per_configuration(profiles):
@@ -148,7 +155,6 @@ def test_weak_bound_per_group_equals_per_configuration(profiles):
 
 @given(st.lists(st.lists(st.sampled_from([0.0, 1.5, -2.0, 3.25]), min_size=4, max_size=4), min_size=1, max_size=30))
 def test_distinct_columns_match_numpy_unique(columns):
-    import numpy as np
 
     from planner.solver.bounds import _distinct_columns
 
@@ -214,8 +220,6 @@ def test_least_slowest_chunk_with_start_terms_is_below_every_cut(times, starts, 
     never above the best cut's slowest chunk, and never below B* without the start terms."""
     from itertools import accumulate, combinations
 
-    import numpy as np
-
     from planner.solver.bounds import _least_slowest_chunk_s
 
     s = starts.draw(st.lists(st.floats(0.0, 10.0), min_size=len(times), max_size=len(times)))
@@ -237,8 +241,6 @@ def test_busiest_rank_bound_is_below_every_partition(times, ranks):
     above the best assignment's busiest rank, and at least the ceil(n / p) fastest units."""
     from itertools import product
 
-    import numpy as np
-
     from planner.solver.bounds import _busiest_rank_s
 
     best = min(max(sum(t for t, r in zip(times, owner, strict=True) if r == rank) for rank in range(ranks))
@@ -255,7 +257,6 @@ def test_whole_unit_bounds_see_what_the_mean_does_not():
     rank holds 12 blocks and the head (12.35), where the 13 fastest units take 11.36. Four units
     of 1 s whose chunks pay 3 s at any start but the first, cut in two: the best cut is 3 + 1
     (4 s), where the units alone allow 2."""
-    import numpy as np
 
     from planner.solver.bounds import _busiest_rank_s, _least_slowest_chunk_s
 
@@ -294,8 +295,6 @@ def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states
     of them (units come whole: the bound is not vacuous)."""
     from itertools import combinations_with_replacement, product
 
-    import numpy as np
-
     from planner.solver.bounds import _memory_rank_s
 
     times, acts = (np.array(column) for column in zip(*modes, strict=True))
@@ -326,7 +325,6 @@ def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states
 def test_majority_modes_of_all_stages_equal_one_at_a_time(stages):
     """`_price` names each stage's recomputation by `_majority_modes` (all stages in one numpy
     pass); it must equal `majority_mode` (most units, ties to the mode that recomputes least)."""
-    import numpy as np
 
     from planner.solver.search import _majority_modes, majority_mode
 

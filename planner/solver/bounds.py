@@ -63,6 +63,7 @@ parameters perfectly evenly over the p ranks (no activations, no tied copies).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache, partial
@@ -302,12 +303,15 @@ class TimeBound:
                 self._busiest[key] = (value, row[5], row[6])  # the terms and states held: their ids stay theirs
         return np.array([self._busiest[key][0] for key in keys])
 
-    def many(self, pairs: list[tuple[UnitCostTable, Config]], whole: bool = True) -> np.ndarray:
+    def many(self, pairs: list[tuple[UnitCostTable, Config]], whole: bool = True, cap: float = math.inf) -> np.ndarray:
         """`__call__` of every (table, configuration) pair, as one array (same numbers, same order of operations).
         `whole=False` leaves out B* (X = W / S) and ZeRO 2/3's per-unit traffic (`_unit_terms`): a
         weaker bound, computed once per table instead of once per (ZeRO stage, dp, shard degree)
         and chunk count; the search orders tens of thousands of configurations by it and applies
-        the whole bound to those it reaches (planner/solver/solve.py `search`)."""
+        the whole bound to those it reaches (planner/solver/solve.py `search`). B* and z* (a
+        bisection per distinct input) are computed only where the rest of the bound is below
+        `cap`; where it is not, the configuration cannot beat `cap` anyway and keeps the rest,
+        itself a lower bound."""
         if not pairs:
             return np.zeros(0)
         distinct: list[_UnitTerms] = []
@@ -323,7 +327,7 @@ class TimeBound:
             which.append(position[id(terms)])
         variants = np.array([schedule_columns(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
                              for _, cfg in pairs])
-        return self._closed_forms(variants, np.array(groups), distinct, np.array(which), pairs if whole else None)
+        return self._closed_forms(variants, np.array(groups), distinct, np.array(which), pairs if whole else None, cap)
 
     def weak_many(self, groups: list[tuple[UnitCostTable, GroupSettings, Callable[[], Config]]], group: np.ndarray,
                   variants: np.ndarray) -> np.ndarray:
@@ -349,11 +353,11 @@ class TimeBound:
         return self._closed_forms(variants, np.array(columns)[group], distinct, np.array(which)[group], None)
 
     def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
-                      pairs: list[tuple[UnitCostTable, Config]] | None) -> np.ndarray:
+                      pairs: list[tuple[UnitCostTable, Config]] | None, cap: float = math.inf) -> np.ndarray:
         """The closed forms of the module docstring for N configurations: `variants` [N, 7]
         (`schedule_columns`), `groups` [N, 6] (`group_columns`), each configuration's unit terms
-        `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring, None
-        leaves them out (the weak bound)."""
+        `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring to those
+        whose bound without them is below `cap`, None leaves them out (the weak bound)."""
         least, most, inverse_sum, p, v, m, form = variants.T
         states, min_p2p, min_hop, forward, backward, optimizer = groups.T
         memory = self.env.usable_memory_bytes
@@ -368,26 +372,35 @@ class TimeBound:
             pigeon[indices] = _busiest_rank_s(terms, p[indices])
             others[indices] = terms.others_negative_s
         work = dual + chunks * min_p2p + starts
-        whole = pairs is not None
-        units = [distinct[i] for i in which.tolist()] if whole else []
-        # The slowest chunk takes at least W / S, and at least B* plus its cut's p2p (`_least_slowest_chunk_s`):
+        fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
+
+        def closed_forms(slowest: np.ndarray, rank: np.ndarray) -> np.ndarray:
+            pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v),
+                                np.where(form == 1, m * rank + (p - 1) * slowest, work + (m - 1) * slowest))
+            return pipeline + fill + optimizer
+
+        # The slowest chunk takes at least W / S; a rank's chunks run in series: their mean
+        # share, its slowest chunk, and (units come whole) the pigeonhole bound K on the units
+        # some rank must hold.
+        slowest = work / chunks
+        rank = np.maximum(np.maximum(work / p, slowest), pigeon + v * min_p2p)
+        if pairs is None:
+            return closed_forms(slowest, rank)
+        todo = np.flatnonzero(closed_forms(slowest, rank) < cap)
+        if not len(todo):
+            return closed_forms(slowest, rank)
+        units = [distinct[i] for i in which[todo].tolist()]
+        # The slowest chunk also takes at least B* plus its cut's p2p (`_least_slowest_chunk_s`):
         # layers come whole, so S chunks of 98 units cannot all take the mean, and chunks start
         # where their start terms are paid.
-        slowest = np.maximum(work / chunks, self._least_slowest(units, chunks) + min_p2p) if whole else work / chunks
-        # A rank's chunks run in series: their mean share, its slowest chunk, and (units come
-        # whole) the pigeonhole bound K on the units some rank must hold.
-        rank = np.maximum(np.maximum(work / p, slowest), pigeon + v * min_p2p)
-        if pairs is not None:
-            # Memory by rank: the ranks holding more micro-batches in flight hold fewer units or
-            # recompute (`_memory_rank_s`); with v = 1 a rank is one chunk.
-            busiest = self._memory_rank(pairs, units) + others
-            rank = np.maximum(rank, busiest + v * min_p2p)
-            slowest = np.where(v == 1, np.maximum(slowest, busiest + min_p2p), slowest)
-        pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v),
-                            np.where(form == 1, m * rank + (p - 1) * slowest,
-                                     work + (m - 1) * slowest))
-        fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
-        return pipeline + fill + optimizer
+        slowest[todo] = np.maximum(slowest[todo], self._least_slowest(units, chunks[todo]) + min_p2p[todo])
+        rank[todo] = np.maximum(rank[todo], slowest[todo])
+        # Memory by rank: the ranks holding more micro-batches in flight hold fewer units or
+        # recompute (`_memory_rank_s`); with v = 1 a rank is one chunk.
+        busiest = self._memory_rank([pairs[i] for i in todo.tolist()], units) + others[todo]
+        rank[todo] = np.maximum(rank[todo], busiest + v[todo] * min_p2p[todo])
+        slowest[todo] = np.where(v[todo] == 1, np.maximum(slowest[todo], busiest + min_p2p[todo]), slowest[todo])
+        return closed_forms(slowest, rank)
 
 
 @lru_cache(maxsize=None)

@@ -99,18 +99,21 @@ def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray],
 
 
 def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterable[tuple[int, float]], count: int,
-                   keep: int, workers: int = 1) -> tuple[list[Evaluation], int, float]:
+                   keep: int, workers: int = 1, top: TopK | None = None) -> tuple[list[Evaluation], int, float]:
     """Price the `count` configurations `candidates` yields, (index, lower bound) with bounds
     non-decreasing, by `price(index, cap)` until the next bound reaches the k-th best time
     (module docstring). Returns the feasible evaluations in that order, how many were priced,
-    and the least memory an infeasible one needed."""
+    and the least memory an infeasible one needed. `top` (a fresh `TopK(keep)` by default)
+    holds the k best times as they come: the caller may read its cap while `candidates` runs
+    (the search bounds only what can still beat it: planner/solver/solve.py `search`)."""
+    top = TopK(keep) if top is None else top
     if workers <= 1 or count < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
-        return _sequential(price, candidates, keep)
-    return _parallel(price, candidates, keep, workers)
+        return _sequential(price, candidates, top)
+    return _parallel(price, candidates, top, workers)
 
 
-def _sequential(price, candidates, keep) -> tuple[list[Evaluation], int, float]:
-    top, ranked, evaluated, least = TopK(keep), [], 0, math.inf
+def _sequential(price, candidates, top: TopK) -> tuple[list[Evaluation], int, float]:
+    ranked, evaluated, least = [], 0, math.inf
     for index, bound in candidates:
         if bound >= top.cap:
             break
@@ -124,10 +127,10 @@ def _sequential(price, candidates, keep) -> tuple[list[Evaluation], int, float]:
     return ranked, evaluated, least
 
 
-def _parallel(price, candidates, keep, workers) -> tuple[list[Evaluation], int, float]:
+def _parallel(price, candidates, top: TopK, workers) -> tuple[list[Evaluation], int, float]:
     global _PRICE
     _PRICE = price
-    top, results, least = TopK(keep), {}, math.inf
+    results, least = {}, math.inf
     pending: dict[Future, int] = {}
     taken: list[int] = []
     stream = iter(candidates)

@@ -39,7 +39,7 @@ from planner.solver.bounds import GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
-from planner.solver.pricing import price_in_order, refined_order
+from planner.solver.pricing import TopK, price_in_order, refined_order
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config, flush_blocker, scatter_gather
 
 log = logging.getLogger(__name__)
@@ -654,9 +654,13 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     fitting = _Fitting(blocks, tables, bound, env.usable_memory_bytes, profile.unit_names())
     weak = fitting.weak_bounds(env.gpus_per_node)
 
+    top = TopK(keep)
+
     def whole(indices: list[int]) -> np.ndarray:
         pairs = fitting.pairs(indices)
-        return async_time_bounds(bound.many(pairs), [cfg for _, cfg in pairs], env.gpus_per_node)
+        # B* and z* only where the rest of the bound is below the k-th best time so far: elsewhere
+        # the configuration is out whatever they add (the cap only falls).
+        return async_time_bounds(bound.many(pairs, cap=top.cap), [cfg for _, cfg in pairs], env.gpus_per_node)
 
     phases["bounds"] = time.perf_counter() - tick
     tick = time.perf_counter()
@@ -671,7 +675,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # Ordered by the weaker bound computed for all (once per cost table: bounds.py `many(whole=False)`),
     # refined to the whole bound for those the pricing reaches (`refined_order`), in ascending
     # order of that until the k-th best time is below the next (planner/solver/pricing.py).
-    ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole), len(fitting), keep, workers)
+    ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole), len(fitting), keep, workers, top)
     phases["inter_op"] = time.perf_counter() - tick
     log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", fitting.candidates, fitting.pruned, evaluated,
               {k: round(v, 3) for k, v in phases.items()})
