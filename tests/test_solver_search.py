@@ -99,6 +99,41 @@ def test_bounds_never_exceed_the_price(profiles, shape, gpus, batch, fraction):
     assert priced > 10
 
 
+@pytest.mark.parametrize("schedule", ["zero-bubble", "1f1b"])
+def test_bounds_hold_where_the_gradient_reduction_is_exposed(profiles, schedule, monkeypatch):
+    """A network 100x slower than the preset leaves the data-parallel gradient reduction and
+    gather exposed after the pipeline (`_tail_s`): the bound is still at most every price, and
+    for zero bubble it counts the exposed tail (higher than without it for some configuration)."""
+    import dataclasses
+
+    import planner.solver.bounds as bounds_module
+
+    profile = profiles[1]
+    base = make_cluster(16, 4, "a100-80gb")
+    cluster = dataclasses.replace(base, inter_node=dataclasses.replace(
+        base.inter_node, bandwidth_bytes_per_s=base.inter_node.bandwidth_bytes_per_s / 100))
+    compute = ComputeModel(profile, cluster.gpu, "bfloat16")
+    coll = CollectiveModel(cluster)
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16")
+    env = _environment(cluster, compute, "bfloat16", Pins(schedule=schedule), 0.9)
+    pairs, prices = [], []
+    for group in candidate_configs(Pins(schedule=schedule), cluster, 64, len(profile.units), profile.micro_batch_sizes):
+        for cfg in group:
+            if cfg.dp == 1:
+                continue
+            table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+            result = evaluate_config(table, cfg, env)
+            if result.feasible:
+                pairs.append((table, cfg))
+                prices.append(result.iteration_time_s)
+    bound = TimeBound(env).many(pairs)
+    assert len(pairs) > 10 and np.all(bound <= np.array(prices) * (1 + 1e-9))
+    monkeypatch.setattr(bounds_module, "_tail_comm_s", lambda *args: (0.0, 0.0))
+    without = TimeBound(env).many(pairs)
+    assert np.all(without <= bound)
+    assert (bound > without * (1 + 1e-6)).any() == (schedule == "zero-bubble")
+
+
 def test_batched_time_bound_equals_one_at_a_time(profiles):
     """`TimeBound.many` shares terms across configurations (per table, ZeRO stage, dp, hybrid
     sharding, offload, pp) and evaluates the closed forms in one numpy pass: each value must be

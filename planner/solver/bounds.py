@@ -205,7 +205,9 @@ class TimeBound:
         the least a chunk pays per micro-batch for its outgoing cut; the cheapest hop across a cut
         (the overlapped p2p's fill); F, the units' forward seconds per micro-batch, summed; their
         backward seconds (no recomputation, no communication); the optimizer step of the mean
-        pipeline rank. Each part once per setting it reads; `config` makes one of the
+        pipeline rank; the backward with each unit's least recomputation (the gradient
+        reduction's window at the least); and the least the step's gradient reduction and
+        parameter gather can take, summed over the pipeline ranks (`_tail_comm_s`). Each part once per setting it reads; `config` makes one of the
         configurations where a part is computed for the first time (tens of thousands of groups
         on 1024 GPUs need few)."""
         zero, dp, shard, offload, pp, tp, ep, sp = settings
@@ -227,8 +229,19 @@ class TimeBound:
             self._parts[p2p_key] = (float(p2p.min()), float(hops[:-1].min()) if len(hops) > 1 else 0.0)
         sums_key = ("sums", id(table))
         if sums_key not in self._parts:
-            self._parts[sums_key] = (float(table.forward_s.sum()), float(table.backward_s.sum()))
-        forward, backward = self._parts[sums_key]
+            least_recompute = np.stack([table.recompute_s[r] for r in env.allowed_recompute]).min(axis=0)
+            self._parts[sums_key] = (float(table.forward_s.sum()), float(table.backward_s.sum()),
+                                     float((table.backward_s + least_recompute).sum()))
+        forward, backward, window = self._parts[sums_key]
+        # The tail reads the table's parameter sums alone: tables of another micro-batch or CP share it.
+        fp8_key = ("fp8", id(table))
+        if fp8_key not in self._parts:
+            fp8 = table.fp8_weight_parameters
+            self._parts[fp8_key] = (None if fp8 is None else float(fp8.sum()),)
+        states = self.states_bytes(table, settings, cfg)  # fills self._sums for the table
+        tail_key = ("tail", self._sums[id(table)][1], *self._parts[fp8_key], zero, dp, shard, tp, ep, sp)
+        if tail_key not in self._parts:
+            self._parts[tail_key] = _tail_comm_s(table, cfg(), env)
         updated_key = (id(table), zero == 0, shard or dp, dp, tp, ep, sp)  # ZeRO's shards, the experts' dp
         if updated_key not in self._updated:
             # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
@@ -237,9 +250,9 @@ class TimeBound:
                 self._parts[totals_key] = held_parameters(table, 0, len(table.parameters))
             held, experts = self._parts[totals_key]
             self._updated[updated_key] = updated_share(held, experts, cfg()) * env.optimizer_s_per_param
-        states = self.states_bytes(table, settings, cfg)
         min_p2p, min_hop = self._parts[p2p_key]
-        columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp)
+        columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp, window,
+                   *self._parts[tail_key])
         self._groups[key] = (table, columns)  # the table held: its id stays its own
         return columns
 
@@ -355,29 +368,36 @@ class TimeBound:
     def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
                       pairs: list[tuple[UnitCostTable, Config]] | None, cap: float = math.inf) -> np.ndarray:
         """The closed forms of the module docstring for N configurations: `variants` [N, 7]
-        (`schedule_columns`), `groups` [N, 6] (`group_columns`), each configuration's unit terms
+        (`schedule_columns`), `groups` [N, 9] (`group_columns`), each configuration's unit terms
         `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring to those
         whose bound without them is below `cap`, None leaves them out (the weak bound)."""
         least, most, inverse_sum, p, v, m, form = variants.T
-        states, min_p2p, min_hop, forward, backward, optimizer = groups.T
+        states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather = groups.T
         memory = self.env.usable_memory_bytes
         budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
         chunks = p * v
-        dual, starts, pigeon, others = (np.empty(len(which)) for _ in range(4))
+        dual, least, starts, pigeon, others = (np.empty(len(which)) for _ in range(5))
         for position, terms in enumerate(distinct):
             indices = np.flatnonzero(which == position)
             dual[indices] = (terms.dual_s[None, :] - terms.lambdas[None, :] * budget[indices, None]).max(axis=1)
+            least[indices] = terms.dual_s[0]  # lambda = 0: every unit at its fastest mode
             n = len(terms.starts_prefix_s)
             starts[indices] = terms.starts_prefix_s[np.minimum(chunks[indices].astype(int), n) - 1]
             pigeon[indices] = _busiest_rank_s(terms, p[indices])
             others[indices] = terms.others_negative_s
         work = dual + chunks * min_p2p + starts
+        least_work = least + chunks * min_p2p + starts
         fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
+        gathers = np.maximum(gather - forward, 0.0)
 
         def closed_forms(slowest: np.ndarray, rank: np.ndarray) -> np.ndarray:
             pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v),
                                 np.where(form == 1, m * rank + (p - 1) * slowest, work + (m - 1) * slowest))
-            return pipeline + fill + optimizer
+            # Zero bubble leaves no drain to hide the step's gradient reduction and gather in
+            # (`_tail_s`).
+            busiest = np.where((v > 1) & (m >= p), m * rank + (p - 1) * forward / chunks, m * rank)
+            tail = np.where(form == 2, _tail_s(busiest, rank, least_work, reduce, window, gathers, p), 0.0)
+            return np.maximum(pipeline, tail) + fill + optimizer
 
         # The slowest chunk takes at least W / S; a rank's chunks run in series: their mean
         # share, its slowest chunk, and (units come whole) the pigeonhole bound K on the units
@@ -495,6 +515,69 @@ def _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v):
     return np.where(m < p, np.maximum(m * rank, forward + (1 - BACKWARD_WEIGHT_FRACTION) * backward),
                     np.where(v == 1, np.maximum(m * rank, (m - 1) * slowest + forward),
                              m * rank + (p - 1) * forward / chunks))
+
+
+def _tail_s(pipeline, rank, least_work, reduce, window, gathers, p):
+    """What a zero-bubble step takes at the least with its tail: the busiest rank's m
+    micro-batches (`pipeline`: m R, and with v > 1 its fill and drain, `_zero_bubble_s`, which
+    recomputation does not enter) plus the mean pipeline rank's exposed gradient reduction and
+    parameter gather (the price's tail is the most over ranks: planner/solver/comm_pricing.py
+    `dp_tail_s`; zero bubble has no drain slack).
+
+    Rank r's reduction c_r runs under its last backward w_r, so it leaves at least c_r - w_r, and
+    the ranks' c_r sum to at least `reduce` (`_tail_comm_s`); the windows sum to at least
+    `window` (each unit's least recomputation) plus rho, the recomputation the plan adds beyond
+    that, which also adds rho to the ranks' summed work (ZeRO 0 and 1: no per-unit traffic, so a
+    unit's time is its least plus its extra recomputation). With W0 (`least_work`) the summed
+    work at the least and R the busiest rank's bound, the step takes at least
+    max(m R, m (W0 + rho) / p) + max(0, reduce - window - rho) / p, least at rho = p R - W0 (or 0
+    when reduce - window is smaller): m R + max(0, reduce - window - max(0, p R - W0)) / p. The
+    gather hides behind the first forward F_r alike (`gathers`: max(0, sum g_r - F) >= 0,
+    recomputation does not enter it). Elementwise over numpy arrays of configurations."""
+    reduction = np.maximum(reduce - window - np.maximum(p * rank - least_work, 0.0), 0.0)
+    return pipeline + (reduction + gathers) / p
+
+
+def _tail_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[float, float]:
+    """The least the pipeline ranks' once-per-step gradient reductions (ZeRO 0: all-reduce, 1:
+    reduce-scatter, and HSDP's all-reduce across replicas) and parameter gathers (ZeRO 1, 2) can
+    take, summed over the ranks, whatever the cuts and buckets (planner/solver/comm_pricing.py
+    `dp_tail_s`; ZeRO 2's reductions and ZeRO 3's are per micro-batch, in the stage times).
+
+    The collectives' times are concave in the bytes and 0 at none (the least over algorithms of
+    latency + bytes / bandwidth: planner/cost/collectives.py), so f(x) / x does not rise with x
+    and pieces x_i <= X of a total at least T take sum_i f(x_i) >= T f(X) / X: the ranks hold
+    every trained parameter at least once (tied copies add), each in some bucket, and no bucket
+    is near X = 10^6 T bytes. That is the bandwidth term of the whole model's reduction; the
+    buckets' latencies are left out."""
+    if cfg.dp == 1 or cfg.zero_stage == 3:
+        return 0.0, 0.0
+    grad_bytes = 4 if env.dtype == "float32" else 2
+    dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
+
+    def least(collective, parameters: float, bytes_per_param: float, size: int, stride: int) -> float:
+        if parameters <= 0 or size <= 1:
+            return 0.0
+        total = parameters * bytes_per_param
+        return collective(total * 1e6, size, stride) / 1e6
+
+    trained = float(table.trained_dense_parameters().sum())
+    experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters.sum())
+    reduce = 0.0
+    if cfg.zero_stage <= 1:
+        collective = env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s
+        reduce = least(collective, trained, grad_bytes, dense_dp, cfg.tp) \
+            + least(collective, experts, grad_bytes, cfg.expert_dp, cfg.expert_dp_stride)
+        if cfg.replicas > 1:
+            reduce += least(env.dp_all_reduce_s, trained / cfg.zero_dp, grad_bytes, cfg.replicas, cfg.tp * cfg.zero_dp)
+    gather = 0.0
+    if cfg.zero_stage in (1, 2):
+        dense = float(table.dense_parameters().sum())
+        if table.fp8_weight_parameters is not None:  # FP8 weights travel as 1 byte
+            dense -= float(table.fp8_weight_parameters.sum()) * (env.dtype_bytes - 1) / env.dtype_bytes
+        gather = least(env.dp_all_gather_s, dense, env.dtype_bytes, dense_dp, cfg.tp) \
+            + least(env.dp_all_gather_s, experts, env.dtype_bytes, cfg.expert_dp, cfg.expert_dp_stride)
+    return reduce, gather
 
 
 GROUPINGS = 4
