@@ -99,11 +99,12 @@ def test_bounds_never_exceed_the_price(profiles, shape, gpus, batch, fraction):
     assert priced > 10
 
 
-@pytest.mark.parametrize("schedule", ["zero-bubble", "1f1b"])
+@pytest.mark.parametrize("schedule", ["zero-bubble", "interleaved-1f1b", "1f1b"])
 def test_bounds_hold_where_the_gradient_reduction_is_exposed(profiles, schedule, monkeypatch):
     """A network 100x slower than the preset leaves the data-parallel gradient reduction and
     gather exposed after the pipeline (`_tail_s`): the bound is still at most every price, and
-    for zero bubble it counts the exposed tail (higher than without it for some configuration)."""
+    for zero bubble and interleaving it counts the exposed tail (higher than without it for some
+    configuration); 1F1B's long drain leaves it out."""
     import dataclasses
 
     import planner.solver.bounds as bounds_module
@@ -131,7 +132,7 @@ def test_bounds_hold_where_the_gradient_reduction_is_exposed(profiles, schedule,
     monkeypatch.setattr(bounds_module, "_tail_comm_s", lambda *args: (0.0, 0.0))
     without = TimeBound(env).many(pairs)
     assert np.all(without <= bound)
-    assert (bound > without * (1 + 1e-6)).any() == (schedule == "zero-bubble")
+    assert (bound > without * (1 + 1e-6)).any() == (schedule != "1f1b")
 
 
 def test_batched_time_bound_equals_one_at_a_time(profiles):

@@ -54,7 +54,9 @@ v = 1 a rank is a chunk, so X >= z* + min_u p2p_u too. The schedules' closed for
 plus the overlapped p2p's fill, at least (S - 1) x the cheapest hop, plus the once-per-step
 tail, at least the optimizer step of the mean pipeline rank:
 the parameters a rank updates (`updated_parameters`: under ZeRO >= 1 dense ones / dp and
-experts' / expert-dp) / p x optimizer seconds per parameter.
+experts' / expert-dp) / p x optimizer seconds per parameter. For zero bubble and interleaving
+the tail also holds the mean rank's exposed gradient reduction and parameter gather (ZeRO 0-2),
+with the bandwidth term of the whole model's collectives (`_tail_comm_s`, `_tail_s`).
 
 Memory (`memory_lower_bound`): model states per GPU if the chunks split the model's
 parameters perfectly evenly over the p ranks (no activations, no tied copies).
@@ -74,6 +76,7 @@ import numpy as np
 
 from planner.cost.memory import model_state_bytes
 from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, in_flight_microbatches
+from planner.solver.comm_pricing import MEGATRON_BUCKET_PARAMS
 from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
     Config,
@@ -393,10 +396,11 @@ class TimeBound:
         def closed_forms(slowest: np.ndarray, rank: np.ndarray) -> np.ndarray:
             pipeline = np.where(form == 2, _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v),
                                 np.where(form == 1, m * rank + (p - 1) * slowest, work + (m - 1) * slowest))
-            # Zero bubble leaves no drain to hide the step's gradient reduction and gather in
-            # (`_tail_s`).
-            busiest = np.where((v > 1) & (m >= p), m * rank + (p - 1) * forward / chunks, m * rank)
-            tail = np.where(form == 2, _tail_s(busiest, rank, least_work, reduce, window, gathers, p), 0.0)
+            # The step's gradient reduction and gather after the pipeline (`_tail_s`): zero bubble
+            # leaves no drain to hide them in, interleaving a short one (its first chunks').
+            busiest = np.where(form == 1, m * rank + (p - 1) * slowest / 2,
+                               np.where((v > 1) & (m >= p), m * rank + (p - 1) * forward / chunks, m * rank))
+            tail = np.where(form > 0, _tail_s(busiest, rank, least_work, reduce, window, gathers, p), 0.0)
             return np.maximum(pipeline, tail) + fill + optimizer
 
         # The slowest chunk takes at least W / S; a rank's chunks run in series: their mean
@@ -518,14 +522,18 @@ def _zero_bubble_s(work, slowest, rank, forward, backward, m, p, v):
 
 
 def _tail_s(pipeline, rank, least_work, reduce, window, gathers, p):
-    """What a zero-bubble step takes at the least with its tail: the busiest rank's m
-    micro-batches (`pipeline`: m R, and with v > 1 its fill and drain, `_zero_bubble_s`, which
-    recomputation does not enter) plus the mean pipeline rank's exposed gradient reduction and
-    parameter gather (the price's tail is the most over ranks: planner/solver/comm_pricing.py
-    `dp_tail_s`; zero bubble has no drain slack).
+    """What a zero-bubble or interleaved 1F1B step takes at the least with its tail: the
+    busiest rank's m micro-batches and the schedule's fill and drain (`pipeline`, which
+    recomputation does not enter: m R, and for zero bubble with v > 1 its (p - 1) F / S,
+    `_zero_bubble_s`; for interleaving (p - 1) X / 2, below) plus the mean pipeline rank's exposed
+    gradient reduction and parameter gather (the price's tail is the most over ranks:
+    planner/solver/comm_pricing.py `dp_tail_s`).
 
-    Rank r's reduction c_r runs under its last backward w_r, so it leaves at least c_r - w_r, and
-    the ranks' c_r sum to at least `reduce` (`_tail_comm_s`); the windows sum to at least
+    Rank r's reduction c_r runs under its last backward w_r and the drain after it, s_r
+    (`drain_slack_s`: none in zero bubble; in interleaving the backwards of chunks 0 .. r - 1,
+    the first ones, each at most the slowest chunk X, so the ranks' slacks sum to at most
+    p (p - 1) / 2 X, which takes half of interleaving's (p - 1) X), so it leaves at least
+    c_r - w_r - s_r, and the ranks' c_r sum to at least `reduce` (`_tail_comm_s`); the windows sum to at least
     `window` (each unit's least recomputation) plus rho, the recomputation the plan adds beyond
     that, which also adds rho to the ranks' summed work (ZeRO 0 and 1: no per-unit traffic, so a
     unit's time is its least plus its extra recomputation). With W0 (`least_work`) the summed
@@ -541,42 +549,50 @@ def _tail_s(pipeline, rank, least_work, reduce, window, gathers, p):
 def _tail_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[float, float]:
     """The least the pipeline ranks' once-per-step gradient reductions (ZeRO 0: all-reduce, 1:
     reduce-scatter, and HSDP's all-reduce across replicas) and parameter gathers (ZeRO 1, 2) can
-    take, summed over the ranks, whatever the cuts and buckets (planner/solver/comm_pricing.py
-    `dp_tail_s`; ZeRO 2's reductions and ZeRO 3's are per micro-batch, in the stage times).
+    take, summed over the ranks, whatever the cuts (planner/solver/comm_pricing.py `dp_tail_s`;
+    ZeRO 2's reductions and ZeRO 3's are per micro-batch, in the stage times).
 
-    The collectives' times are concave in the bytes and 0 at none (the least over algorithms of
-    latency + bytes / bandwidth: planner/cost/collectives.py), so f(x) / x does not rise with x
-    and pieces x_i <= X of a total at least T take sum_i f(x_i) >= T f(X) / X: the ranks hold
-    every trained parameter at least once (tied copies add), each in some bucket, and no bucket
-    is near X = 10^6 T bytes. That is the bandwidth term of the whole model's reduction; the
-    buckets' latencies are left out."""
+    A collective's time f(x) is concave in its bytes x and at least 0 near none (the least over
+    algorithms of latency + bytes / bandwidth: planner/cost/collectives.py), so it lies above its
+    chord from a hair above none (e) to far beyond any bucket (X): f(x) >= a + s x for e <= x <=
+    X, with s the chord's slope and a = f(e) - s e >= 0. Summed over the N pieces a step cuts a
+    group's parameters into (the buckets of each rank's share, `MEGATRON_BUCKET_PARAMS`: each
+    rank at least ceil(its parameters / bucket) of them when overlapped, one otherwise), whose
+    bytes add to at least the whole model's (tied copies add), that is N a + s x the model's
+    bytes, with N at least the model's parameters / bucket (1 when not overlapped)."""
     if cfg.dp == 1 or cfg.zero_stage == 3:
         return 0.0, 0.0
     grad_bytes = 4 if env.dtype == "float32" else 2
     dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
+    bucket = max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)
 
-    def least(collective, parameters: float, bytes_per_param: float, size: int, stride: int) -> float:
+    def least(collective, parameters: float, bytes_per_param: float, size: int, stride: int, bucketed: bool) -> float:
         if parameters <= 0 or size <= 1:
             return 0.0
-        total = parameters * bytes_per_param
-        return collective(total * 1e6, size, stride) / 1e6
+        total, near = parameters * bytes_per_param, 1e-9
+        far = total * 1e6
+        slope = (collective(far, size, stride) - collective(near, size, stride)) / (far - near)
+        pieces = max(1.0, parameters / bucket) if bucketed else 1.0
+        return pieces * max(collective(near, size, stride) - slope * near, 0.0) + slope * total
 
     trained = float(table.trained_dense_parameters().sum())
     experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters.sum())
     reduce = 0.0
     if cfg.zero_stage <= 1:
-        collective = env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s
-        reduce = least(collective, trained, grad_bytes, dense_dp, cfg.tp) \
-            + least(collective, experts, grad_bytes, cfg.expert_dp, cfg.expert_dp_stride)
+        collective, bucketed = (env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s), env.overlap.grad_reduce
+        reduce = least(collective, trained, grad_bytes, dense_dp, cfg.tp, bucketed) \
+            + least(collective, experts, grad_bytes, cfg.expert_dp, cfg.expert_dp_stride, bucketed)
         if cfg.replicas > 1:
-            reduce += least(env.dp_all_reduce_s, trained / cfg.zero_dp, grad_bytes, cfg.replicas, cfg.tp * cfg.zero_dp)
+            reduce += least(env.dp_all_reduce_s, trained / cfg.zero_dp, grad_bytes, cfg.replicas, cfg.tp * cfg.zero_dp,
+                            bucketed)
     gather = 0.0
     if cfg.zero_stage in (1, 2):
         dense = float(table.dense_parameters().sum())
         if table.fp8_weight_parameters is not None:  # FP8 weights travel as 1 byte
             dense -= float(table.fp8_weight_parameters.sum()) * (env.dtype_bytes - 1) / env.dtype_bytes
-        gather = least(env.dp_all_gather_s, dense, env.dtype_bytes, dense_dp, cfg.tp) \
-            + least(env.dp_all_gather_s, experts, env.dtype_bytes, cfg.expert_dp, cfg.expert_dp_stride)
+        bucketed = env.overlap.param_gather
+        gather = least(env.dp_all_gather_s, dense, env.dtype_bytes, dense_dp, cfg.tp, bucketed) \
+            + least(env.dp_all_gather_s, experts, env.dtype_bytes, cfg.expert_dp, cfg.expert_dp_stride, bucketed)
     return reduce, gather
 
 
