@@ -191,7 +191,7 @@ class TimeBound:
         held = self._sums.get(id(table))
         if held is None:
             held = self._sums[id(table)] = (table, parameter_sums(table))
-        key = (held[1], settings._replace(pp=1))
+        key = (held[1], settings[:4], settings[5:])  # all but pp (a NamedTuple's _replace costs more than the rest)
         value = self._memory.get(key)
         if value is None:
             value = self._memory[key] = model_states_bytes(table, config(), self.env)
