@@ -322,18 +322,21 @@ def test_even_block_cuts_split_the_layers_as_megatron_does(profiles):
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(count=st.integers(1, 5), levels=st.lists(st.integers(1, 4), min_size=1, max_size=3),
        modes=st.lists(st.tuples(st.floats(0.1, 2.0), st.floats(0.0, 3.0)), min_size=1, max_size=3),
-       states=st.floats(0.0, 2.0), memory=st.floats(1.0, 20.0))
-def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states, memory):
+       states=st.floats(0.0, 2.0), memory=st.floats(1.0, 20.0),
+       reserve=st.one_of(st.none(), st.tuples(st.floats(0.0, 2.0), st.floats(0.0, 10.0))))
+def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states, memory, reserve):
     """z* (bounds.py `_memory_rank_s`) against every placement of `count` identical units on ranks
     holding `levels` micro-batches in flight, each unit in one of `modes` (time, activation
-    bytes): where some placement fits every rank's memory, z* is at most its busiest rank's time,
-    and at least what the busiest rank's whole units take at the fastest mode, ceil(count / ranks)
-    of them (units come whole: the bound is not vacuous)."""
+    bytes), the first rank also running another unit (`reserve`: its seconds and bytes, as the
+    embedding on rank 0): where some placement fits every rank's memory, z* is at most its
+    busiest rank's time, and at least what the busiest rank's whole units take at the fastest
+    mode, ceil(count / ranks) of them (units come whole: the bound is not vacuous)."""
     from itertools import combinations_with_replacement, product
 
     from planner.solver.bounds import _memory_rank_s
 
     times, acts = (np.array(column) for column in zip(*modes, strict=True))
+    extra_s, extra_bytes = reserve or (0.0, 0.0)
 
     def loads(units: int):  # (time, bytes at level 1 less states) of each multiset of modes
         return [(sum(times[m] for m in pick), sum(acts[m] for m in pick))
@@ -344,14 +347,19 @@ def test_memory_rank_bound_is_below_every_placement(count, levels, modes, states
         if sum(split) != count:
             continue
         per_rank = []
-        for units, level in zip(split, levels, strict=True):
-            fitting = [t for t, a in loads(units) if units * states + level * a <= memory]
-            per_rank.append(min(fitting) if fitting else np.inf)
+        for rank, (units, level) in enumerate(zip(split, levels, strict=True)):
+            room = memory - (extra_bytes if rank == 0 else 0.0)
+            fitting = [t for t, a in loads(units) if units * states + level * a <= room]
+            per_rank.append(min(fitting) + (extra_s if rank == 0 else 0.0) if fitting else np.inf)
         best = min(best, max(per_rank))
     distinct = sorted(set(levels))
-    z = _memory_rank_s(times[None], acts[None], np.array([states]), np.array([float(count)]),
-                       np.array([distinct], dtype=float), np.array([[levels.count(x) for x in distinct]], dtype=float),
-                       memory)[0]
+    counts = [levels.count(x) - (reserve is not None and x == levels[0]) for x in distinct]
+    slots = [(x, c, 0.0, 0.0) for x, c in zip(distinct, counts, strict=True)]
+    if reserve is not None:
+        slots.append((levels[0], 1, extra_s, extra_bytes))
+    columns = np.array(slots, dtype=float).T[:, None, :]
+    z = _memory_rank_s(times[None], acts[None], np.array([states]), np.array([float(count)]), columns[0], columns[1],
+                       memory, reserved_s=columns[2], reserved_bytes=columns[3])[0]
     if np.isfinite(best):
         assert z <= best * (1 + 1e-9)
     assert z >= -(-count // len(levels)) * times.min() * (1 - 1e-5)  # 24 halvings of a bracket <= 60 z* wide

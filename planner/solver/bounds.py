@@ -81,6 +81,7 @@ from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
     Config,
     Environment,
+    _loss_bytes,
     gpu_state_bytes,
     held_parameters,
     p2p_arrays,
@@ -295,26 +296,32 @@ class TimeBound:
 
     def _memory_rank(self, pairs: list[tuple[UnitCostTable, Config]], units: list[_UnitTerms]) -> np.ndarray:
         """z* (`_memory_rank_s`) of each configuration, once per distinct (unit terms, model
-        states, in-flight levels)."""
+        states, in-flight levels, what the first and last ranks hold besides)."""
         keys, inputs = [], {}
         for (table, cfg), terms in zip(pairs, units, strict=True):
             states = stage_arrays(table, cfg, self.env)[2]
             kind = terms.common
             flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
-            key = (id(terms), id(states), flights)
+            reserved = _end_units(table, cfg, self.env, terms, states)
+            key = (id(terms), id(states), flights, reserved)
             keys.append(key)
             if key not in self._busiest and key not in inputs:
+                slots = [(level, count - sum(1 for _, at, _, _ in reserved if at == level), 0.0, 0.0)
+                         for level, count in flights]
+                slots += [(level, 1, seconds, held) for _, level, seconds, held in reserved]
                 inputs[key] = (terms.time_s[:, kind], terms.activation_bytes[:, kind],
-                               float(states[terms.inverse == kind].min()), float(terms.count[kind]), flights, terms, states)
+                               float(states[terms.inverse == kind].min()), float(terms.count[kind]), slots, terms, states)
         if inputs:
             rows = list(inputs.values())
             width = max(len(row[4]) for row in rows)
-            levels, weights = np.ones((len(rows), width)), np.zeros((len(rows), width))
+            levels, weights, seconds, held = np.ones((len(rows), width)), *(np.zeros((len(rows), width)) for _ in range(3))
             for index, row in enumerate(rows):
-                levels[index, :len(row[4])], weights[index, :len(row[4])] = np.array(row[4]).T
+                columns = np.array(row[4], dtype=float).T
+                used = columns.shape[1]
+                levels[index, :used], weights[index, :used], seconds[index, :used], held[index, :used] = columns
             values = _memory_rank_s(np.stack([row[0] for row in rows]), np.stack([row[1] for row in rows]),
                                     np.array([row[2] for row in rows]), np.array([row[3] for row in rows]), levels,
-                                    weights, self.env.usable_memory_bytes)
+                                    weights, self.env.usable_memory_bytes, reserved_s=seconds, reserved_bytes=held)
             for key, row, value in zip(inputs, rows, values.tolist(), strict=True):
                 self._busiest[key] = (value, row[5], row[6])  # the terms and states held: their ids stay theirs
         return np.array([self._busiest[key][0] for key in keys])
@@ -436,7 +443,8 @@ def schedule_columns(schedule: str, pp: int, num_microbatches: int, virtual_stag
 
 
 def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
-                   levels: np.ndarray, weights: np.ndarray, memory: float, iterations: int = 24) -> np.ndarray:
+                   levels: np.ndarray, weights: np.ndarray, memory: float, iterations: int = 24,
+                   reserved_s: np.ndarray | None = None, reserved_bytes: np.ndarray | None = None) -> np.ndarray:
     """z*: the least time of the busiest pipeline rank's units of one kind (the most common: a
     transformer's blocks), when each rank's memory holds the units it runs (module docstring,
     "memory by rank"), per configuration.
@@ -456,35 +464,66 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
     count. The units fit only if sum_ranks floor(h_L(z)) >= count; that is nondecreasing in z, so
     z* is found by bisection,
     and the lower end of the bracket after `iterations` halvings is returned (it failed the test:
-    a proven lower bound, within 2^-24 of the bracket [0, count x max_r t_r] below z*)."""
+    a proven lower bound, within 2^-24 of the bracket [0, count x max_r t_r + reserved] below z*).
+
+    `reserved_s` and `reserved_bytes` [N, K] (default none): a slot's ranks also run a unit of
+    another kind that seconds and hold it in those bytes (the first unit on rank 0, the last on
+    rank p - 1: `_end_units`), so their program has z - seconds and M - bytes; z is then the
+    busiest rank's time with that unit (a rank that cannot hold it holds none of the kind)."""
     width = states[:, None, None] + levels[:, :, None] * activation[:, None, :]  # [N, K, mode]: s + L a_r
     times = np.broadcast_to(time_s[:, None, :], width.shape)
+    reserved_s = np.zeros(levels.shape) if reserved_s is None else reserved_s
+    room = memory - (np.zeros(levels.shape) if reserved_bytes is None else reserved_bytes)  # [N, K]
     # Where a width or time is zero (or tiny) a rank holds unboundedly many: inf, not a warning.
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        by_memory = np.where(width > 0, memory / width, np.inf)
+        by_memory = np.where(width > 0, room[..., None] / width, np.inf)
         pairs = []
         for i, j in combinations(range(time_s.shape[1]), 2):
             det = times[..., i] * width[..., j] - times[..., j] * width[..., i]
             pairs.append((i, j, np.where(det != 0, det, np.nan)))
 
         def held(z: np.ndarray) -> np.ndarray:
-            zz = z[:, None, None]
-            most = np.minimum(np.where(times > 0, zz / times, np.inf), by_memory).max(axis=2)  # [N, K]
+            zz = z[:, None] - reserved_s  # [N, K]
+            most = np.minimum(np.where(times > 0, zz[..., None] / times, np.inf), by_memory).max(axis=2)  # [N, K]
             for i, j, det in pairs:
-                x_i = (zz[..., 0] * width[..., j] - memory * times[..., j]) / det
-                x_j = (memory * times[..., i] - zz[..., 0] * width[..., i]) / det
+                x_i = (zz * width[..., j] - room * times[..., j]) / det
+                x_j = (room * times[..., i] - zz * width[..., i]) / det
                 most = np.fmax(most, np.where((x_i >= 0) & (x_j >= 0), x_i + x_j, np.nan))
+            most = np.where((zz < 0) | (room < 0), 0.0, most)  # the rank's other unit alone does not fit
             # Units come whole: a rank holds an integer count of them, at most floor(h_L(z)) (a
             # hair above, 1e-9, so float noise in h never raises z* past a plan's time).
             return (np.minimum(np.floor(most * (1 + 1e-9)), count[:, None]) * weights).sum(axis=1)
 
         low = np.zeros(len(count))
-        high = count * time_s.max(axis=1)
+        high = count * time_s.max(axis=1) + reserved_s.max(axis=1)
         for _ in range(iterations):
             middle = (low + high) / 2
             fits = held(middle) >= count
             high, low = np.where(fits, middle, high), np.where(fits, low, middle)
     return low * (1 - 1e-9)
+
+
+def _end_units(table: UnitCostTable, cfg: Config, env: Environment, terms: _UnitTerms,
+               states: np.ndarray) -> tuple[tuple[int, float, float, float], ...]:
+    """What the first and last pipeline ranks hold besides z*'s kind (`_memory_rank_s`): chunk 0
+    starts at unit 0 on rank 0, and the last chunk, on rank p - 1, ends at the last unit with the
+    loss (`_loss_bytes`), whatever the cuts. Per unit not of the kind: (rank, its in-flight count,
+    its least time, at least 0, and its states plus that many micro-batches of its least
+    activations), the two on one rank when p = 1."""
+    flights = _rank_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+    last = len(terms.inverse) - 1
+    out = []
+    for unit, rank in ((0, 0), (last, cfg.pp - 1)) if last > 0 else ((0, 0),):
+        kind = int(terms.inverse[unit])
+        if kind == terms.common:
+            continue
+        held = float(states[unit]) + flights[rank] * float(terms.activation_bytes[:, kind].min())
+        if unit == last:
+            held += _loss_bytes(table, env, cfg)
+        out.append((rank, flights[rank], max(float(terms.time_s[:, kind].min()), 0.0), held))
+    if len(out) == 2 and out[0][0] == out[1][0]:
+        out = [(out[0][0], out[0][1], out[0][2] + out[1][2], out[0][3] + out[1][3])]
+    return tuple(out)
 
 
 def _busiest_rank_s(terms: _UnitTerms, ranks: np.ndarray) -> np.ndarray:
