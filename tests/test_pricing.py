@@ -31,14 +31,20 @@ def _instance(seed: int, n: int = 60):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("seed", range(4))
-def test_parallel_pricing_keeps_the_sequential_top_k(seed, monkeypatch):
+@pytest.mark.parametrize("seed,first", [(0, 0), (1, 0), (2, 3), (3, 3)])
+def test_parallel_pricing_keeps_the_sequential_top_k(seed, first, monkeypatch):
+    """`first` configurations priced in process before the workers take the rest."""
     monkeypatch.setattr(pricing, "MIN_PARALLEL", 0)
+    monkeypatch.setattr(pricing, "SEQUENTIAL_FIRST", first)
+    forked = []
+    parallel = pricing._parallel
+    monkeypatch.setattr(pricing, "_parallel", lambda *args: forked.append(True) or parallel(*args))
     price, order, bounds, times, fits, seen = _instance(seed)
     candidates = [(i, bounds[i]) for i in order]
     ranked, evaluated, _ = pricing.price_in_order(price, candidates, len(order), keep=3, workers=1)
-    assert evaluated == len(seen) < len(order)  # the bound stopped it early
+    assert evaluated == len(seen) < len(order) and evaluated > first  # the bound stopped it early
     in_parallel, priced, _ = pricing.price_in_order(price, iter(candidates), len(order), keep=3, workers=2)
+    assert forked
     best = sorted(times[i] for i in range(len(times)) if fits[i])[:3]
     for found in (ranked, in_parallel):
         assert sorted(e.iteration_time_s for e in found)[:3] == best

@@ -386,17 +386,17 @@ class TimeBound:
         memory = self.env.usable_memory_bytes
         budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
         chunks = p * v
-        dual, least, starts, pigeon, others = (np.empty(len(which)) for _ in range(5))
+        dual, fastest, starts, pigeon, others = (np.empty(len(which)) for _ in range(5))
         for position, terms in enumerate(distinct):
             indices = np.flatnonzero(which == position)
             dual[indices] = (terms.dual_s[None, :] - terms.lambdas[None, :] * budget[indices, None]).max(axis=1)
-            least[indices] = terms.dual_s[0]  # lambda = 0: every unit at its fastest mode
+            fastest[indices] = terms.dual_s[0]  # lambda = 0: every unit at its fastest mode
             n = len(terms.starts_prefix_s)
             starts[indices] = terms.starts_prefix_s[np.minimum(chunks[indices].astype(int), n) - 1]
             pigeon[indices] = _busiest_rank_s(terms, p[indices])
             others[indices] = terms.others_negative_s
         work = dual + chunks * min_p2p + starts
-        least_work = least + chunks * min_p2p + starts
+        least_work = fastest + chunks * min_p2p + starts
         fill = (chunks - 1) * min_hop if self.env.overlap.pipeline_p2p else 0.0
         gathers = np.maximum(gather - forward, 0.0)
 

@@ -6,8 +6,10 @@ k-th best time priced so far (`cap`): no configuration after it can enter the to
 pricing (planner/solver/search.py `evaluate_config`: the inter-op DP and the price of its
 cuts) is independent of the others but for the cap, which only lets the DP skip stage ranges
 that cannot be in a plan faster than the k-th best. So configurations can be priced on
-several processes at once (issue #17: the machine has two cores): `workers` forked processes
-take them in bound order, at most `2 x workers` in flight; the cap is updated as results come
+several processes at once (issue #17: the machine has two cores): the first
+`SEQUENTIAL_FIRST` are priced in the calling process (a search that stops by then forks
+nothing, and later workers inherit the tables those built), then `workers` forked processes
+take the rest in bound order, at most `2 x workers` in flight; the cap is updated as results come
 back, and no new one is started once the next bound reaches it. A worker prices with the cap
 known when its configuration was sent, a larger one than the sequential loop would pass: that
 prunes less and never changes a price. The top k is therefore the sequential loop's; the
@@ -22,6 +24,7 @@ Python defaults to one worker.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import multiprocessing
 import os
@@ -37,6 +40,8 @@ WORKERS_ENV = "PLANNER_SOLVE_WORKERS"
 MIN_PARALLEL = 24
 """Fewer configurations to price than this are priced in the calling process: forking costs
 more than it saves."""
+SEQUENTIAL_FIRST = 8
+"""Configurations priced in the calling process before the workers start (`price_in_order`)."""
 
 _PRICE: Callable[[int, float], Evaluation] | None = None
 """The pricing function of the current parallel search, inherited by the forked workers."""
@@ -109,7 +114,14 @@ def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterab
     top = TopK(keep) if top is None else top
     if workers <= 1 or count < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
         return _sequential(price, candidates, top)
-    return _parallel(price, candidates, top, workers)
+    # The first few in this process: most searches stop within a few dozen, and workers forked
+    # after them inherit the tables and frontiers those built (`Environment.memo`).
+    stream = iter(candidates)
+    ranked, evaluated, least = _sequential(price, itertools.islice(stream, SEQUENTIAL_FIRST), top)
+    if evaluated < SEQUENTIAL_FIRST:  # the cap stopped it, or nothing is left
+        return ranked, evaluated, least
+    more, priced, unfit = _parallel(price, stream, top, workers)
+    return ranked + more, evaluated + priced, min(least, unfit)
 
 
 def _sequential(price, candidates, top: TopK) -> tuple[list[Evaluation], int, float]:
