@@ -117,6 +117,25 @@ core, old (40b19ec) and new code alternately, fastest of 3: 175B x64 1.39 -> 1.6
 and refitted cuts are priced beside the DP's. The machine ran about 1.3x faster than for the
 previous CSV (the 96-layer profile took 9.3 s, then 12.4 s). Goals for 175B (1 s on 64 GPUs,
 2 s on 1024) still not met.
+This round (2026-11-28): tighter exact bounds, so fewer configurations reach the DP, same
+layouts and iteration times on every row (planner/solver/bounds.py): the pigeonhole bound on
+the busiest rank over the k p + 1 slowest units (96 blocks and a head on 8 ranks: 12 blocks and
+the head on one rank); B* with each chunk's start term (ZeRO 3's exposed gather); the first and
+last units in z* on the ranks every cut puts them (the loss with the last); for zero bubble and
+interleaved 1F1B the step's gradient reduction and gather after the pipeline (`_tail_s`, the
+whole model's collectives' bandwidth and bucket latencies, concave in the bytes); B* and z*
+only where the rest of the bound is below the k-th best time so far; and the first 8
+configurations priced in process before the workers fork (planner/solver/pricing.py). DPs run,
+before -> after: 175B x64 60 -> 25, x512 199 -> 11, x1024 278 -> 57, x12,288 1,808 -> 120,
+24 layers x512 137 -> 11, 192 layers 53 -> 9, 530B 77 -> 25, the MoE 13 -> 10. The machine ran
+slower than for the previous CSV, so the code before this round (2a4e784) and after ran
+alternately (`planner solve` processes, byte-compiled, default two workers, median of 5, 3 for
+x12,288): 175B x64 2.85 -> 2.44 s, x1024 5.22 -> 3.54 s, x12,288 20.2 -> 5.2 s, 192 layers x512
+4.72 -> 3.62 s, 530B 3.46 -> 2.61 s, the MoE 2.29 -> 2.48 s (ranges overlap: 2.10-2.80 and
+2.35-2.69). Goals for 175B (1 s on 64 GPUs, 2 s on 1024) still not met; on 64 GPUs about 0.5 s
+of the process is imports and 0.1-0.2 s printing the plan, and the search's weak bounds over
+14,037 configurations, the whole bounds of the ~1,000 that reach them and the tables take
+about as long as the 25 DPs.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
