@@ -76,7 +76,7 @@ import numpy as np
 
 from planner.cost.memory import model_state_bytes
 from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, in_flight_microbatches
-from planner.solver.comm_pricing import MEGATRON_BUCKET_PARAMS
+from planner.solver.comm_pricing import bucket_parameters, gathered_dense, tail_collectives
 from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
     Config,
@@ -405,9 +405,9 @@ class TimeBound:
                                 np.where(form == 1, m * rank + (p - 1) * slowest, work + (m - 1) * slowest))
             # The step's gradient reduction and gather after the pipeline (`_tail_s`): zero bubble
             # leaves no drain to hide them in, interleaving a short one (its first chunks').
-            busiest = np.where(form == 1, m * rank + (p - 1) * slowest / 2,
+            drained = np.where(form == 1, m * rank + (p - 1) * slowest / 2,
                                np.where((v > 1) & (m >= p), m * rank + (p - 1) * forward / chunks, m * rank))
-            tail = np.where(form > 0, _tail_s(busiest, rank, least_work, reduce, window, gathers, p), 0.0)
+            tail = np.where(form > 0, _tail_s(drained, rank, least_work, reduce, window, gathers, p), 0.0)
             return np.maximum(pipeline, tail) + fill + optimizer
 
         # The slowest chunk takes at least W / S; a rank's chunks run in series: their mean
@@ -586,53 +586,36 @@ def _tail_s(pipeline, rank, least_work, reduce, window, gathers, p):
 
 
 def _tail_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[float, float]:
-    """The least the pipeline ranks' once-per-step gradient reductions (ZeRO 0: all-reduce, 1:
-    reduce-scatter, and HSDP's all-reduce across replicas) and parameter gathers (ZeRO 1, 2) can
-    take, summed over the ranks, whatever the cuts (planner/solver/comm_pricing.py `dp_tail_s`;
-    ZeRO 2's reductions and ZeRO 3's are per micro-batch, in the stage times).
+    """The least the pipeline ranks' once-per-step gradient reductions and parameter gathers
+    (planner/solver/comm_pricing.py `tail_collectives`, priced per rank by `dp_tail_s`) can take,
+    summed over the ranks, whatever the cuts.
 
     A collective's time f(x) is concave in its bytes x and at least 0 near none (the least over
     algorithms of latency + bytes / bandwidth: planner/cost/collectives.py), so it lies above its
     chord from a hair above none (e) to far beyond any bucket (X): f(x) >= a + s x for e <= x <=
     X, with s the chord's slope and a = f(e) - s e >= 0. Summed over the N pieces a step cuts a
-    group's parameters into (the buckets of each rank's share, `MEGATRON_BUCKET_PARAMS`: each
+    collective's parameters into (the buckets of each rank's share, `bucket_parameters`: each
     rank at least ceil(its parameters / bucket) of them when overlapped, one otherwise), whose
     bytes add to at least the whole model's (tied copies add), that is N a + s x the model's
     bytes, with N at least the model's parameters / bucket (1 when not overlapped)."""
-    if cfg.dp == 1 or cfg.zero_stage == 3:
-        return 0.0, 0.0
-    grad_bytes = 4 if env.dtype == "float32" else 2
-    dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
-    bucket = max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)
-
-    def least(collective, parameters: float, bytes_per_param: float, size: int, stride: int, bucketed: bool) -> float:
-        if parameters <= 0 or size <= 1:
-            return 0.0
-        total, near = parameters * bytes_per_param, 1e-9
-        far = total * 1e6
-        slope = (collective(far, size, stride) - collective(near, size, stride)) / (far - near)
-        pieces = max(1.0, parameters / bucket) if bucketed else 1.0
-        return pieces * max(collective(near, size, stride) - slope * near, 0.0) + slope * total
-
-    trained = float(table.trained_dense_parameters().sum())
     experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters.sum())
-    reduce = 0.0
-    if cfg.zero_stage <= 1:
-        collective, bucketed = (env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s), env.overlap.grad_reduce
-        reduce = least(collective, trained, grad_bytes, dense_dp, cfg.tp, bucketed) \
-            + least(collective, experts, grad_bytes, cfg.expert_dp, cfg.expert_dp_stride, bucketed)
-        if cfg.replicas > 1:
-            reduce += least(env.dp_all_reduce_s, trained / cfg.zero_dp, grad_bytes, cfg.replicas, cfg.tp * cfg.zero_dp,
-                            bucketed)
-    gather = 0.0
-    if cfg.zero_stage in (1, 2):
-        dense = float(table.dense_parameters().sum())
-        if table.fp8_weight_parameters is not None:  # FP8 weights travel as 1 byte
-            dense -= float(table.fp8_weight_parameters.sum()) * (env.dtype_bytes - 1) / env.dtype_bytes
-        bucketed = env.overlap.param_gather
-        gather = least(env.dp_all_gather_s, dense, env.dtype_bytes, dense_dp, cfg.tp, bucketed) \
-            + least(env.dp_all_gather_s, experts, env.dtype_bytes, cfg.expert_dp, cfg.expert_dp_stride, bucketed)
-    return reduce, gather
+    reductions, gathers = tail_collectives(cfg, env, float(table.trained_dense_parameters().sum()), experts,
+                                           float(gathered_dense(table, env.dtype_bytes).sum()))
+    bucket = bucket_parameters(cfg)
+
+    def least(collectives: list, bucketed: bool) -> float:
+        total_s = 0.0
+        for collective, parameters, bytes_per_param, size, stride in collectives:
+            if parameters <= 0 or size <= 1:
+                continue
+            total, near = parameters * bytes_per_param, 1e-9
+            far = total * 1e6
+            slope = (collective(far, size, stride) - collective(near, size, stride)) / (far - near)
+            pieces = max(1.0, parameters / bucket) if bucketed else 1.0
+            total_s += pieces * max(collective(near, size, stride) - slope * near, 0.0) + slope * total
+        return total_s
+
+    return least(reductions, env.overlap.grad_reduce), least(gathers, env.overlap.param_gather)
 
 
 GROUPINGS = 4

@@ -120,16 +120,50 @@ MEGATRON_BUCKET_PARAMS = 40_000_000
 DDP's 25 MiB default is of the same order."""
 
 
-def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np.ndarray) -> tuple[list[float], list[float]]:
-    """Per pipeline rank, once per step: the exposed gradient reduction (ZeRO 0: all-reduce,
-    ZeRO 1: reduce-scatter) and the exposed parameter all-gather (ZeRO 1, 2).
+def bucket_parameters(cfg: Config) -> int:
+    """Parameters per gradient bucket: Megatron-Core's max(40M, 1M x dp) (`MEGATRON_BUCKET_PARAMS`)."""
+    return max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)
 
-    The reduction runs in buckets under the last micro-batch's backward of the rank's chunks
-    (`exposed_s` with that backward as window) and goes on while the ranks before it finish
-    that micro-batch's backward (`drain_slack_s`, `grad_reduce_tail_s`; the event simulator
-    plays the same on its communication streams, tests/test_overlap.py). The gather hides
-    behind the first forward (the first bucket is exposed, the mirror image). ZeRO 2 and 3
-    reduce every micro-batch (`zero_unit_s`). Not overlapped: one collective over the flat
+
+def tail_collectives(cfg: Config, env: Environment, trained: float, experts: float, gathered: float) -> tuple[list, list]:
+    """The once-per-step collectives of a pipeline rank whose units hold `trained` trained dense
+    parameters, `experts` expert parameters and `gathered` dense weights as an all-gather moves
+    them (FP8 weights at 1 byte: `gathered_dense`): (reductions, gathers), each a list of
+    (collective, parameters, bytes per parameter, group size, group stride). Reductions: ZeRO 0
+    all-reduces, ZeRO 1 reduce-scatters (dense over dp, experts over expert-dp; HSDP then
+    all-reduces each shard across the replica groups, tp x shard_degree ranks apart); gathers:
+    ZeRO 1 and 2 all-gather the updated weights. None with dp 1 or under ZeRO 3 (per micro-batch:
+    `zero_unit_s`). `dp_tail_s` prices them per rank, planner/solver/bounds.py bounds them over
+    the whole model."""
+    if cfg.dp == 1 or cfg.zero_stage == 3:
+        return [], []
+    grad_bytes = 4 if env.dtype == "float32" else 2
+    dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
+    reductions, gathers = [], []
+    if cfg.zero_stage <= 1:
+        collective = env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s
+        reductions.append((collective, trained, grad_bytes, dense_dp, cfg.tp))
+        if experts:
+            reductions.append((collective, experts, grad_bytes, cfg.expert_dp, cfg.expert_dp_stride))
+        if cfg.replicas > 1:
+            reductions.append((env.dp_all_reduce_s, trained / cfg.zero_dp, grad_bytes, cfg.replicas, cfg.tp * cfg.zero_dp))
+    if cfg.zero_stage in (1, 2):
+        gathers.append((env.dp_all_gather_s, gathered, env.dtype_bytes, dense_dp, cfg.tp))
+        if experts:
+            gathers.append((env.dp_all_gather_s, experts, env.dtype_bytes, cfg.expert_dp, cfg.expert_dp_stride))
+    return reductions, gathers
+
+
+def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per pipeline rank, once per step: the exposed gradient reduction and parameter gather
+    (`tail_collectives`).
+
+    The reduction runs in buckets (`bucket_parameters`) under the last micro-batch's backward of
+    the rank's chunks (`exposed_s` with that backward as window) and goes on while the ranks
+    before it finish that micro-batch's backward (`drain_slack_s`, `grad_reduce_tail_s`; the
+    event simulator plays the same on its communication streams, tests/test_overlap.py). The
+    gather hides behind the first forward (the first bucket is exposed, the mirror image). ZeRO 2
+    and 3 reduce every micro-batch (`zero_unit_s`). Not overlapped: one collective over the flat
     buffer, in series. `unit_recompute_s`: each unit's recomputation seconds under its own mode
     (modes are chosen per unit), part of the backward window.
     """
@@ -137,7 +171,6 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     if cfg.dp == 1 or cfg.zero_stage == 3:
         return grad_s, gather_s
     overlap = env.overlap
-    grad_bytes = 4 if env.dtype == "float32" else 2
     starts, ends = np.array(bounds).T
     zeros = np.zeros(len(bounds), dtype=int)
     rank_of = np.arange(len(bounds)) % cfg.pp  # chunk k runs on pipeline rank k mod pp
@@ -158,31 +191,21 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     rank_params, rank_dense = by_rank(table.parameters, copies), by_rank(table.dense_parameters(), copies)
     rank_trained, rank_experts = by_rank(table.trained_dense_parameters(), copies), by_rank(table.expert_parameters)
     rank_fp8, rank_forward = by_rank(table.fp8_weight_parameters), by_rank(table.forward_s)
+
+    def seconds(collectives: list, pieces: int) -> float:
+        return sum(pieces * collective(p * bytes_per_param / pieces, size, stride)
+                   for collective, p, bytes_per_param, size, stride in collectives)
+
     for rank in range(cfg.pp):
-        params, experts, trained, fp8 = rank_params[rank], rank_experts[rank], rank_trained[rank], rank_fp8[rank]
-        window, forward = windows[rank], rank_forward[rank]
-        # (parameters, group size, group stride): dense over dp, experts over expert-dp; the
-        # reductions carry trained parameters' gradients only, the gathers every weight.
-        dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
-        groups = [(trained, dense_dp, cfg.tp)] + ([(experts, cfg.expert_dp, cfg.expert_dp_stride)] if experts else [])
-        gathered = [(rank_dense[rank] - fp8 * (env.dtype_bytes - 1) / env.dtype_bytes, dense_dp, cfg.tp), *groups[1:]]
-        # HSDP: each reduce-scatter's shard is then all-reduced across the replica groups.
-        replicas = [] if cfg.replicas == 1 else [(trained / cfg.zero_dp, cfg.replicas, cfg.tp * cfg.zero_dp)]
-        buckets = max(1, math.ceil(params / max(MEGATRON_BUCKET_PARAMS, 1_000_000 * cfg.dp)))
-
-        def seconds(collective, bytes_per_param: int, pieces: int, groups=groups) -> float:
-            return sum(pieces * collective(p * bytes_per_param / pieces, size, stride) for p, size, stride in groups)
-
-        if cfg.zero_stage <= 1:
-            collective = env.dp_all_reduce_s if cfg.zero_stage == 0 else env.dp_reduce_scatter_s
+        gathered = rank_dense[rank] - rank_fp8[rank] * (env.dtype_bytes - 1) / env.dtype_bytes
+        reductions, gathers = tail_collectives(cfg, env, rank_trained[rank], rank_experts[rank], gathered)
+        buckets = max(1, math.ceil(rank_params[rank] / bucket_parameters(cfg)))
+        if reductions:
             if overlap.grad_reduce:
-                total = seconds(collective, grad_bytes, buckets) + seconds(env.dp_all_reduce_s, grad_bytes, buckets, replicas)
-                grad_s[rank] = grad_reduce_tail_s([total], [window], [slack[rank]], buckets)
+                grad_s[rank] = grad_reduce_tail_s([seconds(reductions, buckets)], [windows[rank]], [slack[rank]], buckets)
             else:  # one flat buffer after the backward (the runtime's ZeRO 0, Megatron-LM 2021)
-                grad_s[rank] = seconds(collective, grad_bytes, 1) + seconds(env.dp_all_reduce_s, grad_bytes, 1, replicas)
-        if cfg.zero_stage in (1, 2):
-            if overlap.param_gather:
-                gather_s[rank] = exposed_s(seconds(env.dp_all_gather_s, env.dtype_bytes, buckets, gathered), forward, buckets)
-            else:
-                gather_s[rank] = seconds(env.dp_all_gather_s, env.dtype_bytes, 1, gathered)
+                grad_s[rank] = seconds(reductions, 1)
+        if gathers:
+            gather_s[rank] = exposed_s(seconds(gathers, buckets), rank_forward[rank], buckets) if overlap.param_gather \
+                else seconds(gathers, 1)
     return grad_s, gather_s
