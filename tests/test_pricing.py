@@ -91,3 +91,51 @@ def test_refined_order_is_the_stronger_bounds_order_and_refines_only_what_it_rea
         below.append(index)
     assert set(below) == set(np.flatnonzero(strong < cap).tolist())
     assert len(touched) <= int((weak < cap).sum()) + 16  # what the weak bound admits, and one batch more
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed,workers", [(0, 1), (1, 1), (2, 2), (3, 2)])
+def test_scouting_prices_nothing_twice_and_keeps_the_top_k(seed, workers, monkeypatch):
+    """A scout prices the best refined configurations before more are refined: the same top k
+    as without it, each configuration priced once, and the batches refined after it see the cap
+    (`refined_order`'s `cap`), so the refinement stops where nothing left can enter the top k."""
+    import numpy as np
+
+    monkeypatch.setattr(pricing, "MIN_PARALLEL", 0)
+    monkeypatch.setattr(pricing, "SEQUENTIAL_FIRST", 2)
+    rng = np.random.default_rng(seed)
+    n = 400
+    weak = rng.uniform(1, 10, n)
+    strong = weak * rng.uniform(1, 3, n)  # a weak bound far below the strong one: many batches before the first turn
+    times = strong * rng.uniform(1, 1.2, n)
+    fits = rng.random(n) > 0.2
+    seen: list[int] = []
+    caps: list[float] = []
+
+    def price(index: int, cap: float) -> Evaluation:
+        seen.append(index)
+        if not fits[index]:
+            return Evaluation(SimpleNamespace(index=index), False, "does not fit", min_memory_bytes=1e9 + index)
+        return Evaluation(SimpleNamespace(index=index), True, iteration_time_s=float(times[index]))
+
+    top = pricing.TopK(3)
+
+    def refine(indices):
+        caps.append(top.cap)
+        return strong[indices]
+
+    scout = pricing.Scout(price, top)
+    order = pricing.refined_order(weak, refine, batch=16, scout=scout, cap=lambda: top.cap)
+    ranked, evaluated, least = pricing.price_in_order(price, order, n, keep=3, workers=workers, top=top, scout=scout)
+    if workers == 1:
+        assert len(seen) == len(set(seen)) == evaluated  # nothing priced twice (workers price in their own process)
+    assert 0 < scout.priced <= pricing.SCOUTS
+    best = sorted(times[fits].tolist())[:3]
+    assert sorted(e.iteration_time_s for e in ranked)[:3] == best
+    assert len({e.config.index for e in ranked}) == len(ranked)
+    if workers == 1:
+        assert least == min((1e9 + i for i in set(seen) if not fits[i]), default=float("inf"))
+    assert caps[0] == float("inf") and caps[-1] < float("inf")  # the scout gave the later batches a cap
+    # No configuration whose strong bound is below the final k-th time was left out.
+    priced = {e.config.index for e in ranked}
+    assert all(i in priced for i in np.flatnonzero((strong < best[-1]) & fits).tolist())

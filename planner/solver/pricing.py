@@ -15,6 +15,12 @@ known when its configuration was sent, a larger one than the sequential loop wou
 prunes less and never changes a price. The top k is therefore the sequential loop's; the
 search may price a few configurations more (those in flight when the cap fell below them).
 
+Before the first configuration's turn the search may have refined several batches of bounds
+(`refined_order`: the weak bound orders them, and a refined bound can sit far above it), each
+computing its costliest parts for every configuration while there is no cap. `Scout` prices
+the best refined ones early to give the later batches a cap; they are not priced again in
+their turn.
+
 Processes are forked (the tables, bounds and environment are inherited, not copied through
 pipes); only the results travel back. Fork needs a POSIX system and a process without
 threads that hold locks: the CLI's solve imports no torch and uses it; `search()` called from
@@ -42,6 +48,8 @@ MIN_PARALLEL = 24
 more than it saves."""
 SEQUENTIAL_FIRST = 8
 """Configurations priced in the calling process before the workers start (`price_in_order`)."""
+SCOUTS = 6
+"""Most configurations `Scout` prices ahead of their turn (twice the default top k)."""
 
 _PRICE: Callable[[int, float], Evaluation] | None = None
 """The pricing function of the current parallel search, inherited by the forked workers."""
@@ -75,8 +83,9 @@ class TopK:
             self.cap = -self._times[0]
 
 
-def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray],
-                  batch: int = 256) -> Iterator[tuple[int, float]]:
+def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray], batch: int = 256,
+                  scout: Callable[[list[int]], None] | None = None,
+                  cap: Callable[[], float] = lambda: math.inf) -> Iterator[tuple[int, float]]:
     """Configurations with their stronger bound, ascending, computing it only for those reached.
 
     `weak[i]` is a lower bound on configuration i's time and `refine(indices)` a stronger one (at
@@ -85,7 +94,12 @@ def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray],
     bound (every unrefined configuration's stronger bound is at least its weak one, so nothing
     below it remains); otherwise the next `batch` in weak order are refined at once (one numpy
     pass) and pushed. The bounds come out non-decreasing, so `price_in_order` may stop at the
-    first that reaches the cap, and only the configurations below the final cap are refined."""
+    first that reaches the cap, and only the configurations below the final cap are refined.
+
+    `cap()` is the k-th best time priced so far: once the next weak bound reaches it, nothing
+    left can enter the top k and no more are refined. Before refining more, `scout` (if given) is
+    shown the refined configurations with the least bounds, fastest first (`Scout`: it prices a
+    few while there is no cap yet, so the refinement of the next batches knows one)."""
     order = np.argsort(weak, kind="stable")
     heap: list[tuple[float, int, int]] = []  # (bound, position in weak order, index)
     position = 0
@@ -95,51 +109,100 @@ def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray],
             bound, _, index = heapq.heappop(heap)
             yield index, bound
             continue
-        if position >= len(order):
+        if position >= len(order) or following >= cap():  # the heap's top is above it too
             return
+        if heap and scout is not None:
+            scout([index for _, _, index in heapq.nsmallest(SCOUTS, heap)])
+            if following >= cap():
+                return
         chunk = order[position:position + batch].tolist()
         for offset, (index, bound) in enumerate(zip(chunk, refine(chunk).tolist(), strict=True)):
             heapq.heappush(heap, (max(bound, float(weak[index])), position + offset, index))
         position += len(chunk)
 
 
+class Scout:
+    """Prices a search's most promising configurations before their turn, while it has no cap
+    (fewer than k feasible times): the refinement of the next batches (`refined_order`) then
+    computes its costly parts only below that cap (planner/solver/bounds.py `TimeBound.many`).
+    Pricing out of order changes no result (the top k is whatever is priced below the final
+    cap, and each price is the same whatever the cap: `_parallel`); `price_in_order` takes the
+    scouted evaluations in their turn instead of pricing them again. It prices those with the
+    least refined bounds, which would be priced anyway unless k faster plans turn up."""
+
+    def __init__(self, price: Callable[[int, float], Evaluation], top: TopK):
+        self.price, self.top, self.priced = price, top, 0
+        self.results: dict[int, Evaluation] = {}
+        """Scouted evaluations not yet taken in their turn (`price_in_order`); the feasible
+        ones' times are in `top`."""
+
+    def __call__(self, best: list[int]) -> None:
+        for index in best:
+            if self.top.cap < math.inf or self.priced >= SCOUTS:
+                return
+            if index not in self.results:
+                self.priced += 1
+                result = self.results[index] = self.price(index, self.top.cap)
+                if result.feasible:
+                    self.top.add(result.iteration_time_s)
+
+
 def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterable[tuple[int, float]], count: int,
-                   keep: int, workers: int = 1, top: TopK | None = None) -> tuple[list[Evaluation], int, float]:
+                   keep: int, workers: int = 1, top: TopK | None = None,
+                   scout: Scout | None = None) -> tuple[list[Evaluation], int, float]:
     """Price the `count` configurations `candidates` yields, (index, lower bound) with bounds
     non-decreasing, by `price(index, cap)` until the next bound reaches the k-th best time
     (module docstring). Returns the feasible evaluations in that order, how many were priced,
     and the least memory an infeasible one needed. `top` (a fresh `TopK(keep)` by default)
     holds the k best times as they come: the caller may read its cap while `candidates` runs
-    (the search bounds only what can still beat it: planner/solver/solve.py `search`)."""
+    (the search bounds only what can still beat it: planner/solver/solve.py `search`). `scout`:
+    what it priced ahead of their turn (while `candidates` ran) is taken from it, not priced
+    again; those whose turn never came are listed last."""
     top = TopK(keep) if top is None else top
-    if workers <= 1 or count < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
-        return _sequential(price, candidates, top)
-    # The first few in this process: most searches stop within a few dozen, and workers forked
-    # after them inherit the tables and frontiers those built (`Environment.memo`).
-    stream = iter(candidates)
-    ranked, evaluated, least = _sequential(price, itertools.islice(stream, SEQUENTIAL_FIRST), top)
-    if evaluated < SEQUENTIAL_FIRST:  # the cap stopped it, or nothing is left
-        return ranked, evaluated, least
-    more, priced, unfit = _parallel(price, stream, top, workers)
-    return ranked + more, evaluated + priced, min(least, unfit)
-
-
-def _sequential(price, candidates, top: TopK) -> tuple[list[Evaluation], int, float]:
-    ranked, evaluated, least = [], 0, math.inf
-    for index, bound in candidates:
-        if bound >= top.cap:
-            break
+    ahead = {} if scout is None else scout.results
+    ranked, evaluated, least = _in_order(price, candidates, count, top, workers, ahead)
+    for result in ahead.values():  # their bounds reached the cap: priced, but after the last taken
         evaluated += 1
-        result = price(index, top.cap)
         if result.feasible:
             ranked.append(result)
-            top.add(result.iteration_time_s)
         else:
             least = min(least, result.min_memory_bytes)
     return ranked, evaluated, least
 
 
-def _parallel(price, candidates, top: TopK, workers) -> tuple[list[Evaluation], int, float]:
+def _in_order(price, candidates, count: int, top: TopK, workers: int,
+              ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
+    if workers <= 1 or count < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
+        return _sequential(price, candidates, top, ahead)
+    # The first few in this process: most searches stop within a few dozen, and workers forked
+    # after them inherit the tables and frontiers those built (`Environment.memo`).
+    stream = iter(candidates)
+    ranked, evaluated, least = _sequential(price, itertools.islice(stream, SEQUENTIAL_FIRST), top, ahead)
+    if evaluated < SEQUENTIAL_FIRST:  # the cap stopped it, or nothing is left
+        return ranked, evaluated, least
+    more, priced, unfit = _parallel(price, stream, top, workers, ahead)
+    return ranked + more, evaluated + priced, min(least, unfit)
+
+
+def _sequential(price, candidates, top: TopK, ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
+    ranked, evaluated, least = [], 0, math.inf
+    for index, bound in candidates:
+        if bound >= top.cap:
+            break
+        evaluated += 1
+        result = ahead.pop(index, None)  # scouted: its time is in `top` already
+        if result is None:
+            result = price(index, top.cap)
+            if result.feasible:
+                top.add(result.iteration_time_s)
+        if result.feasible:
+            ranked.append(result)
+        else:
+            least = min(least, result.min_memory_bytes)
+    return ranked, evaluated, least
+
+
+def _parallel(price, candidates, top: TopK, workers, ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
     global _PRICE
     _PRICE = price
     results, least = {}, math.inf
@@ -152,8 +215,13 @@ def _parallel(price, candidates, top: TopK, workers) -> tuple[list[Evaluation], 
             while True:
                 while following is not None and len(pending) < 2 * workers and following[1] < top.cap:
                     index = following[0]
-                    pending[pool.submit(_price_in_worker, index, top.cap)] = index
                     taken.append(index)
+                    known = ahead.pop(index, None)  # scouted: its time is in `top` already
+                    if known is None:
+                        pending[pool.submit(_price_in_worker, index, top.cap)] = index
+                    else:
+                        results[index] = known
+                        least = least if known.feasible else min(least, known.min_memory_bytes)
                     following = next(stream, None)
                 if not pending:
                     break

@@ -39,7 +39,7 @@ from planner.solver.bounds import GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
-from planner.solver.pricing import TopK, price_in_order, refined_order
+from planner.solver.pricing import Scout, TopK, price_in_order, refined_order
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config, flush_blocker, scatter_gather
 
 log = logging.getLogger(__name__)
@@ -674,8 +674,11 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
 
     # Ordered by the weaker bound computed for all (once per cost table: bounds.py `many(whole=False)`),
     # refined to the whole bound for those the pricing reaches (`refined_order`), in ascending
-    # order of that until the k-th best time is below the next (planner/solver/pricing.py).
-    ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole), len(fitting), keep, workers, top)
+    # order of that until the k-th best time is below the next (planner/solver/pricing.py). The
+    # scout prices the best refined ones early, so the batches refined before their turn know a cap.
+    scout = Scout(price, top)
+    ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole, scout=scout, cap=lambda: top.cap),
+                                              len(fitting), keep, workers, top, scout)
     phases["inter_op"] = time.perf_counter() - tick
     log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", fitting.candidates, fitting.pruned, evaluated,
               {k: round(v, 3) for k, v in phases.items()})
