@@ -103,7 +103,8 @@ class _UnitTerms:
     """[distinct unit]: how many units share those numbers."""
     ratios: np.ndarray
     """(t_r' - t_r) / (a_r - a_r') >= 0 for every unit and pair of modes with a_r > a_r': the
-    values of lambda where some unit's best mode changes."""
+    values of lambda where some unit's best mode changes (repeats kept: the dual's maximum over
+    them is the same)."""
     lambdas: np.ndarray
     """0 and `ratios`: where the dual's maximum lies (module docstring)."""
     dual_s: np.ndarray
@@ -177,7 +178,7 @@ class TimeBound:
         self._slowest: dict[tuple, float] = {}  # (id of _UnitTerms or its least prefix, chunks) -> B* (held in self._units)
         self._busiest: dict[tuple, tuple] = {}  # `_memory_rank`
         self._parts: dict[tuple, tuple] = {}  # `_group`'s parts (the tables are held by the groups)
-        self._updated: dict[tuple, float] = {}  # `_group`'s optimizer step per (table id, ZeRO 0, zero_dp, expert dp)
+        self._updated: dict[tuple, float] = {}  # `group_columns`' optimizer step per (parameters held, ZeRO 0, degrees)
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
@@ -246,14 +247,16 @@ class TimeBound:
         tail_key = ("tail", self._sums[id(table)][1], *self._parts[fp8_key], zero, dp, shard, tp, ep, sp)
         if tail_key not in self._parts:
             self._parts[tail_key] = _tail_comm_s(table, cfg(), env)
-        updated_key = (id(table), zero == 0, shard or dp, dp, tp, ep, sp)  # ZeRO's shards, the experts' dp
+        totals_key = ("held", id(table))  # what the whole model's ranks hold, once per table
+        if totals_key not in self._parts:
+            self._parts[totals_key] = held_parameters(table, 0, len(table.parameters))
+        held, experts = self._parts[totals_key]
+        updated_key = (held, experts, zero == 0, shard or dp, dp, tp, ep, sp)  # ZeRO's shards, the experts' dp
         if updated_key not in self._updated:
             # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.
-            totals_key = ("held", id(table))  # what the whole model's ranks hold, once per table
-            if totals_key not in self._parts:
-                self._parts[totals_key] = held_parameters(table, 0, len(table.parameters))
-            held, experts = self._parts[totals_key]
-            self._updated[updated_key] = updated_share(held, experts, cfg()) * env.optimizer_s_per_param
+            # A dense model's share needs no Config (the experts' dp is read only where there are experts).
+            expert_dp = cfg().expert_dp if experts else 1
+            self._updated[updated_key] = updated_share(held, experts, zero, shard or dp, expert_dp) * env.optimizer_s_per_param
         min_p2p, min_hop = self._parts[p2p_key]
         columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp, window,
                    *self._parts[tail_key])
@@ -364,15 +367,14 @@ class TimeBound:
         if not len(group):
             return np.zeros(0)
         distinct: list[_UnitTerms] = []
-        position: dict[int, int] = {}
+        position: dict[int, int] = {}  # per table (the weak unit terms are once per table)
         columns, which = [], []
         for table, settings, config in groups:
-            terms = self._unit_terms(table, settings, config, False)
+            if id(table) not in position:
+                position[id(table)] = len(distinct)
+                distinct.append(self._unit_terms(table, settings, config, False))
             columns.append(self.group_columns(table, settings, config))
-            if id(terms) not in position:
-                position[id(terms)] = len(distinct)
-                distinct.append(terms)
-            which.append(position[id(terms)])
+            which.append(position[id(table)])
         return self._closed_forms(variants, np.array(columns)[group], distinct, np.array(which)[group], None)
 
     def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
@@ -660,8 +662,9 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: d
     time_s, activation = distinct[:len(modes)], distinct[len(modes):]
     saved = activation[:, None, :] - activation[None, :, :]  # [r, r', unit]
     slower = time_s[None, :, :] - time_s[:, None, :]
-    ratios = np.unique(slower[saved > 0] / saved[saved > 0])
-    ratios = ratios[ratios >= 0]
+    positive = saved > 0
+    ratios = slower[positive] / saved[positive]
+    ratios = ratios[ratios >= 0]  # neither sorted nor distinct: the dual's maximum over them does not care
     count = np.bincount(inverse, minlength=distinct.shape[1])
     lambdas = np.concatenate([[0.0], ratios])
     per_unit = (time_s[None] + lambdas[:, None, None] * activation[None]).min(axis=1)
@@ -670,9 +673,9 @@ def _unit_terms(table: UnitCostTable, cfg: Config, env: Environment, grouping: d
     largest = np.concatenate([[0.0], np.cumsum(np.sort(least)[::-1])])
     common = int(np.argmax(count))
     others = inverse != common
-    positive = np.maximum(np.stack([first[r] for r in modes]).min(axis=0), 0.0)
-    starts = np.cumsum(np.concatenate([positive[:1], np.sort(positive[1:])]))
-    offsets = np.maximum.accumulate(prefix[:-1] - positive)
+    exposed = np.maximum(np.stack([first[r] for r in modes]).min(axis=0), 0.0)
+    starts = np.cumsum(np.concatenate([exposed[:1], np.sort(exposed[1:])]))
+    offsets = np.maximum.accumulate(prefix[:-1] - exposed)
     return _UnitTerms(time_s, activation, count, ratios, lambdas, per_unit @ count, prefix.tolist(), offsets.tolist(),
                       largest, inverse,
                       common, starts, float(np.minimum(least[others], 0.0).sum()))

@@ -280,7 +280,7 @@ def _add(a: ModelStateBytes, b: ModelStateBytes, sign: float = 1.0) -> ModelStat
 def updated_parameters(table: UnitCostTable, cfg: Config, start: int, end: int) -> float:
     """Parameters a rank's optimizer updates for units [start, end): its shard under ZeRO >= 1
     (dense over dp, experts over expert-dp), all it holds under ZeRO 0."""
-    return updated_share(*held_parameters(table, start, end), cfg)
+    return updated_share(*held_parameters(table, start, end), cfg.zero_stage, cfg.zero_dp, cfg.expert_dp)
 
 
 def held_parameters(table: UnitCostTable, start: int, end: int) -> tuple[float, float]:
@@ -292,11 +292,12 @@ def held_parameters(table: UnitCostTable, start: int, end: int) -> tuple[float, 
     return held, experts
 
 
-def updated_share(held: float, experts: float, cfg: Config) -> float:
-    """`updated_parameters` from `held_parameters`."""
-    if cfg.zero_stage == 0:
+def updated_share(held: float, experts: float, zero_stage: int, zero_dp: int, expert_dp: int) -> float:
+    """`updated_parameters` from `held_parameters` and the configuration's ZeRO stage and degrees
+    (`Config.zero_dp`, `Config.expert_dp`)."""
+    if zero_stage == 0:
         return held
-    return (held - experts) / cfg.zero_dp + experts / cfg.expert_dp
+    return (held - experts) / zero_dp + experts / expert_dp
 
 
 def _updated_per_stage(table: UnitCostTable, cfg: Config, starts: np.ndarray, ends: np.ndarray, copies: np.ndarray) -> list[float]:
