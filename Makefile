@@ -23,8 +23,12 @@ setup: $(BIN)/planner
 demo: setup
 	$(BIN)/python examples/demo.py
 
+# Two pytest workers (pytest-xdist; fewer on a 1-CPU machine): a multi-process test spends part
+# of its time starting interpreters and waiting on its peers, which the other worker fills.
+PYTEST_WORKERS := -n auto --maxprocesses 2
+
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS)
 
 lint: setup
 	$(BIN)/ruff check planner runtime
@@ -34,7 +38,7 @@ typecheck: setup
 	$(BIN)/mypy planner runtime
 
 test-fast: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_WORKERS) -m "not slow"
 
 clean:
 	rm -rf $(VENV) runs
