@@ -136,6 +136,18 @@ x12,288): 175B x64 2.85 -> 2.44 s, x1024 5.22 -> 3.54 s, x12,288 20.2 -> 5.2 s, 
 of the process is imports and 0.1-0.2 s printing the plan, and the search's weak bounds over
 14,037 configurations, the whole bounds of the ~1,000 that reach them and the tables take
 about as long as the 25 DPs.
+This round (2026-11-28, second session): before the first configuration's turn the search had
+refined several batches of 256 bounds with no cap yet (3 on 64 GPUs, 6 on 1024, 13 on 12,288),
+computing B* and z* for all of them; now a scout prices the three with the least refined bounds
+first (planner/solver/pricing.py `Scout`), so later batches compute those only below the cap,
+and the refinement stops once the next weak bound reaches it. The weak bound's optimizer term
+needs no Config for a dense model and its unit terms come once per table. Same layouts and
+iteration times on every row; DPs run 57 -> 58 (x1024), 9 -> 12 (192 layers), 25 -> 28 (530B),
+120 -> 123 (x12,288): the scouts not otherwise priced. The machine ran slower than for the
+previous CSV (175B x64 2.59 -> 3.07 s in the CSV), so the code before (51b644a) and after ran
+alternately (`planner solve` processes, median of 5): 175B x64 3.18 -> 3.03 s, x1024 4.12 ->
+3.59 s, x12,288 6.21 -> 5.72 s; in-process on one core, the x12,288 search 6.1 -> 4.5 s (pricing
+phase 3.0 -> 2.0 s). Goals for 175B (1 s on 64 GPUs, 2 s on 1024) still not met.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
