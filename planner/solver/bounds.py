@@ -81,11 +81,11 @@ from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
     Config,
     Environment,
-    _loss_bytes,
     gpu_state_bytes,
     held_parameters,
     p2p_arrays,
     stage_arrays,
+    stage_loss_bytes,
     updated_share,
 )
 
@@ -509,7 +509,7 @@ def _end_units(table: UnitCostTable, cfg: Config, env: Environment, terms: _Unit
                states: np.ndarray) -> tuple[tuple[int, float, float, float], ...]:
     """What the first and last pipeline ranks hold besides z*'s kind (`_memory_rank_s`): chunk 0
     starts at unit 0 on rank 0, and the last chunk, on rank p - 1, ends at the last unit with the
-    loss (`_loss_bytes`), whatever the cuts. Per unit not of the kind: (rank, its in-flight count,
+    loss (`stage_loss_bytes`), whatever the cuts. Per unit not of the kind: (rank, its in-flight count,
     its least time, at least 0, and its states plus that many micro-batches of its least
     activations), the two on one rank when p = 1."""
     flights = _rank_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
@@ -521,7 +521,7 @@ def _end_units(table: UnitCostTable, cfg: Config, env: Environment, terms: _Unit
             continue
         held = float(states[unit]) + flights[rank] * float(terms.activation_bytes[:, kind].min())
         if unit == last:
-            held += _loss_bytes(table, env, cfg)
+            held += stage_loss_bytes(table, env, cfg)
         out.append((rank, flights[rank], max(float(terms.time_s[:, kind].min()), 0.0), held))
     if len(out) == 2 and out[0][0] == out[1][0]:
         out = [(out[0][0], out[0][1], out[0][2] + out[1][2], out[0][3] + out[1][3])]

@@ -350,7 +350,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
     levels, row_of_stage = np.unique(in_flight, return_inverse=True)
     fixed = p_states[end] - p_states[start] + copy_states + 2 * table.cut_bytes[end - 1]
-    fixed = fixed + np.where(end == num_units, _loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
+    fixed = fixed + np.where(end == num_units, stage_loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
     transient = _transient_max(table, env)[start, end]
     width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
@@ -688,7 +688,7 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> float:
+def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> float:
     """The loss's bytes on the stage holding the last unit (planner/cost/memory.py `loss_bytes`),
     with `loss_in_flight` micro-batches' losses waiting for their backward."""
     return loss_bytes(table.output_bytes, table.output_element_bytes, loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches),
@@ -776,7 +776,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     transient = np.where(np.logical_or.reduceat(rebuilding, starts), np.maximum.reduceat(table.transient["full"], starts), 0.0)
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
-    loss = np.where(ends == len(table.parameters), _loss_bytes(table, env, cfg), 0.0)
+    loss = np.where(ends == len(table.parameters), stage_loss_bytes(table, env, cfg), 0.0)
     memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1] + loss
     half_p2p = p2p[ends - 1] / 2
     fwd = (forward + half_p2p).tolist()
