@@ -177,7 +177,8 @@ class TimeBound:
         self._grouping: dict[int, list] = {}  # `_unit_terms`: number of units -> recent groupings
         self._slowest: dict[tuple, float] = {}  # (id of _UnitTerms or its least prefix, chunks) -> B* (held in self._units)
         self._busiest: dict[tuple, tuple] = {}  # `_memory_rank`
-        self._parts: dict[tuple, tuple] = {}  # `_group`'s parts (the tables are held by the groups)
+        self._parts: dict[tuple, tuple] = {}  # `group_columns`' parts (the tables are held by the groups)
+        self._tables: dict[int, tuple] = {}  # `group_columns`: id of a table -> (the table, what it reads of it alone)
         self._updated: dict[tuple, float] = {}  # `group_columns`' optimizer step per (parameters held, ZeRO 0, degrees)
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
@@ -232,25 +233,20 @@ class TimeBound:
         if p2p_key not in self._parts:
             hops, p2p, _ = p2p_arrays(table, cfg(), env)
             self._parts[p2p_key] = (float(p2p.min()), float(hops[:-1].min()) if len(hops) > 1 else 0.0)
-        sums_key = ("sums", id(table))
-        if sums_key not in self._parts:
+        alone = self._tables.get(id(table))
+        if alone is None:  # what it reads of the table alone, once per table (the table held: its id stays its own)
             least_recompute = np.stack([table.recompute_s[r] for r in env.allowed_recompute]).min(axis=0)
-            self._parts[sums_key] = (float(table.forward_s.sum()), float(table.backward_s.sum()),
-                                     float((table.backward_s + least_recompute).sum()))
-        forward, backward, window = self._parts[sums_key]
-        # The tail reads the table's parameter sums alone: tables of another micro-batch or CP share it.
-        fp8_key = ("fp8", id(table))
-        if fp8_key not in self._parts:
             fp8 = table.fp8_weight_parameters
-            self._parts[fp8_key] = (None if fp8 is None else float(fp8.sum()),)
+            alone = self._tables[id(table)] = (
+                table, float(table.forward_s.sum()), float(table.backward_s.sum()),
+                float((table.backward_s + least_recompute).sum()), None if fp8 is None else float(fp8.sum()),
+                *held_parameters(table, 0, len(table.parameters)))  # what the whole model's ranks hold
+        _, forward, backward, window, fp8_parameters, held, experts = alone
         states = self.states_bytes(table, settings, cfg)  # fills self._sums for the table
-        tail_key = ("tail", self._sums[id(table)][1], *self._parts[fp8_key], zero, dp, shard, tp, ep, sp)
+        # The tail reads the table's parameter sums alone: tables of another micro-batch or CP share it.
+        tail_key = ("tail", self._sums[id(table)][1], fp8_parameters, zero, dp, shard, tp, ep, sp)
         if tail_key not in self._parts:
             self._parts[tail_key] = _tail_comm_s(table, cfg(), env)
-        totals_key = ("held", id(table))  # what the whole model's ranks hold, once per table
-        if totals_key not in self._parts:
-            self._parts[totals_key] = held_parameters(table, 0, len(table.parameters))
-        held, experts = self._parts[totals_key]
         updated_key = (held, experts, zero == 0, shard or dp, dp, tp, ep, sp)  # ZeRO's shards, the experts' dp
         if updated_key not in self._updated:
             # Offload runs the step on the host (slower, plus PCIe): the GPU's step is still a lower bound.

@@ -536,6 +536,7 @@ class _Fitting:
         self.refusals: dict[str, None] = {}  # why groups were left out before any bound (`_fold_refusal`), in order
         self._unsharded: dict[int, int | None] = {}  # `_fold_refusal`'s per table
         self.groups: list[tuple[ConfigBlock, int, UnitCostTable]] = []  # (block, its entry of `rest`, cost table)
+        self._weak: list[tuple[UnitCostTable, GroupSettings, Callable[[], Config]]] = []  # per group: what `weak_many` reads
         group_ids: list = []
         schedule_ids: list = []
         variant_ids: list = []
@@ -548,13 +549,15 @@ class _Fitting:
                 if refused is not None:  # no plan of the group can run
                     self.refusals.setdefault(refused, None)
                     continue
-                memory = bound.states_bytes(table, block.settings(entry), functools.partial(block.config, entry, 0)) / block.pp
+                settings, config = block.settings(entry), functools.partial(block.config, entry, 0)
+                memory = bound.states_bytes(table, settings, config) / block.pp
                 if memory > usable_bytes:
                     self.pruned += len(block.schedules)
                     self.least_memory_bytes = min(self.least_memory_bytes, memory)
                 else:
                     kept.append(len(self.groups))
                     self.groups.append((block, entry, table))
+                    self._weak.append((table, settings, config))
             self.candidates += len(block.rest) * len(block.schedules)
             if kept:
                 count = len(block.schedules)
@@ -585,9 +588,7 @@ class _Fitting:
     def weak_bounds(self, gpus_per_node: int) -> np.ndarray:
         """`TimeBound.many(whole=False)` of every configuration, scaled for pipedream-2bw
         (`async_time_bounds`)."""
-        groups: list[tuple[UnitCostTable, GroupSettings, Callable[[], Config]]] = [
-            (table, block.settings(entry), functools.partial(block.config, entry, 0)) for block, entry, table in self.groups]
-        weak = self.bound.weak_many(groups, self.group, self.variants[self.variant])
+        weak = self.bound.weak_many(self._weak, self.group, self.variants[self.variant])
         asynchronous = [i for i, (block, entry, table) in enumerate(self.groups)
                         if any(name == "pipedream-2bw" for name, _ in block.schedules)]
         if asynchronous:
