@@ -1,6 +1,6 @@
 # Two entry points for a newcomer on a fresh machine (README.md):
 #   make demo   set up, then profile -> solve -> run -> validate the bundled example on CPU
-#   make test   set up, then run the test suite (all of it: about 30 minutes on 2 cores, up to an hour on a slow machine)
+#   make test   set up, then run the test suite (all of it, two pytest workers: about 45 minutes on 2 cores)
 #   make test-fast   everything but the multi-process tests marked slow (a few minutes)
 # Both create .venv with the CPU build of torch pinned (an unpinned torch pulls a CUDA build).
 
