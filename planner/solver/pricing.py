@@ -109,12 +109,12 @@ def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray], b
             bound, _, index = heapq.heappop(heap)
             yield index, bound
             continue
-        if position >= len(order) or following >= cap():  # the heap's top is above it too
+        if position >= len(order):
             return
         if heap and scout is not None:
             scout([index for _, _, index in heapq.nsmallest(SCOUTS, heap)])
-            if following >= cap():
-                return
+        if following >= cap():  # the heap's top is above it too
+            return
         chunk = order[position:position + batch].tolist()
         for offset, (index, bound) in enumerate(zip(chunk, refine(chunk).tolist(), strict=True)):
             heapq.heappush(heap, (max(bound, float(weak[index])), position + offset, index))
@@ -221,7 +221,8 @@ def _parallel(price, candidates, top: TopK, workers, ahead: dict[int, Evaluation
                         pending[pool.submit(_price_in_worker, index, top.cap)] = index
                     else:
                         results[index] = known
-                        least = least if known.feasible else min(least, known.min_memory_bytes)
+                        if not known.feasible:
+                            least = min(least, known.min_memory_bytes)
                     following = next(stream, None)
                 if not pending:
                     break
