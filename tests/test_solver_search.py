@@ -381,3 +381,57 @@ def test_majority_modes_of_all_stages_equal_one_at_a_time(stages):
     shuffled = ("full", "none", "selective")
     remap = np.array([shuffled.index(m) for m in modes])
     assert _majority_modes(remap[unit_mode], starts, shuffled) == expected
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shape,gpus,batch,fraction", [(0, 8, 32, 0.08), (1, 16, 64, 0.9), (1, 8, 16, 0.04),
+                                                       (0, 16, 32, 0.15), (1, 16, 8, 0.3)])
+def test_a_split_search_finds_the_one_process_top_k(profiles, shape, gpus, batch, fraction, monkeypatch):
+    """The blocks dealt to two processes with one shared cap (planner/solver/solve.py
+    `split_blocks`, planner/solver/pricing.py `run_split`): the same top k, ties in the same
+    order, and every configuration counted once (as enumerated, pruned by memory, priced or
+    pruned by time)."""
+    import planner.solver.solve as solve_module
+    from planner.solver.solve import search
+
+    monkeypatch.setattr(solve_module, "SPLIT_MIN", 0)
+    profile = profiles[shape]
+    cluster = make_cluster(gpus, 8, "a100-80gb")
+    alone = search(profile, cluster, batch, memory_fraction=fraction, keep=3, workers=1)
+    split = search(profile, cluster, batch, memory_fraction=fraction, keep=3, workers=2)
+    assert alone.ranked, "nothing fits: pick an instance where something does"
+    assert [(e.iteration_time_s, e.config) for e in split.ranked[:3]] == \
+        [(e.iteration_time_s, e.config) for e in alone.ranked[:3]]
+    assert (split.candidates, split.pruned) == (alone.candidates, alone.pruned)
+    assert split.candidates == split.pruned + split.evaluated + split.pruned_by_time
+    assert split.min_memory_bytes == alone.min_memory_bytes or alone.ranked
+
+
+def test_split_blocks_deals_every_block_once_and_keeps_families_whole(profiles):
+    from planner.solver.solve import candidate_blocks, split_blocks
+
+    profile = profiles[1]
+    blocks = list(candidate_blocks(Pins(), make_cluster(64, 8, "a100-80gb"), 256, len(profile.units),
+                                   profile.micro_batch_sizes))
+    parts = split_blocks(blocks, 2)
+    assert len(parts) == 2 and split_blocks(blocks, 2) == parts  # deterministic
+    assert sorted(map(id, (b for part in parts for b in part))) == sorted(map(id, blocks))
+    family = lambda b: (b.tp, b.sequence_parallel, b.micro_batch_size)  # noqa: E731
+    assert not {family(b) for b in parts[0]} & {family(b) for b in parts[1]}
+    sizes = [sum(len(b.rest) * len(b.schedules) for b in part) for part in parts]
+    assert min(sizes) > 0.25 * max(sizes)
+    assert split_blocks(blocks[:3], 2) == [blocks[:3]]  # too few configurations to fork for
+
+
+def test_a_shared_top_k_holds_the_k_best_as_top_k_does():
+    import random
+
+    from planner.solver.pricing import SharedTopK, TopK
+
+    rng = random.Random(0)
+    alone, shared = TopK(3), SharedTopK(3)
+    for _ in range(50):
+        seconds = rng.choice([rng.uniform(1, 10), 5.0])  # ties too
+        alone.add(seconds)
+        shared.add(seconds)
+        assert shared.cap == alone.cap

@@ -21,6 +21,13 @@ computing its costliest parts for every configuration while there is no cap. `Sc
 the best refined ones early to give the later batches a cap; they are not priced again in
 their turn.
 
+A search large enough (planner/solver/solve.py `split_blocks`) is split instead: its blocks
+are dealt to `workers` processes (`run_split`), each building its own tables, bounds and
+pricing loop over its part, all reading and raising one cap (`SharedTopK`): a part stops at
+the k-th best time any part has found, and the union of what they price holds every
+configuration below the final cap, so the top k is again the sequential loop's. The parts
+price sequentially (the cores are taken); this pool is for searches too small to split.
+
 Processes are forked (the tables, bounds and environment are inherited, not copied through
 pipes); only the results travel back. Fork needs a POSIX system and a process without
 threads that hold locks: the CLI's solve imports no torch and uses it; `search()` called from
@@ -83,6 +90,33 @@ class TopK:
             self.cap = -self._times[0]
 
 
+class SharedTopK:
+    """`TopK` held in shared memory, for a search split across forked processes (`run_split`):
+    each part adds the times it prices and reads the cap of all of them, so a part stops at the
+    k-th best time any part has found."""
+
+    def __init__(self, keep: int):
+        context = multiprocessing.get_context("fork")
+        self.keep = keep
+        self._times = context.RawArray("d", [math.inf] * keep)
+        self._lock = context.Lock()
+
+    @property
+    def cap(self) -> float:
+        with self._lock:
+            return max(self._times)
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            slowest = max(range(self.keep), key=self._times.__getitem__)
+            if seconds < self._times[slowest]:
+                self._times[slowest] = seconds
+
+
+Top = TopK | SharedTopK
+"""The k best times of one process, or of the processes of a split search."""
+
+
 def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray], batch: int = 256,
                   scout: Callable[[list[int]], None] | None = None,
                   cap: Callable[[], float] = lambda: math.inf) -> Iterator[tuple[int, float]]:
@@ -130,7 +164,7 @@ class Scout:
     scouted evaluations in their turn instead of pricing them again. It prices those with the
     least refined bounds, which would be priced anyway unless k faster plans turn up."""
 
-    def __init__(self, price: Callable[[int, float], Evaluation], top: TopK):
+    def __init__(self, price: Callable[[int, float], Evaluation], top: Top):
         self.price, self.top, self.priced = price, top, 0
         self.results: dict[int, Evaluation] = {}
         """Scouted evaluations not yet taken in their turn (`price_in_order`); the feasible
@@ -148,7 +182,7 @@ class Scout:
 
 
 def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterable[tuple[int, float]], count: int,
-                   keep: int, workers: int = 1, top: TopK | None = None,
+                   keep: int, workers: int = 1, top: Top | None = None,
                    scout: Scout | None = None) -> tuple[list[Evaluation], int, float]:
     """Price the `count` configurations `candidates` yields, (index, lower bound) with bounds
     non-decreasing, by `price(index, cap)` until the next bound reaches the k-th best time
@@ -170,9 +204,9 @@ def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterab
     return ranked, evaluated, least
 
 
-def _in_order(price, candidates, count: int, top: TopK, workers: int,
+def _in_order(price, candidates, count: int, top: Top, workers: int,
               ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
-    if workers <= 1 or count < MIN_PARALLEL or "fork" not in multiprocessing.get_all_start_methods():
+    if workers <= 1 or count < MIN_PARALLEL or not can_fork():
         return _sequential(price, candidates, top, ahead)
     # The first few in this process: most searches stop within a few dozen, and workers forked
     # after them inherit the tables and frontiers those built (`Environment.memo`).
@@ -184,7 +218,36 @@ def _in_order(price, candidates, count: int, top: TopK, workers: int,
     return ranked + more, evaluated + priced, min(least, unfit)
 
 
-def _sequential(price, candidates, top: TopK, ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
+_PART: Callable[[int], object] | None = None
+"""The part runner of the current split search, inherited by the forked processes."""
+
+
+def _part_in_worker(index: int):
+    assert _PART is not None, "forked without a part runner"
+    return _PART(index)
+
+
+def run_split(part: Callable[[int], object], parts: int) -> list:
+    """`part(i)` for i in 0 .. parts - 1: part 0 in this process, the others in forked processes
+    at the same time (what they return comes back pickled); in order of i. A search split this
+    way (planner/solver/solve.py `search`) shares its cap through a `SharedTopK`."""
+    global _PART
+    _PART = part
+    try:
+        with ProcessPoolExecutor(parts - 1, mp_context=multiprocessing.get_context("fork")) as pool:
+            others = [pool.submit(_part_in_worker, index) for index in range(1, parts)]
+            first = part(0)
+            return [first] + [future.result() for future in others]
+    finally:
+        _PART = None
+
+
+def can_fork() -> bool:
+    """Whether this system can fork worker processes (POSIX)."""
+    return "fork" in multiprocessing.get_all_start_methods()
+
+
+def _sequential(price, candidates, top: Top, ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
     ranked, evaluated, least = [], 0, math.inf
     for index, bound in candidates:
         if bound >= top.cap:
@@ -202,7 +265,7 @@ def _sequential(price, candidates, top: TopK, ahead: dict[int, Evaluation]) -> t
     return ranked, evaluated, least
 
 
-def _parallel(price, candidates, top: TopK, workers, ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
+def _parallel(price, candidates, top: Top, workers, ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
     global _PRICE
     _PRICE = price
     results, least = {}, math.inf

@@ -39,7 +39,7 @@ from planner.solver.bounds import GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
-from planner.solver.pricing import Scout, TopK, price_in_order, refined_order
+from planner.solver.pricing import Scout, SharedTopK, Top, TopK, can_fork, price_in_order, refined_order, run_split
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config, flush_blocker, scatter_gather
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ GIB = 1024**3
 # loses 5-10% to fragmentation on long runs).
 MEMORY_FRACTION = 0.9
 MAX_MICRO_BATCH = 32  # larger micro-batches only when pinned
+SPLIT_MIN = 2048
+"""Fewer configurations than this are searched in one process (`split_blocks`): a fork and the
+tables each part builds again cost more than the halves save."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +302,11 @@ class ConfigBlock:
         """What a group's configurations share beyond their table (planner/solver/bounds.py)."""
         _, ep, zero, shard, offload = self.rest[group]
         return GroupSettings(zero, self.dp, shard, offload, self.pp, self.tp, ep, self.sequence_parallel)
+
+    @property
+    def key(self) -> tuple:
+        """What tells the blocks of a search apart: (tp, sp, pp, dp, micro-batch, cp)."""
+        return self.tp, self.sequence_parallel, self.pp, self.dp, self.micro_batch_size, self.cp
 
     def table_key(self, group: int) -> tuple:
         """`UnitCosts.table`'s arguments for a group: (tp, sp, micro-batch, ep, cp, CP algorithm)."""
@@ -604,7 +612,10 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
            allow_async: bool = False, workers: int = 1) -> SearchResult:
     """Price the configurations the pins allow; `cuts` replaces the DP by a stack's own split
     (`even_block_cuts`: baselines, and published runs priced as their stack ran them);
-    `workers` processes price them (planner/solver/pricing.py: the same top k).
+    `workers` processes search them: the blocks split among them (`split_blocks`, each part's
+    bounds and pricing in its own forked process, one cap for all: planner/solver/pricing.py
+    `run_split`), or, for a search too small to split, the pricing alone on that many
+    (`price_in_order`); either way the same top k.
 
     Branch and bound: configurations whose model states alone overflow memory are pruned
     (`memory_lower_bound`, once per setting it reads: `TimeBound.memory_bytes`); the rest are
@@ -622,7 +633,6 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
         raise PlannerError(f"--moe-imbalance must be at least 1.0 (got {moe_imbalance}): it is the busiest EP rank's "
                            "share of tokens over the balanced share.", "Pass 1.0 for balanced routing, or e.g. 1.2.")
     started = time.perf_counter()
-    phases = dict.fromkeys(("intra_op", "bounds", "inter_op"), 0.0)
     dtype = dtype or profile.dtype
     if float8:
         check_float8(cluster, dtype)
@@ -642,6 +652,54 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                                    tp_degrees, expert_counts(profile), allow_offload,
                                    _states_fit(profile, dtype, env.usable_memory_bytes), _cp_sequence_length(profile),
                                    allow_async))
+    parts = split_blocks(blocks, workers) if workers > 1 and can_fork() else [blocks]
+    if len(parts) > 1:
+        top: Top = SharedTopK(keep)
+        outcomes = run_split(lambda index: _search_blocks(parts[index], costs, env, top, cuts, 1, profile.unit_names()),
+                             len(parts))
+    else:
+        outcomes = [_search_blocks(blocks, costs, env, TopK(keep), cuts, workers, profile.unit_names())]
+    ranked = [e for outcome in outcomes for e in outcome.ranked]
+    evaluated = sum(outcome.evaluated for outcome in outcomes)
+    phases = {name: max(outcome.phases[name] for outcome in outcomes) for name in outcomes[0].phases}
+    log.debug("search: %d configurations in %d parts, %d pruned by memory, %d priced; phases %s",
+              sum(o.candidates for o in outcomes), len(outcomes), sum(o.pruned for o in outcomes), evaluated,
+              {k: round(v, 3) for k, v in phases.items()})
+    # A flushed pipedream-2bw ties with 1F1B on the same layout (priced as it: `flush_blocker`) and
+    # holds more memory and stale weights: the synchronous one goes first. Other exact ties go in
+    # the order the configurations are enumerated (`candidate_blocks`: smaller tp, pp and cp
+    # first), whichever part of a split search priced them.
+    ranked.sort(key=functools.partial(_rank_key, {block.key: (n, block) for n, block in enumerate(blocks)}))
+    return SearchResult(ranked, evaluated, sum(o.pruned for o in outcomes), min(o.least_memory_bytes for o in outcomes),
+                        time.perf_counter() - started, costs, candidates=sum(o.candidates for o in outcomes),
+                        pruned_by_time=sum(o.considered for o in outcomes) - evaluated, phase_times_s=phases,
+                        memory_fraction=memory_fraction,
+                        refusals=list(dict.fromkeys(r for o in outcomes for r in o.refusals)))
+
+
+@dataclass
+class _Outcome:
+    """What `_search_blocks` found in its blocks (a part of a split search: `split_blocks`)."""
+
+    ranked: list[Evaluation]
+    """Feasible evaluations, in the order priced."""
+    evaluated: int
+    considered: int
+    """Configurations past the memory bound (priced or pruned by time)."""
+    candidates: int
+    pruned: int
+    least_memory_bytes: float
+    """Least memory of the infeasible ones priced and of those the memory bound pruned."""
+    refusals: list[str]
+    phases: dict[str, float]
+
+
+def _search_blocks(blocks: list[ConfigBlock], costs: UnitCosts, env: Environment, top: Top, cuts: Cuts | None,
+                   workers: int, unit_names: list[str]) -> _Outcome:
+    """`search`'s branch and bound over `blocks`: their cost tables, the memory bound, the weak
+    and whole time bounds, and the pricing in bound order until the cap `top` holds (shared
+    with the other parts of a split search)."""
+    phases = dict.fromkeys(("intra_op", "bounds", "inter_op"), 0.0)
     tick = time.perf_counter()
     tables = {}
     for block in blocks:
@@ -652,10 +710,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     phases["intra_op"] = time.perf_counter() - tick
     tick = time.perf_counter()
     bound = TimeBound(env)
-    fitting = _Fitting(blocks, tables, bound, env.usable_memory_bytes, profile.unit_names())
+    fitting = _Fitting(blocks, tables, bound, env.usable_memory_bytes, unit_names)
     weak = fitting.weak_bounds(env.gpus_per_node)
-
-    top = TopK(keep)
 
     def whole(indices: list[int]) -> np.ndarray:
         pairs = fitting.pairs(indices)
@@ -679,17 +735,42 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # scout prices the best refined ones early, so the batches refined before their turn know a cap.
     scout = Scout(price, top)
     ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole, scout=scout, cap=lambda: top.cap),
-                                              len(fitting), keep, workers, top, scout)
+                                              len(fitting), top.keep, workers, top, scout)
     phases["inter_op"] = time.perf_counter() - tick
     log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", fitting.candidates, fitting.pruned, evaluated,
               {k: round(v, 3) for k, v in phases.items()})
-    # A flushed pipedream-2bw ties with 1F1B on the same layout (priced as it: `flush_blocker`) and
-    # holds more memory and stale weights: the synchronous one goes first.
-    ranked.sort(key=lambda e: (e.iteration_time_s, e.flushed_by is not None))
-    return SearchResult(ranked, evaluated, fitting.pruned, min(unfit, fitting.least_memory_bytes),
-                        time.perf_counter() - started, costs, candidates=fitting.candidates,
-                        pruned_by_time=len(fitting) - evaluated, phase_times_s=phases,
-                        memory_fraction=memory_fraction, refusals=list(fitting.refusals))
+    return _Outcome(ranked, evaluated, len(fitting), fitting.candidates, fitting.pruned,
+                    min(unfit, fitting.least_memory_bytes), list(fitting.refusals), phases)
+
+
+def _rank_key(blocks: dict[tuple, tuple[int, ConfigBlock]], evaluation: Evaluation) -> tuple:
+    """How `search` ranks an evaluation: its time, the synchronous schedule before a flushed
+    pipedream-2bw, then the order of enumeration (`blocks`: each block's position and itself by
+    its key; then its schedule, then its group)."""
+    cfg = evaluation.config
+    at, block = blocks[(cfg.tp, cfg.sequence_parallel, cfg.pp, cfg.dp, cfg.micro_batch_size, cfg.cp)]
+    return (evaluation.iteration_time_s, evaluation.flushed_by is not None, at,
+            block.schedules.index((cfg.schedule, cfg.virtual_stages)),
+            block.rest.index((cfg.cp_algorithm, cfg.ep, cfg.zero_stage, cfg.shard_degree, cfg.offload)))
+
+
+def split_blocks(blocks: list[ConfigBlock], parts: int) -> list[list[ConfigBlock]]:
+    """`blocks` dealt to at most `parts` processes for a split search (issue #17: the machine has
+    two cores; planner/solver/pricing.py `run_split`), or one part when there are too few
+    configurations to pay for a fork (`SPLIT_MIN`). The blocks of one TP degree, sequence
+    parallelism and micro-batch size go to the same part (they share cost tables: each part
+    builds its own), those families largest first to the part with the fewest configurations
+    so far. Deterministic: the same blocks give the same parts."""
+    families: dict[tuple, list[ConfigBlock]] = {}
+    for block in blocks:
+        families.setdefault((block.tp, block.sequence_parallel, block.micro_batch_size), []).append(block)
+    size = lambda family: sum(len(b.rest) * len(b.schedules) for b in family)  # noqa: E731
+    if sum(size(f) for f in families.values()) < SPLIT_MIN or len(families) < 2:
+        return [blocks]
+    dealt: list[list[ConfigBlock]] = [[] for _ in range(min(parts, len(families)))]
+    for family in sorted(families.values(), key=size, reverse=True):
+        min(dealt, key=lambda part: sum(len(b.rest) * len(b.schedules) for b in part)).extend(family)
+    return dealt
 
 
 def check_float8(cluster: Cluster, dtype: str) -> None:
