@@ -139,3 +139,43 @@ def test_scouting_prices_nothing_twice_and_keeps_the_top_k(seed, workers, monkey
     # No configuration whose strong bound is below the final k-th time was left out.
     priced = {e.config.index for e in ranked}
     assert all(i in priced for i in np.flatnonzero((strong < best[-1]) & fits).tolist())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_part_hands_configurations_to_a_serving_part_and_keeps_the_top_k(seed):
+    """Two parts of a split search (`Helpers`), here as two threads: part 1 is done and serves,
+    part 0 prices its candidates handing some to it. The same top k as the sequential loop, every
+    configuration priced once, the served ones' times in the shared cap."""
+    import threading
+
+    price, order, bounds, times, fits, seen = _instance(seed)
+    candidates = [(i, bounds[i]) for i in order]
+    ranked, evaluated, _ = pricing.price_in_order(price, candidates, len(order), keep=3)
+    seen.clear()
+    helpers, top = pricing.Helpers(2), pricing.SharedTopK(3)
+    served = []
+
+    def serve(index: int) -> Evaluation:
+        served.append(index)
+        result = price(index, top.cap)
+        if result.feasible:
+            top.add(result.iteration_time_s)
+        return result
+
+    helpers.part = 1
+    server = threading.Thread(target=helpers.serve, args=(serve,))
+    server.start()
+    while not helpers.serving:
+        pass
+    helpers.part = 0
+    shared, priced, _ = pricing.price_in_order(price, candidates, len(order), keep=3, top=top, helpers=helpers,
+                                               request=lambda index: index)
+    helpers.serve(serve)  # part 0 done too: the server stops
+    server.join(timeout=10)
+    helpers.close()
+    assert not server.is_alive() and served
+    best = sorted(times[i] for i in range(len(times)) if fits[i])[:3]
+    assert sorted(e.iteration_time_s for e in shared)[:3] == best == sorted(e.iteration_time_s for e in ranked)[:3]
+    assert len(seen) == len({index for index, _ in seen}) == priced  # each priced once, here or there
+    assert top.cap == best[-1]

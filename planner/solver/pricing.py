@@ -41,11 +41,14 @@ import itertools
 import math
 import multiprocessing
 import os
+import queue
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any
 
 import numpy as np
 
+from planner.errors import PlannerError
 from planner.solver.search import Evaluation
 
 WORKERS_ENV = "PLANNER_SOLVE_WORKERS"
@@ -57,6 +60,9 @@ SEQUENTIAL_FIRST = 8
 """Configurations priced in the calling process before the workers start (`price_in_order`)."""
 SCOUTS = 6
 """Most configurations `Scout` prices ahead of their turn (twice the default top k)."""
+SERVE_POLL_S = 0.002
+"""How often a serving process (`Helpers.serve`) looks whether every part is done, and a
+waiting one whether its server still runs."""
 
 _PRICE: Callable[[int, float], Evaluation] | None = None
 """The pricing function of the current parallel search, inherited by the forked workers."""
@@ -115,6 +121,58 @@ class SharedTopK:
 
 Top = TopK | SharedTopK
 """The k best times of one process, or of the processes of a split search."""
+
+
+class Helpers:
+    """Pricing help between the processes of a split search (`run_split`): a process whose own
+    part is done serves the others (`serve`: it prices the configurations they hand out and adds
+    their times to the shared cap), and a process still pricing its part hands out its next
+    configurations while some process serves (`price_in_order`'s `helpers`), two in flight per
+    server, pricing the rest itself. The parts' blocks are dealt before anyone knows where the
+    configurations worth a DP lie (they gather in the best layouts' blocks, one part's), so
+    without this one process would price them while the other waits. A request travels as
+    (owner part, index, what the server prices it from); the owner counts it as priced."""
+
+    def __init__(self, parts: int):
+        context = multiprocessing.get_context("fork")
+        self.parts = parts
+        self.requests = context.Queue()
+        self.results = [context.Queue() for _ in range(parts)]
+        self._serving = context.Value("i", 0)
+        self._done = context.Value("i", 0)
+        self.part = 0
+        """This process's part (`run_split` sets it in each)."""
+
+    @property
+    def serving(self) -> int:
+        """Processes serving now (their own parts done)."""
+        return self._serving.value
+
+    def serve(self, price: Callable[[Any], Evaluation]) -> None:
+        """Mark this process's part done and price the others' requests by `price(request)`
+        until every part is done (an owner marks its part done only once its requests are
+        answered, so none is left behind)."""
+        with self._done.get_lock():
+            self._done.value += 1
+        with self._serving.get_lock():
+            self._serving.value += 1
+        while True:
+            try:
+                owner, index, request = self.requests.get(timeout=SERVE_POLL_S)
+            except queue.Empty:
+                if self._done.value >= self.parts or not peers_alive():
+                    return
+                continue
+            try:
+                answer: Evaluation | BaseException = price(request)
+            except Exception as error:  # the owner raises it: a bug must not leave it waiting
+                answer = error
+            self.results[owner].put((index, answer))
+
+    def close(self) -> None:
+        for q in (self.requests, *self.results):
+            q.close()
+            q.join_thread()
 
 
 def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray], batch: int = 256,
@@ -182,8 +240,9 @@ class Scout:
 
 
 def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterable[tuple[int, float]], count: int,
-                   keep: int, workers: int = 1, top: Top | None = None,
-                   scout: Scout | None = None) -> tuple[list[Evaluation], int, float]:
+                   keep: int, workers: int = 1, top: Top | None = None, scout: Scout | None = None,
+                   helpers: Helpers | None = None,
+                   request: Callable[[int], object] | None = None) -> tuple[list[Evaluation], int, float]:
     """Price the `count` configurations `candidates` yields, (index, lower bound) with bounds
     non-decreasing, by `price(index, cap)` until the next bound reaches the k-th best time
     (module docstring). Returns the feasible evaluations in that order, how many were priced,
@@ -191,10 +250,15 @@ def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterab
     holds the k best times as they come: the caller may read its cap while `candidates` runs
     (the search bounds only what can still beat it: planner/solver/solve.py `search`). `scout`:
     what it priced ahead of their turn (while `candidates` ran) is taken from it, not priced
-    again; those whose turn never came are listed last."""
+    again; those whose turn never came are listed last. `helpers` (a part of a split search):
+    configurations handed to the serving processes as `request(index)` while some serve
+    (`Helpers`), the rest priced here."""
     top = TopK(keep) if top is None else top
     ahead = {} if scout is None else scout.results
-    ranked, evaluated, least = _in_order(price, candidates, count, top, workers, ahead)
+    if helpers is not None and request is not None:
+        ranked, evaluated, least = _helped(price, candidates, top, ahead, helpers, request)
+    else:
+        ranked, evaluated, least = _in_order(price, candidates, count, top, workers, ahead)
     for result in ahead.values():  # their bounds reached the cap: priced, but after the last taken
         evaluated += 1
         if result.feasible:
@@ -220,26 +284,87 @@ def _in_order(price, candidates, count: int, top: Top, workers: int,
 
 _PART: Callable[[int], object] | None = None
 """The part runner of the current split search, inherited by the forked processes."""
+_PEERS_ALIVE: Callable[[], bool] = lambda: True  # noqa: E731
+"""In a process of a split search: whether the others still run (`run_split` sets it)."""
 
 
-def _part_in_worker(index: int):
-    assert _PART is not None, "forked without a part runner"
-    return _PART(index)
+def peers_alive() -> bool:
+    """Whether the other processes of the current split search still run: a forked part whose
+    parent died, or a parent whose forked part died, stops serving and waiting (`Helpers`)."""
+    return _PEERS_ALIVE()
 
 
 def run_split(part: Callable[[int], object], parts: int) -> list:
     """`part(i)` for i in 0 .. parts - 1: part 0 in this process, the others in forked processes
     at the same time (what they return comes back pickled); in order of i. A search split this
-    way (planner/solver/solve.py `search`) shares its cap through a `SharedTopK`."""
-    global _PART
+    way (planner/solver/solve.py `search`) shares its cap through a `SharedTopK` and its pricing
+    through `Helpers`. A forked part dies with this process (Linux: the parent-death signal;
+    elsewhere it stops at its next `peers_alive` check), and one that dies without an answer
+    is a PlannerError here, not a hang."""
+    global _PART, _PEERS_ALIVE
+    context = multiprocessing.get_context("fork")
     _PART = part
+    children, receivers = [], []
     try:
-        with ProcessPoolExecutor(parts - 1, mp_context=multiprocessing.get_context("fork")) as pool:
-            others = [pool.submit(_part_in_worker, index) for index in range(1, parts)]
-            first = part(0)
-            return [first] + [future.result() for future in others]
+        for index in range(1, parts):
+            receiver, sender = context.Pipe(duplex=False)
+            child = context.Process(target=_run_part, args=(index, sender, os.getpid()), daemon=True)
+            child.start()
+            sender.close()
+            children.append(child)
+            receivers.append(receiver)
+        _PEERS_ALIVE = lambda: all(c.exitcode in (None, 0) for c in children)  # noqa: E731
+        results = [part(0)]
+        for index, (receiver, child) in enumerate(zip(receivers, children, strict=True), start=1):
+            try:
+                done, value = receiver.recv()
+            except EOFError:
+                child.join(timeout=5)
+                raise PlannerError(f"The search's process for part {index} of {parts} ended without an answer "
+                                   f"(exit code {child.exitcode}: killed, or out of memory?).",
+                                   f"Solve again, or on one process: {WORKERS_ENV}=1.") from None
+            if not done:
+                raise value
+            results.append(value)
+        return results
     finally:
-        _PART = None
+        _PART, _PEERS_ALIVE = None, lambda: True
+        for child in children:
+            child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
+
+
+def _run_part(index: int, sender, parent: int) -> None:
+    """A forked part of `run_split`: run it and send back (True, what it returned) or (False, its error)."""
+    global _PEERS_ALIVE
+    _die_with_parent()
+    _PEERS_ALIVE = lambda: os.getppid() == parent  # noqa: E731
+    assert _PART is not None, "forked without a part runner"
+    try:
+        answer: tuple[bool, object] = (True, _PART(index))
+    except BaseException as error:  # noqa: BLE001 - sent to the parent, which raises it
+        answer = (False, error)
+    try:
+        sender.send(answer)
+    except Exception as error:  # an error that does not pickle
+        sender.send((False, RuntimeError(f"part {index} failed: {answer[1]!r} ({error})")))
+    finally:
+        sender.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: ask for SIGKILL when the parent process dies (prctl PR_SET_PDEATHSIG), so a split
+    search's forked part never outlives a killed `planner solve`. Elsewhere nothing: the part
+    stops at its next `peers_alive` check."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def can_fork() -> bool:
@@ -262,6 +387,57 @@ def _sequential(price, candidates, top: Top, ahead: dict[int, Evaluation]) -> tu
             ranked.append(result)
         else:
             least = min(least, result.min_memory_bytes)
+    return ranked, evaluated, least
+
+
+def _helped(price, candidates, top: Top, ahead: dict[int, Evaluation], helpers: Helpers,
+            request: Callable[[int], object]) -> tuple[list[Evaluation], int, float]:
+    """`_sequential`, handing configurations to the serving processes while some serve (`Helpers`);
+    their answers are taken as they come and all of them before returning."""
+    ranked: list[Evaluation] = []
+    evaluated, least, waiting = 0, math.inf, 0
+    mine = helpers.results[helpers.part]
+
+    def take(result: Evaluation | BaseException) -> None:
+        nonlocal least
+        if isinstance(result, BaseException):
+            raise result
+        if result.feasible:
+            ranked.append(result)
+        else:
+            least = min(least, result.min_memory_bytes)
+
+    def answers(block: bool) -> None:
+        nonlocal waiting
+        while waiting:
+            try:
+                _, result = mine.get(timeout=SERVE_POLL_S) if block else mine.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return
+                if not peers_alive():
+                    raise PlannerError("A process of the split search died while pricing a configuration for this one.",
+                                       f"Solve again, or on one process: {WORKERS_ENV}=1.") from None
+                continue
+            waiting -= 1
+            take(result)
+
+    for index, bound in candidates:
+        answers(block=False)
+        if bound >= top.cap:
+            break
+        evaluated += 1
+        result = ahead.pop(index, None)  # scouted: its time is in `top` already
+        if result is None and waiting < 2 * helpers.serving:
+            helpers.requests.put((helpers.part, index, request(index)))  # the server adds its time to `top`
+            waiting += 1
+            continue
+        if result is None:
+            result = price(index, top.cap)
+            if result.feasible:
+                top.add(result.iteration_time_s)
+        take(result)
+    answers(block=True)
     return ranked, evaluated, least
 
 

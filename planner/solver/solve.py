@@ -39,7 +39,17 @@ from planner.solver.bounds import GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
-from planner.solver.pricing import Scout, SharedTopK, Top, TopK, can_fork, price_in_order, refined_order, run_split
+from planner.solver.pricing import (
+    Helpers,
+    Scout,
+    SharedTopK,
+    Top,
+    TopK,
+    can_fork,
+    price_in_order,
+    refined_order,
+    run_split,
+)
 from planner.solver.search import Config, Environment, Evaluation, evaluate_config, flush_blocker, scatter_gather
 
 log = logging.getLogger(__name__)
@@ -593,6 +603,11 @@ class _Fitting:
             out.append((table, block.config(entry, int(self.schedule[index]))))
         return out
 
+    def request(self, index: int) -> tuple[tuple, Config]:
+        """What another process prices configuration `index` from: its table's key and its Config."""
+        block, entry, _ = self.groups[self.group[index]]
+        return block.table_key(entry), block.config(entry, int(self.schedule[index]))
+
     def weak_bounds(self, gpus_per_node: int) -> np.ndarray:
         """`TimeBound.many(whole=False)` of every configuration, scaled for pipedream-2bw
         (`async_time_bounds`)."""
@@ -655,8 +670,12 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     parts = split_blocks(blocks, workers) if workers > 1 and can_fork() else [blocks]
     if len(parts) > 1:
         top: Top = SharedTopK(keep)
-        outcomes = run_split(lambda index: _search_blocks(parts[index], costs, env, top, cuts, 1, profile.unit_names()),
-                             len(parts))
+        helpers = Helpers(len(parts))
+        try:
+            outcomes = run_split(lambda index: _search_blocks(parts[index], costs, env, top, cuts, 1, profile.unit_names(),
+                                                              helpers, index), len(parts))
+        finally:
+            helpers.close()
     else:
         outcomes = [_search_blocks(blocks, costs, env, TopK(keep), cuts, workers, profile.unit_names())]
     ranked = [e for outcome in outcomes for e in outcome.ranked]
@@ -695,10 +714,11 @@ class _Outcome:
 
 
 def _search_blocks(blocks: list[ConfigBlock], costs: UnitCosts, env: Environment, top: Top, cuts: Cuts | None,
-                   workers: int, unit_names: list[str]) -> _Outcome:
+                   workers: int, unit_names: list[str], helpers: Helpers | None = None, part: int = 0) -> _Outcome:
     """`search`'s branch and bound over `blocks`: their cost tables, the memory bound, the weak
-    and whole time bounds, and the pricing in bound order until the cap `top` holds (shared
-    with the other parts of a split search)."""
+    and whole time bounds, and the pricing in bound order until the cap `top` holds. In a split
+    search (part `part` of several) the cap is shared, and the configurations priced are shared
+    out with the parts done before this one (`helpers`); once done, this part serves the others."""
     phases = dict.fromkeys(("intra_op", "bounds", "inter_op"), 0.0)
     tick = time.perf_counter()
     tables = {}
@@ -723,11 +743,15 @@ def _search_blocks(blocks: list[ConfigBlock], costs: UnitCosts, env: Environment
     tick = time.perf_counter()
 
     def price(index: int, cap: float) -> Evaluation:
-        table, cfg = fitting.pairs([index])[0]
-        bounds = None if cuts is None else cuts(cfg.pp * cfg.virtual_stages)
-        if cuts is not None and bounds is None:
-            return Evaluation(cfg, False, f"the stack cannot split the model into {cfg.pp * cfg.virtual_stages} stages")
-        return evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
+        return _price_config(*fitting.pairs([index])[0], env, cuts, cap)
+
+    def served(request: tuple[tuple, Config]) -> Evaluation:
+        """Another part's configuration: its table from its key (built here if not yet), at the shared cap."""
+        key, cfg = request
+        result = _price_config(costs.table(*key), cfg, env, cuts, top.cap)
+        if result.feasible:
+            top.add(result.iteration_time_s)
+        return result
 
     # Ordered by the weaker bound computed for all (once per cost table: bounds.py `many(whole=False)`),
     # refined to the whole bound for those the pricing reaches (`refined_order`), in ascending
@@ -735,12 +759,23 @@ def _search_blocks(blocks: list[ConfigBlock], costs: UnitCosts, env: Environment
     # scout prices the best refined ones early, so the batches refined before their turn know a cap.
     scout = Scout(price, top)
     ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole, scout=scout, cap=lambda: top.cap),
-                                              len(fitting), top.keep, workers, top, scout)
+                                              len(fitting), top.keep, workers, top, scout, helpers, fitting.request)
     phases["inter_op"] = time.perf_counter() - tick
+    if helpers is not None:
+        helpers.part = part
+        helpers.serve(served)
     log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", fitting.candidates, fitting.pruned, evaluated,
               {k: round(v, 3) for k, v in phases.items()})
     return _Outcome(ranked, evaluated, len(fitting), fitting.candidates, fitting.pruned,
                     min(unfit, fitting.least_memory_bytes), list(fitting.refusals), phases)
+
+
+def _price_config(table: UnitCostTable, cfg: Config, env: Environment, cuts: Cuts | None, cap: float) -> Evaluation:
+    """`evaluate_config` with the DP's cuts, or a stack's own (`cuts`) where it can split so."""
+    bounds = None if cuts is None else cuts(cfg.pp * cfg.virtual_stages)
+    if cuts is not None and bounds is None:
+        return Evaluation(cfg, False, f"the stack cannot split the model into {cfg.pp * cfg.virtual_stages} stages")
+    return evaluate_config(table, cfg, env, bounds, time_cap_s=cap)
 
 
 def _rank_key(blocks: dict[tuple, tuple[int, ConfigBlock]], evaluation: Evaluation) -> tuple:
