@@ -509,7 +509,8 @@ class SearchResult:
     """Configurations skipped because their time lower bound could not enter the top k."""
     phase_times_s: dict[str, float] = field(default_factory=dict)
     """Seconds per phase of the search: `intra_op` (TP ILPs and per-unit cost tables), `bounds`,
-    `inter_op` (the DPs over stage cuts and the pricing of their cuts)."""
+    `inter_op` (the DPs over stage cuts and the pricing of their cuts). A split search's parts
+    run their phases side by side: each is the longest any part took."""
     memory_fraction: float = MEMORY_FRACTION
     """Share of each GPU's memory the tensors may fill; the rest is the fragmentation allowance."""
     refusals: list[str] = field(default_factory=list)
