@@ -148,6 +148,20 @@ previous CSV (175B x64 2.59 -> 3.07 s in the CSV), so the code before (51b644a) 
 alternately (`planner solve` processes, median of 5): 175B x64 3.18 -> 3.03 s, x1024 4.12 ->
 3.59 s, x12,288 6.21 -> 5.72 s; in-process on one core, the x12,288 search 6.1 -> 4.5 s (pricing
 phase 3.0 -> 2.0 s). Goals for 175B (1 s on 64 GPUs, 2 s on 1024) still not met.
+This round (2026-11-28, third session): the search is split across the two cores
+(planner/solver/solve.py `split_blocks`, planner/solver/pricing.py `run_split`): its blocks are
+dealt to two processes by family (tp, sp, micro-batch), each builds its own tables and bounds
+and prices in bound order under one shared cap (`SharedTopK`), and a process whose part is done
+prices configurations the other hands it (`Helpers`: the configurations worth a DP gather in the
+best layouts' family, one part's). Before, only the pricing after the first 8 configurations
+ran on both cores. Same top 3 on every row (exact ties ranked in enumeration order); the
+configurations priced vary by a few from run to run (which process's cap falls first). The
+machine ran fast today (x64 took 0.97 s with the code before, against 3.07 s in the previous
+CSV). The code before (4fdde9c) and after, alternately (`planner solve` processes, median of
+5, 3 for x12,288): 175B x64 0.99 -> 0.79 s, x1024 1.20 -> 0.93 s, x12,288 1.81 -> 1.33 s. In this
+CSV every goal is met: 175B on 64 GPUs 0.76 s (1 s), on 1024 0.95 s (2 s), 530B on 2240 0.71 s
+(5 s), 192 layers on 512 1.04 s (10 s), the MoE 0.68 s (10 s); on the slow days of the earlier
+sessions the same code would take about 2.5-3x as long.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
