@@ -179,3 +179,31 @@ def test_a_part_hands_configurations_to_a_serving_part_and_keeps_the_top_k(seed)
     assert sorted(e.iteration_time_s for e in shared)[:3] == best == sorted(e.iteration_time_s for e in ranked)[:3]
     assert len(seen) == len({index for index, _ in seen}) == priced  # each priced once, here or there
     assert top.cap == best[-1]
+
+
+@pytest.mark.timeout(60)
+def test_a_split_part_that_fails_is_an_error_here_not_a_hang():
+    """A forked part that raises: its error comes back and the serving parent stops waiting for
+    it; one that dies without an answer: a PlannerError that says so."""
+    import os
+    import time
+
+    from planner.errors import PlannerError
+
+    helpers = pricing.Helpers(2)
+
+    def raising(index: int):
+        if index == 1:
+            raise ValueError("part 1 broke")
+        helpers.part = 0
+        helpers.serve(lambda request: pytest.fail("nothing was handed out"))
+        return "part 0"
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="part 1 broke"):
+        pricing.run_split(raising, 2)
+    helpers.close()
+    with pytest.raises(PlannerError, match="ended without an answer"):
+        pricing.run_split(lambda index: os._exit(3) if index else "part 0", 2)
+    assert time.monotonic() - started < 10
+    assert pricing.run_split(lambda index: index * 10, 3) == [0, 10, 20]

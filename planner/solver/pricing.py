@@ -170,9 +170,11 @@ class Helpers:
             self.results[owner].put((index, answer))
 
     def close(self) -> None:
+        """Release the queues (every request is answered by the time the parts are done; after a
+        failure what is left in them is dropped, not waited for)."""
         for q in (self.requests, *self.results):
+            q.cancel_join_thread()
             q.close()
-            q.join_thread()
 
 
 def refined_order(weak: np.ndarray, refine: Callable[[list[int]], np.ndarray], batch: int = 256,
@@ -313,8 +315,15 @@ def run_split(part: Callable[[int], object], parts: int) -> list:
             sender.close()
             children.append(child)
             receivers.append(receiver)
-        _PEERS_ALIVE = lambda: all(c.exitcode in (None, 0) for c in children)  # noqa: E731
-        results = [part(0)]
+        # A forked part exits once every part is done (it serves until then): one that has exited
+        # while this one waits or serves has failed.
+        _PEERS_ALIVE = lambda: all(c.exitcode is None for c in children)  # noqa: E731
+        try:
+            results = [part(0)]
+        except BaseException:
+            for child in children:  # it may be serving, waiting for this part forever
+                child.kill()
+            raise
         for index, (receiver, child) in enumerate(zip(receivers, children, strict=True), start=1):
             try:
                 done, value = receiver.recv()
