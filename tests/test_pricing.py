@@ -3,6 +3,7 @@ loop's top k: the cap only prunes, and the configurations are the same."""
 
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -207,3 +208,88 @@ def test_a_split_part_that_fails_is_an_error_here_not_a_hang():
         pricing.run_split(lambda index: os._exit(3) if index else "part 0", 2)
     assert time.monotonic() - started < 10
     assert pricing.run_split(lambda index: index * 10, 3) == [0, 10, 20]
+
+
+@pytest.mark.timeout(60)
+def test_with_three_parts_a_raising_part_ends_the_serving_ones():
+    """Part 2 raises while parts 0 and 1 serve: they stop (the split's failure flag) and its
+    error comes back within seconds."""
+    import time
+
+    helpers = pricing.Helpers(3)
+
+    def part(index: int):
+        if index == 2:
+            time.sleep(0.2)
+            raise ValueError("part 2 broke")
+        helpers.part = index
+        helpers.serve(lambda request: pytest.fail("nothing was handed out"))
+        return index
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="part 2 broke"):
+        pricing.run_split(part, 3)
+    helpers.close()
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.timeout(60)
+def test_with_three_parts_a_server_that_dies_holding_a_request_is_an_error():
+    """Part 1 hands its configurations out; part 2 dies with one in hand (part 0 serves slowly):
+    part 1 stops waiting for the answer, and the search ends with an error, not a hang."""
+    import os
+    import time
+
+    from planner.errors import PlannerError
+
+    helpers = pricing.Helpers(3)
+    price, order, bounds, *_ = _instance(0)
+
+    def part(index: int):
+        helpers.part = index
+        if index == 1:
+            while helpers.serving < 2:
+                time.sleep(0.001)
+            return pricing.price_in_order(price, [(i, bounds[i]) for i in order], len(order), keep=3,
+                                          top=pricing.SharedTopK(3), helpers=helpers, request=lambda i: i)
+        if index == 2:
+            helpers.serve(lambda request: os._exit(7))
+        helpers.serve(lambda request: time.sleep(0.3) or price(request, math.inf))
+        return index
+
+    started = time.monotonic()
+    with pytest.raises(PlannerError):
+        pricing.run_split(part, 3)
+    helpers.close()
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_served_error_that_does_not_pickle_still_reaches_its_owner():
+    """A server's pricing raises an error holding a lambda (the queue's thread would drop it and
+    leave the owner waiting): the owner gets a RuntimeError with the traceback instead."""
+    import threading
+
+    class Unpicklable(Exception):
+        def __init__(self):
+            super().__init__("broken")
+            self.hook = lambda: None
+
+    def broken(request):
+        raise Unpicklable()
+
+    price, order, bounds, *_ = _instance(1)
+    helpers = pricing.Helpers(2)
+    helpers.part = 1
+    server = threading.Thread(target=helpers.serve, args=(broken,))
+    server.start()
+    while not helpers.serving:
+        pass
+    helpers.part = 0
+    with pytest.raises(RuntimeError, match="Unpicklable"):
+        pricing.price_in_order(price, [(i, bounds[i]) for i in order], len(order), keep=3, top=pricing.SharedTopK(3),
+                               helpers=helpers, request=lambda index: index)
+    helpers.serve(broken)  # part 0 done: the server stops
+    server.join(timeout=10)
+    helpers.close()
+    assert not server.is_alive()

@@ -19,6 +19,7 @@ from planner.plan import SearchReport, parse_plan
 from planner.profiler import profile_model
 from planner.solver.bounds import TimeBound, memory_lower_bound
 from planner.solver.costs import UnitCosts
+from planner.solver.pricing import Helpers
 from planner.solver.search import evaluate_config
 from planner.solver.solve import MEMORY_FRACTION, Pins, _environment, candidate_configs, solve
 
@@ -395,16 +396,21 @@ def test_a_split_search_finds_the_one_process_top_k(profiles, shape, gpus, batch
     from planner.solver.solve import search
 
     monkeypatch.setattr(solve_module, "SPLIT_MIN", 0)
+    made = []
+    monkeypatch.setattr(solve_module, "Helpers", lambda parts: made.append(Helpers(parts)) or made[-1])
     profile = profiles[shape]
     cluster = make_cluster(gpus, 8, "a100-80gb")
     alone = search(profile, cluster, batch, memory_fraction=fraction, keep=3, workers=1)
-    split = search(profile, cluster, batch, memory_fraction=fraction, keep=3, workers=2)
-    assert alone.ranked, "nothing fits: pick an instance where something does"
-    assert [(e.iteration_time_s, e.config) for e in split.ranked[:3]] == \
-        [(e.iteration_time_s, e.config) for e in alone.ranked[:3]]
-    assert (split.candidates, split.pruned) == (alone.candidates, alone.pruned)
-    assert split.candidates == split.pruned + split.evaluated + split.pruned_by_time
-    assert split.min_memory_bytes == alone.min_memory_bytes or alone.ranked
+    for workers in (2, 3):
+        split = search(profile, cluster, batch, memory_fraction=fraction, keep=3, workers=workers)
+        assert alone.ranked, "nothing fits: pick an instance where something does"
+        assert [(e.iteration_time_s, e.config) for e in split.ranked[:3]] == \
+            [(e.iteration_time_s, e.config) for e in alone.ranked[:3]]
+        assert (split.candidates, split.pruned) == (alone.candidates, alone.pruned)
+        assert split.evaluated >= 3 and len({e.config for e in split.ranked}) == len(split.ranked)  # each priced once
+        assert split.pruned_by_time >= 0 and made[-1].parts == workers
+    if (shape, gpus, batch) == (1, 16, 8):  # 75 DPs, most in one part: the other serves it once done
+        assert any(h.served for h in made), "no part priced for another"
 
 
 def test_split_blocks_deals_every_block_once_and_keeps_families_whole(profiles):

@@ -40,8 +40,11 @@ import heapq
 import itertools
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
+import pickle
 import queue
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -140,6 +143,7 @@ class Helpers:
         self.results = [context.Queue() for _ in range(parts)]
         self._serving = context.Value("i", 0)
         self._done = context.Value("i", 0)
+        self._served = context.Value("i", 0)
         self.part = 0
         """This process's part (`run_split` sets it in each)."""
 
@@ -147,6 +151,11 @@ class Helpers:
     def serving(self) -> int:
         """Processes serving now (their own parts done)."""
         return self._serving.value
+
+    @property
+    def served(self) -> int:
+        """Configurations priced for another part so far."""
+        return self._served.value
 
     def serve(self, price: Callable[[Any], Evaluation]) -> None:
         """Mark this process's part done and price the others' requests by `price(request)`
@@ -165,9 +174,12 @@ class Helpers:
                 continue
             try:
                 answer: Evaluation | BaseException = price(request)
-            except Exception as error:  # the owner raises it: a bug must not leave it waiting
-                answer = error
+                pickle.dumps(answer)  # the queue pickles in a thread that drops what fails: fail here instead
+            except Exception:  # the owner raises it (as text: the error itself may not pickle), not waits
+                answer = RuntimeError(f"pricing {request!r} for part {owner} failed:\n{traceback.format_exc()}")
             self.results[owner].put((index, answer))
+            with self._served.get_lock():
+                self._served.value += 1
 
     def close(self) -> None:
         """Release the queues (every request is answered by the time the parts are done; after a
@@ -286,70 +298,86 @@ def _in_order(price, candidates, count: int, top: Top, workers: int,
 
 _PART: Callable[[int], object] | None = None
 """The part runner of the current split search, inherited by the forked processes."""
-_PEERS_ALIVE: Callable[[], bool] = lambda: True  # noqa: E731
-"""In a process of a split search: whether the others still run (`run_split` sets it)."""
+_SPLIT: _Split | None = None
+"""The current split search's shared state (`run_split`), inherited by the forked processes."""
+
+
+class _Split:
+    """Who the processes of one split search are: a forked part watches its parent, the parent
+    its forked parts (`peers_alive`)."""
+
+    def __init__(self):
+        self.parent = os.getpid()
+        self.children: list = []
+
+    def alive(self) -> bool:
+        if os.getpid() != self.parent:
+            return os.getppid() == self.parent
+        # A forked part exits once every part is done (it serves until then): one that has exited
+        # while this process waits or serves has failed. The parent is the one that notices:
+        # it then raises that part's error and kills the others (`run_split`).
+        return all(c.exitcode is None for c in self.children)
 
 
 def peers_alive() -> bool:
-    """Whether the other processes of the current split search still run: a forked part whose
-    parent died, or a parent whose forked part died, stops serving and waiting (`Helpers`)."""
-    return _PEERS_ALIVE()
+    """Whether the other processes of the current split search still run: a part that sees
+    otherwise stops serving and waiting (`Helpers`). True outside a split."""
+    return _SPLIT is None or _SPLIT.alive()
 
 
 def run_split(part: Callable[[int], object], parts: int) -> list:
     """`part(i)` for i in 0 .. parts - 1: part 0 in this process, the others in forked processes
     at the same time (what they return comes back pickled); in order of i. A search split this
     way (planner/solver/solve.py `search`) shares its cap through a `SharedTopK` and its pricing
-    through `Helpers`. A forked part dies with this process (Linux: the parent-death signal;
-    elsewhere it stops at its next `peers_alive` check), and one that dies without an answer
-    is a PlannerError here, not a hang."""
-    global _PART, _PEERS_ALIVE
+    through `Helpers`. When a part fails (raises, or dies without an answer) this process stops
+    serving or waiting for it (`peers_alive`), kills the others and raises its error, whichever
+    part it is; a forked part also dies with this process (Linux: the parent-death signal;
+    elsewhere at its next `peers_alive`)."""
+    global _PART, _SPLIT
     context = multiprocessing.get_context("fork")
-    _PART = part
-    children, receivers = [], []
+    _PART, _SPLIT = part, _Split()
+    children, receivers = _SPLIT.children, []
     try:
         for index in range(1, parts):
             receiver, sender = context.Pipe(duplex=False)
-            child = context.Process(target=_run_part, args=(index, sender, os.getpid()), daemon=True)
+            child = context.Process(target=_run_part, args=(index, sender), daemon=True)
             child.start()
             sender.close()
             children.append(child)
             receivers.append(receiver)
-        # A forked part exits once every part is done (it serves until then): one that has exited
-        # while this one waits or serves has failed.
-        _PEERS_ALIVE = lambda: all(c.exitcode is None for c in children)  # noqa: E731
-        try:
-            results = [part(0)]
-        except BaseException:
-            for child in children:  # it may be serving, waiting for this part forever
-                child.kill()
-            raise
-        for index, (receiver, child) in enumerate(zip(receivers, children, strict=True), start=1):
-            try:
-                done, value = receiver.recv()
-            except EOFError:
-                child.join(timeout=5)
-                raise PlannerError(f"The search's process for part {index} of {parts} ended without an answer "
-                                   f"(exit code {child.exitcode}: killed, or out of memory?).",
-                                   f"Solve again, or on one process: {WORKERS_ENV}=1.") from None
-            if not done:
-                raise value
-            results.append(value)
-        return results
+        results: dict[int, object] = {0: part(0)}
+        pending = dict(enumerate(receivers, start=1))
+        while pending:
+            ready = multiprocessing.connection.wait(list(pending.values()))
+            for index in [i for i, r in pending.items() if r in ready]:
+                try:
+                    done, value = pending.pop(index).recv()
+                except EOFError:
+                    child = children[index - 1]
+                    child.join(timeout=1)
+                    raise PlannerError(f"The search's process for part {index} of {parts} ended without an answer "
+                                       f"(exit code {child.exitcode}: killed, or out of memory?).",
+                                       f"Solve again, or on one process: {WORKERS_ENV}=1.") from None
+                if not done:
+                    raise value
+                results[index] = value
+        return [results[i] for i in range(parts)]
+    except BaseException:
+        for child in children:  # they may be serving or waiting on the failed part
+            child.kill()
+        raise
     finally:
-        _PART, _PEERS_ALIVE = None, lambda: True
+        _PART, _SPLIT = None, None
         for child in children:
             child.join(timeout=5)
             if child.is_alive():
                 child.kill()
 
 
-def _run_part(index: int, sender, parent: int) -> None:
+def _run_part(index: int, sender) -> None:
     """A forked part of `run_split`: run it and send back (True, what it returned) or (False, its error)."""
-    global _PEERS_ALIVE
     _die_with_parent()
-    _PEERS_ALIVE = lambda: os.getppid() == parent  # noqa: E731
-    assert _PART is not None, "forked without a part runner"
+    assert _PART is not None and _SPLIT is not None, "forked without a part runner"
     try:
         answer: tuple[bool, object] = (True, _PART(index))
     except BaseException as error:  # noqa: BLE001 - sent to the parent, which raises it
