@@ -309,6 +309,9 @@ class SearchReport(BaseModel):
     """Configurations whose time lower bound could not enter the top k (never priced)."""
     phase_times_s: dict[str, float] | None = None
     """Seconds per phase of the search (planner/solver/solve.py `SearchResult.phase_times_s`)."""
+    processes: int | None = None
+    """Processes the search ran on (its blocks split among them: planner/solver/solve.py
+    `split_blocks`); None: not recorded, plans from before it was."""
     stage_forward_s: list[float] | None = None
     """The plan's predicted forward time per stage and micro-batch (the Gantt chart's input)."""
     stage_backward_s: list[float] | None = None

@@ -174,7 +174,8 @@ ASYNC_SCHEDULE_NOTE = ("asynchronous schedule pipedream-2bw (PipeDream-2BW): eac
 def print_search(search: SearchReport, console: Console) -> None:
     """The search's counts (considered, pruned by each bound, priced) and its time per phase."""
     phases = search.phase_times_s or {}
-    table = Table(title=f"Search ({search.solve_time_s:.3f} s)")
+    on = f", {search.processes} processes" if (search.processes or 1) > 1 else ""
+    table = Table(title=f"Search ({search.solve_time_s:.3f} s{on})")
     for col in ("configurations", "pruned: memory", "pruned: time bound", "priced", *phases):
         table.add_column(col, justify="right")
     count = lambda n: "-" if n is None else str(n)  # noqa: E731

@@ -408,7 +408,7 @@ def test_a_split_search_finds_the_one_process_top_k(profiles, shape, gpus, batch
             [(e.iteration_time_s, e.config) for e in alone.ranked[:3]]
         assert (split.candidates, split.pruned) == (alone.candidates, alone.pruned)
         assert split.evaluated >= 3 and len({e.config for e in split.ranked}) == len(split.ranked)  # each priced once
-        assert split.pruned_by_time >= 0 and made[-1].parts == workers
+        assert split.pruned_by_time >= 0 and made[-1].parts == split.processes == workers and alone.processes == 1
     if (shape, gpus, batch) == (1, 16, 8):  # 75 DPs, most in one part: the other serves it once done
         assert any(h.served for h in made), "no part priced for another"
 

@@ -229,6 +229,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
             pruned_by_memory_bound=result.pruned,
             pruned_by_time_bound=result.pruned_by_time,
             phase_times_s=dict(result.phase_times_s),
+            processes=result.processes,
             stage_forward_s=list(best.stage_forward_s),
             stage_backward_s=list(best.stage_backward_s),
             alternatives=alternatives,

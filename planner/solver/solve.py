@@ -515,6 +515,8 @@ class SearchResult:
     """Share of each GPU's memory the tensors may fill; the rest is the fragmentation allowance."""
     refusals: list[str] = field(default_factory=list)
     """Why configurations the pins allow were left out before any bound (a layout the runtime cannot run)."""
+    processes: int = 1
+    """Processes the search ran on (`split_blocks`)."""
 
 
 def _fold_refusal(table: UnitCostTable, block: ConfigBlock, entry: int, names: list[str],
@@ -694,7 +696,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                         time.perf_counter() - started, costs, candidates=sum(o.candidates for o in outcomes),
                         pruned_by_time=sum(o.considered for o in outcomes) - evaluated, phase_times_s=phases,
                         memory_fraction=memory_fraction,
-                        refusals=list(dict.fromkeys(r for o in outcomes for r in o.refusals)))
+                        refusals=list(dict.fromkeys(r for o in outcomes for r in o.refusals)), processes=len(outcomes))
 
 
 @dataclass
