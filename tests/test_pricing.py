@@ -142,13 +142,26 @@ def test_scouting_prices_nothing_twice_and_keeps_the_top_k(seed, workers, monkey
     assert all(i in priced for i in np.flatnonzero((strong < best[-1]) & fits).tolist())
 
 
+def _serving_thread(helpers, serve):
+    """Part 1 of a split search as a thread of this process, serving by `serve` (it stops once
+    part 0, this thread's caller, serves too); returns once it serves."""
+    import threading
+
+    helpers.part = 1
+    server = threading.Thread(target=helpers.serve, args=(serve,))
+    server.start()
+    while not helpers.serving:
+        pass
+    helpers.part = 0
+    return server
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_part_hands_configurations_to_a_serving_part_and_keeps_the_top_k(seed):
     """Two parts of a split search (`Helpers`), here as two threads: part 1 is done and serves,
     part 0 prices its candidates handing some to it. The same top k as the sequential loop, every
     configuration priced once, the served ones' times in the shared cap."""
-    import threading
 
     price, order, bounds, times, fits, seen = _instance(seed)
     candidates = [(i, bounds[i]) for i in order]
@@ -164,12 +177,7 @@ def test_a_part_hands_configurations_to_a_serving_part_and_keeps_the_top_k(seed)
             top.add(result.iteration_time_s)
         return result
 
-    helpers.part = 1
-    server = threading.Thread(target=helpers.serve, args=(serve,))
-    server.start()
-    while not helpers.serving:
-        pass
-    helpers.part = 0
+    server = _serving_thread(helpers, serve)
     shared, priced, _ = pricing.price_in_order(price, candidates, len(order), keep=3, top=top, helpers=helpers,
                                                request=lambda index: index)
     helpers.serve(serve)  # part 0 done too: the server stops
@@ -268,7 +276,6 @@ def test_with_three_parts_a_server_that_dies_holding_a_request_is_an_error():
 def test_a_served_error_that_does_not_pickle_still_reaches_its_owner():
     """A server's pricing raises an error holding a lambda (the queue's thread would drop it and
     leave the owner waiting): the owner gets a RuntimeError with the traceback instead."""
-    import threading
 
     class Unpicklable(Exception):
         def __init__(self):
@@ -280,12 +287,7 @@ def test_a_served_error_that_does_not_pickle_still_reaches_its_owner():
 
     price, order, bounds, *_ = _instance(1)
     helpers = pricing.Helpers(2)
-    helpers.part = 1
-    server = threading.Thread(target=helpers.serve, args=(broken,))
-    server.start()
-    while not helpers.serving:
-        pass
-    helpers.part = 0
+    server = _serving_thread(helpers, broken)
     with pytest.raises(RuntimeError, match="Unpicklable"):
         pricing.price_in_order(price, [(i, bounds[i]) for i in order], len(order), keep=3, top=pricing.SharedTopK(3),
                                helpers=helpers, request=lambda index: index)
