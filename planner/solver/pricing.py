@@ -25,8 +25,9 @@ A search large enough (planner/solver/solve.py `split_blocks`) is split instead:
 are dealt to `workers` processes (`run_split`), each building its own tables, bounds and
 pricing loop over its part, all reading and raising one cap (`SharedTopK`): a part stops at
 the k-th best time any part has found, and the union of what they price holds every
-configuration below the final cap, so the top k is again the sequential loop's. The parts
-price sequentially (the cores are taken); this pool is for searches too small to split.
+configuration below the final cap, so the top k is again the sequential loop's. A part
+prices in bound order itself and hands configurations to the parts already done, which serve
+until every part is done (`Helpers`); the pool above is for searches too small to split.
 
 Processes are forked (the tables, bounds and environment are inherited, not copied through
 pipes); only the results travel back. Fork needs a POSIX system and a process without
