@@ -3,7 +3,6 @@ loop's top k: the cap only prunes, and the configurations are the same."""
 
 from __future__ import annotations
 
-import math
 import random
 from types import SimpleNamespace
 
@@ -142,13 +141,13 @@ def test_scouting_prices_nothing_twice_and_keeps_the_top_k(seed, workers, monkey
     assert all(i in priced for i in np.flatnonzero((strong < best[-1]) & fits).tolist())
 
 
-def _serving_thread(helpers, serve):
-    """Part 1 of a split search as a thread of this process, serving by `serve` (it stops once
-    part 0, this thread's caller, serves too); returns once it serves."""
+def _serving_thread(helpers, serve, top):
+    """Part 1 of a split search as a thread of this process, serving by `serve` into `top` (it
+    stops once part 0, this thread's caller, serves too); returns once it serves."""
     import threading
 
     helpers.part = 1
-    server = threading.Thread(target=helpers.serve, args=(serve,))
+    server = threading.Thread(target=helpers.serve, args=(serve, top))
     server.start()
     while not helpers.serving:
         pass
@@ -170,17 +169,14 @@ def test_a_part_hands_configurations_to_a_serving_part_and_keeps_the_top_k(seed)
     helpers, top = pricing.Helpers(2), pricing.SharedTopK(3)
     served = []
 
-    def serve(index: int) -> Evaluation:
+    def serve(index: int, cap: float) -> Evaluation:
         served.append(index)
-        result = price(index, top.cap)
-        if result.feasible:
-            top.add(result.iteration_time_s)
-        return result
+        return price(index, cap)
 
-    server = _serving_thread(helpers, serve)
+    server = _serving_thread(helpers, serve, top)
     shared, priced, _ = pricing.price_in_order(price, candidates, len(order), keep=3, top=top, helpers=helpers,
                                                request=lambda index: index)
-    helpers.serve(serve)  # part 0 done too: the server stops
+    helpers.serve(serve, top)  # part 0 done too: the server stops
     server.join(timeout=10)
     helpers.close()
     assert not server.is_alive() and served
@@ -205,7 +201,7 @@ def test_a_split_part_that_fails_is_an_error_here_not_a_hang():
         if index == 1:
             raise ValueError("part 1 broke")
         helpers.part = 0
-        helpers.serve(lambda request: pytest.fail("nothing was handed out"))
+        helpers.serve(lambda request, cap: pytest.fail("nothing was handed out"), pricing.SharedTopK(3))
         return "part 0"
 
     started = time.monotonic()
@@ -231,7 +227,7 @@ def test_with_three_parts_a_raising_part_ends_the_serving_ones():
             time.sleep(0.2)
             raise ValueError("part 2 broke")
         helpers.part = index
-        helpers.serve(lambda request: pytest.fail("nothing was handed out"))
+        helpers.serve(lambda request, cap: pytest.fail("nothing was handed out"), pricing.SharedTopK(3))
         return index
 
     started = time.monotonic()
@@ -250,7 +246,7 @@ def test_with_three_parts_a_server_that_dies_holding_a_request_is_an_error():
 
     from planner.errors import PlannerError
 
-    helpers = pricing.Helpers(3)
+    helpers, top = pricing.Helpers(3), pricing.SharedTopK(3)
     price, order, bounds, *_ = _instance(0)
 
     def part(index: int):
@@ -259,10 +255,10 @@ def test_with_three_parts_a_server_that_dies_holding_a_request_is_an_error():
             while helpers.serving < 2:
                 time.sleep(0.001)
             return pricing.price_in_order(price, [(i, bounds[i]) for i in order], len(order), keep=3,
-                                          top=pricing.SharedTopK(3), helpers=helpers, request=lambda i: i)
+                                          top=top, helpers=helpers, request=lambda i: i)
         if index == 2:
-            helpers.serve(lambda request: os._exit(7))
-        helpers.serve(lambda request: time.sleep(0.3) or price(request, math.inf))
+            helpers.serve(lambda request, cap: os._exit(7), top)
+        helpers.serve(lambda request, cap: time.sleep(0.3) or price(request, cap), top)
         return index
 
     started = time.monotonic()
@@ -282,16 +278,17 @@ def test_a_served_error_that_does_not_pickle_still_reaches_its_owner():
             super().__init__("broken")
             self.hook = lambda: None
 
-    def broken(request):
+    def broken(request, cap):
         raise Unpicklable()
 
     price, order, bounds, *_ = _instance(1)
     helpers = pricing.Helpers(2)
-    server = _serving_thread(helpers, broken)
+    top = pricing.SharedTopK(3)
+    server = _serving_thread(helpers, broken, top)
     with pytest.raises(RuntimeError, match="Unpicklable"):
-        pricing.price_in_order(price, [(i, bounds[i]) for i in order], len(order), keep=3, top=pricing.SharedTopK(3),
+        pricing.price_in_order(price, [(i, bounds[i]) for i in order], len(order), keep=3, top=top,
                                helpers=helpers, request=lambda index: index)
-    helpers.serve(broken)  # part 0 done: the server stops
+    helpers.serve(broken, top)  # part 0 done: the server stops
     server.join(timeout=10)
     helpers.close()
     assert not server.is_alive()

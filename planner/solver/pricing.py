@@ -127,6 +127,14 @@ Top = TopK | SharedTopK
 """The k best times of one process, or of the processes of a split search."""
 
 
+def _priced(price: Callable[[Any, float], Evaluation], item, top: Top) -> Evaluation:
+    """`price(item, cap)` at the current cap, its time added to `top` when it is feasible."""
+    result = price(item, top.cap)
+    if result.feasible:
+        top.add(result.iteration_time_s)
+    return result
+
+
 class Helpers:
     """Pricing help between the processes of a split search (`run_split`): a process whose own
     part is done serves the others (`serve`: it prices the configurations they hand out and adds
@@ -146,7 +154,8 @@ class Helpers:
         self._done = context.Value("i", 0)
         self._served = context.Value("i", 0)
         self.part = 0
-        """This process's part (`run_split` sets it in each)."""
+        """This process's part: its answers come to `results[part]` (each part sets it before
+        it hands anything out)."""
 
     @property
     def serving(self) -> int:
@@ -158,10 +167,10 @@ class Helpers:
         """Configurations priced for another part so far."""
         return self._served.value
 
-    def serve(self, price: Callable[[Any], Evaluation]) -> None:
-        """Mark this process's part done and price the others' requests by `price(request)`
-        until every part is done (an owner marks its part done only once its requests are
-        answered, so none is left behind)."""
+    def serve(self, price: Callable[[Any, float], Evaluation], top: Top) -> None:
+        """Mark this process's part done and price the others' requests by `price(request, cap)`,
+        their times added to `top`, until every part is done (an owner marks its part done only
+        once its requests are answered, so none is left behind)."""
         with self._done.get_lock():
             self._done.value += 1
         with self._serving.get_lock():
@@ -174,7 +183,7 @@ class Helpers:
                     return
                 continue
             try:
-                answer: Evaluation | BaseException = price(request)
+                answer: Evaluation | BaseException = _priced(price, request, top)
                 pickle.dumps(answer)  # the queue pickles in a thread that drops what fails: fail here instead
             except Exception:  # the owner raises it (as text: the error itself may not pickle), not waits
                 answer = RuntimeError(f"pricing {request!r} for part {owner} failed:\n{traceback.format_exc()}")
@@ -249,9 +258,7 @@ class Scout:
                 return
             if index not in self.results:
                 self.priced += 1
-                result = self.results[index] = self.price(index, self.top.cap)
-                if result.feasible:
-                    self.top.add(result.iteration_time_s)
+                self.results[index] = _priced(self.price, index, self.top)
 
 
 def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterable[tuple[int, float]], count: int,
@@ -270,8 +277,8 @@ def price_in_order(price: Callable[[int, float], Evaluation], candidates: Iterab
     (`Helpers`), the rest priced here."""
     top = TopK(keep) if top is None else top
     ahead = {} if scout is None else scout.results
-    if helpers is not None and request is not None:
-        ranked, evaluated, least = _helped(price, candidates, top, ahead, helpers, request)
+    if helpers is not None:
+        ranked, evaluated, least = _sequential(price, candidates, top, ahead, helpers, request)
     else:
         ranked, evaluated, least = _in_order(price, candidates, count, top, workers, ahead)
     for result in ahead.values():  # their bounds reached the cap: priced, but after the last taken
@@ -410,31 +417,13 @@ def can_fork() -> bool:
     return "fork" in multiprocessing.get_all_start_methods()
 
 
-def _sequential(price, candidates, top: Top, ahead: dict[int, Evaluation]) -> tuple[list[Evaluation], int, float]:
-    ranked, evaluated, least = [], 0, math.inf
-    for index, bound in candidates:
-        if bound >= top.cap:
-            break
-        evaluated += 1
-        result = ahead.pop(index, None)  # scouted: its time is in `top` already
-        if result is None:
-            result = price(index, top.cap)
-            if result.feasible:
-                top.add(result.iteration_time_s)
-        if result.feasible:
-            ranked.append(result)
-        else:
-            least = min(least, result.min_memory_bytes)
-    return ranked, evaluated, least
-
-
-def _helped(price, candidates, top: Top, ahead: dict[int, Evaluation], helpers: Helpers,
-            request: Callable[[int], object]) -> tuple[list[Evaluation], int, float]:
-    """`_sequential`, handing configurations to the serving processes while some serve (`Helpers`);
-    their answers are taken as they come and all of them before returning."""
+def _sequential(price, candidates, top: Top, ahead: dict[int, Evaluation], helpers: Helpers | None = None,
+                request: Callable[[int], object] | None = None) -> tuple[list[Evaluation], int, float]:
+    """Price in bound order until the cap. With `helpers` (a part of a split search), hand
+    configurations to the serving processes as `request(index)` while some serve, two in flight
+    per server; their answers are taken as they come and all of them before returning."""
     ranked: list[Evaluation] = []
     evaluated, least, waiting = 0, math.inf, 0
-    mine = helpers.results[helpers.part]
 
     def take(result: Evaluation | BaseException) -> None:
         nonlocal least
@@ -447,6 +436,8 @@ def _helped(price, candidates, top: Top, ahead: dict[int, Evaluation], helpers: 
 
     def answers(block: bool) -> None:
         nonlocal waiting
+        assert helpers is not None
+        mine = helpers.results[helpers.part]
         while waiting:
             try:
                 _, result = mine.get(timeout=SERVE_POLL_S) if block else mine.get_nowait()
@@ -461,21 +452,19 @@ def _helped(price, candidates, top: Top, ahead: dict[int, Evaluation], helpers: 
             take(result)
 
     for index, bound in candidates:
-        answers(block=False)
+        if waiting:
+            answers(block=False)
         if bound >= top.cap:
             break
         evaluated += 1
         result = ahead.pop(index, None)  # scouted: its time is in `top` already
-        if result is None and waiting < 2 * helpers.serving:
+        if result is None and helpers is not None and request is not None and waiting < 2 * helpers.serving:
             helpers.requests.put((helpers.part, index, request(index)))  # the server adds its time to `top`
             waiting += 1
             continue
-        if result is None:
-            result = price(index, top.cap)
-            if result.feasible:
-                top.add(result.iteration_time_s)
-        take(result)
-    answers(block=True)
+        take(_priced(price, index, top) if result is None else result)
+    if waiting:
+        answers(block=True)
     return ranked, evaluated, least
 
 

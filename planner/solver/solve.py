@@ -748,27 +748,23 @@ def _search_blocks(blocks: list[ConfigBlock], costs: UnitCosts, env: Environment
     def price(index: int, cap: float) -> Evaluation:
         return _price_config(*fitting.pairs([index])[0], env, cuts, cap)
 
-    def served(request: tuple[tuple, Config]) -> Evaluation:
-        """Another part's configuration: its table from its key (built here if not yet), at the shared cap."""
+    def served(request: tuple[tuple, Config], cap: float) -> Evaluation:
+        """Another part's configuration, its table from its key (built here if not yet)."""
         key, cfg = request
-        result = _price_config(costs.table(*key), cfg, env, cuts, top.cap)
-        if result.feasible:
-            top.add(result.iteration_time_s)
-        return result
+        return _price_config(costs.table(*key), cfg, env, cuts, cap)
 
     # Ordered by the weaker bound computed for all (once per cost table: bounds.py `many(whole=False)`),
     # refined to the whole bound for those the pricing reaches (`refined_order`), in ascending
     # order of that until the k-th best time is below the next (planner/solver/pricing.py). The
     # scout prices the best refined ones early, so the batches refined before their turn know a cap.
+    if helpers is not None:
+        helpers.part = part
     scout = Scout(price, top)
     ranked, evaluated, unfit = price_in_order(price, refined_order(weak, whole, scout=scout, cap=lambda: top.cap),
                                               len(fitting), top.keep, workers, top, scout, helpers, fitting.request)
     phases["inter_op"] = time.perf_counter() - tick
     if helpers is not None:
-        helpers.part = part
-        helpers.serve(served)
-    log.debug("search: %d configurations, %d pruned by memory, %d priced; phases %s", fitting.candidates, fitting.pruned, evaluated,
-              {k: round(v, 3) for k, v in phases.items()})
+        helpers.serve(served, top)
     return _Outcome(ranked, evaluated, len(fitting), fitting.candidates, fitting.pruned,
                     min(unfit, fitting.least_memory_bytes), list(fitting.refusals), phases)
 
@@ -803,11 +799,11 @@ def split_blocks(blocks: list[ConfigBlock], parts: int) -> list[list[ConfigBlock
     for block in blocks:
         families.setdefault((block.tp, block.sequence_parallel, block.micro_batch_size), []).append(block)
     size = lambda family: sum(len(b.rest) * len(b.schedules) for b in family)  # noqa: E731
-    if sum(size(f) for f in families.values()) < SPLIT_MIN or len(families) < 2:
+    if size(blocks) < SPLIT_MIN or len(families) < 2:
         return [blocks]
     dealt: list[list[ConfigBlock]] = [[] for _ in range(min(parts, len(families)))]
     for family in sorted(families.values(), key=size, reverse=True):
-        min(dealt, key=lambda part: sum(len(b.rest) * len(b.schedules) for b in part)).extend(family)
+        min(dealt, key=size).extend(family)
     return dealt
 
 
