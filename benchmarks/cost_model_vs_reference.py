@@ -79,6 +79,12 @@ class StackPins(Pins):
     fused_loss: bool = True  # (Pins' field, True for these stacks)
 
 
+MEGATRON_MEMORY = dict(fused_optimizer=True, pipeline_buffers="in-flight")
+"""Megatron-LM's memory habits where they differ from the planner's runtime (planner/solver/search.py
+`Environment`): its FusedAdam steps in place, and its pipeline sends and receives one micro-batch at a
+time (megatron/core/pipeline_parallel/p2p_communication.py) rather than keeping a buffer per micro-batch."""
+
+
 def _virtual_stages(text: str) -> int:
     found = re.match(r"(\d+) chunks", str(text))
     return int(found.group(1)) if found else 1
@@ -103,7 +109,7 @@ def table1_case(row) -> dict:
         gpus=int(row.num_gpus), gpus_per_node=int(row.gpus_per_node), global_batch=int(row.global_batch_size_seqs),
         pins=StackPins(pp=int(row.pp), tp=int(row.tp), dp=int(row.dp), cp=1, micro_batch_size=int(row.micro_batch_size),
                        schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, recompute="full", zero_stage=0,
-                       sequence_parallel=False, overlap=SERIAL),
+                       sequence_parallel=False, overlap=SERIAL, **MEGATRON_MEMORY),
         profile_mbs=[int(row.micro_batch_size)],
         published_s=float(str(row.iteration_time_s).split()[0]), derived_from="README: F(eq. 3) / TFLOP/s",
         published_tflops=float(row.throughput_tflops_per_gpu),
@@ -122,7 +128,8 @@ def modern_case(row) -> dict:
         return dict(source="Megatron-Core H100 (2024)", stack="Megatron-Core", model=row.model, gpu="h100-80gb",
                     dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
                     pins=StackPins(pp=pp, tp=tp, dp=dp, cp=1, zero_stage=1, overlap=Overlap(tp_comm=True),
-                                   recompute_modes=("none", "selective", "full")),  # Megatron-LM's: no op-level mode
+                                   recompute_modes=("none", "selective", "full"),  # Megatron-LM's: no op-level mode
+                                   **MEGATRON_MEMORY),
                     schedules=["1f1b", "interleaved-1f1b"] if pp > 1 else [None], profile_mbs=[1, 2],
                     published_s=megatron_core_flops(batch, s, l, h, ffn, vocab) / (tflops * 1e12 * gpus),
                     derived_from="Megatron-Core FLOPs / TFLOP/s", published_tflops=tflops)

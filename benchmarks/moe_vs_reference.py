@@ -100,8 +100,11 @@ def main() -> pd.DataFrame:
     cluster = make_cluster(int(row.num_gpus), 8, row.gpu)
     published = float(row.step_time_s)
     tick = time.perf_counter()
-    # Megatron-Core's vocab-parallel cross-entropy is fused (planner/cost/memory.py `loss_bytes`).
-    theirs = price_config(prof, cluster, published_config(row), Pins(fused_loss=True))
+    # Megatron-Core's vocab-parallel cross-entropy is fused (planner/cost/memory.py `loss_bytes`), its
+    # FusedAdam steps in place and its pipeline receives one micro-batch at a time (planner/solver/
+    # search.py `Environment`).
+    theirs = price_config(prof, cluster, published_config(row),
+                          Pins(fused_loss=True, fused_optimizer=True, pipeline_buffers="in-flight"))
     rows = [record("published layout", theirs, published, time.perf_counter() - tick, "")]
     for name, pins in ((f"best with EP {row.ep}", Pins(ep=int(row.ep))), ("free choice", Pins())):
         tick = time.perf_counter()

@@ -29,6 +29,7 @@ loss over equal micro-batches they equal the one-process gradient of the whole l
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable
 
@@ -159,11 +160,22 @@ class PipelineRunner:
             *(tuple(inputs) if self.has_first else ()),
             target=targets if self.has_last else None,
             losses=losses if self.has_last else None,
+            **_NO_OUTPUTS,
         )
         self.stage_times, self.events = self._running, self._events
         if not self.has_last:
             return None
         return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+def _step_keyword_no_outputs() -> dict:
+    """`return_outputs=False` where torch's schedules take it (torch >= 2.10): the last stage then
+    keeps no micro-batch's output to the step's end, which only the losses are read from
+    (planner/cost/memory.py `pipeline_keeps_outputs` prices either)."""
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(_PipelineSchedule.step).parameters else {}
+
+
+_NO_OUTPUTS = _step_keyword_no_outputs()
 
 
 def _NO_SEPARATE_WEIGHT_PASS():  # noqa: N802  (torch's dw_builder: the W action's runner)

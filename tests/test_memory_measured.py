@@ -1,11 +1,13 @@
-"""Predicted peak tensor memory (planner/cost/memory.py `stage_memory`) against the peak a run
-measures (runtime/metrics.py `TensorPeakMeter`), per example and layout, on CPU float32.
+"""Predicted peak tensor memory against the peak a run measures (runtime/metrics.py
+`TensorPeakMeter`), per example and layout, on CPU float32.
 
-The prediction is composed here the way the solver should compose it (planner/solver/search.py
-`_price`): its per-unit tables (parameters after TP, stored activations, transients, cut bytes)
-into `stage_memory`. Tolerance 10%: the model counts tensors by formula (activations from the
-profile's saved bytes), while a run also holds what no formula lists (autograd's small
-temporaries, a loss, a batch), a few percent of these small models.
+The prediction held to the run is the plan's own (`Prediction.peak_memory_bytes`, which the
+search computes for every stage range at once: planner/solver/search.py `stage_buffers`), and
+a test without runs holds that to planner/cost/memory.py `stage_memory` composed from the same
+per-unit tables (parameters after TP, stored activations, transients, cut bytes), term by term.
+Tolerance 10%: the model counts tensors by formula (activations from the profile's saved
+bytes), while a run also holds what no formula lists (autograd's small temporaries, a batch),
+a few percent of these small models.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 from planner.cluster import make_cluster
 from planner.cost.compute import interpolate
-from planner.cost.memory import StageMemory, loss_bytes, loss_in_flight, p2p_buffer_bytes, stage_memory
+from planner.cost.memory import loss_bytes, loss_in_flight, p2p_buffer_bytes, pipeline_keeps_outputs, stage_memory
 from planner.cost.schedules import in_flight_microbatches
 from planner.profiler import profile_model
 from planner.solver.plan_builder import build_plan
@@ -33,7 +35,7 @@ GLOBAL_BATCH = 8
 
 
 def predict(model: str, args: dict, world: int, pins: Pins):
-    """(plan with `memory_terms_bytes` filled, the stages' `StageMemory`) for the pinned layout."""
+    """(the solver's plan for the pinned layout, its stages' `StageMemory` composed by `stage_memory`)."""
     profile = profile_model(str(EXAMPLES / f"{model}.py"), args, [1, 2], device="meta", gpu="a100-80gb")
     cluster = make_cluster(world, gpu="cpu")
     result = search(profile, cluster, GLOBAL_BATCH, pins, keep=1)
@@ -55,16 +57,15 @@ def predict(model: str, args: dict, world: int, pins: Pins):
                                        float(table.cut_bytes[j - 1])) if cfg.pp > 1 else 0.0,
             largest_unit_parameters=float(table.parameters[i:j].max()),
             largest_unit_pair_parameters=float((table.parameters[i:j - 1] + table.parameters[i + 1:j]).max()) if j - i > 1 else 0.0,
-            # torch's schedule keeps the last stage's outputs for `return_outputs` (runtime/apply_pp.py)
-            kept_output_bytes=cfg.num_microbatches * output_bytes if (cfg.pp > 1 and k == len(best.bounds) - 1) else 0.0,
+            # torch's schedule keeps the last stage's outputs before 2.10 (runtime/apply_pp.py)
+            kept_output_bytes=cfg.num_microbatches * output_bytes
+            if (cfg.pp > 1 and k == len(best.bounds) - 1 and pipeline_keeps_outputs()) else 0.0,
             loss=loss_bytes(output_bytes, 4 if profile.dtype == "float32" else 2,
                             loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches))
             if k == len(best.bounds) - 1 else 0.0,
             largest_parameter=max(_largest_parameter(u, cfg.tp) for u in profile.units[i:j]),
             device="cpu"))
-    plan = build_plan(profile, cluster, GLOBAL_BATCH, result, 1, profile.dtype, None)
-    plan.prediction.memory_terms_bytes = [s.terms() for s in stages]
-    return plan, stages
+    return build_plan(profile, cluster, GLOBAL_BATCH, result, 1, profile.dtype, None), stages
 
 
 def _largest_parameter(unit, tp_degree: int) -> float:
@@ -81,12 +82,12 @@ def run_measured(plan, tmp_path, steps: int = 2) -> list[int]:
     return json.loads(out.read_text())["peak_tensor_bytes"]
 
 
-def rank_peaks(plan, stages: list[StageMemory]) -> list[float]:
-    """Predicted tensor peak of every rank: the stages it holds, summed (interleaving)."""
+def rank_peaks(plan) -> list[float]:
+    """The plan's predicted tensor peak of every rank: the stages it holds, summed (interleaving)."""
     peaks = [0.0] * plan.world_size
-    for stage, memory in zip(plan.stages, stages, strict=True):
+    for stage, peak in zip(plan.stages, plan.prediction.peak_memory_bytes, strict=True):
         for rank in stage.ranks:
-            peaks[rank] += memory.tensor_bytes
+            peaks[rank] += peak
     return peaks
 
 
@@ -117,9 +118,9 @@ def test_predicted_peak_matches_measured_tensor_peak(case, tmp_path, request):
     if case in XFAIL:
         request.applymarker(pytest.mark.xfail(reason=XFAIL[case], strict=False))
     model, args, world, pins = CASES[case]
-    plan, stages = predict(model, args, world, pins)
+    plan, _ = predict(model, args, world, pins)
     measured = run_measured(plan, tmp_path)
-    predicted = rank_peaks(plan, stages)
+    predicted = rank_peaks(plan)
     errors = [p / m - 1 for p, m in zip(predicted, measured, strict=True)]
     assert all(abs(e) <= TOLERANCE for e in errors), f"predicted {predicted}, measured {measured}, errors {errors}"
 
@@ -157,6 +158,17 @@ def test_tensor_peak_meter_counts_a_known_allocation_pattern():
     assert meter.peak_bytes == base + 3 * 2**20  # not 4 MiB: the thread-freed block is left out
     assert keep.numel()
     assert TensorPeakMeter(torch.device("cpu"), num_steps=1).enabled is False  # no step after the warm-up
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_solver_composes_memory_as_stage_memory(case):
+    # The plan's terms per stage (the search's, every range at once) are `stage_memory`'s for
+    # the same stage: FSDP2's gathered units (zero3), the receive buffers and kept outputs
+    # (pp2), the optimizer step's phase (cnn-dp2: AdamW's temporaries are its peak).
+    model, args, world, pins = CASES[case]
+    plan, stages = predict(model, args, world, pins)
+    assert plan.prediction.memory_terms_bytes == [s.terms() for s in stages]
+    assert plan.prediction.peak_memory_bytes == [int(round(s.tensor_bytes)) for s in stages]
 
 
 def test_stage_memory_names_every_term_and_picks_the_larger_phase():

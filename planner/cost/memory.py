@@ -39,13 +39,20 @@ the model states plus one of two phases, whichever is larger:
                          PipelineStage allocates them once and keeps them;
                          FSDP2's gathered parameters: ZeRO 3 two consecutive units' whole parameters and
                          one unit's unsharded gradients, ZeRO 1-2 the sharded copy beside the
-                         gathered parameters; on a pipeline's last stage the outputs torch's
-                         schedule keeps for `return_outputs`, m x the model output)
+                         gathered parameters; on a pipeline's last stage, with torch before 2.10,
+                         the outputs its schedule keeps, m x the model output: `pipeline_keeps_outputs`)
     optimizer step:    parameters + gradients + optimizer state
                        + transient (AdamW's temporaries, `optimizer_transient_bytes`), or, if
                          larger, communication (ZeRO 0 with dp > 1: the flat bucket the gradients are
                          all-reduced in, runtime/apply_dp.py, one gradient-sized copy; the
                          receive buffers and kept outputs above; FSDP2 has resharded)
+
+Those are the planner's runtime's (torch.distributed.pipelining, FSDP2, torch.optim.AdamW with
+foreach kernels). The search prices another engine's habits where they differ
+(planner/solver/search.py `Environment`): a fused AdamW steps in place, with no temporaries
+(Megatron-LM, DeepSpeed, torchtitan), and a pipeline that sends and receives one micro-batch
+at a time (Megatron-LM, DeepSpeed) holds the outgoing activation and its gradient, not a
+buffer per micro-batch.
 
 The loss (`loss_bytes`), on the stage holding the model's last unit. Outside every unit, so
 no unit's saved bytes count it, and for a language model's vocabulary it is large: the runtime
@@ -78,11 +85,12 @@ peak is held against; `total` (with it) is what must fit on the device.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, TypeVar
+from functools import lru_cache
+from typing import Generic, TypeVar
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
 Amount = TypeVar("Amount", float, "np.ndarray")
 """A number of parameters or bytes, or an array of them: the state formulas are elementwise,
@@ -281,26 +289,15 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     `loss`: on the last stage, the loss's bytes (`loss_bytes`), held in the forward/backward phase.
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
-    weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
-    sharded = zero_stage >= 1 and dp_degree > 1  # the runtime runs ZeRO 1-3 as FSDP2
-    if sharded and zero_stage == 3:
-        # FSDP2 gathers a unit's parameters before its forward and backward and prefetches the
-        # next unit's (two consecutive units gathered), and reduce-scatters a unit's unsharded gradients.
-        gathered = weight_bytes * max(largest_unit_pair_parameters, largest_unit_parameters) + grad_bytes * largest_unit_parameters
-    elif sharded:
-        # ZeRO 1-2 keep the gathered parameters through forward and backward (counted in
-        # `parameters`; runtime/train.py reshards after the last backward) and FSDP2 keeps the
-        # sharded copy beside them.
-        gathered = weight_bytes * num_parameters / dp_degree
-    else:
-        gathered = 0.0
-    # ZeRO 0's flat all-reduce bucket (runtime/apply_dp.py), held in the optimizer step's phase.
-    bucket = states.gradients if zero_stage == 0 and dp_degree > 1 else 0.0
+    gathered = gathered_bytes(num_parameters, largest_unit_parameters, largest_unit_pair_parameters, dtype, zero_stage,
+                              dp_degree)
+    bucket = gradient_bucket_bytes(states.gradients, zero_stage, dp_degree)
     grads_at_peak = states.gradients if num_microbatches > in_flight else 0.0
     communication = p2p_bytes + gathered + kept_output_bytes
     forward_backward = grads_at_peak + in_flight * activation_bytes + transient_bytes + communication + loss
     # The bucket is copied back and freed before the optimizer runs: the larger of the two.
-    step_transient = optimizer_transient_bytes(num_parameters, zero_stage, dp_degree, largest_parameter, device)
+    shards = dp_degree if zero_stage >= 1 else 1
+    step_transient = optimizer_transient_bytes(num_parameters / shards, largest_parameter / shards, device)
     step_extra = max(bucket, step_transient)
     # FSDP has resharded after the last backward: no gathered parameters in this phase.
     optimizer_step = states.gradients + step_extra + p2p_bytes + kept_output_bytes
@@ -318,6 +315,56 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
                        stashed_weights=stashed, loss=loss)
 
 
+def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, largest_unit_pair_parameters: Amount,
+                   dtype: str, zero_stage: int, dp_degree: int, offload: bool = False) -> Amount:
+    """FSDP2's gathered parameters beside a stage's sharded model states, per GPU, held through
+    forward and backward (the runtime runs ZeRO 1-3 as FSDP2 when dp > 1; elementwise, so the
+    search passes arrays of stage ranges):
+
+    - ZeRO 3: two consecutive units' whole parameters (a unit and the one FSDP prefetches), the
+      largest pair of the stage (`largest_unit_pair_parameters`, 0 for a one-unit stage), and one
+      unit's unsharded gradients before its reduce-scatter (the largest unit).
+    - ZeRO 1-2: the gathered parameters are `parameters` (runtime/train.py reshards after the
+      last backward); FSDP2 keeps the sharded copy beside them, 1/dp of the weights. With
+      offload that copy is on the host.
+
+    Parameters are per GPU after TP."""
+    weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
+    if zero_stage == 0 or dp_degree <= 1:
+        return 0.0 * num_parameters
+    if zero_stage >= 3:
+        return weight_bytes * np.maximum(largest_unit_pair_parameters, largest_unit_parameters) \
+            + grad_bytes * largest_unit_parameters
+    return 0.0 * num_parameters if offload else weight_bytes * num_parameters / dp_degree
+
+
+def gradient_bucket_bytes(gradient_bytes: Amount, zero_stage: int, dp_degree: int) -> Amount:
+    """ZeRO 0's flat all-reduce bucket (runtime/apply_dp.py): one copy of the stage's gradients,
+    held in the optimizer step's phase when dp > 1."""
+    return gradient_bytes if zero_stage == 0 and dp_degree > 1 else 0.0 * gradient_bytes
+
+
+def kept_output_bytes(num_microbatches: int, output_bytes: float, pp_degree: int) -> float:
+    """The outputs torch's pipeline schedule keeps to the step's end on the last stage where it
+    keeps them (`pipeline_keeps_outputs`): one model output per micro-batch; none without a pipeline."""
+    return num_microbatches * output_bytes if pp_degree > 1 else 0.0
+
+
+@lru_cache(maxsize=1)
+def pipeline_keeps_outputs() -> bool:
+    """Whether the installed torch's pipeline schedules keep the last stage's outputs to the
+    step's end. Before torch 2.10 they always did (pytorch/pytorch#159251); since then `step`
+    takes `return_outputs` (pytorch/pytorch#165822), which the runtime sets False
+    (runtime/apply_pp.py). Read from the package's version, without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = re.match(r"(\d+)\.(\d+)", version("torch"))
+    except PackageNotFoundError:
+        return False
+    return found is not None and (int(found.group(1)), int(found.group(2))) < (2, 10)
+
+
 def stashed_weight_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp_degree: int) -> Amount:
     """PipeDream-2BW's second weight version of `num_parameters` trained parameters (after TP) on one
     GPU: one more copy of the weights as held (`ModelStateBytes.weights`: 16-bit under mixed
@@ -326,7 +373,7 @@ def stashed_weight_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp
     return model_state_bytes(num_parameters, dtype, zero_stage, dp_degree).weights
 
 
-def p2p_buffer_bytes(num_microbatches: int, incoming_cut_bytes: float, outgoing_cut_bytes: float) -> float:
+def p2p_buffer_bytes(num_microbatches: int, incoming_cut_bytes: Amount, outgoing_cut_bytes: Amount) -> Amount:
     """Receive buffers of one pipeline stage: torch.distributed.pipelining's PipelineStage makes one
     per micro-batch for its input activations (`_setup_forward_recv_info`) and one for its output
     gradients (`_create_grad_recv_info` per micro-batch) and keeps them across steps. Pass 0 for
@@ -334,13 +381,12 @@ def p2p_buffer_bytes(num_microbatches: int, incoming_cut_bytes: float, outgoing_
     return num_microbatches * (incoming_cut_bytes + outgoing_cut_bytes)
 
 
-def optimizer_transient_bytes(num_parameters: float, zero_stage: int, dp_degree: int, largest_parameter: float,
-                              device: str = "gpu") -> float:
-    """Temporaries of one AdamW step (torch.optim.AdamW, fp32 state). On GPUs torch steps all
-    parameters at once (foreach): `_foreach_sqrt` of the second moments is one fp32 copy of the
-    parameters the rank updates. On CPU it steps tensor by tensor: `exp_avg_sq.sqrt() / c` holds
-    two temporaries of the largest parameter at once."""
-    updated = num_parameters / (dp_degree if zero_stage >= 1 else 1)
+def optimizer_transient_bytes(updated_parameters: Amount, largest_parameter: Amount, device: str = "gpu") -> Amount:
+    """Temporaries of one AdamW step (torch.optim.AdamW, fp32 state) over `updated_parameters`,
+    the parameters the rank steps (after ZeRO), the largest of them `largest_parameter` elements
+    (after ZeRO: FSDP2 shards every parameter). On GPUs torch steps all parameters at once
+    (foreach): `_foreach_sqrt` of the second moments is one fp32 copy of them. On CPU it steps
+    tensor by tensor: `exp_avg_sq.sqrt() / c` holds two temporaries of the largest at once."""
     if device == "cpu":
-        return 2 * 4 * largest_parameter / (dp_degree if zero_stage >= 1 else 1)
-    return 4 * updated
+        return 2 * 4 * largest_parameter + 0.0 * updated_parameters
+    return 4 * updated_parameters

@@ -78,6 +78,13 @@ class EngineLayout:
     fused_loss: bool = False
     """The engine's cross-entropy is fused, holding only the logits (planner/cost/memory.py
     `loss_bytes`; Megatron-LM's vocab-parallel cross-entropy); False: the eager loss."""
+    fused_optimizer: bool = False
+    """The engine's AdamW steps in place, without temporaries (Megatron-LM's and DeepSpeed's
+    FusedAdam, torchtitan's default implementation "fused"); False: torch's foreach AdamW."""
+    pipeline_buffers: str = "per-microbatch"
+    """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
+    `Environment.pipeline_buffers`): "per-microbatch" (torch.distributed.pipelining: torchtitan)
+    or "in-flight" (Megatron-LM, DeepSpeed)."""
     cp_algorithm: str = "all-gather"
     """How CP attention reaches the other ranks' K/V (planner/plan.py `Layout.cp_algorithm`):
     "all-gather" or "ring"; read only where cp_degree > 1."""

@@ -181,4 +181,17 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
         split=Split("uniform" if partition == "uniform" else "parameters"),
         dtype="bfloat16" if bf16 else "float16" if fp16 else None if auto_dtype else "float32",
         grad_clip=config.get("gradient_clipping") or None, notes=tuple(notes),
-        shard_degree=mics if stage == 3 and mics > 0 else None, offload=offload)
+        shard_degree=mics if stage == 3 and mics > 0 else None, offload=offload,
+        fused_optimizer=_fused_adam(config),
+        pipeline_buffers="in-flight")  # deepspeed/runtime/pipe/engine.py: buffers per micro-batch in flight
+
+
+def _fused_adam(config: dict) -> bool:
+    """Whether the config's optimizer is DeepSpeed's FusedAdam: type Adam or AdamW without
+    `torch_adam` (deepspeed/runtime/engine.py `_configure_basic_optimizer`). No optimizer in the
+    file: the client's, taken to be torch's AdamW."""
+    optimizer = config.get("optimizer")
+    if not isinstance(optimizer, dict):
+        return False
+    params = optimizer.get("params", {}) if isinstance(optimizer.get("params"), dict) else {}
+    return str(optimizer.get("type", "")).lower() in ("adam", "adamw") and not params.get("torch_adam", False)

@@ -342,6 +342,9 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         recompute_modes=("none", "selective", "full"),  # what it can run (planner price's best plan uses only these)
         # megatron/core/tensor_parallel/cross_entropy.py: the saved softmax becomes the gradient in place
         fused_loss=True,
+        # megatron/core/optimizer: apex's / Transformer Engine's FusedAdam steps in place; its
+        # pipeline (megatron/core/pipeline_parallel/p2p_communication.py) receives one micro-batch at a time.
+        fused_optimizer=True, pipeline_buffers="in-flight",
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,
         global_batch_size=glob, local_batch_size=mbs, recompute=recompute, split=split,

@@ -250,7 +250,9 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         cp_algorithm={v: k for k, v in ROTATE_METHOD.items()}.get(str(par.get("context_parallel_rotate_method", "allgather")),
                                                                    "all-gather"),
         replicate_degree=replicate if hsdp and shard == -1 else None, offload=bool(train.get("enable_cpu_offload", False)),
-        float8=float8)
+        float8=float8,
+        # torchtitan/config/job_config.py: Optimizer.implementation, "fused" unless the file says otherwise
+        fused_optimizer=data.get("optimizer", {}).get("implementation", "fused") == "fused")
 
 
 def _parse_float8(data: dict, notes: list[str]) -> bool:

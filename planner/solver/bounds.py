@@ -9,7 +9,8 @@ micro-batch (compute, the exposed TP collectives, ZeRO 2/3 traffic: `stage_array
 range's start term first_r,u counted where negative) and stores a_r,u activation bytes per
 micro-batch in flight. Pipeline rank r holds L_r micro-batches in flight
 (`in_flight_microbatches`) and at most M bytes, and the ranks hold the model states s_u once
-(s = sum_u s_u; tied copies, buffers and transients only add), so the activations a plan keeps,
+(s = sum_u s_u; tied copies, buffers and transients only add; M here is the memory less the
+pipeline buffers every rank holds at the least, `receive_floor_bytes`), so the activations a plan keeps,
 sum_u a_r(u),u, are at most A, the smaller of
 
     (p M - s) / min_r L_r                  (all ranks' memory pooled)
@@ -213,7 +214,8 @@ class TimeBound:
         backward seconds (no recomputation, no communication); the optimizer step of the mean
         pipeline rank; the backward with each unit's least recomputation (the gradient
         reduction's window at the least); and the least the step's gradient reduction and
-        parameter gather can take, summed over the pipeline ranks (`_tail_comm_s`). Each part once per setting it reads; `config` makes one of the
+        parameter gather can take, summed over the pipeline ranks (`_tail_comm_s`); the fewest
+        bytes crossing any cut (`least_cut_bytes`). Each part once per setting it reads; `config` makes one of the
         configurations where a part is computed for the first time (tens of thousands of groups
         on 1024 GPUs need few)."""
         zero, dp, shard, offload, pp, tp, ep, sp = settings
@@ -240,8 +242,8 @@ class TimeBound:
             alone = self._tables[id(table)] = (
                 table, float(table.forward_s.sum()), float(table.backward_s.sum()),
                 float((table.backward_s + least_recompute).sum()), None if fp8 is None else float(fp8.sum()),
-                *held_parameters(table, 0, len(table.parameters)))  # what the whole model's ranks hold
-        _, forward, backward, window, fp8_parameters, held, experts = alone
+                least_cut_bytes(table), *held_parameters(table, 0, len(table.parameters)))  # what the whole model's ranks hold
+        _, forward, backward, window, fp8_parameters, least_cut, held, experts = alone
         states = self.states_bytes(table, settings, cfg)  # fills self._sums for the table
         # The tail reads the table's parameter sums alone: tables of another micro-batch or CP share it.
         tail_key = ("tail", self._sums[id(table)][1], fp8_parameters, zero, dp, shard, tp, ep, sp)
@@ -255,7 +257,7 @@ class TimeBound:
             self._updated[updated_key] = updated_share(held, experts, zero, shard or dp, expert_dp) * env.optimizer_s_per_param
         min_p2p, min_hop = self._parts[p2p_key]
         columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp, window,
-                   *self._parts[tail_key])
+                   *self._parts[tail_key], least_cut)
         self._groups[key] = (table, columns)  # the table held: its id stays its own
         return columns
 
@@ -302,14 +304,17 @@ class TimeBound:
             kind = terms.common
             flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
             reserved = _end_units(table, cfg, self.env, terms, states)
-            key = (id(terms), id(states), flights, reserved)
+            memory = self.env.usable_memory_bytes - float(receive_floor_bytes(
+                cfg.pp, cfg.virtual_stages, cfg.num_microbatches, least_cut_bytes(table), self.env.pipeline_buffers))
+            key = (id(terms), id(states), flights, reserved, memory)
             keys.append(key)
             if key not in self._busiest and key not in inputs:
                 slots = [(level, count - sum(1 for _, at, _, _ in reserved if at == level), 0.0, 0.0)
                          for level, count in flights]
                 slots += [(level, 1, seconds, held) for _, level, seconds, held in reserved]
                 inputs[key] = (terms.time_s[:, kind], terms.activation_bytes[:, kind],
-                               float(states[terms.inverse == kind].min()), float(terms.count[kind]), slots, terms, states)
+                               float(states[terms.inverse == kind].min()), float(terms.count[kind]), slots, terms, states,
+                               memory)
         if inputs:
             rows = list(inputs.values())
             width = max(len(row[4]) for row in rows)
@@ -320,7 +325,7 @@ class TimeBound:
                 levels[index, :used], weights[index, :used], seconds[index, :used], held[index, :used] = columns
             values = _memory_rank_s(np.stack([row[0] for row in rows]), np.stack([row[1] for row in rows]),
                                     np.array([row[2] for row in rows]), np.array([row[3] for row in rows]), levels,
-                                    weights, self.env.usable_memory_bytes, reserved_s=seconds, reserved_bytes=held)
+                                    weights, np.array([row[7] for row in rows]), reserved_s=seconds, reserved_bytes=held)
             for key, row, value in zip(inputs, rows, values.tolist(), strict=True):
                 self._busiest[key] = (value, row[5], row[6])  # the terms and states held: their ids stay theirs
         return np.array([self._busiest[key][0] for key in keys])
@@ -376,13 +381,15 @@ class TimeBound:
     def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
                       pairs: list[tuple[UnitCostTable, Config]] | None, cap: float = math.inf) -> np.ndarray:
         """The closed forms of the module docstring for N configurations: `variants` [N, 7]
-        (`schedule_columns`), `groups` [N, 9] (`group_columns`), each configuration's unit terms
+        (`schedule_columns`), `groups` [N, 10] (`group_columns`), each configuration's unit terms
         `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring to those
         whose bound without them is below `cap`, None leaves them out (the weak bound)."""
         least, most, inverse_sum, p, v, m, form = variants.T
-        states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather = groups.T
-        memory = self.env.usable_memory_bytes
-        budget = np.minimum((p * memory - states) / least, memory * inverse_sum - states / most)
+        states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather, least_cut = groups.T
+        # What a rank's memory leaves beside its pipeline buffers; activations A may not be negative
+        # (below 0 nothing fits, and any bound holds).
+        memory = self.env.usable_memory_bytes - receive_floor_bytes(p, v, m, least_cut, self.env.pipeline_buffers)
+        budget = np.maximum(np.minimum((p * memory - states) / least, memory * inverse_sum - states / most), 0.0)
         chunks = p * v
         dual, fastest, starts, pigeon, others = (np.empty(len(which)) for _ in range(5))
         for position, terms in enumerate(distinct):
@@ -441,7 +448,7 @@ def schedule_columns(schedule: str, pp: int, num_microbatches: int, virtual_stag
 
 
 def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
-                   levels: np.ndarray, weights: np.ndarray, memory: float, iterations: int = 24,
+                   levels: np.ndarray, weights: np.ndarray, memory: float | np.ndarray, iterations: int = 24,
                    reserved_s: np.ndarray | None = None, reserved_bytes: np.ndarray | None = None) -> np.ndarray:
     """z*: the least time of the busiest pipeline rank's units of one kind (the most common: a
     transformer's blocks), when each rank's memory holds the units it runs (module docstring,
@@ -449,7 +456,8 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
 
     For N configurations: `time_s` and `activation` [N, mode] the kind's t_r and a_r, `states` [N]
     its model states s, `count` [N] how many units of it there are, `levels` and `weights` [N, K]
-    the ranks' distinct in-flight counts L and how many ranks hold each (weight 0 pads). A rank
+    the ranks' distinct in-flight counts L and how many ranks hold each (weight 0 pads), `memory`
+    M (one for all, or [N]: what a rank holds besides its pipeline buffers, `receive_floor_bytes`). A rank
     with in-flight L that runs at most z seconds of these units holds at most h_L(z) of them, the
     optimum of the linear program
 
@@ -471,7 +479,7 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
     width = states[:, None, None] + levels[:, :, None] * activation[:, None, :]  # [N, K, mode]: s + L a_r
     times = np.broadcast_to(time_s[:, None, :], width.shape)
     reserved_s = np.zeros(levels.shape) if reserved_s is None else reserved_s
-    room = memory - (np.zeros(levels.shape) if reserved_bytes is None else reserved_bytes)  # [N, K]
+    room = np.reshape(memory, (-1, 1)) - (np.zeros(levels.shape) if reserved_bytes is None else reserved_bytes)  # [N, K]
     # Where a width or time is zero (or tiny) a rank holds unboundedly many: inf, not a warning.
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         by_memory = np.where(width > 0, room[..., None] / width, np.inf)
@@ -522,6 +530,23 @@ def _end_units(table: UnitCostTable, cfg: Config, env: Environment, terms: _Unit
     if len(out) == 2 and out[0][0] == out[1][0]:
         out = [(out[0][0], out[0][1], out[0][2] + out[1][2], out[0][3] + out[1][3])]
     return tuple(out)
+
+
+def least_cut_bytes(table: UnitCostTable) -> float:
+    """The fewest bytes crossing any place a stage may end (after every unit but the last)."""
+    return float(table.cut_bytes[:-1].min()) if len(table.cut_bytes) > 1 else 0.0
+
+
+def receive_floor_bytes(p, v, m, least_cut, buffers: str):
+    """The least bytes of pipeline buffers every rank holds, whatever the cuts
+    (planner/solver/search.py `stage_buffers`), elementwise over configurations: each of a rank's
+    v chunks holds m buffers for what crosses each of its cuts ("per-microbatch"), every chunk but
+    the first having an incoming cut and every one but the last an outgoing one, so rank 0 and
+    rank p - 1 hold 2v - 1 of them and the others 2v, each at least `least_cut`; "in-flight", the
+    outgoing activation and its gradient of each chunk but the model's last, 2 (v - 1) at least.
+    None without a pipeline."""
+    per_rank = m * (2 * v - 1) if buffers == "per-microbatch" else 2 * (v - 1)
+    return np.where(np.asarray(p) > 1, per_rank * least_cut, 0.0)
 
 
 def _busiest_rank_s(terms: _UnitTerms, ranks: np.ndarray) -> np.ndarray:

@@ -117,6 +117,11 @@ class UnitCostTable:
     fp8_flops: np.ndarray | None = None
     """Per unit, model FLOPs (forward + backward, one micro-batch, whole unit) done in FP8 linears."""
 
+    largest_parameter: np.ndarray | None = None
+    """Per unit, elements of its largest parameter tensor per GPU (after TP where the unit shards):
+    what AdamW's temporaries hold on CPU, where it steps tensor by tensor
+    (planner/cost/memory.py `optimizer_transient_bytes`). None: not known (0)."""
+
     frozen_parameters: np.ndarray | None = None
     """The part of `parameters` that does not train (requires_grad False: a LoRA model's base
     weights): held and gathered like any weight, but without gradients, optimizer state,
@@ -444,6 +449,8 @@ class UnitCosts:
         op_weight = sum(math.prod(op.weight_shape) for op in u.ops if op.weight_shape)
         op_weight_tp = sol.parameter_bytes / self.dtype_bytes if sol else op_weight
         row["params"] = max(u.num_parameters - op_weight + op_weight_tp, 0)
+        largest = max((math.prod(op.weight_shape) for op in u.ops if op.weight_shape), default=0)
+        row["largest"] = largest * op_weight_tp / op_weight if op_weight else 0.0
         f_fwd, f_bwd = self.compute.forward_flops(u, b), self.compute.backward_flops(u, b)
         row["flops"] = f_fwd + f_bwd
         core = _attention_flop_share(u)
@@ -475,7 +482,8 @@ class UnitCosts:
         units = self.profile.units
         n = len(units)
         arrays: dict[str | tuple[str, str], np.ndarray] = {
-            name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "flops", "fp8_weights", "fp8_flops")}
+            name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
+                                           "fp8_flops")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
         layer_seconds: dict[int, list[tuple[float, float]]] = {}  # unit -> its MoE layers' experts' (fwd, bwd) s
@@ -498,7 +506,8 @@ class UnitCosts:
         output = interpolate({k: float(c.output_bytes) for k, c in units[-1].costs.items()}, b)
         table = UnitCostTable(fwd, bwd, arrays["comm"], by_mode("rec"), arrays["rec_comm"], params, by_mode("act"),
                               by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, output_bytes=output,
-                              output_element_bytes=self.dtype_bytes, tied=tied_weights(self.profile))
+                              output_element_bytes=self.dtype_bytes, tied=tied_weights(self.profile),
+                              largest_parameter=arrays["largest"])
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -22,10 +22,16 @@ previous unit's forward and its reduce-scatter (with the next gather) behind the
 backward, so zero_u is only their excess; without, their sum (planner/solver/comm_pricing.py
 prices every overlapped piece).
 
-(stage memory = model states under ZeRO, a copy of every tied weight the range uses but
-whose first unit it lacks included (`UnitCostTable.copy_parameters`) + in-flight
-micro-batches x stored activations + the largest recomputation transient + send/receive
-buffers; the transient as soon as one unit recomputes fully), lets the DP
+(stage memory = planner/cost/memory.py `stage_memory`'s larger phase, for every range at
+once: model states under ZeRO, a copy of every tied weight the range uses but whose first
+unit it lacks included (`UnitCostTable.copy_parameters`), plus in the forward/backward phase
+in-flight micro-batches x stored activations + the largest recomputation transient (as soon
+as one unit recomputes fully) + the loss on the last stage + `stage_buffers`' communication
+(the pipeline's receive buffers and kept outputs, FSDP2's gathered parameters), and in the
+optimizer step's phase AdamW's temporaries or ZeRO 0's bucket + the receive buffers. One
+difference from `stage_memory`, on the safe side: the gradients count in the
+forward/backward phase even where every forward of the peak precedes the first backward),
+lets the DP
 (planner/solver/inter_op.py) pick the cuts and each unit's recomputation (a pipedream-2bw the runtime runs
 without a flush by its own objective, m x the slowest stage), and prices the result (`_price`) with the
 schedule's closed form (a pipedream-2bw the runtime runs flushed with 1F1B's: `flush_blocker`;
@@ -61,7 +67,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.cost.memory import ModelStateBytes, loss_bytes, loss_in_flight, model_state_bytes
+from planner.cost.memory import (
+    ModelStateBytes,
+    gathered_bytes,
+    gradient_bucket_bytes,
+    kept_output_bytes,
+    loss_bytes,
+    loss_in_flight,
+    model_state_bytes,
+    optimizer_transient_bytes,
+    p2p_buffer_bytes,
+    pipeline_keeps_outputs,
+)
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
 from planner.cost.schedules import in_flight_microbatches, iteration_time_s
@@ -189,6 +206,18 @@ class Environment:
     """(nbytes, pp ranks holding a copy, ranks per pipeline rank = dp x tp) -> s: the all-reduce of a
     tied weight's gradient among its copies (None: free)."""
     overlap: Overlap = Overlap()
+    device: str = "gpu"
+    """"cpu" where the cluster's devices are CPUs: AdamW steps tensor by tensor there
+    (planner/cost/memory.py `optimizer_transient_bytes`)."""
+    fused_optimizer: bool = False
+    """The stack's AdamW steps in place (torch's fused=True, apex's, Megatron-LM's and DeepSpeed's
+    FusedAdam): no temporaries in the optimizer step's phase. False: the planner's runtime, whose
+    torch.optim.AdamW steps with foreach kernels on GPUs."""
+    pipeline_buffers: str = "per-microbatch"
+    """How the stack's pipeline holds the activations and gradients crossing a cut: "per-microbatch": torch.distributed.pipelining's, as the planner's
+    runtime runs it (a receive buffer per micro-batch, kept; planner/cost/memory.py
+    `p2p_buffer_bytes`); "in-flight": one micro-batch's sends and receives at a time (Megatron-LM's
+    `p2p_communication`, DeepSpeed's pipeline engine): the outgoing activation and its gradient."""
     fused_loss: bool = False
     """The stack's cross-entropy is fused, holding no more than the logits (planner/cost/memory.py
     `loss_bytes`); the planner's runtime runs the eager loss (False)."""
@@ -349,16 +378,20 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                       for rank in range(cfg.pp)]
     in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
     levels, row_of_stage = np.unique(in_flight, return_inverse=True)
-    fixed = p_states[end] - p_states[start] + copy_states + 2 * table.cut_bytes[end - 1]
+    buffers = stage_buffers(table, cfg, env, start, end)
+    states_held = p_states[end] - p_states[start] + copy_states
+    fixed = states_held + buffers.communication
     fixed = fixed + np.where(end == num_units, stage_loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
+    floor = states_held + buffers.step  # the optimizer step's phase, which no recomputation shrinks
     transient = _transient_max(table, env)[start, end]
     width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
         range_costs, min_needed = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
-                                                       first[env.allowed_recompute[0]], start, end, fixed, transient, p2p, levels)
+                                                       first[env.allowed_recompute[0]], start, end, fixed, floor,
+                                                       transient, p2p, levels)
     else:
         range_costs, min_needed, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
-                                                                      transient, p2p, levels)
+                                                                      floor, transient, p2p, levels)
 
     def stage_costs(limit: float):
         """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
@@ -483,16 +516,18 @@ def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, r
 
 
 def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
-                         start: np.ndarray, end: np.ndarray, fixed: np.ndarray, transient: np.ndarray, p2p: np.ndarray,
-                         levels: np.ndarray):
-    """One allowed mode (`--recompute` pinned): every unit of every range runs it. Returns
-    ((limit, with_bytes) -> (cost [level, range], choice [level, range]: 0 or -1, and with_bytes
-    the bytes [level, range] at that choice, inf where none fits), least bytes of any range)."""
+                         start: np.ndarray, end: np.ndarray, fixed: np.ndarray, floor: np.ndarray, transient: np.ndarray,
+                         p2p: np.ndarray, levels: np.ndarray):
+    """One allowed mode (`--recompute` pinned): every unit of every range runs it. A range holds
+    the larger of its forward/backward bytes (`fixed`, the transient, the activations in flight)
+    and its optimizer step's (`floor`). Returns ((limit, with_bytes) -> (cost [level, range],
+    choice [level, range]: 0 or -1, and with_bytes the bytes [level, range] at that choice, inf
+    where none fits), least bytes of any range)."""
     prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
-    memory = held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]
+    memory = np.maximum(held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :], floor[None, :])
 
     def costs(limit: float, with_bytes: bool = True):
         fits = memory <= limit
@@ -502,26 +537,30 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
 
 
 def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
-                          transient: np.ndarray, p2p: np.ndarray, levels: np.ndarray):
+                          floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray, levels: np.ndarray):
     """Modes per unit (planner/solver/unit_recompute.py): per range and level the fastest
-    frontier point that fits. Returns as `_uniform_range_costs`, the choice a `padded` column,
-    and the padded width K (`UnitChoices.modes` reads the column with it)."""
+    frontier point that fits, a range whose optimizer step's bytes (`floor`) exceed the limit
+    fitting none. Returns as `_uniform_range_costs`, the choice a `padded` column, and the
+    padded width K (`UnitChoices.modes` reads the column with it)."""
     rows = choices.rows(start, end)
     _, act_all, lasts_all = choices.padded
     held = np.stack([fixed, fixed + transient], axis=1)  # [range, set]: the transient only with a full unit
     least_act = act_all[rows[:, None], lasts_all[rows]]
-    min_needed = float((held + levels.min() * least_act).min())
+    min_needed = float(np.maximum(held + levels.min() * least_act, floor[:, None]).min())
     offset = p2p[end - 1][None, :]
 
     def costs(limit: float, with_bytes: bool = True):
         cost, choice = fastest_fitting(choices, rows, limit - held, levels)
+        stepping = floor > limit
+        if stepping.any():
+            cost, choice = np.where(stepping[None, :], np.inf, cost), np.where(stepping[None, :], -1, choice)
         if not with_bytes:
             return cost + offset, choice, None
         fits = choice >= 0
         column = np.where(fits, choice, 0)
         memory = held[np.arange(len(rows))[None, :], (column >= choices.width).astype(int)] \
             + np.asarray(levels, dtype=float)[:, None] * choices.padded[1][rows[None, :], column]
-        return cost + offset, choice, np.where(fits, memory, np.inf)
+        return cost + offset, choice, np.where(fits, np.maximum(memory, floor[None, :]), np.inf)
 
     position = np.full((choices.num_units + 1, choices.num_units + 1), -1)
     position[start, end] = np.arange(start.size)
@@ -543,7 +582,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
             if n < 0:
                 return None
             row = rows[n]
-            option_t, option_b = time_all[row], held[n, sets] + level * act_all[row]
+            option_t, option_b = time_all[row], np.maximum(held[n, sets] + level * act_all[row], floor[n])
             total_t = (merged_t[:, None] + option_t[None, :]).ravel()
             total_b = (merged_b[:, None] + option_b[None, :]).ravel()
             fit = np.flatnonzero(np.isfinite(total_t) & (total_b <= limit))
@@ -688,6 +727,100 @@ def _range_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class StageBuffers:
+    """What stage ranges hold beyond their model states, activations, transient and loss, one
+    entry per range (planner/cost/memory.py `stage_memory`'s terms, `stage_buffers`)."""
+
+    receive: np.ndarray
+    """The pipeline's receive buffers (`p2p_buffer_bytes`) and, on the last stage, the kept
+    outputs (`kept_output_bytes`): held in both phases."""
+    gathered: np.ndarray
+    """FSDP2's gathered parameters and unsharded gradients (`gathered_bytes`), forward/backward only."""
+    step_transient: np.ndarray
+    """AdamW's temporaries (`optimizer_transient_bytes`; none with offload: the host steps)."""
+    bucket: np.ndarray
+    """ZeRO 0's all-reduce bucket (`gradient_bucket_bytes`), the optimizer step's phase."""
+
+    @property
+    def communication(self) -> np.ndarray:
+        """The forward/backward phase's communication buffers."""
+        return self.receive + self.gathered
+
+    @property
+    def step(self) -> np.ndarray:
+        """The optimizer step's phase beyond the model states: the larger of the temporaries and
+        the bucket (freed before the step), and the receive buffers."""
+        return np.maximum(self.step_transient, self.bucket) + self.receive
+
+
+def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np.ndarray, end: np.ndarray) -> StageBuffers:
+    """`StageBuffers` of the stage ranges [start[k], end[k]) (planner/cost/memory.py
+    `stage_memory`, whose arguments are computed here for every range at once)."""
+    n, m = len(table.parameters), cfg.num_microbatches
+    start, end = np.asarray(start), np.asarray(end)
+    zeros = np.zeros(len(start))
+    receive = zeros
+    if cfg.pp > 1 and env.pipeline_buffers == "in-flight":
+        receive = 2 * table.cut_bytes[end - 1]
+    elif cfg.pp > 1:
+        incoming = np.where(start > 0, table.cut_bytes[np.maximum(start - 1, 0)], 0.0)
+        receive = p2p_buffer_bytes(m, incoming, table.cut_bytes[end - 1])
+        if pipeline_keeps_outputs():
+            receive = receive + np.where(end == n, kept_output_bytes(m, table.output_bytes, cfg.pp), 0.0)
+    params = table.parameters
+    prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
+    gathered = zeros
+    if cfg.zero_stage >= 1 and cfg.zero_dp > 1:
+        if cfg.zero_stage >= 3:
+            largest_unit = _range_max_at(table, env, "parameters", params, start, end)
+            largest_pair = _range_max_at(table, env, "pairs", params[:-1] + params[1:], start, end - 1)
+        else:
+            largest_unit = largest_pair = zeros
+        gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start], largest_unit, largest_pair, env.dtype,
+                                  cfg.zero_stage, cfg.zero_dp, cfg.offload)
+    gradients = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
+    bucket = gradient_bucket_bytes(gradients[end] - gradients[start], cfg.zero_stage, cfg.dp)
+    step_transient = zeros
+    if not (cfg.offload or env.fused_optimizer):
+        shards = cfg.zero_dp if cfg.zero_stage >= 1 else 1
+        trained = params if table.frozen_parameters is None else params - table.frozen_parameters
+        updated = trained / shards
+        if table.expert_parameters is not None and cfg.zero_stage >= 1:  # experts shard over expert dp
+            updated = updated + table.expert_parameters * (1 / cfg.expert_dp - 1 / shards)
+        largest = zeros
+        if env.device == "cpu" and table.largest_parameter is not None:
+            largest = _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end) / shards
+        step_transient = optimizer_transient_bytes(prefix(updated)[end] - prefix(updated)[start], largest, env.device)
+    return StageBuffers(receive, gathered, step_transient, bucket)
+
+
+def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
+                  end: np.ndarray) -> np.ndarray:
+    """max(values[start[k]:end[k]]) per k, 0 where the range is empty: a sparse table (row j holds
+    the maxima of the windows of 2^j), built once per table and `name` (`env.memo`), read twice per range."""
+    key = ("range_max", id(table), name)
+    held = env.memo.get(key)
+    if held is None:
+        values = np.asarray(values, dtype=float)
+        rows, width = [values], 1
+        while 2 * width <= len(values):
+            rows.append(np.maximum(rows[-1][:-width], rows[-1][width:]))
+            width *= 2
+        sparse = np.zeros((len(rows), max(len(values), 1)))
+        for j, row in enumerate(rows):
+            sparse[j, :len(row)] = row
+        held = env.memo[key] = (table, sparse)
+    sparse = held[1]
+    length = end - start
+    level = np.zeros(len(length), dtype=int)
+    positive = length > 0
+    level[positive] = np.floor(np.log2(length[positive])).astype(int)
+    first = sparse[level, np.where(positive, start, 0)]
+    last = sparse[level, np.where(positive, end - (1 << level), 0)]
+    return np.where(positive, np.maximum(first, last), 0.0)
+
+
 def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> float:
     """The loss's bytes on the stage holding the last unit (planner/cost/memory.py `loss_bytes`),
     with `loss_in_flight` micro-batches' losses waiting for their backward."""
@@ -697,13 +830,16 @@ def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> flo
 
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
                  held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
-                 communication: np.ndarray, loss: np.ndarray) -> StageTerms:
+                 buffers: StageBuffers, loss: np.ndarray, stepping: np.ndarray) -> StageTerms:
     """Per stage [starts[k], ends[k]), the terms of `_price`'s memory by name (planner/cost/memory.py
     `StageMemory.terms`): the model states split into parameters, gradients and optimizer state
     (the stage's units and its tied copies, ZeRO and offload applied), PipeDream-2BW's stashed
-    weights (what `held` holds beyond them, `stage_arrays`), the activations of the micro-batches
-    in flight, full recomputation's transient, the communication buffers (a cut's activation
-    and its gradient) and the loss's bytes on the last stage. They sum to the stage's memory exactly."""
+    weights (what `held` holds beyond them, `stage_arrays`), then the phase at the peak: in the
+    forward/backward phase the activations of the micro-batches in flight, full recomputation's
+    transient, the communication buffers (`StageBuffers.communication`) and the loss's bytes on the
+    last stage; where the optimizer step's phase is larger (`stepping`), AdamW's temporaries as the
+    transient or else ZeRO 0's bucket with the receive buffers as communication, as `stage_memory`
+    names them. They sum to the stage's memory exactly."""
     key = ("state_parts", id(table), cfg.tp, cfg.sequence_parallel, cfg.ep, cfg.zero_stage, cfg.dp, cfg.shard_degree,
            cfg.offload)
     held_parts = env.memo.get(key)
@@ -714,9 +850,15 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     zeros = np.zeros(len(starts), dtype=int)
     weights, gradients, optimizer = (range_sums(a[None], zeros, starts, ends) for a in held_parts[1])
     copy = gpu_state_parts(copies, cfg, env)
+    temporaries = buffers.step_transient >= buffers.bucket
+    step_transient = np.where(temporaries, buffers.step_transient, 0.0)
+    step_communication = np.where(temporaries, 0.0, buffers.bucket) + buffers.receive
     columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients,
-               "optimizer_state": optimizer + copy.optimizer, "activations": activations, "transient": transient,
-               "communication": communication, "loss": loss}
+               "optimizer_state": optimizer + copy.optimizer,
+               "activations": np.where(stepping, 0.0, activations),
+               "transient": np.where(stepping, step_transient, transient),
+               "communication": np.where(stepping, step_communication, buffers.communication),
+               "loss": np.where(stepping, 0.0, loss)}
     if cfg.schedule == "pipedream-2bw":
         columns["stashed_weights"] = held - (weights + gradients + optimizer)
     return StageTerms(tuple(columns), np.stack([np.broadcast_to(np.asarray(c, dtype=float), (len(starts),))
@@ -777,7 +919,10 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
     loss = np.where(ends == len(table.parameters), stage_loss_bytes(table, env, cfg), 0.0)
-    memory = held + copy_states + in_flight * stored + transient + 2 * table.cut_bytes[ends - 1] + loss
+    buffers = stage_buffers(table, cfg, env, starts, ends)
+    forward_backward = held + copy_states + in_flight * stored + transient + buffers.communication + loss
+    stepping = held + copy_states + buffers.step
+    memory = np.maximum(forward_backward, stepping)
     half_p2p = p2p[ends - 1] / 2
     fwd = (forward + half_p2p).tolist()
     bwd = np.maximum(total - forward - half_p2p, 0.0).tolist()  # a unit without backward (rotary) can round below 0
@@ -786,8 +931,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
-    terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient,
-                         2 * table.cut_bytes[ends - 1], loss)
+    terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient, buffers, loss,
+                         stepping > forward_backward)
     pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
     fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0

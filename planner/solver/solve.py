@@ -100,6 +100,12 @@ class Pins:
     """Price the loss's memory as a fused cross-entropy holds it (the logits only; planner/cost/
     memory.py `loss_bytes`): for an engine that fuses it (Megatron-LM). False: as the planner's
     runtime runs it."""
+    fused_optimizer: bool = False
+    """Price the optimizer step without AdamW's temporaries, as an engine stepping in place runs
+    it (planner/solver/search.py `Environment.fused_optimizer`). False: as the planner's runtime runs it."""
+    pipeline_buffers: str = "per-microbatch"
+    """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
+    `Environment.pipeline_buffers`): "per-microbatch" as the planner's runtime, or "in-flight"."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -487,6 +493,9 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         # collectives run on the same cores as the compute.
         overlap=getattr(pins, "overlap", None) or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),
         fused_loss=pins.fused_loss,
+        fused_optimizer=pins.fused_optimizer,
+        pipeline_buffers=pins.pipeline_buffers,
+        device="cpu" if cluster.gpu.name == "cpu" else "gpu",
     )
 
 
