@@ -93,3 +93,94 @@ def test_show_prints_the_terms(gpt_profile, tmp_path):
                           text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert "by term" in done.stdout and "optimizer state" in done.stdout
+
+
+def test_zero3_holds_two_gathered_units_and_one_unit_s_gradients(gpt_profile):
+    # FSDP2 gathers a unit and prefetches the next, and holds one unit's unsharded gradients
+    # before their reduce-scatter: the plan's communication term is that, on top of the shards.
+    plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=1, dp=8, tp=1, zero_stage=3))
+    (terms,) = plan.prediction.memory_terms_bytes
+    weights, grads, _ = STATE_BYTES["mixed"]
+    units = [u.num_parameters for u in gpt_profile.units]
+    pair = max(a + b for a, b in zip(units[:-1], units[1:], strict=True))
+    assert terms["communication"] == pytest.approx(weights * pair + grads * max(units), rel=1e-6)
+    assert terms["parameters"] == pytest.approx(weights * sum(units) / 8, rel=1e-6)
+
+
+
+def _terms(profile, cfg, **habits) -> list[dict[str, float]]:
+    """The memory terms per stage of `cfg` priced with `habits` (Pins fields: an engine's, the recomputation)."""
+    from planner.solver.solve import price_config
+
+    evaluation = price_config(profile, make_cluster(8, gpu="a100-80gb"), cfg, Pins(**habits))
+    assert evaluation.feasible, evaluation.reason
+    return list(evaluation.memory_terms)
+
+
+def test_pipeline_buffers_per_micro_batch_or_in_flight(gpt_profile):
+    # torch.distributed.pipelining (the runtime) keeps a receive buffer per micro-batch for what
+    # crosses each cut; Megatron-LM and DeepSpeed hold one micro-batch's outgoing activation and its gradient.
+    from planner.solver.search import Config
+
+    cfg = Config(tp=1, sequence_parallel=False, pp=2, dp=4, micro_batch_size=1, num_microbatches=8, schedule="1f1b",
+                 virtual_stages=1, zero_stage=0)
+    ours, megatron = _terms(gpt_profile, cfg), _terms(gpt_profile, cfg, pipeline_buffers="in-flight")
+    cut = megatron[0]["communication"] / 2  # the activation crossing the one cut, one micro-batch
+    assert cut > 0 and megatron[1]["communication"] == 0
+    assert ours[0]["communication"] == pytest.approx(8 * cut) and ours[1]["communication"] == pytest.approx(8 * cut)
+
+
+def test_optimizer_step_phase_and_fused_optimizers(gpt_profile):
+    # ZeRO 0 on dp 8 with full recomputation holds few activations: torch's foreach AdamW step,
+    # a 4-byte temporary per parameter, beside the gradient bucket being freed, is the peak;
+    # an engine whose AdamW steps in place (fused) peaks in the forward/backward phase instead.
+    from planner.solver.search import Config
+
+    cfg = Config(tp=1, sequence_parallel=False, pp=1, dp=8, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                 virtual_stages=1, zero_stage=0)
+    (ours,), (fused,) = _terms(gpt_profile, cfg, recompute="full"), _terms(gpt_profile, cfg, recompute="full",
+                                                                           fused_optimizer=True)
+    n = gpt_profile.model.num_parameters
+    # The bucket (one copy of the 16-bit gradients) is smaller than the fp32 temporaries, so they are the peak.
+    assert ours["activations"] == 0 and ours["loss"] == 0
+    assert ours["transient"] == pytest.approx(4 * n, rel=1e-6) and ours["communication"] == 0
+    assert fused["activations"] > 0 and fused["transient"] < ours["transient"]
+
+
+def test_engine_files_say_their_memory_habits():
+    from planner.engines import deepspeed, megatron, torchtitan
+
+    mega = megatron.parse("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 8 --bf16\n")
+    assert mega.fused_optimizer and mega.pipeline_buffers == "in-flight"
+    base = '{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2'
+    assert deepspeed.parse(base + ', "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}').fused_optimizer
+    assert not deepspeed.parse(base + ', "optimizer": {"type": "AdamW", "params": {"torch_adam": true}}}').fused_optimizer
+    assert not deepspeed.parse(base + "}").fused_optimizer  # the client's optimizer: torch's
+    assert deepspeed.parse(base + "}").pipeline_buffers == "in-flight"
+    assert torchtitan.parse("[parallelism]\npipeline_parallel_degree = 2\n").fused_optimizer  # its default, "fused"
+    titan = torchtitan.parse('[optimizer]\nimplementation = "foreach"\n[parallelism]\npipeline_parallel_degree = 2\n')
+    assert not titan.fused_optimizer and titan.pipeline_buffers == "per-microbatch"
+
+
+def test_receive_floor_is_below_every_rank_s_buffers():
+    # `receive_floor_bytes` (the time bound's memory) against every way to cut 7 units with
+    # uneven cut sizes into p x v chunks: no rank holds fewer buffer bytes.
+    import itertools
+
+    import numpy as np
+
+    from planner.solver.bounds import receive_floor_bytes
+
+    cut = np.array([5.0, 3.0, 8.0, 2.0, 6.0, 4.0, 0.0])  # after each unit; none after the last
+    for (p, v), m, buffers in itertools.product([(2, 1), (2, 2), (3, 2), (4, 1)], [1, 3, 8], ["per-microbatch", "in-flight"]):
+        floor = float(receive_floor_bytes(p, v, m, cut[:-1].min(), buffers))
+        chunks = p * v
+        for edges in itertools.combinations(range(1, 7), chunks - 1):
+            bounds = list(zip((0, *edges), (*edges, 7), strict=True))
+            held = [0.0] * p
+            for k, (i, j) in enumerate(bounds):
+                if buffers == "per-microbatch":
+                    held[k % p] += m * ((cut[i - 1] if i > 0 else 0.0) + cut[j - 1])
+                else:
+                    held[k % p] += 2 * cut[j - 1]
+            assert floor <= min(held) + 1e-9, (p, v, m, buffers, bounds)
