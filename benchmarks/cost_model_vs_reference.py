@@ -57,6 +57,7 @@ import pandas as pd
 
 from planner.cluster import make_cluster
 from planner.cost.overlap import SERIAL, Overlap
+from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY
 from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.solve import Pins, even_block_cuts, solve
@@ -77,12 +78,6 @@ class StackPins(Pins):
 
     overlap: Overlap = Overlap()
     fused_loss: bool = True  # (Pins' field, True for these stacks)
-
-
-MEGATRON_MEMORY = dict(fused_optimizer=True, pipeline_buffers="in-flight")
-"""Megatron-LM's memory habits where they differ from the planner's runtime (planner/solver/search.py
-`Environment`): its FusedAdam steps in place, and its pipeline sends and receives one micro-batch at a
-time (megatron/core/pipeline_parallel/p2p_communication.py) rather than keeping a buffer per micro-batch."""
 
 
 def _virtual_stages(text: str) -> int:

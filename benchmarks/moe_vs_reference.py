@@ -33,6 +33,7 @@ from pathlib import Path
 import pandas as pd
 
 from planner.cluster import make_cluster
+from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY
 from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.plan_builder import why_lost
@@ -103,8 +104,7 @@ def main() -> pd.DataFrame:
     # Megatron-Core's vocab-parallel cross-entropy is fused (planner/cost/memory.py `loss_bytes`), its
     # FusedAdam steps in place and its pipeline receives one micro-batch at a time (planner/solver/
     # search.py `Environment`).
-    theirs = price_config(prof, cluster, published_config(row),
-                          Pins(fused_loss=True, fused_optimizer=True, pipeline_buffers="in-flight"))
+    theirs = price_config(prof, cluster, published_config(row), Pins(fused_loss=True, **MEGATRON_MEMORY))
     rows = [record("published layout", theirs, published, time.perf_counter() - tick, "")]
     for name, pins in ((f"best with EP {row.ep}", Pins(ep=int(row.ep))), ("free choice", Pins())):
         tick = time.perf_counter()

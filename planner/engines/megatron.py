@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from typing import Any
 from dataclasses import replace
 
 from planner.engines.common import (
@@ -275,6 +276,13 @@ def _cp_algorithm(comm_type: str, notes: list[str]) -> str:
     return "ring"
 
 
+MEMORY_HABITS: dict[str, Any] = dict(fused_optimizer=True, pipeline_buffers="in-flight")
+"""How Megatron-LM holds memory where the planner's runtime holds more (planner/solver/search.py
+`Environment`): its optimizer (megatron/core/optimizer: apex's or Transformer Engine's FusedAdam)
+steps in place, and its pipeline (megatron/core/pipeline_parallel/p2p_communication.py) sends and
+receives one micro-batch at a time. Pins and EngineLayout fields."""
+
+
 def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
     args = tokens(text)
     if not any(k.startswith("--") for k in args):
@@ -342,9 +350,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         recompute_modes=("none", "selective", "full"),  # what it can run (planner price's best plan uses only these)
         # megatron/core/tensor_parallel/cross_entropy.py: the saved softmax becomes the gradient in place
         fused_loss=True,
-        # megatron/core/optimizer: apex's / Transformer Engine's FusedAdam steps in place; its
-        # pipeline (megatron/core/pipeline_parallel/p2p_communication.py) receives one micro-batch at a time.
-        fused_optimizer=True, pipeline_buffers="in-flight",
+        **MEMORY_HABITS,
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,
         global_batch_size=glob, local_batch_size=mbs, recompute=recompute, split=split,
