@@ -59,8 +59,8 @@ from __future__ import annotations
 
 import re
 import shlex
-from typing import Any
 from dataclasses import replace
+from typing import Any
 
 from planner.engines.common import (
     EngineLayout,
