@@ -95,6 +95,9 @@ def rank_peaks(plan) -> list[float]:
 CASES = {
     "gpt-dp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
     "gpt-pp2-1f1b": ("gpt", GPT_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="1f1b", recompute="none")),
+    # Every forward before the first backward: no gradient at the activations' peak.
+    "gpt-dp2-m1": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=4, zero_stage=0, recompute="none")),
+    "gpt-pp2-gpipe": ("gpt", GPT_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="gpipe", recompute="none")),
     "gpt-tp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=1, tp=2, micro_batch_size=2, zero_stage=0, recompute="none",
                                           sequence_parallel=False)),
     "gpt-zero3": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),

@@ -54,8 +54,10 @@ def test_terms_sum_to_the_peak(gpt_profile, case):
 
 def test_each_state_term_is_the_memory_model_s(gpt_profile):
     """ZeRO 1 on dp 8: 16-bit weights and gradients whole, fp32 master weights and moments over 8;
-    2BW: one more copy of the 16-bit weights."""
-    plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=1, dp=8, tp=1, zero_stage=1))
+    2BW: one more copy of the 16-bit weights. With one micro-batch a step, the activations' peak
+    comes before the first gradient."""
+    pins = Pins(pp=1, dp=8, tp=1, zero_stage=1, micro_batch_size=1)  # 4 micro-batches: gradients held
+    plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, pins)
     (terms,) = plan.prediction.memory_terms_bytes
     n = gpt_profile.model.num_parameters
     weights, grads, optimizer = STATE_BYTES["mixed"]
@@ -63,6 +65,9 @@ def test_each_state_term_is_the_memory_model_s(gpt_profile):
     assert terms["gradients"] == pytest.approx(n * grads, rel=1e-6)
     assert terms["optimizer_state"] == pytest.approx(n * optimizer / 8, rel=1e-6)
     assert terms["activations"] > 0
+    one = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=1, dp=8, tp=1, zero_stage=1, micro_batch_size=4))
+    (alone,) = one.prediction.memory_terms_bytes
+    assert alone["gradients"] == 0 and alone["activations"] > 0
 
     plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=4, dp=2, tp=1, schedule="pipedream-2bw"),
                  allow_async=True)

@@ -7,6 +7,7 @@ import itertools
 import json
 from collections import Counter
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from planner.errors import PlannerError
 from planner.plan import parse_plan
 from planner.plan_report import recompute_summary
 from planner.profiler import profile_model
-from planner.solver.search import _per_unit_range_costs
+from planner.solver.search import StageBuffers, _per_unit_range_costs
 from planner.solver.solve import Pins, solve
 from planner.solver.unit_recompute import UnitChoices, fastest_fitting
 from runtime.recompute import apply_unit_recompute
@@ -219,8 +220,9 @@ def test_torchtitan_exports_every_nth_layer(engine_plan):
 @st.composite
 def rank_instances(draw):
     """One pipeline rank's chunks: a small random model (`instances`' values), cut into 1-3
-    contiguous chunks the rank holds, each with fixed bytes and the bytes of its optimizer
-    step's phase (a floor no recomputation lowers; 0 a third of the time), and a memory limit."""
+    contiguous chunks the rank holds, each with fixed bytes, the gradients among them (given back
+    where the level holds every micro-batch, m <= level) and the bytes of its optimizer step's
+    phase (a floor no recomputation lowers; 0 a third of the time), and a memory limit."""
     n = draw(st.integers(2, 6))
     value, unit_s, start_s, act, transient = _draw_units(draw, n)
     edges = sorted(draw(st.lists(st.integers(1, n - 1), max_size=3, unique=True)))
@@ -228,29 +230,42 @@ def rank_instances(draw):
     chunks = draw(st.lists(st.sampled_from(cuts), min_size=1, max_size=3, unique=True))
     fixed = {c: draw(value) for c in cuts}
     floor = {c: draw(st.one_of(st.just(0.0), value.map(lambda x: 3 * x))) for c in cuts}
+    grads = {c: min(draw(value), fixed[c]) for c in cuts}
+    m = draw(st.integers(1, 5))
     level = draw(st.integers(1, 4))
     limit = draw(st.floats(0.0, 120.0, allow_nan=False))
-    return unit_s, start_s, act, transient, sorted(chunks), fixed, floor, level, limit
+    return unit_s, start_s, act, transient, sorted(chunks), Held(fixed, floor, grads, m), level, limit
 
 
-def _chunk_bytes(fixed, floor, act, transient, level, chunk, modes) -> float:
-    """One chunk's peak: its forward/backward bytes (fixed, the range's largest transient if a
-    unit is full, level x activations) or its optimizer step's, whichever is larger."""
+class Held(NamedTuple):
+    """A rank instance's bytes per chunk: fixed, the optimizer step's floor, the gradients among
+    fixed, and the step's micro-batch count m."""
+
+    fixed: dict
+    floor: dict
+    grads: dict
+    m: int
+
+
+def _chunk_bytes(held: Held, act, transient, level, chunk, modes) -> float:
+    """One chunk's peak: its forward/backward bytes (fixed, less its gradients where the level holds
+    every micro-batch, the range's largest transient if a unit is full, level x activations) or its
+    optimizer step's, whichever is larger."""
     i, j = chunk
-    forward_backward = fixed[chunk] + (transient[i:j].max() if FULL in modes else 0.0) \
-        + level * sum(act[r, i + k] for k, r in enumerate(modes))
-    return max(forward_backward, floor[chunk])
+    forward_backward = held.fixed[chunk] - (held.grads[chunk] if level >= held.m else 0.0) \
+        + (transient[i:j].max() if FULL in modes else 0.0) + level * sum(act[r, i + k] for k, r in enumerate(modes))
+    return max(forward_backward, held.floor[chunk])
 
 
-def _rank_brute_force(unit_s, start_s, act, transient, chunks, fixed, floor, level, limit) -> float:
+def _rank_brute_force(unit_s, start_s, act, transient, chunks, held: Held, level, limit) -> float:
     """Least summed time over every assignment of modes to the units of `chunks` whose bytes
     (`_chunk_bytes`) fit `limit` together."""
     best = np.inf
     options = [list(itertools.product(range(3), repeat=j - i)) for i, j in chunks]
     for assignment in itertools.product(*options):
-        held = sum(_chunk_bytes(fixed, floor, act, transient, level, chunk, modes)
-                   for chunk, modes in zip(chunks, assignment, strict=True))
-        if held <= limit:
+        total = sum(_chunk_bytes(held, act, transient, level, chunk, modes)
+                    for chunk, modes in zip(chunks, assignment, strict=True))
+        if total <= limit:
             best = min(best, sum(_time_s(unit_s, start_s, i, modes) for (i, _), modes in zip(chunks, assignment, strict=True)))
     return best
 
@@ -261,31 +276,32 @@ def test_rank_refit_equals_brute_force(instance):
     # A rank's chunks whose modes are chosen together under the rank's memory (the search's
     # repair where the chunks fit one by one but not together): the least summed time of any
     # assignment that fits, and the modes it returns achieve it.
-    unit_s, start_s, act, transient, chunks, fixed, floor, level, limit = instance
+    unit_s, start_s, act, transient, chunks, held, level, limit = instance
     n = unit_s.shape[1]
     start, end = np.triu_indices(n + 1, k=1)
-    fixed_of = np.array([fixed.get((int(i), int(j)), 0.0) for i, j in zip(start, end, strict=True)])
-    floor_of = np.array([floor.get((int(i), int(j)), 0.0) for i, j in zip(start, end, strict=True)])
+    of = lambda d: np.array([d.get((int(i), int(j)), 0.0) for i, j in zip(start, end, strict=True)])  # noqa: E731
     transient_of = np.array([transient[i:j].max() for i, j in zip(start, end, strict=True)])
+    zeros = np.zeros(len(start))
+    buffers = StageBuffers(zeros, zeros, zeros, zeros, of(held.grads))
     choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)
-    costs, _, width, refit = _per_unit_range_costs(choices, start, end, fixed_of, floor_of, transient_of, np.zeros(n),
-                                                   np.array([level]))
+    costs, _, width, refit = _per_unit_range_costs(choices, start, end, of(held.fixed), of(held.floor), transient_of,
+                                                   np.zeros(n), np.array([level]), buffers, held.m)
     # Each chunk alone, as the stage DP's table prices it, and with the bytes at its choice.
     cost, _, nbytes = costs(limit)
     for chunk in chunks:
         at = int(np.flatnonzero((start == chunk[0]) & (end == chunk[1]))[0])
-        alone = _rank_brute_force(unit_s, start_s, act, transient, [chunk], fixed, floor, level, limit)
+        alone = _rank_brute_force(unit_s, start_s, act, transient, [chunk], held, level, limit)
         assert cost[0, at] == pytest.approx(alone, rel=1e-12, abs=1e-12) if np.isfinite(alone) else cost[0, at] == np.inf
         assert nbytes[0, at] <= limit * (1 + 1e-12) + 1e-12 if np.isfinite(alone) else nbytes[0, at] == np.inf
     columns = refit(chunks, float(level), limit)
-    best = _rank_brute_force(unit_s, start_s, act, transient, chunks, fixed, floor, level, limit)
+    best = _rank_brute_force(unit_s, start_s, act, transient, chunks, held, level, limit)
     assert (columns is None) == (not np.isfinite(best))
     if columns is not None:
         modes = [choices.modes(i, j, c, choices.width) for (i, j), c in zip(chunks, columns, strict=True)]
         total = sum(_time_s(unit_s, start_s, i, m) for (i, _), m in zip(chunks, modes, strict=True))
-        held = sum(_chunk_bytes(fixed, floor, act, transient, level, chunk, m) for chunk, m in zip(chunks, modes, strict=True))
+        nbytes = sum(_chunk_bytes(held, act, transient, level, chunk, m) for chunk, m in zip(chunks, modes, strict=True))
         assert total == pytest.approx(best, rel=1e-12, abs=1e-12)
-        assert held <= limit * (1 + 1e-12) + 1e-12
+        assert nbytes <= limit * (1 + 1e-12) + 1e-12
 
 
 @pytest.mark.parametrize("layers, width, schedule, tighter, slack",

@@ -87,6 +87,7 @@ from planner.solver.search import (
     p2p_arrays,
     stage_arrays,
     stage_loss_bytes,
+    state_parts,
     updated_share,
 )
 
@@ -201,6 +202,17 @@ class TimeBound:
             value = self._memory[key] = model_states_bytes(table, config(), self.env)
         return value
 
+    def gradients_bytes(self, table: UnitCostTable, settings: GroupSettings, config: Callable[[], Config]) -> float:
+        """g: the gradients among `states_bytes` (all units on their ranks), once per setting it reads."""
+        held = self._sums.get(id(table))
+        if held is None:
+            held = self._sums[id(table)] = (table, parameter_sums(table))
+        key = ("gradients", held[1], settings[:4], settings[5:])
+        value = self._memory.get(key)
+        if value is None:
+            value = self._memory[key] = model_gradient_bytes(table, config(), self.env)
+        return value
+
     def __call__(self, table: UnitCostTable, cfg: Config) -> float:
         """Seconds per iteration no plan of `cfg` can beat (module docstring)."""
         return float(self.many([(table, cfg)])[0])
@@ -215,7 +227,7 @@ class TimeBound:
         pipeline rank; the backward with each unit's least recomputation (the gradient
         reduction's window at the least); and the least the step's gradient reduction and
         parameter gather can take, summed over the pipeline ranks (`_tail_comm_s`); the fewest
-        bytes crossing any cut (`least_cut_bytes`). Each part once per setting it reads; `config` makes one of the
+        bytes crossing any cut (`least_cut_bytes`); g, the gradients among s. Each part once per setting it reads; `config` makes one of the
         configurations where a part is computed for the first time (tens of thousands of groups
         on 1024 GPUs need few)."""
         zero, dp, shard, offload, pp, tp, ep, sp = settings
@@ -257,7 +269,7 @@ class TimeBound:
             self._updated[updated_key] = updated_share(held, experts, zero, shard or dp, expert_dp) * env.optimizer_s_per_param
         min_p2p, min_hop = self._parts[p2p_key]
         columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp, window,
-                   *self._parts[tail_key], least_cut)
+                   *self._parts[tail_key], least_cut, self.gradients_bytes(table, settings, config))
         self._groups[key] = (table, columns)  # the table held: its id stays its own
         return columns
 
@@ -303,18 +315,22 @@ class TimeBound:
             states = stage_arrays(table, cfg, self.env)[2]
             kind = terms.common
             flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
-            reserved = _end_units(table, cfg, self.env, terms, states)
+            # Ranks holding every micro-batch in flight hold no gradient at their activations' peak:
+            # where some rank may, the kind's states without them (a lower bound for every rank).
+            unheld = cfg.num_microbatches <= max(level for level, _ in flights)
+            grads = gradient_bytes_per_unit(table, cfg, self.env) if unheld else 0.0
+            reserved = _end_units(table, cfg, self.env, terms, states - grads)
             memory = self.env.usable_memory_bytes - float(receive_floor_bytes(
                 cfg.pp, cfg.virtual_stages, cfg.num_microbatches, least_cut_bytes(table), self.env.pipeline_buffers))
-            key = (id(terms), id(states), flights, reserved, memory)
+            key = (id(terms), id(states), flights, reserved, memory, unheld)
             keys.append(key)
             if key not in self._busiest and key not in inputs:
                 slots = [(level, count - sum(1 for _, at, _, _ in reserved if at == level), 0.0, 0.0)
                          for level, count in flights]
                 slots += [(level, 1, seconds, held) for _, level, seconds, held in reserved]
                 inputs[key] = (terms.time_s[:, kind], terms.activation_bytes[:, kind],
-                               float(states[terms.inverse == kind].min()), float(terms.count[kind]), slots, terms, states,
-                               memory)
+                               float((states - grads)[terms.inverse == kind].min()), float(terms.count[kind]), slots,
+                               terms, states, memory)
         if inputs:
             rows = list(inputs.values())
             width = max(len(row[4]) for row in rows)
@@ -381,11 +397,14 @@ class TimeBound:
     def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
                       pairs: list[tuple[UnitCostTable, Config]] | None, cap: float = math.inf) -> np.ndarray:
         """The closed forms of the module docstring for N configurations: `variants` [N, 7]
-        (`schedule_columns`), `groups` [N, 10] (`group_columns`), each configuration's unit terms
+        (`schedule_columns`), `groups` [N, 11] (`group_columns`), each configuration's unit terms
         `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring to those
         whose bound without them is below `cap`, None leaves them out (the weak bound)."""
         least, most, inverse_sum, p, v, m, form = variants.T
-        states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather, least_cut = groups.T
+        states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather, least_cut, gradients = groups.T
+        # A rank holding every micro-batch in flight holds no gradient at its activations' peak
+        # (planner/solver/search.py `StageBuffers.unheld_gradients`): where some rank may, s - g.
+        states = np.where(m <= most, states - gradients, states)
         # What a rank's memory leaves beside its pipeline buffers; activations A may not be negative
         # (below 0 nothing fits, and any bound holds).
         memory = self.env.usable_memory_bytes - receive_floor_bytes(p, v, m, least_cut, self.env.pipeline_buffers)
@@ -794,6 +813,16 @@ def parameter_sums(table: UnitCostTable) -> tuple[float, float | None, float | N
     frozen = None if table.frozen_parameters is None else float(table.frozen_parameters.sum())
     experts = None if table.expert_parameters is None else float(table.expert_parameters.sum())
     return float(table.dense_parameters().sum()), frozen, experts
+
+
+def gradient_bytes_per_unit(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
+    """Each unit's gradients on its rank (`state_parts`' gradients: ZeRO, offload, frozen weights and experts applied)."""
+    return np.broadcast_to(np.asarray(state_parts(table, cfg, env).gradients, dtype=float), table.parameters.shape)
+
+
+def model_gradient_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> float:
+    """The gradients among `model_states_bytes`, all units on their ranks."""
+    return float(gradient_bytes_per_unit(table, cfg, env).sum())
 
 
 def model_states_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> float:

@@ -388,10 +388,11 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     if len(env.allowed_recompute) == 1:
         range_costs, min_needed = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
                                                        first[env.allowed_recompute[0]], start, end, fixed, floor,
-                                                       transient, p2p, levels)
+                                                       transient, p2p, levels, buffers, cfg.num_microbatches)
     else:
         range_costs, min_needed, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
-                                                                      floor, transient, p2p, levels)
+                                                                      floor, transient, p2p, levels, buffers,
+                                                                      cfg.num_microbatches)
 
     def stage_costs(limit: float):
         """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
@@ -517,9 +518,10 @@ def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, r
 
 def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
                          start: np.ndarray, end: np.ndarray, fixed: np.ndarray, floor: np.ndarray, transient: np.ndarray,
-                         p2p: np.ndarray, levels: np.ndarray):
+                         p2p: np.ndarray, levels: np.ndarray, buffers: StageBuffers, num_microbatches: int):
     """One allowed mode (`--recompute` pinned): every unit of every range runs it. A range holds
-    the larger of its forward/backward bytes (`fixed`, the transient, the activations in flight)
+    the larger of its forward/backward bytes (`fixed`, the transient, the activations in flight,
+    less the gradients not yet made at levels holding every micro-batch: `StageBuffers.unheld_gradients`)
     and its optimizer step's (`floor`). Returns ((limit, with_bytes) -> (cost [level, range],
     choice [level, range]: 0 or -1, and with_bytes the bytes [level, range] at that choice, inf
     where none fits), least bytes of any range)."""
@@ -527,7 +529,8 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
-    memory = np.maximum(held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :], floor[None, :])
+    memory = np.maximum(held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]
+                        - buffers.unheld_gradients(levels[:, None], num_microbatches), floor[None, :])
 
     def costs(limit: float, with_bytes: bool = True):
         fits = memory <= limit
@@ -537,20 +540,29 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
 
 
 def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
-                          floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray, levels: np.ndarray):
+                          floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray, levels: np.ndarray,
+                          buffers: StageBuffers | None = None, num_microbatches: int = 0):
     """Modes per unit (planner/solver/unit_recompute.py): per range and level the fastest
     frontier point that fits, a range whose optimizer step's bytes (`floor`) exceed the limit
-    fitting none. Returns as `_uniform_range_costs`, the choice a `padded` column, and the
-    padded width K (`UnitChoices.modes` reads the column with it)."""
+    fitting none; the gradients a level does not hold yet (`buffers`, `StageBuffers.unheld_gradients`;
+    None: all held) leave it room. Returns as `_uniform_range_costs`, the choice a `padded` column,
+    and the padded width K (`UnitChoices.modes` reads the column with it)."""
     rows = choices.rows(start, end)
     _, act_all, lasts_all = choices.padded
     held = np.stack([fixed, fixed + transient], axis=1)  # [range, set]: the transient only with a full unit
+    levels = np.asarray(levels)
+
+    def unheld(level) -> np.ndarray:
+        return np.zeros(len(rows)) if buffers is None else buffers.unheld_gradients(level, num_microbatches)
+
+    given_back = np.stack([unheld(level) for level in levels.tolist()])  # [level, range]
     least_act = act_all[rows[:, None], lasts_all[rows]]
-    min_needed = float(np.maximum(held + levels.min() * least_act, floor[:, None]).min())
+    min_needed = float(np.maximum(held[None] + levels[:, None, None] * least_act[None] - given_back[..., None],
+                                  floor[None, :, None]).min())
     offset = p2p[end - 1][None, :]
 
     def costs(limit: float, with_bytes: bool = True):
-        cost, choice = fastest_fitting(choices, rows, limit - held, levels)
+        cost, choice = fastest_fitting(choices, rows, limit - held[None] + given_back[..., None], levels)
         stepping = floor > limit
         if stepping.any():
             cost, choice = np.where(stepping[None, :], np.inf, cost), np.where(stepping[None, :], -1, choice)
@@ -559,7 +571,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
         fits = choice >= 0
         column = np.where(fits, choice, 0)
         memory = held[np.arange(len(rows))[None, :], (column >= choices.width).astype(int)] \
-            + np.asarray(levels, dtype=float)[:, None] * choices.padded[1][rows[None, :], column]
+            + np.asarray(levels, dtype=float)[:, None] * choices.padded[1][rows[None, :], column] - given_back
         return cost + offset, choice, np.where(fits, np.maximum(memory, floor[None, :]), np.inf)
 
     position = np.full((choices.num_units + 1, choices.num_units + 1), -1)
@@ -582,7 +594,8 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
             if n < 0:
                 return None
             row = rows[n]
-            option_t, option_b = time_all[row], np.maximum(held[n, sets] + level * act_all[row], floor[n])
+            option_t = time_all[row]
+            option_b = np.maximum(held[n, sets] + level * act_all[row] - unheld(level)[n], floor[n])
             total_t = (merged_t[:, None] + option_t[None, :]).ravel()
             total_b = (merged_b[:, None] + option_b[None, :]).ravel()
             fit = np.flatnonzero(np.isfinite(total_t) & (total_b <= limit))
@@ -741,6 +754,17 @@ class StageBuffers:
     """AdamW's temporaries (`optimizer_transient_bytes`; none with offload: the host steps)."""
     bucket: np.ndarray
     """ZeRO 0's all-reduce bucket (`gradient_bucket_bytes`), the optimizer step's phase."""
+    gradients: np.ndarray
+    """The gradients the stage holds (its units' and its tied copies', ZeRO applied): in the
+    optimizer step's phase always, in the forward/backward phase only where some micro-batch's
+    backward ran before the peak's last forward (`Config.num_microbatches` > the micro-batches
+    in flight; planner/cost/memory.py `stage_memory`). They are counted in `held`, so
+    `unheld_gradients` is what the forward/backward phase gives back."""
+
+    def unheld_gradients(self, in_flight, num_microbatches: int) -> np.ndarray:
+        """Per in-flight count (scalar or [level, 1] / [stage]), the gradient bytes the forward/backward
+        phase does not hold: all of them where every forward of the peak precedes the first backward."""
+        return np.where(np.asarray(in_flight) >= num_microbatches, self.gradients, 0.0)
 
     @property
     def communication(self) -> np.ndarray:
@@ -779,8 +803,9 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
             largest_unit = largest_pair = zeros
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start], largest_unit, largest_pair, env.dtype,
                                   cfg.zero_stage, cfg.zero_dp, cfg.offload)
-    gradients = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
-    bucket = gradient_bucket_bytes(gradients[end] - gradients[start], cfg.zero_stage, cfg.dp)
+    per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
+    gradients = per_unit[end] - per_unit[start] + gpu_state_parts(table.copy_parameters(start, end), cfg, env).gradients
+    bucket = gradient_bucket_bytes(gradients, cfg.zero_stage, cfg.dp)
     step_transient = zeros
     if not (cfg.offload or env.fused_optimizer):
         shards = cfg.zero_dp if cfg.zero_stage >= 1 else 1
@@ -792,7 +817,8 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
         if env.device == "cpu" and table.largest_parameter is not None:
             largest = _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end) / shards
         step_transient = optimizer_transient_bytes(prefix(updated)[end] - prefix(updated)[start], largest, env.device)
-    return StageBuffers(receive, gathered, step_transient, bucket)
+    return StageBuffers(receive, gathered, step_transient, bucket, np.broadcast_to(np.asarray(gradients, dtype=float),
+                                                                                    (len(start),)))
 
 
 def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
@@ -830,7 +856,7 @@ def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> flo
 
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
                  held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
-                 buffers: StageBuffers, loss: np.ndarray, stepping: np.ndarray) -> StageTerms:
+                 buffers: StageBuffers, loss: np.ndarray, stepping: np.ndarray, in_flight: np.ndarray) -> StageTerms:
     """Per stage [starts[k], ends[k]), the terms of `_price`'s memory by name (planner/cost/memory.py
     `StageMemory.terms`): the model states split into parameters, gradients and optimizer state
     (the stage's units and its tied copies, ZeRO and offload applied), PipeDream-2BW's stashed
@@ -853,7 +879,8 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     temporaries = buffers.step_transient >= buffers.bucket
     step_transient = np.where(temporaries, buffers.step_transient, 0.0)
     step_communication = np.where(temporaries, 0.0, buffers.bucket) + buffers.receive
-    columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients,
+    unheld = np.where(stepping, 0.0, buffers.unheld_gradients(in_flight, cfg.num_microbatches))
+    columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients - unheld,
                "optimizer_state": optimizer + copy.optimizer,
                "activations": np.where(stepping, 0.0, activations),
                "transient": np.where(stepping, step_transient, transient),
@@ -920,7 +947,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     copy_states = gpu_state_bytes(copies, cfg, env)
     loss = np.where(ends == len(table.parameters), stage_loss_bytes(table, env, cfg), 0.0)
     buffers = stage_buffers(table, cfg, env, starts, ends)
-    forward_backward = held + copy_states + in_flight * stored + transient + buffers.communication + loss
+    forward_backward = held + copy_states + in_flight * stored + transient + buffers.communication + loss \
+        - buffers.unheld_gradients(in_flight, cfg.num_microbatches)
     stepping = held + copy_states + buffers.step
     memory = np.maximum(forward_backward, stepping)
     half_p2p = p2p[ends - 1] / 2
@@ -932,7 +960,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient, buffers, loss,
-                         stepping > forward_backward)
+                         stepping > forward_backward, in_flight)
     pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
     fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0

@@ -219,17 +219,19 @@ def fastest_fitting(choices: UnitChoices, rows: np.ndarray, room: np.ndarray,
                     levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per in-flight level L and range: the least frontier time over the points of its `padded`
     row (`rows[range]`) whose L x activation bytes fit the range's room (`room[range, 2]`, per
-    set: the memory limit less its fixed and transient bytes), and its column (-1 and inf: none
+    set: the memory limit less its fixed and transient bytes; or `room[level, range, 2]`, one per
+    level), and its column (-1 and inf: none
     fits), as [level, range] arrays. A set whose fastest point fits, or whose least-memory point
     does not, or which cannot beat the other set, is settled without looking further; the others
     are bisected (a frontier's bytes fall as its time grows)."""
     time_all, act_all, lasts_all = choices.padded
     width = time_all.shape[1] // 2
+    room = np.broadcast_to(room, (len(levels), len(rows), 2))  # [level, range, set]: one room for all levels, or one each
     firsts = np.broadcast_to(np.array([0, width]), (len(rows), 2))
     lasts = lasts_all[rows]
     scale = np.asarray(levels, dtype=float)[:, None, None]
-    first_fits = scale * act_all[rows[:, None], firsts][None] <= room[None]  # [level, range, set]
-    last_fits = scale * act_all[rows[:, None], lasts][None] <= room[None]
+    first_fits = scale * act_all[rows[:, None], firsts][None] <= room  # [level, range, set]
+    last_fits = scale * act_all[rows[:, None], lasts][None] <= room
     settled = np.where(first_fits, time_all[rows[:, None], firsts][None], np.where(last_fits, np.nan, np.inf))
     settled = np.broadcast_to(settled, (len(levels), len(rows), 2)).copy()
     column = np.where(first_fits, firsts[None], -1)
@@ -241,7 +243,7 @@ def fastest_fitting(choices: UnitChoices, rows: np.ndarray, room: np.ndarray,
     settled[hopeless] = np.inf
     level_of, range_of, set_of = np.nonzero(np.isnan(settled))
     if level_of.size:  # bisect each open (level, range, set): its first point fails, its last fits
-        row, room_of, scale_of = rows[range_of], room[range_of, set_of], scale[level_of, 0, 0]
+        row, room_of, scale_of = rows[range_of], room[level_of, range_of, set_of], scale[level_of, 0, 0]
         low, high = firsts[range_of, set_of], lasts[range_of, set_of]
         while True:  # bytes fall strictly along a frontier, so "fits" flips once: at `high`
             wide = high - low > 1
