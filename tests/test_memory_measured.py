@@ -20,7 +20,7 @@ import pytest
 from planner.cluster import make_cluster
 from planner.cost.compute import interpolate
 from planner.cost.memory import loss_bytes, loss_in_flight, p2p_buffer_bytes, pipeline_keeps_outputs, stage_memory
-from planner.cost.schedules import in_flight_microbatches
+from planner.cost.schedules import forwards_first, in_flight_microbatches
 from planner.profiler import profile_model
 from planner.solver.plan_builder import build_plan
 from planner.solver.solve import Pins, search
@@ -50,8 +50,9 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             num_parameters=float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]),
             dtype=profile.dtype, zero_stage=cfg.zero_stage, dp_degree=cfg.dp,
             activation_bytes=float(table.activations[r][i:j].sum()),
-            in_flight=in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages),
-            num_microbatches=cfg.num_microbatches,
+            in_flight=(flight := in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp,
+                                                        cfg.virtual_stages)),
+            forwards_first=bool(forwards_first(cfg.schedule, cfg.pp, cfg.num_microbatches, flight)),
             transient_bytes=float(table.transient[r][i:j].max()) if r == "full" else 0.0,
             p2p_bytes=p2p_buffer_bytes(cfg.num_microbatches, float(table.cut_bytes[i - 1]) if i > 0 else 0.0,
                                        float(table.cut_bytes[j - 1])) if cfg.pp > 1 else 0.0,
@@ -98,6 +99,7 @@ CASES = {
     # Every forward before the first backward: no gradient at the activations' peak.
     "gpt-dp2-m1": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=4, zero_stage=0, recompute="none")),
     "gpt-pp2-gpipe": ("gpt", GPT_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="gpipe", recompute="none")),
+    "gpt-pp2-zb": ("gpt", GPT_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=4, schedule="zero-bubble", recompute="none")),
     "gpt-tp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=1, tp=2, micro_batch_size=2, zero_stage=0, recompute="none",
                                           sequence_parallel=False)),
     "gpt-zero3": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),
@@ -107,6 +109,11 @@ CASES = {
     "cnn-zero3": ("cnn", CNN_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),
 }
 XFAIL = {
+    # Measured 5.23 MiB on the last stage against 4.11 MiB predicted (-21%; the first stage +5%):
+    # zero bubble's input-gradient pass keeps the autograd graph and the gradients the deferred
+    # weight-gradient pass reads (torch's `stage_backward_input`), a pending micro-batch's worth
+    # that the model does not count (examples/demo.py's plan shows the same, -21%).
+    "gpt-pp2-zb": "zero bubble's deferred weight gradients hold intermediate gradients the model leaves out",
     # Measured 5.60 MiB on rank 0 and 6.10 MiB on rank 1 against 5.43 MiB predicted (-3%, -11%):
     # FSDP2 over gloo gathers a unit into a flat buffer and copies it out into the unsharded
     # parameters (two copies of the classifier's 1 MiB for a moment), which the model counts
@@ -119,7 +126,8 @@ XFAIL = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_predicted_peak_matches_measured_tensor_peak(case, tmp_path, request):
     if case in XFAIL:
-        request.applymarker(pytest.mark.xfail(reason=XFAIL[case], strict=False))
+        # strict where the miss is the same every run; cnn-zero3's ranks differ from run to run
+        request.applymarker(pytest.mark.xfail(reason=XFAIL[case], strict=case != "cnn-zero3"))
     model, args, world, pins = CASES[case]
     plan, _ = predict(model, args, world, pins)
     measured = run_measured(plan, tmp_path)
@@ -177,21 +185,21 @@ def test_solver_composes_memory_as_stage_memory(case):
 def test_stage_memory_names_every_term_and_picks_the_larger_phase():
     mib = 2**20
     # Gradient accumulation (m > in flight): gradients are held when the last micro-batch's activations are.
-    accumulating = stage_memory(mib, "float32", 0, 1, activation_bytes=8 * mib, in_flight=1, num_microbatches=2, device="cpu")
+    accumulating = stage_memory(mib, "float32", 0, 1, activation_bytes=8 * mib, in_flight=1, device="cpu")
     assert accumulating.terms() == dict(parameters=4 * mib, gradients=4 * mib, optimizer_state=8 * mib, activations=8 * mib,
                                         transient=0, communication=0, loss=0, fragmentation=0)
     # The loss is held in the forward/backward phase only.
-    last = stage_memory(mib, "float32", 0, 1, activation_bytes=8 * mib, in_flight=1, num_microbatches=2, device="cpu", loss=mib)
+    last = stage_memory(mib, "float32", 0, 1, activation_bytes=8 * mib, in_flight=1, device="cpu", loss=mib)
     assert last.loss == mib and last.tensor_bytes == accumulating.tensor_bytes + mib
-    assert stage_memory(mib, "float32", 0, 2, activation_bytes=mib, in_flight=1, num_microbatches=1, device="cpu",
+    assert stage_memory(mib, "float32", 0, 2, activation_bytes=mib, in_flight=1, device="cpu",
                         loss=mib // 8).loss == 0  # the optimizer step's bucket is the peak
     # All forwards before the first backward: no gradient yet at the activation peak.
-    assert stage_memory(mib, "float32", 0, 1, 8 * mib, in_flight=2, num_microbatches=2).gradients == 0
+    assert stage_memory(mib, "float32", 0, 1, 8 * mib, in_flight=2, forwards_first=True).gradients == 0
     # ZeRO 0 with dp > 1 and small activations: the optimizer step's all-reduce bucket is the peak.
-    bucket = stage_memory(mib, "float32", 0, 2, activation_bytes=mib, in_flight=1, num_microbatches=1, device="cpu")
+    bucket = stage_memory(mib, "float32", 0, 2, activation_bytes=mib, in_flight=1, device="cpu")
     assert (bucket.gradients, bucket.activations, bucket.communication) == (4 * mib, 0, 4 * mib)
     # Fragmentation is an allowance on GPUs only, outside the tensor bytes a run measures.
-    gpu = stage_memory(mib, "float32", 0, 1, 8 * mib, 1, 2)
+    gpu = stage_memory(mib, "float32", 0, 1, 8 * mib, 1)
     assert gpu.fragmentation == pytest.approx(0.10 * gpu.tensor_bytes) and gpu.total == gpu.tensor_bytes + gpu.fragmentation
     assert sum(v for k, v in gpu.terms().items() if k != "fragmentation") == pytest.approx(gpu.tensor_bytes, abs=8)
 
@@ -205,7 +213,7 @@ def test_plan_show_table_lists_the_terms_per_stage():
 
     plan = make_plan("gpt", pp=2)
     assert memory_terms_table(plan) is None  # hand-written: no prediction
-    stages = [stage_memory(1e5, "float32", 0, 1, 2e5, in_flight=2 - k, num_microbatches=2, p2p_bytes=2e4, device="cpu")
+    stages = [stage_memory(1e5, "float32", 0, 1, 2e5, in_flight=2 - k, p2p_bytes=2e4, device="cpu")
               for k in range(2)]
     plan.prediction = Prediction(iteration_time_s=1, samples_per_s=1, tflops_per_gpu=1, hw_tflops_per_gpu=1, mfu=0.1,
                                  bubble_fraction=0.1, peak_memory_bytes=[int(s.tensor_bytes) for s in stages], breakdown_s={},

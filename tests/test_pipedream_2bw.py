@@ -159,8 +159,8 @@ def test_2bw_refuses_fewer_micro_batches_than_ranks_and_virtual_stages():
 
 def test_stage_memory_names_the_stashed_weights():
     mib = 2**20
-    sync = stage_memory(mib, "bfloat16", 0, 1, activation_bytes=8 * mib, in_flight=2, num_microbatches=4)
-    stashed = stage_memory(mib, "bfloat16", 0, 1, activation_bytes=8 * mib, in_flight=2, num_microbatches=4,
+    sync = stage_memory(mib, "bfloat16", 0, 1, activation_bytes=8 * mib, in_flight=2)
+    stashed = stage_memory(mib, "bfloat16", 0, 1, activation_bytes=8 * mib, in_flight=2,
                            stashed_parameters=mib)
     assert stashed.stashed_weights == 2 * mib  # one more 16-bit copy of the weights
     assert stashed.tensor_bytes - sync.tensor_bytes == 2 * mib

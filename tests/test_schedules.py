@@ -205,3 +205,14 @@ def test_gantt_png_is_written(tmp_path):
 def test_invalid_input_raises_clear_error(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_forwards_first_only_where_every_forward_of_the_peak_precedes_the_first_backward():
+    from planner.cost.schedules import forwards_first
+
+    assert forwards_first("1f1b", 1, 1, 1.0) and not forwards_first("1f1b", 1, 2, 1.0)  # no pipeline: F0 B0 F1 B1
+    assert forwards_first("gpipe", 4, 8, 8.0)
+    # 1F1B: rank r warms up with min(m, p - r) forwards; all of them when m <= p - r.
+    assert list(forwards_first("1f1b", 4, 3, [3.0, 3.0, 2.0, 1.0])) == [True, True, False, False]
+    # Zero bubble runs input gradients between forwards (measured: examples/demo.py's plan).
+    assert not forwards_first("zero-bubble", 2, 2, 2.0) and not forwards_first("interleaved-1f1b", 2, 2, 2.0)

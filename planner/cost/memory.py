@@ -74,9 +74,10 @@ float32; sharded as the weights are under ZeRO 3). Frozen weights never change a
 `StageMemory.stashed_weights` names it; it is held in both phases.
 
 Gradients are held at the activation peak only when some micro-batch's backward ran before the
-last forward of the peak (more micro-batches than in flight, as in 1F1B's steady state or
-gradient accumulation); zero_grad frees them at the step's start, so with all forwards before
-the first backward (GPipe, or m <= in-flight) the activation peak has none. Fragmentation is
+last forward of the peak (as in 1F1B's steady state or gradient accumulation); zero_grad frees
+them at the step's start, so with all forwards before the first backward (GPipe, 1F1B with m <=
+in flight, one micro-batch without a pipeline: planner/cost/schedules.py `forwards_first`) the
+activation peak has none. Fragmentation is
 the caching allocator's loss above the tensors (PyTorch's allocator typically loses 5-10%):
 `FRAGMENTATION_ALLOWANCE` of the tensor bytes on GPUs, none on CPU where the measured peak
 counts tensors only. `StageMemory.tensor_bytes` (without it) is what a run's measured tensor
@@ -263,10 +264,11 @@ class StageMemory:
 
 
 def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: int, activation_bytes: float,
-                 in_flight: float, num_microbatches: int, transient_bytes: float = 0.0, p2p_bytes: float = 0.0,
+                 in_flight: float, transient_bytes: float = 0.0, p2p_bytes: float = 0.0,
                  largest_unit_parameters: float = 0.0, largest_unit_pair_parameters: float = 0.0,
                  kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
-                 device: str = "gpu", stashed_parameters: float = 0.0, loss: float = 0.0) -> StageMemory:
+                 device: str = "gpu", stashed_parameters: float = 0.0, loss: float = 0.0,
+                 forwards_first: bool = False) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -286,13 +288,15 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     `device`: "cpu" leaves the fragmentation allowance out and steps AdamW tensor by tensor;
     `stashed_parameters`: under PipeDream-2BW the trained parameters per GPU after TP whose
     older version the stage keeps (`stashed_weight_bytes`), 0 otherwise;
-    `loss`: on the last stage, the loss's bytes (`loss_bytes`), held in the forward/backward phase.
+    `loss`: on the last stage, the loss's bytes (`loss_bytes`), held in the forward/backward phase;
+    `forwards_first`: every forward of the activations' peak precedes the rank's first backward, so
+    no gradient is held then (planner/cost/schedules.py `forwards_first`).
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     gathered = gathered_bytes(num_parameters, largest_unit_parameters, largest_unit_pair_parameters, dtype, zero_stage,
                               dp_degree)
     bucket = gradient_bucket_bytes(states.gradients, zero_stage, dp_degree)
-    grads_at_peak = states.gradients if num_microbatches > in_flight else 0.0
+    grads_at_peak = 0.0 if forwards_first else states.gradients
     communication = p2p_bytes + gathered + kept_output_bytes
     forward_backward = grads_at_peak + in_flight * activation_bytes + transient_bytes + communication + loss
     # The bucket is copied back and freed before the optimizer runs: the larger of the two.

@@ -96,6 +96,8 @@ streams for GPipe and 1F1B on uniform stages (tests/test_overlap.py).
 
 from __future__ import annotations
 
+import numpy as np
+
 from planner.plan import SCHEDULES
 
 BACKWARD_WEIGHT_FRACTION = 0.5
@@ -201,6 +203,20 @@ def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward
         slowest = max(range(num_chunks), key=lambda k: work[k])
         return m * work[slowest] + sum(h for k, h in enumerate(hop) if k != slowest) + latency_s
     return m * max(rank_work) + (p - 1) * max(hop) + latency_s
+
+
+def forwards_first(schedule: str, num_ranks: int, num_microbatches: int, in_flight):
+    """Whether a pipeline rank holding `in_flight` micro-batches at its activations' peak
+    (`in_flight_microbatches`; elementwise over an array of them) ran every forward of that peak
+    before its first backward, so it holds no gradient yet (zero_grad frees them at the step's
+    start): one micro-batch a step without a pipeline (the runtime runs each micro-batch's forward
+    and backward in turn), GPipe, and 1F1B where the rank's warm-up takes all m forwards (m <=
+    in flight). Not zero bubble: its split backward runs input gradients between forwards, and on
+    the demo's 2-stage plan (examples/demo.py, m = 2) the first stage measured its gradients
+    held. Not interleaving or PipeDream-2BW either (not measured; counting the gradients is the
+    safe side)."""
+    held_back = (num_microbatches == 1) if num_ranks == 1 else schedule in ("gpipe", "1f1b")
+    return np.logical_and(held_back, np.asarray(in_flight) >= num_microbatches)
 
 
 def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, rank: int,

@@ -81,7 +81,7 @@ from planner.cost.memory import (
 )
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
-from planner.cost.schedules import in_flight_microbatches, iteration_time_s
+from planner.cost.schedules import forwards_first, in_flight_microbatches, iteration_time_s
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
@@ -756,15 +756,17 @@ class StageBuffers:
     """ZeRO 0's all-reduce bucket (`gradient_bucket_bytes`), the optimizer step's phase."""
     gradients: np.ndarray
     """The gradients the stage holds (its units' and its tied copies', ZeRO applied): in the
-    optimizer step's phase always, in the forward/backward phase only where some micro-batch's
-    backward ran before the peak's last forward (`Config.num_microbatches` > the micro-batches
-    in flight; planner/cost/memory.py `stage_memory`). They are counted in `held`, so
-    `unheld_gradients` is what the forward/backward phase gives back."""
+    optimizer step's phase always, in the forward/backward phase unless every forward of the
+    peak precedes the rank's first backward (planner/cost/schedules.py `forwards_first`;
+    planner/cost/memory.py `stage_memory`). They are counted in `held`, so `unheld_gradients`
+    is what the forward/backward phase gives back."""
+    schedule: str
+    pp: int
 
     def unheld_gradients(self, in_flight, num_microbatches: int) -> np.ndarray:
         """Per in-flight count (scalar or [level, 1] / [stage]), the gradient bytes the forward/backward
         phase does not hold: all of them where every forward of the peak precedes the first backward."""
-        return np.where(np.asarray(in_flight) >= num_microbatches, self.gradients, 0.0)
+        return np.where(forwards_first(self.schedule, self.pp, num_microbatches, in_flight), self.gradients, 0.0)
 
     @property
     def communication(self) -> np.ndarray:
@@ -817,8 +819,8 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
         if env.device == "cpu" and table.largest_parameter is not None:
             largest = _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end) / shards
         step_transient = optimizer_transient_bytes(prefix(updated)[end] - prefix(updated)[start], largest, env.device)
-    return StageBuffers(receive, gathered, step_transient, bucket, np.broadcast_to(np.asarray(gradients, dtype=float),
-                                                                                    (len(start),)))
+    return StageBuffers(receive, gathered, step_transient, bucket,
+                        np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)), cfg.schedule, cfg.pp)
 
 
 def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
