@@ -76,7 +76,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.cost.memory import model_state_bytes
-from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, in_flight_microbatches
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, forwards_first, in_flight_microbatches
 from planner.solver.comm_pricing import bucket_parameters, gathered_dense, tail_collectives
 from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
@@ -317,7 +317,7 @@ class TimeBound:
             flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
             # Ranks holding every micro-batch in flight hold no gradient at their activations' peak:
             # where some rank may, the kind's states without them (a lower bound for every rank).
-            unheld = cfg.num_microbatches <= max(level for level, _ in flights)
+            unheld = bool(forwards_first(cfg.schedule, cfg.pp, cfg.num_microbatches, max(level for level, _ in flights)))
             grads = gradient_bytes_per_unit(table, cfg, self.env) if unheld else 0.0
             reserved = _end_units(table, cfg, self.env, terms, states - grads)
             memory = self.env.usable_memory_bytes - float(receive_floor_bytes(
@@ -402,9 +402,10 @@ class TimeBound:
         whose bound without them is below `cap`, None leaves them out (the weak bound)."""
         least, most, inverse_sum, p, v, m, form = variants.T
         states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather, least_cut, gradients = groups.T
-        # A rank holding every micro-batch in flight holds no gradient at its activations' peak
-        # (planner/solver/search.py `StageBuffers.unheld_gradients`): where some rank may, s - g.
-        states = np.where(m <= most, states - gradients, states)
+        # A rank that runs every forward of its activations' peak first holds no gradient then
+        # (planner/cost/schedules.py `forwards_first`: without a pipeline, GPipe and 1F1B, the
+        # closed form 0, with m <= its micro-batches in flight): where some rank may, s - g.
+        states = np.where((m <= most) & ((form == 0) | (p == 1)), states - gradients, states)
         # What a rank's memory leaves beside its pipeline buffers; activations A may not be negative
         # (below 0 nothing fits, and any bound holds).
         memory = self.env.usable_memory_bytes - receive_floor_bytes(p, v, m, least_cut, self.env.pipeline_buffers)
