@@ -46,6 +46,7 @@ def predict(model: str, args: dict, world: int, pins: Pins):
     output_bytes = interpolate({b: c.output_bytes for b, c in last.items()}, cfg.micro_batch_size)
     stages = []
     for k, ((i, j), r) in enumerate(zip(best.bounds, best.stage_recompute, strict=True)):
+        copy = float(table.copy_parameters(i, j)[0])
         stages.append(stage_memory(
             num_parameters=float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]),
             dtype=profile.dtype, zero_stage=cfg.zero_stage, dp_degree=cfg.dp,
@@ -56,8 +57,10 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             transient_bytes=float(table.transient[r][i:j].max()) if r == "full" else 0.0,
             p2p_bytes=p2p_buffer_bytes(cfg.num_microbatches, float(table.cut_bytes[i - 1]) if i > 0 else 0.0,
                                        float(table.cut_bytes[j - 1])) if cfg.pp > 1 else 0.0,
-            largest_unit_parameters=float(table.parameters[i:j].max()),
-            largest_unit_pair_parameters=float((table.parameters[i:j - 1] + table.parameters[i + 1:j]).max()) if j - i > 1 else 0.0,
+            # a tied weight's copy counts with whichever unit FSDP gathers it in
+            largest_unit_parameters=float(table.parameters[i:j].max()) + copy,
+            largest_unit_pair_parameters=copy + (float((table.parameters[i:j - 1] + table.parameters[i + 1:j]).max())
+                                                 if j - i > 1 else 0.0),
             # torch's schedule keeps the last stage's outputs before 2.10 (runtime/apply_pp.py)
             kept_output_bytes=cfg.num_microbatches * output_bytes
             if (cfg.pp > 1 and k == len(best.bounds) - 1 and pipeline_keeps_outputs()) else 0.0,

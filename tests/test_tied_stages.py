@@ -75,7 +75,10 @@ def test_tied_gpt_pipelines_and_prices_the_copy(tied_profile):
     priced = evaluate_config(table, best.config, env, fixed_bounds=best.bounds)
     copy_bytes = model_state_bytes(tie.num_parameters, env.dtype, best.config.zero_stage, best.config.dp).total
     assert priced.peak_memory_bytes[0] == pytest.approx(untied.peak_memory_bytes[0])  # stage 0 owns the weight
-    assert priced.peak_memory_bytes[1] == pytest.approx(untied.peak_memory_bytes[1] + copy_bytes)
+    # The last stage peaks in the optimizer step (foreach AdamW's temporaries, 4 bytes a parameter
+    # it steps), the copy's included.
+    assert priced.memory_terms[1]["activations"] == untied.memory_terms[1]["activations"] == 0
+    assert priced.peak_memory_bytes[1] == pytest.approx(untied.peak_memory_bytes[1] + copy_bytes + 4 * tie.num_parameters)
     assert priced.iteration_time_s > untied.iteration_time_s
     assert untied.breakdown_s["tie_comm"] == 0
 
@@ -244,3 +247,26 @@ def test_resume_across_a_tie_cut(write_model, tmp_path):
     assert saved.returncode == 0, saved.stderr[-2000:]
     refused = cli("run", str(plan_a), "--steps", "1", "--checkpoint-dir", str(whole), "--resume")
     assert refused.returncode == 1 and "saved with tied weights in one stage" in " ".join(refused.stderr.split())
+
+
+def test_zero3_gathers_the_copy_with_its_unit(tied_profile):
+    # Under ZeRO 3 the stage holding a copy of the tied weight gathers it with the unit it belongs
+    # to: two gathered units' weights and one unit's gradients, the copy in both.
+    from planner.cost.memory import STATE_BYTES
+    from planner.solver.search import Config, evaluate_config
+    from planner.solver.solve import _environment
+
+    cluster = make_cluster(4, gpu="a100-80gb")
+    result = search(tied_profile, cluster, 8, Pins(pp=2, dp=2, tp=1))
+    table = result.costs.table(1, False, 1)
+    env = _environment(cluster, result.costs.compute, tied_profile.dtype, Pins(), 0.9)
+    cfg = Config(tp=1, sequence_parallel=False, pp=2, dp=2, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                 virtual_stages=1, zero_stage=3)
+    bounds = ((0, 3), (3, len(tied_profile.units)))
+    priced = evaluate_config(table, cfg, env, fixed_bounds=bounds)
+    untied = evaluate_config(table.without_ties(), cfg, env, fixed_bounds=bounds)
+    (tie,) = table.tied
+    gathered = priced.memory_terms[1]["communication"] - untied.memory_terms[1]["communication"]
+    weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if tied_profile.dtype == "float32" else "mixed"]
+    assert gathered == pytest.approx((weight_bytes + grad_bytes) * tie.num_parameters)
+    assert priced.memory_terms[0]["communication"] == pytest.approx(untied.memory_terms[0]["communication"])

@@ -60,7 +60,9 @@ the end of the pipeline (PipeDream's NOAM = ceil(workers / input-stage replicas)
 input stage; min(M, p - k) without replicas), min(M, g) for the g GPUs from stage k on, spread
 round-robin over its r_k replicas: ceil(min(M, g) / r_k) each, exactly what the runtime's
 1F1B-RR order holds (runtime/pp_replicated.py `actions`). Plus the send/receive buffers of its
-output cut (2 x its bytes, as planner/solver/search.py counts them).
+output cut (2 x its bytes: the runtime's own isend/irecv, not torch's PipelineStage, which keeps
+a buffer per micro-batch). The optimizer step's phase (states and AdamW's temporaries,
+`ReplicationProblem.step_bytes`) replaces the activations where it is larger.
 """
 
 from __future__ import annotations
@@ -104,6 +106,13 @@ class ReplicationProblem:
     """Usable bytes per GPU."""
     optimizer_s: np.ndarray | None = None
     """Optimizer-step seconds of each unit's parameters (once per step, on every replica); None: 0."""
+    step_bytes: np.ndarray | None = None
+    """What each unit's parameters add in the optimizer step's phase, summed over a stage's units
+    (torch's foreach AdamW on a GPU: a 4-byte temporary per parameter it steps; planner/cost/memory.py
+    `optimizer_transient_bytes`); None: nothing."""
+    step_peak_bytes: np.ndarray | None = None
+    """The same where it is the largest over a stage's units (AdamW on a CPU steps tensor by tensor:
+    two temporaries of its largest parameter); None: nothing."""
     overlap_p2p: bool = False
     """Sends run beside compute (planner/cost/overlap.py `pipeline_p2p`: NCCL on GPUs): `step_time_s`
     then keeps the cuts' transfers out of the stage times (the first micro-batch's latency only)."""
@@ -136,6 +145,7 @@ class _Tables:
         self._compute, self._grad = prefix(problem.compute_s), prefix(problem.grad_bytes)
         self._states, self._act = prefix(problem.state_bytes), prefix(problem.activation_bytes)
         self._opt = prefix(problem.optimizer_s if problem.optimizer_s is not None else np.zeros(problem.num_units))
+        self._step = prefix(problem.step_bytes if problem.step_bytes is not None else np.zeros(problem.num_units))
 
     def comm_s(self, end: int) -> float:
         """comm(j): activations across cut `end` and their gradients back (0 after the last unit)."""
@@ -151,9 +161,14 @@ class _Tables:
         return self.p.all_reduce_s(grad, replicas) + float(self._opt[end] - self._opt[start])
 
     def memory_bytes(self, start: int, end: int, replicas: int, gpus_from_here: int) -> float:
+        """The larger of the forward/backward phase (states, activations in flight, the cut's
+        buffers) and the optimizer step's (states, its temporaries, the buffers)."""
         held = math.ceil(min(self.p.num_microbatches, gpus_from_here) / replicas)
         buffers = 2 * float(self.p.cut_bytes[end - 1]) if end < self.p.num_units else 0.0
-        return float(self._states[end] - self._states[start]) + held * float(self._act[end] - self._act[start]) + buffers
+        states = float(self._states[end] - self._states[start])
+        peak = float(self.p.step_peak_bytes[start:end].max()) if self.p.step_peak_bytes is not None else 0.0
+        step = float(self._step[end] - self._step[start]) + peak
+        return states + max(held * float(self._act[end] - self._act[start]), step) + buffers
 
     def stage_s(self, start: int, end: int, replicas: int, gpus_from_here: int) -> float:
         """T(i, j, r, g) of the module docstring (+inf where a replica does not fit)."""

@@ -97,6 +97,11 @@ def replication_problem(table: UnitCostTable, env: Environment, num_gpus: int, n
         p2p_s=lambda nbytes: env.p2p_s(nbytes, same_node) if nbytes > 0 else 0.0,
         memory_limit_bytes=env.usable_memory_bytes,
         optimizer_s=np.asarray(trained * env.optimizer_s_per_param, dtype=float),
+        # AdamW's temporaries (planner/cost/memory.py `optimizer_transient_bytes`): the runtime's
+        # make_optimizer, foreach on GPUs, tensor by tensor on CPUs; none for a fused one.
+        step_bytes=None if env.fused_optimizer or env.device == "cpu" else np.asarray(4 * trained, dtype=float),
+        step_peak_bytes=None if env.fused_optimizer or env.device != "cpu" or table.largest_parameter is None
+        else np.asarray(8 * table.largest_parameter, dtype=float),
         overlap_p2p=env.overlap.pipeline_p2p,
     )
 

@@ -28,10 +28,9 @@ unit it lacks included (`UnitCostTable.copy_parameters`), plus in the forward/ba
 in-flight micro-batches x stored activations + the largest recomputation transient (as soon
 as one unit recomputes fully) + the loss on the last stage + `stage_buffers`' communication
 (the pipeline's receive buffers and kept outputs, FSDP2's gathered parameters), and in the
-optimizer step's phase AdamW's temporaries or ZeRO 0's bucket + the receive buffers. One
-difference from `stage_memory`, on the safe side: the gradients count in the
-forward/backward phase even where every forward of the peak precedes the first backward),
-lets the DP
+optimizer step's phase AdamW's temporaries or ZeRO 0's bucket + the receive buffers; the
+gradients count in the forward/backward phase unless every forward of the peak precedes the
+rank's first backward, planner/cost/schedules.py `forwards_first`), lets the DP
 (planner/solver/inter_op.py) pick the cuts and each unit's recomputation (a pipedream-2bw the runtime runs
 without a flush by its own objective, m x the slowest stage), and prices the result (`_price`) with the
 schedule's closed form (a pipedream-2bw the runtime runs flushed with 1F1B's: `flush_blocker`;
@@ -796,15 +795,18 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
             receive = receive + np.where(end == n, kept_output_bytes(m, table.output_bytes, cfg.pp), 0.0)
     params = table.parameters
     prefix = lambda a: np.concatenate([[0.0], np.cumsum(a)])  # noqa: E731
+    # A tied weight's copy, which a stage holding another of its units keeps (`copy_parameters`),
+    # counts with the stage's parameters, and under ZeRO 3 with whichever unit FSDP gathers it in.
+    copies = np.asarray(table.copy_parameters(start, end), dtype=float) * np.ones(len(start))
     gathered = zeros
     if cfg.zero_stage >= 1 and cfg.zero_dp > 1:
         if cfg.zero_stage >= 3:
-            largest_unit = _range_max_at(table, env, "parameters", params, start, end)
-            largest_pair = _range_max_at(table, env, "pairs", params[:-1] + params[1:], start, end - 1)
+            largest_unit = _range_max_at(table, env, "parameters", params, start, end) + copies
+            largest_pair = _range_max_at(table, env, "pairs", params[:-1] + params[1:], start, end - 1) + copies
         else:
             largest_unit = largest_pair = zeros
-        gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start], largest_unit, largest_pair, env.dtype,
-                                  cfg.zero_stage, cfg.zero_dp, cfg.offload)
+        gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
+                                  env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload)
     per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
     gradients = per_unit[end] - per_unit[start] + gpu_state_parts(table.copy_parameters(start, end), cfg, env).gradients
     bucket = gradient_bucket_bytes(gradients, cfg.zero_stage, cfg.dp)
@@ -818,7 +820,8 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
         largest = zeros
         if env.device == "cpu" and table.largest_parameter is not None:
             largest = _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end) / shards
-        step_transient = optimizer_transient_bytes(prefix(updated)[end] - prefix(updated)[start], largest, env.device)
+        step_transient = optimizer_transient_bytes(prefix(updated)[end] - prefix(updated)[start] + copies / shards,
+                                                   largest, env.device)
     return StageBuffers(receive, gathered, step_transient, bucket,
                         np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)), cfg.schedule, cfg.pp)
 
