@@ -33,9 +33,9 @@ rank: 2 x 12 x 768 of 12 MiB) to 1F1B with ZeRO 3 and CP 2, 260.9 -> 270.8 s; 17
 ZeRO 3 on every GPU (two gathered 3.4 GiB blocks and one block's gradients beside the shards)
 to a zero-bubble pipeline, 31.4 -> 32.7 s; the
 MoE from EP 4 to EP 8, 18.35 -> 18.93 s. The code before (4aad57f) and after, alternately
-(`planner solve` processes, median of 5 and 3): 175B x64 0.90 -> 0.92 s, x1024 1.12 -> 1.19 s.
-Every goal is met in the CSV: 175B on 64 GPUs 0.86 s (1 s), on 1024 1.12 s (2 s), 530B on 2240
-0.76 s (5 s), 192 layers on 512 1.23 s (10 s), the MoE 0.78 s (10 s).
+(`planner solve` processes, median of 5, 3 for the others): 175B x64 0.88 -> 0.87 s, x1024 1.03 ->
+1.10 s, x12,288 1.46 -> 1.54 s. Every goal is met in the CSV: 175B on 64 GPUs 0.91 s (1 s), on
+1024 1.19 s (2 s), 530B on 2240 0.82 s (5 s), 192 layers on 512 1.25 s (10 s), the MoE 0.86 s (10 s).
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
