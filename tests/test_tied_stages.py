@@ -100,15 +100,9 @@ def test_dp_with_tied_copies_matches_brute_force(tied_profile):
     from itertools import combinations, pairwise
 
     from planner.solver.inter_op import pipeline_time
-    from planner.solver.search import Config, evaluate_config
-    from planner.solver.solve import _environment
+    from planner.solver.search import evaluate_config
 
-    cluster = make_cluster(3, gpu="a100-80gb")
-    result = search(tied_profile, cluster, 4, Pins(pp=3, dp=1, tp=1))
-    table = result.costs.table(1, False, 1)
-    env = _environment(cluster, result.costs.compute, tied_profile.dtype, Pins(), 0.9)
-    cfg = Config(tp=1, sequence_parallel=False, pp=3, dp=1, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
-                 virtual_stages=1, zero_stage=0)
+    table, env, cfg = _tied_setup(tied_profile, pp=3, dp=1, zero_stage=0)
     units = len(tied_profile.units)
     placements = [tuple(pairwise(e)) for inner in combinations(range(1, units), 2) for e in [(0, *inner, units)]]
     peaks = sorted({max(evaluate_config(table, cfg, env, fixed_bounds=b).peak_memory_bytes) for b in placements})
@@ -253,15 +247,9 @@ def test_zero3_gathers_the_copy_with_its_unit(tied_profile):
     # Under ZeRO 3 the stage holding a copy of the tied weight gathers it with the unit it belongs
     # to: two gathered units' weights and one unit's gradients, the copy in both.
     from planner.cost.memory import STATE_BYTES
-    from planner.solver.search import Config, evaluate_config
-    from planner.solver.solve import _environment
+    from planner.solver.search import evaluate_config
 
-    cluster = make_cluster(4, gpu="a100-80gb")
-    result = search(tied_profile, cluster, 8, Pins(pp=2, dp=2, tp=1))
-    table = result.costs.table(1, False, 1)
-    env = _environment(cluster, result.costs.compute, tied_profile.dtype, Pins(), 0.9)
-    cfg = Config(tp=1, sequence_parallel=False, pp=2, dp=2, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
-                 virtual_stages=1, zero_stage=3)
+    table, env, cfg = _tied_setup(tied_profile, pp=2, dp=2, zero_stage=3)
     bounds = ((0, 3), (3, len(tied_profile.units)))
     priced = evaluate_config(table, cfg, env, fixed_bounds=bounds)
     untied = evaluate_config(table.without_ties(), cfg, env, fixed_bounds=bounds)
@@ -270,3 +258,17 @@ def test_zero3_gathers_the_copy_with_its_unit(tied_profile):
     weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if tied_profile.dtype == "float32" else "mixed"]
     assert gathered == pytest.approx((weight_bytes + grad_bytes) * tie.num_parameters)
     assert priced.memory_terms[0]["communication"] == pytest.approx(untied.memory_terms[0]["communication"])
+
+
+def _tied_setup(profile, pp: int, dp: int, zero_stage: int):
+    """The tied model's tp 1, micro-batch 1 cost table on pp x dp A100s, the search's environment
+    there, and the 1F1B configuration of 4 micro-batches per replica with `zero_stage`."""
+    from planner.solver.search import Config
+    from planner.solver.solve import _environment
+
+    cluster = make_cluster(pp * dp, gpu="a100-80gb")
+    result = search(profile, cluster, 4 * dp, Pins(pp=pp, dp=dp, tp=1))
+    env = _environment(cluster, result.costs.compute, profile.dtype, Pins(), 0.9)
+    cfg = Config(tp=1, sequence_parallel=False, pp=pp, dp=dp, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
+                 virtual_stages=1, zero_stage=zero_stage)
+    return result.costs.table(1, False, 1), env, cfg
