@@ -252,8 +252,8 @@ def _chunk_bytes(held: Held, act, transient, level, chunk, modes) -> float:
     every micro-batch, the range's largest transient if a unit is full, level x activations) or its
     optimizer step's, whichever is larger."""
     i, j = chunk
-    forward_backward = held.fixed[chunk] - (held.grads[chunk] if level >= held.m else 0.0) \
-        + (transient[i:j].max() if FULL in modes else 0.0) + level * sum(act[r, i + k] for k, r in enumerate(modes))
+    forward_backward = held.fixed[chunk] + (transient[i:j].max() if FULL in modes else 0.0) \
+        - (held.grads[chunk] if level >= held.m else 0.0) + level * sum(act[r, i + k] for k, r in enumerate(modes))
     return max(forward_backward, held.floor[chunk])
 
 

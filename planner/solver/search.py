@@ -528,8 +528,8 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
-    memory = np.maximum(held[None, :] + levels[:, None] * (p_act[end] - p_act[start])[None, :]
-                        - buffers.unheld_gradients(levels[:, None], num_microbatches), floor[None, :])
+    memory = np.maximum(held[None, :] - buffers.unheld_gradients(levels[:, None], num_microbatches)
+                        + levels[:, None] * (p_act[end] - p_act[start])[None, :], floor[None, :])
 
     def costs(limit: float, with_bytes: bool = True):
         fits = memory <= limit
@@ -554,14 +554,14 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     def unheld(level) -> np.ndarray:
         return np.zeros(len(rows)) if buffers is None else buffers.unheld_gradients(level, num_microbatches)
 
-    given_back = np.stack([unheld(level) for level in levels.tolist()])  # [level, range]
+    # [level, range, set]: what a range holds besides its activations, the gradients a level gives back taken off
+    base = held[None] - np.stack([unheld(level) for level in levels.tolist()])[..., None]
     least_act = act_all[rows[:, None], lasts_all[rows]]
-    min_needed = float(np.maximum(held[None] + levels[:, None, None] * least_act[None] - given_back[..., None],
-                                  floor[None, :, None]).min())
+    min_needed = float(np.maximum(base + levels[:, None, None] * least_act[None], floor[None, :, None]).min())
     offset = p2p[end - 1][None, :]
 
     def costs(limit: float, with_bytes: bool = True):
-        cost, choice = fastest_fitting(choices, rows, limit - held[None] + given_back[..., None], levels)
+        cost, choice = fastest_fitting(choices, rows, limit - base, levels)
         stepping = floor > limit
         if stepping.any():
             cost, choice = np.where(stepping[None, :], np.inf, cost), np.where(stepping[None, :], -1, choice)
@@ -569,8 +569,8 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
             return cost + offset, choice, None
         fits = choice >= 0
         column = np.where(fits, choice, 0)
-        memory = held[np.arange(len(rows))[None, :], (column >= choices.width).astype(int)] \
-            + np.asarray(levels, dtype=float)[:, None] * choices.padded[1][rows[None, :], column] - given_back
+        memory = base[np.arange(len(levels))[:, None], np.arange(len(rows))[None, :], (column >= choices.width).astype(int)] \
+            + np.asarray(levels, dtype=float)[:, None] * choices.padded[1][rows[None, :], column]
         return cost + offset, choice, np.where(fits, np.maximum(memory, floor[None, :]), np.inf)
 
     position = np.full((choices.num_units + 1, choices.num_units + 1), -1)
@@ -594,7 +594,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
                 return None
             row = rows[n]
             option_t = time_all[row]
-            option_b = np.maximum(held[n, sets] + level * act_all[row] - unheld(level)[n], floor[n])
+            option_b = np.maximum((held[n, sets] - unheld(level)[n]) + level * act_all[row], floor[n])
             total_t = (merged_t[:, None] + option_t[None, :]).ravel()
             total_b = (merged_b[:, None] + option_b[None, :]).ravel()
             fit = np.flatnonzero(np.isfinite(total_t) & (total_b <= limit))
