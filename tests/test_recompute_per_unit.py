@@ -257,6 +257,19 @@ def _chunk_bytes(held: Held, act, transient, level, chunk, modes) -> float:
     return max(forward_backward, held.floor[chunk])
 
 
+def _chunk_brute_force(unit_s, start_s, act, transient, chunk, held: Held, level, limit) -> float:
+    """Least time of one chunk's assignments that fit `limit`, judged as the stage DP's table
+    judges them (`_fits`' subtraction: the activations against the room the rest leaves)."""
+    i, j = chunk
+    best = np.inf
+    for modes in itertools.product(range(3), repeat=j - i):
+        rest = held.fixed[chunk] + (transient[i:j].max() if FULL in modes else 0.0) \
+            - (held.grads[chunk] if level >= held.m else 0.0)
+        if level * sum(act[r, i + k] for k, r in enumerate(modes)) <= limit - rest and held.floor[chunk] <= limit:
+            best = min(best, _time_s(unit_s, start_s, i, modes))
+    return best
+
+
 def _rank_brute_force(unit_s, start_s, act, transient, chunks, held: Held, level, limit) -> float:
     """Least summed time over every assignment of modes to the units of `chunks` whose bytes
     (`_chunk_bytes`) fit `limit` together."""
@@ -290,7 +303,7 @@ def test_rank_refit_equals_brute_force(instance):
     cost, _, nbytes = costs(limit)
     for chunk in chunks:
         at = int(np.flatnonzero((start == chunk[0]) & (end == chunk[1]))[0])
-        alone = _rank_brute_force(unit_s, start_s, act, transient, [chunk], held, level, limit)
+        alone = _chunk_brute_force(unit_s, start_s, act, transient, chunk, held, level, limit)
         assert cost[0, at] == pytest.approx(alone, rel=1e-12, abs=1e-12) if np.isfinite(alone) else cost[0, at] == np.inf
         assert nbytes[0, at] <= limit * (1 + 1e-12) + 1e-12 if np.isfinite(alone) else nbytes[0, at] == np.inf
     columns = refit(chunks, float(level), limit)
