@@ -226,7 +226,7 @@ class Environment:
     units the profile says no cut may split); None: anywhere."""
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
     """Results a search asks for again and again under this environment (`stage_arrays` per
-    table and data-parallel setting, `_transient_max` per table), each key led by its kind. Not an init field, so `dataclasses.replace` starts a new one: the answers depend on
+    table and data-parallel setting, `_range_max_at`'s tables per table), each key led by its kind. Not an init field, so `dataclasses.replace` starts a new one: the answers depend on
     the environment."""
 
 
@@ -382,7 +382,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     fixed = states_held + buffers.communication
     fixed = fixed + np.where(end == num_units, stage_loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
     floor = states_held + buffers.step  # the optimizer step's phase, which no recomputation shrinks
-    transient = _transient_max(table, env)[start, end]
+    transient = _range_max_at(table, env, "transient", table.transient["full"], start, end)
     width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
         range_costs, min_needed = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
@@ -720,23 +720,6 @@ REBUILDING = ("full", "op")
 """Modes whose backward rebuilds a unit's activations for a while: a range with such a unit holds
 its largest full-recomputation transient (conservative for `op`, which rebuilds only what it
 did not save: planner/solver/costs.py)."""
-
-
-def _transient_max(table: UnitCostTable, env: Environment) -> np.ndarray:
-    """`_range_max` of the table's transient bytes under full recomputation, once per table (`env.memo`)."""
-    key = ("transient_max", id(table))
-    if key not in env.memo:
-        env.memo[key] = (table, _range_max(table.transient["full"]))
-    return env.memo[key][1]
-
-
-def _range_max(values: np.ndarray) -> np.ndarray:
-    """out[i, j] = max(values[i:j]) for i < j (running maxima, one row per start)."""
-    size = len(values) + 1
-    out = np.zeros((size, size))
-    for i in range(len(values)):
-        out[i, i + 1:] = np.maximum.accumulate(values[i:])
-    return out
 
 
 @dataclass(frozen=True)
