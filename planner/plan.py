@@ -254,7 +254,8 @@ class Prediction(_Model):
     """Per stage: peak bytes of tensors per GPU (planner/cost/memory.py `StageMemory.tensor_bytes`)."""
     memory_terms_bytes: list[dict[str, int]] | None = None
     """Per stage, the peak's terms by name in bytes (planner/cost/memory.py `StageMemory.terms`:
-    parameters, gradients, optimizer_state, activations, transient, communication, fragmentation);
+    parameters, gradients, optimizer_state, activations, transient, communication, loss, batch
+    (absent in plans written before 2026-11-28), fragmentation);
     all but fragmentation sum to `peak_memory_bytes`. None: not recorded (older plans)."""
     stage_time_s: list[float] = []
     """Forward+backward time of one micro-batch per stage."""

@@ -54,6 +54,10 @@ class UnitCosts(_Model):
     """Bytes of the activations the unit returns."""
     saved_bytes: int
     """Bytes the forward keeps for backward (saved-tensor hooks; parameters excluded)."""
+    saved_input_bytes: int | None = None
+    """Of `saved_bytes`, the unit's own inputs (a convolution or an embedding keeps the tensor it
+    was given): when the unit takes the batch, the batch already holds them (planner/solver/search.py
+    `StageBuffers.batch_saved`). None in profiles written before it was recorded (read as 0)."""
     peak_memory_bytes: int | None = None
     """Peak allocated memory above the baseline during forward+backward (CUDA only)."""
     fp8_saved_bytes: int | None = None
@@ -287,6 +291,12 @@ class ModelInfo(_Model):
     profiles written before it: read as `parameter_bytes`."""
     sequence_length: int | None = None
     """Tokens per sample when the input is a (batch, sequence) token tensor."""
+    input_bytes_per_sample: float | None = None
+    """Bytes of one sample's inputs as the model file's make_batch returns them: a rank running
+    the first stage holds its micro-batches' inputs through the step (runtime/train.py
+    `_local_batch`). None in profiles written before it was recorded (counted as 0)."""
+    target_bytes_per_sample: float | None = None
+    """The same for the targets, which the rank running the last stage holds."""
     cp_obstacles: list[str] = []
     """What in the forward a sequence split over context-parallel ranks cannot follow, and where: a
     scan along the sequence (OPT counts its positions with a cumsum of its attention mask), an

@@ -131,14 +131,16 @@ class TensorPeakMeter:
     allocator itself, so it also counts what autograd, the optimizer and collectives allocate
     inside C++ kernels, and it costs far less per op.) The bytes live at the start are the
     storages of every tensor the Python heap reaches (parameters, buffers, pipeline receive
-    buffers, the batch), deduplicated, after a garbage collection. The profile starts a step
-    early because a block allocated before it has no free event (the profiler does not know its
-    size): the previous step's outputs and gradients, freed early in the measured step, would
-    otherwise stay counted. Only what was live before the warm-up and is freed in the measured
-    step (the warm-up's batch) is counted too long. Frees on threads the profiler does not
-    watch (gloo's workers sometimes release a collective's buffer) are handled in `running_peak`.
+    buffers), deduplicated, after a garbage collection. The profile starts a step early
+    (`open`, before that step loads its batch) because a block allocated before it has no free
+    event (the profiler does not know its size): the previous step's outputs, gradients and
+    batch, freed early in the measured step, would otherwise stay counted (the warm-up's batch
+    did, until 2026-11-28: two batches of ResNet's images against the one a step holds). Frees
+    on threads the profiler does not watch (gloo's workers sometimes release a collective's
+    buffer) are handled in `running_peak`.
 
-    `start` and `stop` bracket a step's work after `zero_grad`. On CPU the profiler slows a step
+    `open` comes before the step loads its batch; `start` and `stop` bracket a step's work
+    after `zero_grad`. On CPU the profiler slows a step
     of examples/gpt.py (4 layers, d_model 64) by about a fifth (10.7 -> 12.6 ms in one process;
     benchmarks/results/memory_cpu.csv has the noisier figure of whole runs), and `stop` takes
     a quarter of a second after the step's timing; so when later steps follow, the measured
@@ -165,6 +167,19 @@ class TensorPeakMeter:
         measured = self.enabled and self.device.type == "cpu" and self._num_steps > self.step + 1
         return self.step + 1 if measured else WARMUP_STEPS
 
+    def open(self, step: int) -> None:
+        """On CPU, at the step before the measured one: start the profile (`start` does it if
+        this was not called). Call it before the step allocates anything, its batch included:
+        what was live before the profile has no free event and would stay counted."""
+        if not self.enabled or self.device.type == "cuda" or step != max(self.step - 1, 0) or self._profiler is not None:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        gc.collect()  # cyclic garbage (a module built for initialisation) is no tensor of the model
+        self._base_bytes = live_tensor_bytes(self.device)
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()
+
     def start(self, step: int) -> None:
         if not self.enabled:
             return
@@ -173,13 +188,7 @@ class TensorPeakMeter:
                 synchronize(self.device)
                 torch.cuda.reset_peak_memory_stats(self.device)
             return
-        if step == max(self.step - 1, 0) and self._profiler is None:
-            from torch.profiler import ProfilerActivity, profile
-
-            gc.collect()  # cyclic garbage (a module built for initialisation) is no tensor of the model
-            self._base_bytes = live_tensor_bytes(self.device)
-            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()
+        self.open(step)
         if step == self.step:
             with torch.profiler.record_function(self.MARKER):
                 pass

@@ -104,8 +104,9 @@ def batch_for_step(model_file, global_batch_size: int, seed: int, step: int):
     return as_tuple(inputs), targets
 
 
-def _to(x, device):
-    return x.to(device) if isinstance(x, torch.Tensor) else x
+def _own(x, device):
+    """`x` on `device` in a storage of its own."""
+    return x.to(device, copy=True) if isinstance(x, torch.Tensor) else x
 
 
 def _autocast(plan: Plan, device):
@@ -128,9 +129,12 @@ def _local_batch(mf, plan: Plan, seed: int, step: int, dp_rank: int, device):
     local, cp = plan.batch.micro_batch_size * plan.batch.num_microbatches, plan.layout.cp_degree
     group = dp_rank // cp
     inputs, targets = batch_for_step(mf, plan.batch.global_batch_size, seed, step)
-    inputs = tuple(_to(_slice(x, group * local, (group + 1) * local), device) for x in inputs)
-    targets = _to(_slice(targets, group * local, (group + 1) * local), device)
-    return shard_batch(inputs, targets, cp, dp_rank % cp) if cp > 1 else (inputs, targets)
+    inputs = tuple(_slice(x, group * local, (group + 1) * local) for x in inputs)
+    targets = _slice(targets, group * local, (group + 1) * local)
+    if cp > 1:
+        inputs, targets = shard_batch(inputs, targets, cp, dp_rank % cp)
+    # Copies, even on the CPU: a slice would keep the whole global batch alive through the step.
+    return tuple(_own(x, device) for x in inputs), _own(targets, device)
 
 
 def meta_inputs(mf, batch_size: int, cp_degree: int = 1) -> tuple:
@@ -428,7 +432,10 @@ def _train_step(plan: Plan, mf, model: RankModel, settings: RunSettings, step: i
     clipping, the update. Returns this rank's share of the step's loss (see `_report`) and its seconds."""
     index = step - settings.first_step
     timer.step = index
+    tensor_peak.open(index)  # before the batch: the warm-up's batch is then seen freed
     inputs, targets = _local_batch(mf, plan, settings.seed, step, model.rank("dp"), device)
+    if model.runner is not None:  # a pipeline rank keeps what its stages read: inputs first, targets last
+        inputs, targets = (inputs if model.runner.has_first else ()), (targets if model.runner.has_last else None)
     start = time.perf_counter()
     for optimizer in model.stepping:
         optimizer.zero_grad()

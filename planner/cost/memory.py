@@ -32,8 +32,10 @@ A stage's peak (`stage_memory`) names every term. The bytes held at the moment o
 the model states plus one of two phases, whichever is larger:
 
     forward/backward:  parameters + gradients held + optimizer state
-                       + in-flight micro-batches x stored activations
-                       + transient (full recomputation rebuilding one unit)
+                       + in-flight micro-batches x stored activations (less what is a view of
+                         the batch: the first unit's saved inputs, `batch_views`)
+                       + transient (full recomputation rebuilding one unit; with gradients
+                         held, accumulation's fresh copy of the largest one, `accumulation_bytes`)
                        + communication (the pipeline's receive buffers, one per micro-batch
                          for the input activations and for the output gradients, as torch's
                          PipelineStage allocates them once and keeps them;
@@ -46,6 +48,8 @@ the model states plus one of two phases, whichever is larger:
                          larger, communication (ZeRO 0 with dp > 1: the flat bucket the gradients are
                          all-reduced in, runtime/apply_dp.py, one gradient-sized copy; the
                          receive buffers and kept outputs above; FSDP2 has resharded)
+    both phases:       + batch (the rank's micro-batches' inputs on the first stage, their targets
+                         on the last, loaded before the step and held to its end: `batch_bytes`)
 
 Those are the planner's runtime's (torch.distributed.pipelining, FSDP2, torch.optim.AdamW with
 foreach kernels). The search prices another engine's habits where they differ
@@ -241,12 +245,14 @@ class StageMemory:
     """PipeDream-2BW's second weight version (`stashed_weight_bytes`); 0 for synchronous schedules."""
     loss: float = 0.0
     """The loss's bytes on the last stage (`loss_bytes`; 0 elsewhere and in the optimizer step's phase)."""
+    batch: float = 0.0
+    """The rank's share of the step's batch (`batch_bytes`), held in both phases."""
 
     @property
     def tensor_bytes(self) -> float:
         """The tensors alone: what a run's measured tensor peak is held against."""
         return (self.parameters + self.gradients + self.optimizer_state + self.activations + self.transient
-                + self.communication + self.stashed_weights + self.loss)
+                + self.communication + self.stashed_weights + self.loss + self.batch)
 
     @property
     def total(self) -> float:
@@ -256,7 +262,7 @@ class StageMemory:
     def terms(self) -> dict[str, int]:
         """Every term by name, in bytes (the plan's `Prediction.memory_terms_bytes` entry)."""
         names = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "loss",
-                 "fragmentation")
+                 "batch", "fragmentation")
         terms = {name: int(round(getattr(self, name))) for name in names}
         if self.stashed_weights:  # only asynchronous schedules hold it (older plans' terms unchanged)
             terms["stashed_weights"] = int(round(self.stashed_weights))
@@ -268,7 +274,8 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
                  largest_unit_parameters: float = 0.0, largest_unit_pair_parameters: float = 0.0,
                  kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
                  device: str = "gpu", stashed_parameters: float = 0.0, loss: float = 0.0,
-                 forwards_first: bool = False) -> StageMemory:
+                 forwards_first: bool = False, batch_bytes: float = 0.0, batch_views: float = 0.0,
+                 accumulation: float = 0.0) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -290,7 +297,11 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     older version the stage keeps (`stashed_weight_bytes`), 0 otherwise;
     `loss`: on the last stage, the loss's bytes (`loss_bytes`), held in the forward/backward phase;
     `forwards_first`: every forward of the activations' peak precedes the rank's first backward, so
-    no gradient is held then (planner/cost/schedules.py `forwards_first`).
+    no gradient is held then (planner/cost/schedules.py `forwards_first`);
+    `batch_bytes`: the rank's share of the step's batch (`batch_bytes`), held through both phases;
+    `batch_views`: of the in-flight activations, the inputs the first unit saves where they are
+    views of the batch, counted once, in `batch_bytes` (at most m micro-batches' of them);
+    `accumulation`: gradient accumulation's transient (`accumulation_bytes`), where gradients are held.
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     gathered = gathered_bytes(num_parameters, largest_unit_parameters, largest_unit_pair_parameters, dtype, zero_stage,
@@ -298,7 +309,9 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     bucket = gradient_bucket_bytes(states.gradients, zero_stage, dp_degree)
     grads_at_peak = 0.0 if forwards_first else states.gradients
     communication = p2p_bytes + gathered + kept_output_bytes
-    forward_backward = grads_at_peak + in_flight * activation_bytes + transient_bytes + communication + loss
+    in_flight_bytes = in_flight * activation_bytes - batch_views
+    transient_bytes = transient_bytes + (0.0 if forwards_first else accumulation)
+    forward_backward = grads_at_peak + in_flight_bytes + transient_bytes + communication + loss
     # The bucket is copied back and freed before the optimizer runs: the larger of the two.
     shards = dp_degree if zero_stage >= 1 else 1
     step_transient = optimizer_transient_bytes(num_parameters / shards, largest_parameter / shards, device)
@@ -306,17 +319,18 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     # FSDP has resharded after the last backward: no gathered parameters in this phase.
     optimizer_step = states.gradients + step_extra + p2p_bytes + kept_output_bytes
     if forward_backward >= optimizer_step:
-        gradients, activations, transient = grads_at_peak, in_flight * activation_bytes, transient_bytes
+        gradients, activations, transient = grads_at_peak, in_flight_bytes, transient_bytes
     else:
         gradients, activations, loss = states.gradients, 0.0, 0.0
         transient = step_transient if step_transient >= bucket else 0.0
         communication = (bucket if bucket > step_transient else 0.0) + p2p_bytes + kept_output_bytes
     stashed = stashed_weight_bytes(stashed_parameters, dtype, zero_stage, dp_degree)
-    tensors = states.weights + states.optimizer + gradients + activations + transient + communication + stashed + loss
+    tensors = (states.weights + states.optimizer + gradients + activations + transient + communication + stashed + loss
+               + batch_bytes)
     return StageMemory(parameters=states.weights, gradients=gradients, optimizer_state=states.optimizer,
                        activations=activations, transient=transient, communication=communication,
                        fragmentation=0.0 if device == "cpu" else FRAGMENTATION_ALLOWANCE * tensors,
-                       stashed_weights=stashed, loss=loss)
+                       stashed_weights=stashed, loss=loss, batch=batch_bytes)
 
 
 def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, largest_unit_pair_parameters: Amount,
@@ -352,6 +366,24 @@ def kept_output_bytes(num_microbatches: int, output_bytes: float, pp_degree: int
     """The outputs torch's pipeline schedule keeps to the step's end on the last stage where it
     keeps them (`pipeline_keeps_outputs`): one model output per micro-batch; none without a pipeline."""
     return num_microbatches * output_bytes if pp_degree > 1 else 0.0
+
+
+def accumulation_bytes(largest_trained_parameter: Amount, dtype: str) -> Amount:
+    """The transient of gradient accumulation: a later micro-batch's backward makes each
+    parameter's gradient anew and adds it to the one held (autograd's AccumulateGrad), so for a
+    moment the largest trained parameter's gradient is there twice (`largest_trained_parameter`:
+    its elements per GPU). Measured on examples/resnet.py's ResNet-18 on CPU: +140 KiB with the
+    gradients held against none, its largest weight's gradient 144 KiB. Without ZeRO or with
+    ZeRO 1 only: under ZeRO 2-3 FSDP2 reduce-scatters each unit's fresh gradients instead
+    (`gathered_bytes` holds them)."""
+    return largest_trained_parameter * STATE_BYTES["float32" if dtype == "float32" else "mixed"][1]
+
+
+def batch_bytes(num_microbatches: int, input_bytes: float, target_bytes: float, first, last) -> np.ndarray:
+    """A rank's share of the step's batch, loaded before its first forward and held to the step's
+    end (runtime/train.py `_train_step`): its micro-batches' inputs where it runs the first stage,
+    their targets where it runs the last (`first`, `last`: booleans, or arrays of them)."""
+    return num_microbatches * (np.where(first, input_bytes, 0.0) + np.where(last, target_bytes, 0.0))
 
 
 @lru_cache(maxsize=1)

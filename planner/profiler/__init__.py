@@ -49,7 +49,7 @@ from planner.profile_schema import (
     WholeModel,
 )
 from planner.profiler.autocast import CPU_POLICY, CUDA_POLICY, EmulatedAutocast
-from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceSplitChecks, sequence_length
+from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceSplitChecks, sequence_length, tensor_bytes
 from planner.profiler.measure import (
     UnitJob,
     optimizer_step_time,
@@ -314,11 +314,18 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         parameter_bytes=total_params * element,
         trainable_parameter_bytes=sum(_trainable(ps) for ps in owned.values()) * element,
         sequence_length=sequence_length(first_batch[0]),
+        input_bytes_per_sample=tensor_bytes(first_batch[0]) / _samples(first_batch),
+        target_bytes_per_sample=tensor_bytes(first_batch[1]) / _samples(first_batch),
         cp_obstacles=list(dict.fromkeys(o for t in traces.values() for o in t.cp_obstacles)),
         attention_calls=next(iter(traces.values())).attention_calls if traces else None,
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
     )
+
+
+def _samples(batch) -> int:
+    """Samples in a make_batch result: the first dimension of its tensors (`_check_batch_scales`)."""
+    return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
 def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: str, owned: list, costs: dict[int, UnitCosts],

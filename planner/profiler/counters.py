@@ -91,8 +91,9 @@ def flop_counter() -> FlopCounterMode:
     return FlopCounterMode(display=False, custom_mapping=dict(EXTRA_FLOP_FORMULAS))
 
 
-def _tensor_bytes(obj) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor))
+def tensor_bytes(obj) -> int:
+    """Bytes of every tensor in a nested structure of them."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(obj))
 
 
 @dataclass
@@ -177,12 +178,12 @@ class OpCostMode(TorchDispatchMode):
         if self.fusion == "none":
             self._add_kernel(flops, traffic, attention)
         else:
-            reads = [(self._key(t), _tensor_bytes(t)) for t in _tensors((args, kwargs))]
+            reads = [(self._key(t), tensor_bytes(t)) for t in tensors_in((args, kwargs))]
             writes = []
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 storage = self._hold(t)
                 self._version[storage] = self._version.get(storage, -1) + 1  # a write makes a new version
-                writes.append((self._key(t), _tensor_bytes(t)))
+                writes.append((self._key(t), tensor_bytes(t)))
             fusible = packet is not aten.embedding and (torch.Tag.pointwise in func.tags or packet in FUSIBLE_NON_POINTWISE)
             self._ops.append(_Op(flops, reads, writes, fusible, traffic, attention))
         return out
@@ -258,21 +259,26 @@ class OpCostMode(TorchDispatchMode):
     @staticmethod
     def _traffic(packet, args, kwargs, out) -> int:
         if packet is aten.embedding:  # reads only the looked-up rows, not the whole table
-            return 2 * _tensor_bytes(out) + _tensor_bytes(args[1])
-        return _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+            return 2 * tensor_bytes(out) + tensor_bytes(args[1])
+        return tensor_bytes((args, kwargs)) + tensor_bytes(out)
 
 
-def _tensors(obj) -> list[torch.Tensor]:
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors of a nested structure of them."""
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 class SavedBytes:
     """Counts distinct storages saved for backward, parameters excluded."""
 
-    def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None, keep: bool = True):
+    def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None, keep: bool = True,
+                 inputs: Sequence[torch.Tensor] = ()):
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
+        self.inputs = {t.untyped_storage()._cdata for t in inputs}
         self.seen: set[int] = set()
         self.bytes = 0
+        self.input_bytes = 0
+        """Of `bytes`, the storages of `inputs` (the counted code's own inputs)."""
         self.on_save = on_save
         """Called with every tensor autograd saves (OpCostMode.note_saved), or None."""
         self.keep = keep
@@ -290,6 +296,7 @@ class SavedBytes:
         if key not in self.excluded and key not in self.seen:
             self.seen.add(key)
             self.bytes += storage.nbytes()
+            self.input_bytes += storage.nbytes() if key in self.inputs else 0
         if self.keep:
             return t
         self._holders.append([t])

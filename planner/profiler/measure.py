@@ -40,6 +40,8 @@ from planner.profiler.counters import (
     OpCostMode,
     SavedBytes,
     flop_counter,
+    tensor_bytes,
+    tensors_in,
 )
 
 
@@ -66,10 +68,6 @@ def _grad_targets(output):
     """Outputs that need a gradient, each paired with a gradient of ones."""
     outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     return outs, [torch.ones_like(t) for t in outs]
-
-
-def _nbytes(obj) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor))
 
 
 class _Timer:
@@ -168,7 +166,7 @@ def unit_costs(
 
     a, kw = _fresh_inputs(args, kwargs)
     fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
-    saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved)
+    saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved, inputs=tensors_in((a, kw)))
     with attention_mode, fwd_flops, fwd_ops, precision():
         with saved.hooks():
             out = module(*a, **kw)
@@ -196,9 +194,10 @@ def unit_costs(
         backward_flops=bwd_flops.get_total_flops(),
         forward_memory_traffic_bytes=fwd_ops.totals.traffic_bytes,
         backward_memory_traffic_bytes=bwd_ops.totals.traffic_bytes,
-        input_bytes=_nbytes((args, kwargs)),
-        output_bytes=_nbytes(out),
+        input_bytes=tensor_bytes((args, kwargs)),
+        output_bytes=tensor_bytes(out),
         saved_bytes=saved.bytes,
+        saved_input_bytes=saved.input_bytes,
         fp8_saved_bytes=fp8_saved,
         forward_attention_flops=fwd_ops.totals.attention_flops,
         backward_attention_flops=bwd_ops.totals.attention_flops,

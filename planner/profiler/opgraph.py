@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import sdpa_flop_count
 
 from planner.profile_schema import OpNode
+from planner.profiler.counters import tensors_in
 
 INPUT = "input"
 LEAF_KINDS = {nn.Linear: "linear", nn.Embedding: "embedding", nn.Conv1d: "conv", nn.Conv2d: "conv", nn.Conv3d: "conv"}
@@ -162,10 +163,6 @@ def _features(op: OpNode) -> int | None:
     return None
 
 
-def _tensors(obj) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
-
-
 class _WeightUse(TorchFunctionMode):
     """Records how one forward consumes `weight`: True for x @ W, False for x @ W^T, None otherwise."""
 
@@ -194,7 +191,7 @@ class _WeightUse(TorchFunctionMode):
                         use = False  # x @ W^T
             self.uses.append(use)
         if any(isinstance(t, torch.Tensor) and id(t) in self.derived for t in operands):
-            for t in _tensors(out):  # tensors computed from the input (kept alive so ids stay unique)
+            for t in tensors_in(out):  # tensors computed from the input (kept alive so ids stay unique)
                 self.derived.add(id(t))
                 self.keep.append(t)
         return out
@@ -270,20 +267,20 @@ class _OpGraphRecorder(TorchFunctionMode):
         self.per_head_fused: dict[str, OpNode] = {}  # `_mark_fused`'s exceptions, for `_shards_whole_heads`
 
     def tag(self, obj, sources: frozenset) -> None:
-        for t in _tensors(obj):
+        for t in tensors_in(obj):
             self.tags[id(t)] = sources
             self.alive.append(t)
 
     def sources(self, obj) -> frozenset:
         found: frozenset = frozenset()
-        for t in _tensors(obj):
+        for t in tensors_in(obj):
             found |= self.tags.get(id(t), frozenset())
         return found
 
     def _pre(self, name: str, kind: str, module: nn.Module):
         def hook(mod, args, kwargs):
             if self.depth == 0:
-                x = _tensors((args, kwargs))[0]
+                x = tensors_in((args, kwargs))[0]
                 self.pending[name] = dict(kind=kind, module=module, x=x, inputs=self.sources((args, kwargs)))
             self.depth += 1
 
@@ -300,7 +297,7 @@ class _OpGraphRecorder(TorchFunctionMode):
                     # style's output hook takes one tensor. Not recorded, it stays replicated.
                     return
                 module, x = info["module"], info["x"]
-                y = _tensors(out)[0]
+                y = tensors_in(out)[0]
                 in_out = self.in_out.get(name)
                 self.ops.append(
                     node := OpNode(
@@ -371,8 +368,8 @@ class _OpGraphRecorder(TorchFunctionMode):
             return out
         self.counts[kind] = self.counts.get(kind, 0) + 1
         name = f"{kind}_{self.counts[kind]}"
-        operands = _tensors(args)
-        y = _tensors(out)[0]
+        operands = tensors_in(args)
+        y = tensors_in(out)[0]
         if kind == "attention":
             q, k, v = operands[:3]
             flops = sdpa_flop_count(q.shape, k.shape, v.shape)
@@ -431,7 +428,7 @@ class _AttentionShapes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in ATTENTION_FUNCS:
-            self.shapes.append(tuple(t.shape for t in _tensors(args)[:3]))
+            self.shapes.append(tuple(t.shape for t in tensors_in(args)[:3]))
         return func(*args, **(kwargs or {}))
 
 
@@ -470,9 +467,9 @@ def _shards_whole_heads(unit: nn.Module, args: tuple, kwargs: dict, precision, o
     try:
         with torch.no_grad(), precision():
             with whole:
-                expected = _tensors(unit(*args, **kwargs))[0].shape
+                expected = tensors_in(unit(*args, **kwargs))[0].shape
             with split:
-                got = _tensors(functional_call(unit, shards, args, kwargs, strict=False))[0].shape
+                got = tensors_in(functional_call(unit, shards, args, kwargs, strict=False))[0].shape
     except Exception:  # noqa: BLE001 - the model's code refuses a shard: not whole heads
         return False
     if got != expected or len(whole.shapes) != len(split.shapes):

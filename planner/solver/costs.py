@@ -90,6 +90,15 @@ class UnitCostTable:
     (planner/cost/memory.py `loss_bytes`)."""
     output_element_bytes: int = 2
     """Bytes per element of that output (the training dtype's)."""
+    input_bytes: float = 0.0
+    """The model's inputs of one micro-batch, held by the first stage's rank through the step
+    (planner/profile_schema.py `ModelInfo.input_bytes_per_sample`)."""
+    target_bytes: float = 0.0
+    """The targets of one micro-batch, held by the last stage's rank."""
+    batch_saved: float = 0.0
+    """Of the first unit's stored activations of one micro-batch, the inputs it saves when it takes
+    the batch as given (`UnitCosts.saved_input_bytes`): views of the batch, which `input_bytes`
+    counts already."""
     tied: tuple[TiedWeight, ...] = ()
     """Parameters shared by several units (tied embeddings). `parameters` counts each in its
     first unit; a stage holding another of its units holds a copy too (`copy_parameters`)."""
@@ -478,6 +487,16 @@ class UnitCosts:
         row[("rec_flops", "op")] = f_fwd * (1 - share)
         return row
 
+    def _batch_saved(self, b: float) -> float:
+        """`UnitCostTable.batch_saved` at micro-batch b: the first unit's saved inputs, where its
+        inputs are the batch's (as many bytes: no glue code made new ones before it)."""
+        first = self.profile.units[0].costs
+        given = interpolate({k: float(c.input_bytes) for k, c in first.items()}, b)
+        batch = b * (self.profile.model.input_bytes_per_sample or 0.0)
+        if batch <= 0 or not math.isclose(given, batch, rel_tol=1e-6):
+            return 0.0
+        return interpolate({k: float(c.saved_input_bytes or 0) for k, c in first.items()}, b)
+
     def _build(self, t: int, sp: bool, b: float) -> UnitCostTable:
         units = self.profile.units
         n = len(units)
@@ -507,7 +526,10 @@ class UnitCosts:
         table = UnitCostTable(fwd, bwd, arrays["comm"], by_mode("rec"), arrays["rec_comm"], params, by_mode("act"),
                               by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, output_bytes=output,
                               output_element_bytes=self.dtype_bytes, tied=tied_weights(self.profile),
-                              largest_parameter=arrays["largest"])
+                              largest_parameter=arrays["largest"],
+                              input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
+                              target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
+                              batch_saved=self._batch_saved(b))
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

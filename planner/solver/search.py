@@ -68,6 +68,8 @@ import numpy as np
 
 from planner.cost.memory import (
     ModelStateBytes,
+    accumulation_bytes,
+    batch_bytes,
     gathered_bytes,
     gradient_bucket_bytes,
     kept_output_bytes,
@@ -379,7 +381,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     levels, row_of_stage = np.unique(in_flight, return_inverse=True)
     buffers = stage_buffers(table, cfg, env, start, end)
     states_held = p_states[end] - p_states[start] + copy_states
-    fixed = states_held + buffers.communication
+    fixed = states_held + buffers.forward_backward
     fixed = fixed + np.where(end == num_units, stage_loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
     floor = states_held + buffers.step  # the optimizer step's phase, which no recomputation shrinks
     transient = _range_max_at(table, env, "transient", table.transient["full"], start, end)
@@ -528,7 +530,7 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
-    memory = np.maximum(held[None, :] - buffers.unheld_gradients(levels[:, None], num_microbatches)
+    memory = np.maximum(held[None, :] - buffers.given_back(levels[:, None], num_microbatches)
                         + levels[:, None] * (p_act[end] - p_act[start])[None, :], floor[None, :])
 
     def costs(limit: float, with_bytes: bool = True):
@@ -552,7 +554,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     levels = np.asarray(levels)
 
     def unheld(level) -> np.ndarray:
-        return np.zeros(len(rows)) if buffers is None else buffers.unheld_gradients(level, num_microbatches)
+        return np.zeros(len(rows)) if buffers is None else buffers.given_back(level, num_microbatches)
 
     # [level, range, set]: what a range holds besides its activations, the gradients a level gives back taken off
     base = held[None] - np.stack([unheld(level) for level in levels.tolist()])[..., None]
@@ -736,6 +738,15 @@ class StageBuffers:
     """AdamW's temporaries (`optimizer_transient_bytes`; none with offload: the host steps)."""
     bucket: np.ndarray
     """ZeRO 0's all-reduce bucket (`gradient_bucket_bytes`), the optimizer step's phase."""
+    batch: np.ndarray
+    """The rank's share of the step's batch (`batch_bytes`): held in both phases."""
+    accumulation: np.ndarray
+    """The largest gradient a backward makes before adding it to the one held
+    (`accumulation_bytes`): in the forward/backward phase, given back as the gradients are."""
+    batch_saved: np.ndarray
+    """Of one micro-batch's stored activations, the bytes that are views of the batch (the first
+    stage's `UnitCostTable.batch_saved`): counted in `batch`, so each micro-batch in flight gives
+    them back (`given_back`)."""
     gradients: np.ndarray
     """The gradients the stage holds (its units' and its tied copies', ZeRO applied): in the
     optimizer step's phase always, in the forward/backward phase unless every forward of the
@@ -750,16 +761,38 @@ class StageBuffers:
         phase does not hold: all of them where every forward of the peak precedes the first backward."""
         return np.where(forwards_first(self.schedule, self.pp, num_microbatches, in_flight), self.gradients, 0.0)
 
+    def unheld_accumulation(self, in_flight, num_microbatches: int) -> np.ndarray:
+        """`accumulation` where no gradient is held yet at the activations' peak."""
+        return np.where(forwards_first(self.schedule, self.pp, num_microbatches, in_flight), self.accumulation, 0.0)
+
+    def given_back(self, in_flight, num_microbatches: int) -> np.ndarray:
+        """What the forward/backward phase holds less than its states, buffers and in-flight
+        activations sum to: the gradients not yet made and their accumulation (`unheld_gradients`,
+        `unheld_accumulation`), and the activations that are views of the batch (`batch_views`)."""
+        return (self.unheld_gradients(in_flight, num_microbatches) + self.unheld_accumulation(in_flight, num_microbatches)
+                + self.batch_views(in_flight, num_microbatches))
+
+    def batch_views(self, in_flight, num_microbatches: int) -> np.ndarray:
+        """The in-flight activations that are views of the batch (`batch_saved`)."""
+        return np.minimum(in_flight, num_microbatches) * self.batch_saved
+
     @property
     def communication(self) -> np.ndarray:
         """The forward/backward phase's communication buffers."""
         return self.receive + self.gathered
 
     @property
+    def forward_backward(self) -> np.ndarray:
+        """The forward/backward phase beyond the model states, activations, recomputation's
+        transient and loss: the communication buffers, the gradient accumulation's transient and
+        the batch."""
+        return self.communication + self.accumulation + self.batch
+
+    @property
     def step(self) -> np.ndarray:
         """The optimizer step's phase beyond the model states: the larger of the temporaries and
-        the bucket (freed before the step), and the receive buffers."""
-        return np.maximum(self.step_transient, self.bucket) + self.receive
+        the bucket (freed before the step), the receive buffers and the batch."""
+        return np.maximum(self.step_transient, self.bucket) + self.receive + self.batch
 
 
 def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np.ndarray, end: np.ndarray) -> StageBuffers:
@@ -805,8 +838,16 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
             largest = _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end) / shards
         step_transient = optimizer_transient_bytes(prefix(updated)[end] - prefix(updated)[start] + copies / shards,
                                                    largest, env.device)
-    return StageBuffers(receive, gathered, step_transient, bucket,
-                        np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)), cfg.schedule, cfg.pp)
+    accumulation = zeros
+    if table.largest_parameter is not None and cfg.zero_stage <= 1:
+        trained = params if table.frozen_parameters is None else params - table.frozen_parameters
+        largest = _range_max_at(table, env, "largest_trained", np.minimum(table.largest_parameter, trained), start, end)
+        accumulation = accumulation_bytes(largest, env.dtype)
+    batch = batch_bytes(m, table.input_bytes, table.target_bytes, start == 0, end == n)
+    return StageBuffers(receive=receive, gathered=gathered, step_transient=step_transient, bucket=bucket, batch=batch,
+                        accumulation=accumulation, batch_saved=np.where(start == 0, table.batch_saved, 0.0),
+                        gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
+                        schedule=cfg.schedule, pp=cfg.pp)
 
 
 def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
@@ -870,10 +911,11 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     unheld = np.where(stepping, 0.0, buffers.unheld_gradients(in_flight, cfg.num_microbatches))
     columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients - unheld,
                "optimizer_state": optimizer + copy.optimizer,
-               "activations": np.where(stepping, 0.0, activations),
-               "transient": np.where(stepping, step_transient, transient),
+               "activations": np.where(stepping, 0.0, activations - buffers.batch_views(in_flight, cfg.num_microbatches)),
+               "transient": np.where(stepping, step_transient, transient + buffers.accumulation
+                                     - buffers.unheld_accumulation(in_flight, cfg.num_microbatches)),
                "communication": np.where(stepping, step_communication, buffers.communication),
-               "loss": np.where(stepping, 0.0, loss)}
+               "loss": np.where(stepping, 0.0, loss), "batch": buffers.batch}
     if cfg.schedule == "pipedream-2bw":
         columns["stashed_weights"] = held - (weights + gradients + optimizer)
     return StageTerms(tuple(columns), np.stack([np.broadcast_to(np.asarray(c, dtype=float), (len(starts),))
@@ -935,8 +977,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     copy_states = gpu_state_bytes(copies, cfg, env)
     loss = np.where(ends == len(table.parameters), stage_loss_bytes(table, env, cfg), 0.0)
     buffers = stage_buffers(table, cfg, env, starts, ends)
-    forward_backward = held + copy_states + in_flight * stored + transient + buffers.communication + loss \
-        - buffers.unheld_gradients(in_flight, cfg.num_microbatches)
+    forward_backward = held + copy_states + in_flight * stored + transient + buffers.forward_backward + loss \
+        - buffers.given_back(in_flight, cfg.num_microbatches)
     stepping = held + copy_states + buffers.step
     memory = np.maximum(forward_backward, stepping)
     half_p2p = p2p[ends - 1] / 2
