@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.cost.schedules import SCHEDULES, bubble_fraction, in_flight_microbatches, iteration_time_s
+from planner.cost.schedules import SCHEDULES, bubble_fraction, in_flight_microbatches, iteration_time_s, pending_weight_passes
 from planner.cost.simulator import action_name, draw_gantt, schedule_actions, simulate
 
 F_S, B_S = 1.0, 2.0  # backward twice the forward per micro-batch (Narayanan et al. 2021b)
@@ -216,3 +216,14 @@ def test_forwards_first_only_where_every_forward_of_the_peak_precedes_the_first_
     assert list(forwards_first("1f1b", 4, 3, [3.0, 3.0, 2.0, 1.0])) == [True, True, False, False]
     # Zero bubble runs input gradients between forwards (measured: examples/demo.py's plan).
     assert not forwards_first("zero-bubble", 2, 2, 2.0) and not forwards_first("interleaved-1f1b", 2, 2, 2.0)
+
+
+def test_zero_bubble_weight_passes_waiting_at_the_peak():
+    # torch's ZB1P on 2 ranks, 4 micro-batches (schedule_actions):
+    #   rank 0: F0 F1 B0 W0 F2 B1 W1 ...   after B0, two held and one B without its W
+    #   rank 1: F0 B0 F1 B1 W0 ...         after B1, two held and both B's without their W's
+    assert [pending_weight_passes("zero-bubble", 2, 4, rank) for rank in range(2)] == [1, 2]
+    # Rank r runs its W's r steps late: r + 1 waiting at its peak of p in flight.
+    assert [pending_weight_passes("zero-bubble", 4, 8, rank) for rank in range(4)] == [1, 2, 3, 4]
+    assert [pending_weight_passes("zero-bubble", 4, 16, rank, 2) for rank in range(4)] == [0.5, 1, 1.5, 2]
+    assert all(pending_weight_passes(s, 4, 8, 3) == 0 for s in ("gpipe", "1f1b", "interleaved-1f1b", "pipedream-2bw"))

@@ -275,7 +275,7 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
                  kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
                  device: str = "gpu", stashed_parameters: float = 0.0, loss: float = 0.0,
                  forwards_first: bool = False, batch_bytes: float = 0.0, batch_views: float = 0.0,
-                 accumulation: float = 0.0) -> StageMemory:
+                 accumulation: float = 0.0, pending_weight_gradients: float = 0.0) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -301,7 +301,10 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     `batch_bytes`: the rank's share of the step's batch (`batch_bytes`), held through both phases;
     `batch_views`: of the in-flight activations, the inputs the first unit saves where they are
     views of the batch, counted once, in `batch_bytes` (at most m micro-batches' of them);
-    `accumulation`: gradient accumulation's transient (`accumulation_bytes`), where gradients are held.
+    `accumulation`: gradient accumulation's transient (`accumulation_bytes`), where gradients are held;
+    `pending_weight_gradients`: the output gradients zero bubble keeps for the weight passes waiting
+    at the peak (planner/cost/schedules.py `pending_weight_passes` x the stage's weight ops' output
+    gradients of one micro-batch), counted with the activations.
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     gathered = gathered_bytes(num_parameters, largest_unit_parameters, largest_unit_pair_parameters, dtype, zero_stage,
@@ -309,7 +312,7 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     bucket = gradient_bucket_bytes(states.gradients, zero_stage, dp_degree)
     grads_at_peak = 0.0 if forwards_first else states.gradients
     communication = p2p_bytes + gathered + kept_output_bytes
-    in_flight_bytes = in_flight * activation_bytes - batch_views
+    in_flight_bytes = in_flight * activation_bytes - batch_views + pending_weight_gradients
     transient_bytes = transient_bytes + (0.0 if forwards_first else accumulation)
     forward_backward = grads_at_peak + in_flight_bytes + transient_bytes + communication + loss
     # The bucket is copied back and freed before the optimizer runs: the larger of the two.

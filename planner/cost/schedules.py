@@ -96,6 +96,8 @@ streams for GPipe and 1F1B on uniform stages (tests/test_overlap.py).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from planner.plan import SCHEDULES
@@ -217,6 +219,28 @@ def forwards_first(schedule: str, num_ranks: int, num_microbatches: int, in_flig
     safe side)."""
     held_back = (num_microbatches == 1) if num_ranks == 1 else schedule in ("gpipe", "1f1b")
     return np.logical_and(held_back, np.asarray(in_flight) >= num_microbatches)
+
+
+def pending_weight_passes(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+                          virtual_stages: int = 1) -> float:
+    """At pipeline rank `rank`'s activations' peak, the micro-batches (chunk-micro-batches / v, as
+    `in_flight_microbatches` counts) whose weight-gradient pass waits after their input-gradient
+    pass: zero bubble's, whose W's torch's `stage_backward_input` feeds with the weight ops' output
+    gradients it keeps meanwhile (planner/solver/costs.py `UnitCostTable.weight_gradient_inputs`).
+    Played from the schedule's actions (planner/cost/simulator.py `pending_at_peak`): on the
+    last of p ranks p (B's of the micro-batches in flight before the oldest's W), on the first 1
+    (its W follows its B at once, from its first steady step). 0 for the other schedules."""
+    if schedule != "zero-bubble":
+        return 0.0
+    return _pending_by_rank(num_ranks, num_microbatches, virtual_stages)[rank] / virtual_stages
+
+
+@lru_cache(maxsize=256)
+def _pending_by_rank(num_ranks: int, num_microbatches: int, virtual_stages: int) -> tuple[int, ...]:
+    from planner.cost.simulator import pending_at_peak, schedule_actions
+
+    return tuple(pending_at_peak(actions)
+                 for actions in schedule_actions("zero-bubble", num_ranks, num_microbatches, virtual_stages))
 
 
 def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, rank: int,

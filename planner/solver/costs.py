@@ -95,6 +95,10 @@ class UnitCostTable:
     (planner/profile_schema.py `ModelInfo.input_bytes_per_sample`)."""
     target_bytes: float = 0.0
     """The targets of one micro-batch, held by the last stage's rank."""
+    weight_gradient_inputs: np.ndarray | None = None
+    """Per unit, bytes of its weight ops' output gradients for one micro-batch (per GPU): what a
+    weight gradient deferred past the input gradient's pass keeps (zero bubble's W: torch's
+    `stage_backward_input` holds them for `stage_backward_weight`). None: not known (0)."""
     batch_saved: float = 0.0
     """Of the first unit's stored activations of one micro-batch, the inputs it saves when it takes
     the batch as given (`UnitCosts.saved_input_bytes`): views of the batch, which `input_bytes`
@@ -460,6 +464,9 @@ class UnitCosts:
         row["params"] = max(u.num_parameters - op_weight + op_weight_tp, 0)
         largest = max((math.prod(op.weight_shape) for op in u.ops if op.weight_shape), default=0)
         row["largest"] = largest * op_weight_tp / op_weight if op_weight else 0.0
+        # The output gradients the weights' gradients are made from (a TP-sharded op's 1/t of them)
+        row["wgrad_inputs"] = sum(math.prod(op.output_shape) / (t if op.name in sharded_ops else 1)
+                                  for op in u.ops if op.weight_shape) * scale * self.dtype_bytes
         f_fwd, f_bwd = self.compute.forward_flops(u, b), self.compute.backward_flops(u, b)
         row["flops"] = f_fwd + f_bwd
         core = _attention_flop_share(u)
@@ -502,7 +509,7 @@ class UnitCosts:
         n = len(units)
         arrays: dict[str | tuple[str, str], np.ndarray] = {
             name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
-                                           "fp8_flops")}
+                                           "fp8_flops", "wgrad_inputs")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
         layer_seconds: dict[int, list[tuple[float, float]]] = {}  # unit -> its MoE layers' experts' (fwd, bwd) s
@@ -526,7 +533,7 @@ class UnitCosts:
         table = UnitCostTable(fwd, bwd, arrays["comm"], by_mode("rec"), arrays["rec_comm"], params, by_mode("act"),
                               by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, output_bytes=output,
                               output_element_bytes=self.dtype_bytes, tied=tied_weights(self.profile),
-                              largest_parameter=arrays["largest"],
+                              largest_parameter=arrays["largest"], weight_gradient_inputs=arrays["wgrad_inputs"],
                               input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
                               batch_saved=self._batch_saved(b))

@@ -82,7 +82,7 @@ from planner.cost.memory import (
 )
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
-from planner.cost.schedules import forwards_first, in_flight_microbatches, iteration_time_s
+from planner.cost.schedules import forwards_first, in_flight_microbatches, iteration_time_s, pending_weight_passes
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
@@ -377,8 +377,12 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     # positions holding as many share one row of the cost table (zero bubble: all of them).
     rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
                       for rank in range(cfg.pp)]
+    rank_pending = [pending_weight_passes(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
+                    for rank in range(cfg.pp)]
     in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
-    levels, row_of_stage = np.unique(in_flight, return_inverse=True)
+    pending = np.array(rank_pending)[np.arange(num_chunks) % cfg.pp]
+    pairs, row_of_stage = np.unique(np.stack([in_flight, pending], axis=1), axis=0, return_inverse=True)
+    levels, level_pending, row_of_stage = pairs[:, 0], pairs[:, 1], row_of_stage.reshape(-1)
     buffers = stage_buffers(table, cfg, env, start, end)
     states_held = p_states[end] - p_states[start] + copy_states
     fixed = states_held + buffers.forward_backward
@@ -389,11 +393,12 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     if len(env.allowed_recompute) == 1:
         range_costs, min_needed = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
                                                        first[env.allowed_recompute[0]], start, end, fixed, floor,
-                                                       transient, p2p, levels, buffers, cfg.num_microbatches)
+                                                       transient, p2p, levels, buffers, cfg.num_microbatches,
+                                                       level_pending)
     else:
         range_costs, min_needed, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
                                                                       floor, transient, p2p, levels, buffers,
-                                                                      cfg.num_microbatches)
+                                                                      cfg.num_microbatches, level_pending)
 
     def stage_costs(limit: float):
         """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
@@ -480,8 +485,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             # solve_scaling rows once the cuts were leveled, and cost a refit per rank.)
             for cuts in to_refit:
                 chosen = stage_modes(choice, cuts)
-                modes = _refit_ranks(cuts, chosen, held_bytes, rank_in_flight, env.usable_memory_bytes, refit,
-                                     unit_choices(table, cfg, env), width)
+                modes = _refit_ranks(cuts, chosen, held_bytes, rank_in_flight, rank_pending, env.usable_memory_bytes,
+                                     refit, unit_choices(table, cfg, env), width)
                 if modes is not None and modes != chosen:
                     tried.append(price(cuts, modes))
         for other in tried:
@@ -499,7 +504,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
 
 
 def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, rank_in_flight: list[float],
-                 limit: float, refit, choices: UnitChoices, width: int) -> list[tuple[int, ...]] | None:
+                 rank_pending: list[float], limit: float, refit, choices: UnitChoices,
+                 width: int) -> list[tuple[int, ...]] | None:
     """`modes` (per chunk of `bounds`, each unit's mode index) with the chunks of every pipeline
     rank whose bytes (`held_bytes`, as the cost table chose them) overflow `limit` together
     chosen again by `refit` (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
@@ -509,7 +515,7 @@ def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, r
         chunks = list(range(rank, len(bounds), pp))
         if sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
             continue
-        columns = refit([bounds[k] for k in chunks], rank_in_flight[rank], limit)
+        columns = refit([bounds[k] for k in chunks], rank_in_flight[rank], limit, rank_pending[rank])
         if columns is None:
             return None
         for k, column in zip(chunks, columns, strict=True):
@@ -519,10 +525,11 @@ def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, r
 
 def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
                          start: np.ndarray, end: np.ndarray, fixed: np.ndarray, floor: np.ndarray, transient: np.ndarray,
-                         p2p: np.ndarray, levels: np.ndarray, buffers: StageBuffers, num_microbatches: int):
+                         p2p: np.ndarray, levels: np.ndarray, buffers: StageBuffers, num_microbatches: int,
+                         pending: np.ndarray):
     """One allowed mode (`--recompute` pinned): every unit of every range runs it. A range holds
     the larger of its forward/backward bytes (`fixed`, the transient, the activations in flight,
-    less the gradients not yet made at levels holding every micro-batch: `StageBuffers.unheld_gradients`)
+    and what a level holds besides: `StageBuffers.level_bytes`, with `pending` weight passes per level)
     and its optimizer step's (`floor`). Returns ((limit, with_bytes) -> (cost [level, range],
     choice [level, range]: 0 or -1, and with_bytes the bytes [level, range] at that choice, inf
     where none fits), least bytes of any range)."""
@@ -530,7 +537,7 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
-    memory = np.maximum(held[None, :] - buffers.given_back(levels[:, None], num_microbatches)
+    memory = np.maximum(held[None, :] + buffers.level_bytes(levels[:, None], num_microbatches, pending[:, None])
                         + levels[:, None] * (p_act[end] - p_act[start])[None, :], floor[None, :])
 
     def costs(limit: float, with_bytes: bool = True):
@@ -542,22 +549,25 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
 
 def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
                           floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray, levels: np.ndarray,
-                          buffers: StageBuffers | None = None, num_microbatches: int = 0):
+                          buffers: StageBuffers | None = None, num_microbatches: int = 0, pending=None):
     """Modes per unit (planner/solver/unit_recompute.py): per range and level the fastest
     frontier point that fits, a range whose optimizer step's bytes (`floor`) exceed the limit
-    fitting none; the gradients a level does not hold yet (`buffers`, `StageBuffers.unheld_gradients`;
-    None: all held) leave it room. Returns as `_uniform_range_costs`, the choice a `padded` column,
+    fitting none; what a level holds besides (`buffers`, `StageBuffers.level_bytes` with `pending`
+    weight passes per level; None: nothing) changes its room. Returns as `_uniform_range_costs`, the choice a `padded` column,
     and the padded width K (`UnitChoices.modes` reads the column with it)."""
     rows = choices.rows(start, end)
     _, act_all, lasts_all = choices.padded
     held = np.stack([fixed, fixed + transient], axis=1)  # [range, set]: the transient only with a full unit
     levels = np.asarray(levels)
 
-    def unheld(level) -> np.ndarray:
-        return np.zeros(len(rows)) if buffers is None else buffers.given_back(level, num_microbatches)
+    pending = np.zeros(len(levels)) if pending is None else np.asarray(pending)
 
-    # [level, range, set]: what a range holds besides its activations, the gradients a level gives back taken off
-    base = held[None] - np.stack([unheld(level) for level in levels.tolist()])[..., None]
+    def at_level(level, waiting) -> np.ndarray:
+        return np.zeros(len(rows)) if buffers is None else buffers.level_bytes(level, num_microbatches, waiting)
+
+    # [level, range, set]: what a range holds besides its activations, at each level
+    base = held[None] + np.stack([at_level(level, waiting) for level, waiting in zip(levels.tolist(), pending.tolist(),
+                                                                                     strict=True)])[..., None]
     least_act = act_all[rows[:, None], lasts_all[rows]]
     min_needed = float(np.maximum(base + levels[:, None, None] * least_act[None], floor[None, :, None]).min())
     offset = p2p[end - 1][None, :]
@@ -578,9 +588,9 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     position = np.full((choices.num_units + 1, choices.num_units + 1), -1)
     position[start, end] = np.arange(start.size)
 
-    def refit(ranges: list[tuple[int, int]], level: float, limit: float) -> list[int] | None:
+    def refit(ranges: list[tuple[int, int]], level: float, limit: float, waiting: float = 0.0) -> list[int] | None:
         """One pipeline rank's chunks `ranges` together in `limit` bytes with `level` micro-batches
-        in flight: the `padded` column of each (its units' modes) of least summed time whose
+        in flight (`waiting` of them for their weight pass): the `padded` column of each (its units' modes) of least summed time whose
         summed bytes fit, or None. The chunks' frontiers are merged one by one into the Pareto
         frontier of (summed time, summed bytes) over their combinations, fastest first, thinned
         as a unit range's frontier is (planner/solver/unit_recompute.py `pareto`: every kept
@@ -596,7 +606,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
                 return None
             row = rows[n]
             option_t = time_all[row]
-            option_b = np.maximum((held[n, sets] - unheld(level)[n]) + level * act_all[row], floor[n])
+            option_b = np.maximum((held[n, sets] + at_level(level, waiting)[n]) + level * act_all[row], floor[n])
             total_t = (merged_t[:, None] + option_t[None, :]).ravel()
             total_b = (merged_b[:, None] + option_b[None, :]).ravel()
             fit = np.flatnonzero(np.isfinite(total_t) & (total_b <= limit))
@@ -743,6 +753,9 @@ class StageBuffers:
     accumulation: np.ndarray
     """The largest gradient a backward makes before adding it to the one held
     (`accumulation_bytes`): in the forward/backward phase, given back as the gradients are."""
+    weight_gradient_inputs: np.ndarray
+    """Per micro-batch whose weight pass waits, the output gradients its weight ops keep
+    (`UnitCostTable.weight_gradient_inputs` over the range): zero bubble's (`level_bytes`)."""
     batch_saved: np.ndarray
     """Of one micro-batch's stored activations, the bytes that are views of the batch (the first
     stage's `UnitCostTable.batch_saved`): counted in `batch`, so each micro-batch in flight gives
@@ -765,12 +778,15 @@ class StageBuffers:
         """`accumulation` where no gradient is held yet at the activations' peak."""
         return np.where(forwards_first(self.schedule, self.pp, num_microbatches, in_flight), self.accumulation, 0.0)
 
-    def given_back(self, in_flight, num_microbatches: int) -> np.ndarray:
-        """What the forward/backward phase holds less than its states, buffers and in-flight
-        activations sum to: the gradients not yet made and their accumulation (`unheld_gradients`,
-        `unheld_accumulation`), and the activations that are views of the batch (`batch_views`)."""
-        return (self.unheld_gradients(in_flight, num_microbatches) + self.unheld_accumulation(in_flight, num_microbatches)
-                + self.batch_views(in_flight, num_microbatches))
+    def level_bytes(self, in_flight, num_microbatches: int, pending=0.0) -> np.ndarray:
+        """What the forward/backward phase holds beyond its states, buffers and in-flight
+        activations at a rank's level (`in_flight` micro-batches, `pending` of them waiting for
+        their weight pass: planner/cost/schedules.py `pending_weight_passes`): the pending weight
+        passes' inputs (`weight_gradient_inputs`), less the gradients not yet made and their
+        accumulation (`unheld_gradients`, `unheld_accumulation`) and the activations that are
+        views of the batch (`batch_views`)."""
+        return (np.asarray(pending) * self.weight_gradient_inputs - self.unheld_gradients(in_flight, num_microbatches)
+                - self.unheld_accumulation(in_flight, num_microbatches) - self.batch_views(in_flight, num_microbatches))
 
     def batch_views(self, in_flight, num_microbatches: int) -> np.ndarray:
         """The in-flight activations that are views of the batch (`batch_saved`)."""
@@ -844,8 +860,15 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
         largest = _range_max_at(table, env, "largest_trained", np.minimum(table.largest_parameter, trained), start, end)
         accumulation = accumulation_bytes(largest, env.dtype)
     batch = batch_bytes(m, table.input_bytes, table.target_bytes, start == 0, end == n)
+    wgrad = zeros
+    if cfg.schedule == "zero-bubble" and table.weight_gradient_inputs is not None:
+        # The model's first stage has no input gradient to make: torch skips its B and runs its
+        # whole backward as the W (PipelineStage.backward_one_chunk), keeping nothing between.
+        wgrad = np.where(start > 0, prefix(table.weight_gradient_inputs)[end] - prefix(table.weight_gradient_inputs)[start],
+                         0.0)
     return StageBuffers(receive=receive, gathered=gathered, step_transient=step_transient, bucket=bucket, batch=batch,
-                        accumulation=accumulation, batch_saved=np.where(start == 0, table.batch_saved, 0.0),
+                        accumulation=accumulation, weight_gradient_inputs=wgrad,
+                        batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
                         schedule=cfg.schedule, pp=cfg.pp)
 
@@ -885,16 +908,19 @@ def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> flo
 
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
                  held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
-                 buffers: StageBuffers, loss: np.ndarray, stepping: np.ndarray, in_flight: np.ndarray) -> StageTerms:
+                 buffers: StageBuffers, loss: np.ndarray, stepping: np.ndarray, in_flight: np.ndarray,
+                 pending: np.ndarray) -> StageTerms:
     """Per stage [starts[k], ends[k]), the terms of `_price`'s memory by name (planner/cost/memory.py
     `StageMemory.terms`): the model states split into parameters, gradients and optimizer state
     (the stage's units and its tied copies, ZeRO and offload applied), PipeDream-2BW's stashed
     weights (what `held` holds beyond them, `stage_arrays`), then the phase at the peak: in the
-    forward/backward phase the activations of the micro-batches in flight, full recomputation's
-    transient, the communication buffers (`StageBuffers.communication`) and the loss's bytes on the
-    last stage; where the optimizer step's phase is larger (`stepping`), AdamW's temporaries as the
-    transient or else ZeRO 0's bucket with the receive buffers as communication, as `stage_memory`
-    names them. They sum to the stage's memory exactly."""
+    forward/backward phase the activations of the micro-batches in flight (less the batch's views,
+    plus the output gradients of the `pending` weight passes), full recomputation's and
+    accumulation's transients, the communication buffers (`StageBuffers.communication`) and the
+    loss's bytes on the last stage; where the optimizer step's phase is larger (`stepping`),
+    AdamW's temporaries as the transient or else ZeRO 0's bucket with the receive buffers as
+    communication; the batch in both, as `stage_memory` names them. They sum to the stage's
+    memory exactly."""
     key = ("state_parts", id(table), cfg.tp, cfg.sequence_parallel, cfg.ep, cfg.zero_stage, cfg.dp, cfg.shard_degree,
            cfg.offload)
     held_parts = env.memo.get(key)
@@ -911,7 +937,8 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     unheld = np.where(stepping, 0.0, buffers.unheld_gradients(in_flight, cfg.num_microbatches))
     columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients - unheld,
                "optimizer_state": optimizer + copy.optimizer,
-               "activations": np.where(stepping, 0.0, activations - buffers.batch_views(in_flight, cfg.num_microbatches)),
+               "activations": np.where(stepping, 0.0, activations - buffers.batch_views(in_flight, cfg.num_microbatches)
+                                       + pending * buffers.weight_gradient_inputs),
                "transient": np.where(stepping, step_transient, transient + buffers.accumulation
                                      - buffers.unheld_accumulation(in_flight, cfg.num_microbatches)),
                "communication": np.where(stepping, step_communication, buffers.communication),
@@ -971,6 +998,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
                       for rank in range(cfg.pp)]
     in_flight = np.array(rank_in_flight)[np.arange(len(bounds)) % cfg.pp]
+    pending = np.array([pending_weight_passes(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
+                        for rank in range(cfg.pp)])[np.arange(len(bounds)) % cfg.pp]
     # The stages cut the units in order, so their ranges are the segments reduceat takes from `starts`.
     transient = np.where(np.logical_or.reduceat(rebuilding, starts), np.maximum.reduceat(table.transient["full"], starts), 0.0)
     copies = table.copy_parameters(starts, ends)
@@ -978,7 +1007,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     loss = np.where(ends == len(table.parameters), stage_loss_bytes(table, env, cfg), 0.0)
     buffers = stage_buffers(table, cfg, env, starts, ends)
     forward_backward = held + copy_states + in_flight * stored + transient + buffers.forward_backward + loss \
-        - buffers.given_back(in_flight, cfg.num_microbatches)
+        + buffers.level_bytes(in_flight, cfg.num_microbatches, pending)
     stepping = held + copy_states + buffers.step
     memory = np.maximum(forward_backward, stepping)
     half_p2p = p2p[ends - 1] / 2
@@ -990,7 +1019,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient, buffers, loss,
-                         stepping > forward_backward, in_flight)
+                         stepping > forward_backward, in_flight, pending)
     pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
     fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0
