@@ -343,8 +343,11 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
     search passes arrays of stage ranges):
 
     - ZeRO 3: two consecutive units' whole parameters (a unit and the one FSDP prefetches), the
-      largest pair of the stage (`largest_unit_pair_parameters`, 0 for a one-unit stage), and one
-      unit's unsharded gradients before its reduce-scatter (the largest unit).
+      largest pair of the stage (`largest_unit_pair_parameters`, 0 for a one-unit stage), or, if
+      more, two copies of the largest unit: FSDP2 all-gathers a unit into one flat buffer and
+      copies it out into the unit's parameters before freeing it (torch 2.13
+      `foreach_all_gather_copy_out`); and one unit's unsharded gradients before its
+      reduce-scatter (the largest unit).
     - ZeRO 1-2: the gathered parameters are `parameters` (runtime/train.py reshards after the
       last backward); FSDP2 keeps the sharded copy beside them, 1/dp of the weights. With
       offload that copy is on the host.
@@ -354,7 +357,7 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
     if zero_stage == 0 or dp_degree <= 1:
         return 0.0 * num_parameters
     if zero_stage >= 3:
-        return weight_bytes * np.maximum(largest_unit_pair_parameters, largest_unit_parameters) \
+        return weight_bytes * np.maximum(largest_unit_pair_parameters, 2 * largest_unit_parameters) \
             + grad_bytes * largest_unit_parameters
     return 0.0 * num_parameters if offload else weight_bytes * num_parameters / dp_degree
 
