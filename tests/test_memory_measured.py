@@ -137,15 +137,20 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_predicted_peak_matches_measured_tensor_peak(case, tmp_path):
-    # cnn-zero3 measures 5.96-6.47 MiB from run to run (which rank's gloo worker frees FSDP2's
-    # all-gather buffers, uncounted, differs) against 6.26 MiB predicted, the classifier's two
-    # copies during FSDP2's copy-out counted (planner/cost/memory.py `gathered_bytes`).
+    # Each group of ranks holding the same stages (data-parallel replicas) is held to its largest
+    # measured peak, the one that must fit, as `planner validate` does: under FSDP2 over gloo the
+    # replicas of cnn-zero3 measured 5.46-6.48 MiB from run to run (which rank's gloo worker
+    # frees an all-gather's buffers, uncounted, differs), their largest 5.96-6.48 MiB, against
+    # 6.26 MiB predicted (the classifier's two copies during FSDP2's copy-out counted:
+    # planner/cost/memory.py `gathered_bytes`).
     model, args, world, pins = CASES[case]
     plan, _ = predict(model, args, world, pins)
     measured = run_measured(plan, tmp_path)
     predicted = rank_peaks(plan)
-    errors = [p / m - 1 for p, m in zip(predicted, measured, strict=True)]
-    assert all(abs(e) <= TOLERANCE for e in errors), f"predicted {predicted}, measured {measured}, errors {errors}"
+    holds = [tuple(k for k, stage in enumerate(plan.stages) if rank in stage.ranks) for rank in range(plan.world_size)]
+    groups = {held: [rank for rank in range(plan.world_size) if holds[rank] == held] for held in set(holds)}
+    errors = {held: predicted[ranks[0]] / max(measured[r] for r in ranks) - 1 for held, ranks in groups.items()}
+    assert all(abs(e) <= TOLERANCE for e in errors.values()), f"predicted {predicted}, measured {measured}, errors {errors}"
 
 
 def test_tensor_peak_meter_counts_a_known_allocation_pattern():
