@@ -1,6 +1,6 @@
 """The whole product on the bundled GPT example, on this machine's CPU (README's `make demo`).
 
-    profile (measured, CPU) -> measure gloo -> solve for 4 processes (two per core) -> run -> predicted vs measured
+    profile (measured, CPU) -> measure gloo -> solve for 2 processes (one per core) -> run -> predicted vs measured
 
 Each step is the same command a user would type; the files land under runs/demo/.
 """
@@ -32,7 +32,7 @@ def main() -> None:
     profile, plan, metrics = OUT / "gpt-cpu.json", OUT / "plan.json", OUT / "metrics.json"
     planner("profile", *MODEL, "--micro-batch-sizes", "1,2,4", "--device", "cpu", "--output", str(profile))
     cluster = OUT / "cluster.yaml"
-    planner("profile-cluster", "--nproc", "4", "--max-bytes", str(4 * 2**20), "--time-budget", "10", "--output", str(cluster))
+    planner("profile-cluster", "--nproc", "2", "--max-bytes", str(4 * 2**20), "--time-budget", "10", "--output", str(cluster))
     planner("solve", "--profile", str(profile), "--cluster", str(cluster), "--global-batch", "16",
             "--output", str(plan), "--top", "5")
     planner("show", str(plan), "--gantt", str(OUT / "schedule.png"))

@@ -85,6 +85,10 @@ class EngineLayout:
     """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
     `Environment.pipeline_buffers`): "per-microbatch" (torch.distributed.pipelining: torchtitan)
     or "in-flight" (Megatron-LM, DeepSpeed)."""
+    dp_collectives: str = "per-unit"
+    """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
+    `Environment.dp_collectives`): "per-unit" (FSDP2: torchtitan) or "bucketed" (Megatron-LM's
+    distributed optimizer, DeepSpeed)."""
     cp_algorithm: str = "all-gather"
     """How CP attention reaches the other ranks' K/V (planner/plan.py `Layout.cp_algorithm`):
     "all-gather" or "ring"; read only where cp_degree > 1."""

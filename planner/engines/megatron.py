@@ -276,11 +276,13 @@ def _cp_algorithm(comm_type: str, notes: list[str]) -> str:
     return "ring"
 
 
-MEMORY_HABITS: dict[str, Any] = dict(fused_optimizer=True, pipeline_buffers="in-flight")
+MEMORY_HABITS: dict[str, Any] = dict(fused_optimizer=True, pipeline_buffers="in-flight", dp_collectives="bucketed")
 """How Megatron-LM holds memory where the planner's runtime holds more (planner/solver/search.py
 `Environment`): its optimizer (megatron/core/optimizer: apex's or Transformer Engine's FusedAdam)
 steps in place, and its pipeline (megatron/core/pipeline_parallel/p2p_communication.py) sends and
-receives one micro-batch at a time. Pins and EngineLayout fields."""
+receives one micro-batch at a time; and how its distributed optimizer communicates: its flat
+gradient and parameter buffers in buckets (megatron/core/distributed/param_and_grad_buffer.py),
+not a collective per layer as FSDP2. Pins and EngineLayout fields."""
 
 
 def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:

@@ -214,6 +214,11 @@ class Environment:
     """The stack's AdamW steps in place (torch's fused=True, apex's, Megatron-LM's and DeepSpeed's
     FusedAdam): no temporaries in the optimizer step's phase. False: the planner's runtime, whose
     torch.optim.AdamW steps with foreach kernels on GPUs."""
+    dp_collectives: str = "per-unit"
+    """How the stack's ZeRO 1-2 gathers and reduces once per step: "per-unit", one all-gather and
+    one reduce-scatter per unit, as FSDP2 runs a `fully_shard` group (the planner's runtime,
+    torchtitan); "bucketed", its flat buffer in buckets (Megatron-LM's distributed optimizer,
+    DeepSpeed's ZeRO 1-2; planner/solver/comm_pricing.py `bucket_parameters`)."""
     pipeline_buffers: str = "per-microbatch"
     """How the stack's pipeline holds the activations and gradients crossing a cut: "per-microbatch": torch.distributed.pipelining's, as the planner's
     runtime runs it (a receive buffer per micro-batch, kept; planner/cost/memory.py

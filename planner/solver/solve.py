@@ -106,6 +106,9 @@ class Pins:
     pipeline_buffers: str = "per-microbatch"
     """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
     `Environment.pipeline_buffers`): "per-microbatch" as the planner's runtime, or "in-flight"."""
+    dp_collectives: str = "per-unit"
+    """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
+    `Environment.dp_collectives`): "per-unit" as the planner's runtime (FSDP2), or "bucketed"."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -495,6 +498,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         fused_loss=pins.fused_loss,
         fused_optimizer=pins.fused_optimizer,
         pipeline_buffers=pins.pipeline_buffers,
+        dp_collectives=pins.dp_collectives,
         device="cpu" if cluster.gpu.name == "cpu" else "gpu",
     )
 
