@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from planner.cost.memory import TERMS
 from planner.profile_schema import Profile
 
 if TYPE_CHECKING:  # pandas costs half a second to import: only the profile table needs it
@@ -132,9 +133,9 @@ def _print_moe(profile: Profile, b: int, console: Console) -> None:
         )
 
 
-MEMORY_TERMS = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "loss",
-                "fragmentation")
-"""planner/cost/memory.py `StageMemory.terms`, in the order `memory_terms_table` shows them."""
+MEMORY_TERMS = TERMS[:-1] + ("stashed_weights", TERMS[-1])
+"""planner/cost/memory.py `StageMemory.terms`, in the order `memory_terms_table` shows them (a
+term no stage has, PipeDream-2BW's stashed weights elsewhere, is left out)."""
 
 
 def memory_terms_table(plan, all_stages: bool = False) -> Table | None:
@@ -148,15 +149,16 @@ def memory_terms_table(plan, all_stages: bool = False) -> Table | None:
     if not terms:
         return None
     table = Table(title="Predicted peak memory per GPU, by term (planner/cost/memory.py)", title_justify="left")
+    names = [name for name in MEMORY_TERMS if name in TERMS or any(name in stage for stage in terms)]
     table.add_column("stage", justify="right")
-    for name in MEMORY_TERMS:
+    for name in names:
         table.add_column(name.replace("_", " "), justify="right")
     table.add_column("tensors", justify="right")
     for k in shown_stages(len(terms), all_stages):
         if k is None:
-            elide(table, len(terms), len(MEMORY_TERMS) + 2)
+            elide(table, len(terms), len(names) + 2)
             continue
         stage = terms[k]
         tensors = sum(v for name, v in stage.items() if name != "fragmentation")
-        table.add_row(str(k), *(format_bytes(stage[name]) if name in stage else "-" for name in MEMORY_TERMS), format_bytes(tensors))
+        table.add_row(str(k), *(format_bytes(stage[name]) if name in stage else "-" for name in names), format_bytes(tensors))
     return table

@@ -139,6 +139,11 @@ def model_state_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp_de
     )
 
 
+TERMS = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "loss", "batch",
+         "fragmentation")
+"""`StageMemory.terms`' names, in order (PipeDream-2BW's plans add "stashed_weights")."""
+
+
 @dataclass(frozen=True)
 class ActivationBytes:
     stored: float
@@ -261,9 +266,7 @@ class StageMemory:
 
     def terms(self) -> dict[str, int]:
         """Every term by name, in bytes (the plan's `Prediction.memory_terms_bytes` entry)."""
-        names = ("parameters", "gradients", "optimizer_state", "activations", "transient", "communication", "loss",
-                 "batch", "fragmentation")
-        terms = {name: int(round(getattr(self, name))) for name in names}
+        terms = {name: int(round(getattr(self, name))) for name in TERMS}
         if self.stashed_weights:  # only asynchronous schedules hold it (older plans' terms unchanged)
             terms["stashed_weights"] = int(round(self.stashed_weights))
         return terms
