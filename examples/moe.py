@@ -114,24 +114,22 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         num_tokens, k = top_k_index.shape
-        if hidden_states.is_meta:
-            return self._gathered(hidden_states, top_k_index, top_k_weights)
         # Token copies grouped by expert (a stable sort), one matmul pair per expert.
         flat = top_k_index.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        if hidden_states.is_meta:
+            # No routing values on the meta device (tracing, analytic profiles): the copies go
+            # evenly to the experts, the balanced routing the cost model prices
+            # (planner/moe.py `balanced_routing`), with the real grouping's shapes, FLOPs and
+            # saved tensors.
+            base, extra = divmod(num_tokens * k, self.num_experts)
+            counts = [base + (e < extra) for e in range(self.num_experts)]
+        else:
+            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         rows = hidden_states[order // k].split(counts)
         out = torch.cat([self._expert(e, x) for e, x in enumerate(rows)])
         out = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, order // k, out.to(hidden_states.dtype))
-
-    def _gathered(self, hidden_states, top_k_index, top_k_weights):
-        """The same maths without data-dependent shapes (the meta device: tracing, analytic
-        profiles): each token copy multiplied by its expert's gathered weights."""
-        gate_up = torch.einsum("td,tkfd->tkf", hidden_states, self.gate_up_proj[top_k_index])
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.einsum("tkf,tkdf->tkd", F.silu(gate) * up, self.down_proj[top_k_index])
-        return (out * top_k_weights.unsqueeze(-1)).sum(dim=1).to(hidden_states.dtype)
 
 
 class MoE(nn.Module):
