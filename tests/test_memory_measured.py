@@ -40,6 +40,9 @@ GPT_SMALL = dict(n_layers=4, d_model=64, n_heads=4, d_ff=256, vocab_size=128, se
 LLAMA_SMALL = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=256, vocab_size=128, seq_len=32)
 CNN_SMALL: dict = {}
 RESNET_SMALL = dict(depth=18, width=8, image_size=64)  # torchvision's ResNet-18 (BatchNorm, in-place ReLU), narrow
+VGG_SMALL = dict(depth=16, width=8, hidden=64, image_size=32)  # torchvision's VGG-16, every layer a unit
+HF_LLAMA_SMALL = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=128, seq_len=32)
+MOE_SMALL = dict(n_layers=2, d_model=64, n_heads=4, vocab_size=128, seq_len=32, num_experts=4, top_k=2, moe_d_ff=64)
 GLOBAL_BATCH = 8
 
 
@@ -133,10 +136,26 @@ CASES = {
     "resnet-pp2-1f1b": ("resnet", RESNET_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="1f1b",
                                                         recompute="none")),
     "resnet-zero3": ("resnet", RESNET_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),
+    "vgg-dp2": ("vgg", VGG_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
+    "vgg-pp2-1f1b": ("vgg", VGG_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="1f1b", recompute="none")),
+    "unet-zero3": ("unet", {}, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),
+    "hf_llama-pp2-1f1b": ("hf_llama", HF_LLAMA_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="1f1b",
+                                                              recompute="none")),
+    "moe-dp2": ("moe", MOE_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
+}
+XFAIL = {
+    # Predicted 1.45 MiB on the first stage against 1.14 MiB measured (+28%; the second stage
+    # exact): VGG's units are single layers, and where one keeps its output for backward (an
+    # in-place ReLU) and the next its input (a convolution), both count the same tensor. A
+    # stage's activations would need each unit's saved output and the next one's saved input
+    # deduplicated across the unit boundary, which the per-unit recomputation DP does not see.
+    "vgg-pp2-1f1b": "units that are single layers count the tensor at their boundary twice",
 }
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_predicted_peak_matches_measured_tensor_peak(case, tmp_path):
+def test_predicted_peak_matches_measured_tensor_peak(case, tmp_path, request):
+    if case in XFAIL:
+        request.applymarker(pytest.mark.xfail(reason=XFAIL[case], strict=True))
     # Each group of ranks holding the same stages (data-parallel replicas) is held to its largest
     # measured peak, the one that must fit, as `planner validate` does: under FSDP2 over gloo the
     # replicas of cnn-zero3 measured 5.46-6.48 MiB from run to run (which rank's gloo worker
