@@ -58,6 +58,11 @@ class UnitCosts(_Model):
     """Of `saved_bytes`, the unit's own inputs (a convolution or an embedding keeps the tensor it
     was given): when the unit takes the batch, the batch already holds them (planner/solver/search.py
     `StageBuffers.batch_saved`). None in profiles written before it was recorded (read as 0)."""
+    saved_output_bytes: int | None = None
+    """Of `saved_bytes`, the unit's own outputs (an in-place ReLU keeps the tensor it returns):
+    when the next unit keeps that tensor as its input, it is one tensor, not two
+    (planner/solver/costs.py `UnitCostTable.boundary_saved`). None in profiles written before
+    it was recorded (read as 0)."""
     peak_memory_bytes: int | None = None
     """Peak allocated memory above the baseline during forward+backward (CUDA only)."""
     fp8_saved_bytes: int | None = None

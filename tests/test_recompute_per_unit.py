@@ -296,7 +296,7 @@ def test_rank_refit_equals_brute_force(instance):
     transient_of = np.array([transient[i:j].max() for i, j in zip(start, end, strict=True)])
     zeros = np.zeros(len(start))
     buffers = StageBuffers(receive=zeros, gathered=zeros, step_transient=zeros, bucket=zeros, batch=zeros,
-                           accumulation=zeros, weight_gradient_inputs=zeros, batch_saved=zeros, gradients=of(held.grads),
+                           accumulation=zeros, weight_gradient_inputs=zeros, boundary_back=zeros, batch_saved=zeros, gradients=of(held.grads),
                            schedule="1f1b", pp=2)  # 1F1B: gives back where m <= level
     choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)
     costs, _, width, refit = _per_unit_range_costs(choices, start, end, of(held.fixed), of(held.floor), transient_of,

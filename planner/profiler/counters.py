@@ -276,6 +276,8 @@ class SavedBytes:
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
         self.inputs = {t.untyped_storage()._cdata for t in inputs}
         self.seen: set[int] = set()
+        self.sizes: dict[int, int] = {}
+        """Bytes of each counted storage, by key."""
         self.bytes = 0
         self.input_bytes = 0
         """Of `bytes`, the storages of `inputs` (the counted code's own inputs)."""
@@ -288,6 +290,10 @@ class SavedBytes:
         counted: a freed storage's address could be reused and taken for one already seen)."""
         self._holders: list[list] = []
 
+    def bytes_of(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Of `bytes`, the storages of `tensors` (say, the counted code's outputs, once it ran)."""
+        return sum(self.sizes.get(key, 0) for key in {t.untyped_storage()._cdata for t in tensors})
+
     def pack(self, t: torch.Tensor):
         if self.on_save is not None:
             self.on_save(t)
@@ -295,6 +301,7 @@ class SavedBytes:
         key = storage._cdata
         if key not in self.excluded and key not in self.seen:
             self.seen.add(key)
+            self.sizes[key] = storage.nbytes()
             self.bytes += storage.nbytes()
             self.input_bytes += storage.nbytes() if key in self.inputs else 0
         if self.keep:

@@ -198,6 +198,7 @@ def unit_costs(
         output_bytes=tensor_bytes(out),
         saved_bytes=saved.bytes,
         saved_input_bytes=saved.input_bytes,
+        saved_output_bytes=saved.bytes_of(tensors_in(out)),
         fp8_saved_bytes=fp8_saved,
         forward_attention_flops=fwd_ops.totals.attention_flops,
         backward_attention_flops=bwd_ops.totals.attention_flops,

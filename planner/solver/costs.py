@@ -43,6 +43,10 @@ from planner.solver.intra_op import (
 )
 
 RECOMPUTE_MODES = RECOMPUTE
+KEEPS_OUTPUT = ("none", "selective")
+"""Modes in which a unit keeps what it saved of its own output: full recomputation keeps the
+unit's input only, and op-level keeps the saved ops' outputs and the input (planner/cost/memory.py
+`op_activation_bytes`)."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -99,6 +103,14 @@ class UnitCostTable:
     """Per unit, bytes of its weight ops' output gradients for one micro-batch (per GPU): what a
     weight gradient deferred past the input gradient's pass keeps (zero bubble's W: torch's
     `stage_backward_input` holds them for `stage_backward_weight`). None: not known (0)."""
+    boundary_saved: np.ndarray | None = None
+    """Per unit, the bytes of one micro-batch it keeps of its own output where the next unit keeps
+    that tensor as its input (`UnitCosts.saved_output_bytes`, `saved_input_bytes`: an in-place
+    ReLU and the convolution after it). `activations` counts them once, with the next unit, in
+    the modes that keep a unit's output (none, selective); a stage range adds back its last
+    unit's (planner/solver/search.py `StageBuffers.boundary_back`), whose next unit is another
+    stage's, whatever that unit's mode (where it recomputes fully, counted twice: the safe side).
+    None: none known."""
     batch_saved: float = 0.0
     """Of the first unit's stored activations of one micro-batch, the inputs it saves when it takes
     the batch as given (`UnitCosts.saved_input_bytes`): views of the batch, which `input_bytes`
@@ -494,6 +506,19 @@ class UnitCosts:
         row[("rec_flops", "op")] = f_fwd * (1 - share)
         return row
 
+    def _boundary_saved(self, b: float) -> np.ndarray:
+        """`UnitCostTable.boundary_saved` at micro-batch b: per unit but the last, the smaller of its
+        saved outputs and the next unit's saved inputs, where its output is the next one's input
+        (as many bytes: no glue code made a new tensor between them)."""
+        units = self.profile.units
+        at = lambda unit, field: interpolate({k: float(getattr(c, field) or 0) for k, c in unit.costs.items()}, b)  # noqa: E731
+        boundary = np.zeros(len(units))
+        for u in range(len(units) - 1):
+            kept = min(at(units[u], "saved_output_bytes"), at(units[u + 1], "saved_input_bytes"))
+            if kept > 0 and math.isclose(at(units[u], "output_bytes"), at(units[u + 1], "input_bytes"), rel_tol=1e-6):
+                boundary[u] = kept
+        return boundary
+
     def _batch_saved(self, b: float) -> float:
         """`UnitCostTable.batch_saved` at micro-batch b: the first unit's saved inputs, where its
         inputs are the batch's (as many bytes: no glue code made new ones before it)."""
@@ -537,6 +562,12 @@ class UnitCosts:
                               input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
                               batch_saved=self._batch_saved(b))
+        if t == 1:  # (under TP a boundary tensor's share per GPU differs by side: counted twice, the safe side)
+            boundary = self._boundary_saved(b)
+            if boundary.any():
+                for mode in KEEPS_OUTPUT:
+                    table.activations[mode] = np.maximum(table.activations[mode] - boundary, 0.0)
+                table = replace(table, boundary_saved=boundary)
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -761,6 +761,9 @@ class StageBuffers:
     weight_gradient_inputs: np.ndarray
     """Per micro-batch whose weight pass waits, the output gradients its weight ops keep
     (`UnitCostTable.weight_gradient_inputs` over the range): zero bubble's (`level_bytes`)."""
+    boundary_back: np.ndarray
+    """The range's last unit's kept output (`UnitCostTable.boundary_saved`), which the table counts
+    with the next unit: another stage's, so each micro-batch in flight holds it here (`level_bytes`)."""
     batch_saved: np.ndarray
     """Of one micro-batch's stored activations, the bytes that are views of the batch (the first
     stage's `UnitCostTable.batch_saved`): counted in `batch`, so each micro-batch in flight gives
@@ -787,10 +790,11 @@ class StageBuffers:
         """What the forward/backward phase holds beyond its states, buffers and in-flight
         activations at a rank's level (`in_flight` micro-batches, `pending` of them waiting for
         their weight pass: planner/cost/schedules.py `pending_weight_passes`): the pending weight
-        passes' inputs (`weight_gradient_inputs`), less the gradients not yet made and their
-        accumulation (`unheld_gradients`, `unheld_accumulation`) and the activations that are
-        views of the batch (`batch_views`)."""
-        return (np.asarray(pending) * self.weight_gradient_inputs - self.unheld_gradients(in_flight, num_microbatches)
+        passes' inputs (`weight_gradient_inputs`) and the last unit's kept outputs (`boundary_back`),
+        less the gradients not yet made and their accumulation (`unheld_gradients`,
+        `unheld_accumulation`) and the activations that are views of the batch (`batch_views`)."""
+        return (np.asarray(pending) * self.weight_gradient_inputs + np.asarray(in_flight) * self.boundary_back
+                - self.unheld_gradients(in_flight, num_microbatches)
                 - self.unheld_accumulation(in_flight, num_microbatches) - self.batch_views(in_flight, num_microbatches))
 
     def batch_views(self, in_flight, num_microbatches: int) -> np.ndarray:
@@ -873,6 +877,7 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
                          0.0)
     return StageBuffers(receive=receive, gathered=gathered, step_transient=step_transient, bucket=bucket, batch=batch,
                         accumulation=accumulation, weight_gradient_inputs=wgrad,
+                        boundary_back=zeros if table.boundary_saved is None else table.boundary_saved[end - 1],
                         batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
                         schedule=cfg.schedule, pp=cfg.pp)
@@ -943,7 +948,7 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients - unheld,
                "optimizer_state": optimizer + copy.optimizer,
                "activations": np.where(stepping, 0.0, activations - buffers.batch_views(in_flight, cfg.num_microbatches)
-                                       + pending * buffers.weight_gradient_inputs),
+                                       + pending * buffers.weight_gradient_inputs + in_flight * buffers.boundary_back),
                "transient": np.where(stepping, step_transient, transient + buffers.accumulation
                                      - buffers.unheld_accumulation(in_flight, cfg.num_microbatches)),
                "communication": np.where(stepping, step_communication, buffers.communication),
