@@ -767,7 +767,7 @@ class StageBuffers:
     batch_saved: np.ndarray
     """Of one micro-batch's stored activations, the bytes that are views of the batch (the first
     stage's `UnitCostTable.batch_saved`): counted in `batch`, so each micro-batch in flight gives
-    them back (`given_back`)."""
+    them back (`level_bytes`)."""
     gradients: np.ndarray
     """The gradients the stage holds (its units' and its tied copies', ZeRO applied): in the
     optimizer step's phase always, in the forward/backward phase unless every forward of the
