@@ -258,7 +258,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         target_gpu=analytic_gpu.name if analytic_gpu else None,
         dtype=dtype,
         torch_version=torch.__version__,
-        model=_model_info(mf, str(model_file), meta_model, units, owned, traces, batches[sizes[0]], element),
+        model=_model_info(mf, str(model_file), meta_model, units, owned, traces, sizes[0], batches[sizes[0]], element),
         micro_batch_sizes=sizes,
         units=[_unit_record(i, name, modules[name], fingerprints[name], owned.get(name, []), costs[name],
                             op_graphs[fingerprints[name]], moe_records(moe, name, element), element)
@@ -302,8 +302,9 @@ def _trainable(params: list) -> int:
 
 
 def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: list[str], owned: dict, traces: dict[int, UnitTrace],
-                first_batch, element: int) -> ModelInfo:
-    """The profile's model record: its source (`file` as the user named it), sizes and structure."""
+                first_size: int, first_batch, element: int) -> ModelInfo:
+    """The profile's model record: its source (`file` as the user named it), sizes and structure;
+    `first_batch` is make_batch(first_size)."""
     total_params = sum(p.numel() for ps in owned.values() for _, p in ps)
     return ModelInfo(
         file=file,
@@ -314,18 +315,13 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         parameter_bytes=total_params * element,
         trainable_parameter_bytes=sum(_trainable(ps) for ps in owned.values()) * element,
         sequence_length=sequence_length(first_batch[0]),
-        input_bytes_per_sample=tensor_bytes(first_batch[0]) / _samples(first_batch),
-        target_bytes_per_sample=tensor_bytes(first_batch[1]) / _samples(first_batch),
+        input_bytes_per_sample=tensor_bytes(first_batch[0]) / first_size,  # make_batch(first_size)
+        target_bytes_per_sample=tensor_bytes(first_batch[1]) / first_size,
         cp_obstacles=list(dict.fromkeys(o for t in traces.values() for o in t.cp_obstacles)),
         attention_calls=next(iter(traces.values())).attention_calls if traces else None,
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
     )
-
-
-def _samples(batch) -> int:
-    """Samples in a make_batch result: the first dimension of its tensors (`_check_batch_scales`)."""
-    return next(t.shape[0] for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
 def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: str, owned: list, costs: dict[int, UnitCosts],

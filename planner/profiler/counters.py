@@ -271,16 +271,11 @@ def tensors_in(obj) -> list[torch.Tensor]:
 class SavedBytes:
     """Counts distinct storages saved for backward, parameters excluded."""
 
-    def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None, keep: bool = True,
-                 inputs: Sequence[torch.Tensor] = ()):
+    def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None, keep: bool = True):
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
-        self.inputs = {t.untyped_storage()._cdata for t in inputs}
-        self.seen: set[int] = set()
         self.sizes: dict[int, int] = {}
         """Bytes of each counted storage, by key."""
         self.bytes = 0
-        self.input_bytes = 0
-        """Of `bytes`, the storages of `inputs` (the counted code's own inputs)."""
         self.on_save = on_save
         """Called with every tensor autograd saves (OpCostMode.note_saved), or None."""
         self.keep = keep
@@ -291,7 +286,7 @@ class SavedBytes:
         self._holders: list[list] = []
 
     def bytes_of(self, tensors: Sequence[torch.Tensor]) -> int:
-        """Of `bytes`, the storages of `tensors` (say, the counted code's outputs, once it ran)."""
+        """Of `bytes`, the storages of `tensors` (the counted code's inputs or outputs, say)."""
         return sum(self.sizes.get(key, 0) for key in {t.untyped_storage()._cdata for t in tensors})
 
     def pack(self, t: torch.Tensor):
@@ -299,11 +294,9 @@ class SavedBytes:
             self.on_save(t)
         storage = t.untyped_storage()
         key = storage._cdata
-        if key not in self.excluded and key not in self.seen:
-            self.seen.add(key)
+        if key not in self.excluded and key not in self.sizes:
             self.sizes[key] = storage.nbytes()
             self.bytes += storage.nbytes()
-            self.input_bytes += storage.nbytes() if key in self.inputs else 0
         if self.keep:
             return t
         self._holders.append([t])

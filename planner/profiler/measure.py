@@ -166,12 +166,13 @@ def unit_costs(
 
     a, kw = _fresh_inputs(args, kwargs)
     fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
-    saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved, inputs=tensors_in((a, kw)))
+    saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved)
     with attention_mode, fwd_flops, fwd_ops, precision():
         with saved.hooks():
             out = module(*a, **kw)
         with SavedBytes(on_save=fwd_ops.note_saved).hooks():  # noted for fusion, not counted as the unit's
             value = loss(out) if loss is not None else None
+    saved_inputs, saved_outputs = saved.bytes_of(tensors_in((a, kw))), saved.bytes_of(tensors_in(out))
     outs, grads = ([value], [None]) if value is not None else _grad_targets(out)
     bwd_ops, bwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
     if outs:
@@ -197,8 +198,8 @@ def unit_costs(
         input_bytes=tensor_bytes((args, kwargs)),
         output_bytes=tensor_bytes(out),
         saved_bytes=saved.bytes,
-        saved_input_bytes=saved.input_bytes,
-        saved_output_bytes=saved.bytes_of(tensors_in(out)),
+        saved_input_bytes=saved_inputs,
+        saved_output_bytes=saved_outputs,
         fp8_saved_bytes=fp8_saved,
         forward_attention_flops=fwd_ops.totals.attention_flops,
         backward_attention_flops=bwd_ops.totals.attention_flops,

@@ -166,8 +166,9 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     and 3 reduce every micro-batch (`zero_unit_s`). Not overlapped: one collective over the flat
     buffer, in series. Under FSDP2 (`Environment.dp_collectives` "per-unit") ZeRO 1-2 run one
     collective per unit, which are then the buckets (2 x 7 of them on examples/gpt.py's demo
-    model: about 15 ms a step of gloo on the project's CPU, against 2.2 ms priced as two). `unit_recompute_s`: each unit's recomputation seconds under its own mode
-    (modes are chosen per unit), part of the backward window.
+    model: about 15 ms a step of gloo on the project's CPU, against 2.2 ms priced as two).
+    `unit_recompute_s`: each unit's recomputation seconds under its own mode (modes are chosen
+    per unit), part of the backward window.
     """
     grad_s, gather_s = [0.0] * cfg.pp, [0.0] * cfg.pp
     if cfg.dp == 1 or cfg.zero_stage == 3:

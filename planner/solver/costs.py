@@ -236,6 +236,11 @@ def _attention_flop_share(unit: Unit) -> float:
     return core / flops if flops else 0.0
 
 
+def _at(unit: Unit, field: str, b: float) -> float:
+    """`field` of `unit`'s costs at micro-batch b, interpolated between the profiled sizes (None as 0)."""
+    return interpolate({k: float(getattr(c, field) or 0) for k, c in unit.costs.items()}, b)
+
+
 class UnitCosts:
     """Builds `UnitCostTable`s, caching ILP solutions per (fingerprint, t, sp)."""
 
@@ -511,23 +516,21 @@ class UnitCosts:
         saved outputs and the next unit's saved inputs, where its output is the next one's input
         (as many bytes: no glue code made a new tensor between them)."""
         units = self.profile.units
-        at = lambda unit, field: interpolate({k: float(getattr(c, field) or 0) for k, c in unit.costs.items()}, b)  # noqa: E731
         boundary = np.zeros(len(units))
         for u in range(len(units) - 1):
-            kept = min(at(units[u], "saved_output_bytes"), at(units[u + 1], "saved_input_bytes"))
-            if kept > 0 and math.isclose(at(units[u], "output_bytes"), at(units[u + 1], "input_bytes"), rel_tol=1e-6):
+            kept = min(_at(units[u], "saved_output_bytes", b), _at(units[u + 1], "saved_input_bytes", b))
+            if kept > 0 and math.isclose(_at(units[u], "output_bytes", b), _at(units[u + 1], "input_bytes", b), rel_tol=1e-6):
                 boundary[u] = kept
         return boundary
 
     def _batch_saved(self, b: float) -> float:
         """`UnitCostTable.batch_saved` at micro-batch b: the first unit's saved inputs, where its
         inputs are the batch's (as many bytes: no glue code made new ones before it)."""
-        first = self.profile.units[0].costs
-        given = interpolate({k: float(c.input_bytes) for k, c in first.items()}, b)
+        first = self.profile.units[0]
         batch = b * (self.profile.model.input_bytes_per_sample or 0.0)
-        if batch <= 0 or not math.isclose(given, batch, rel_tol=1e-6):
+        if batch <= 0 or not math.isclose(_at(first, "input_bytes", b), batch, rel_tol=1e-6):
             return 0.0
-        return interpolate({k: float(c.saved_input_bytes or 0) for k, c in first.items()}, b)
+        return _at(first, "saved_input_bytes", b)
 
     def _build(self, t: int, sp: bool, b: float) -> UnitCostTable:
         units = self.profile.units
@@ -555,19 +558,21 @@ class UnitCosts:
             cut[crossing.after_index] = interpolate({k: float(v) for k, v in crossing.bytes.items()}, b) / (t if sp else 1)
         params = arrays["params"]
         output = interpolate({k: float(c.output_bytes) for k, c in units[-1].costs.items()}, b)
+        # A tensor a unit keeps of its output and the next one of its input counts once, with the next
+        # (under TP a boundary tensor's share per GPU differs by side: counted twice, the safe side).
+        boundary = self._boundary_saved(b) if t == 1 else None
+        if boundary is not None and boundary.any():
+            for mode in KEEPS_OUTPUT:
+                arrays[("act", mode)] = np.maximum(arrays[("act", mode)] - boundary, 0.0)
+        else:
+            boundary = None
         table = UnitCostTable(fwd, bwd, arrays["comm"], by_mode("rec"), arrays["rec_comm"], params, by_mode("act"),
                               by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, output_bytes=output,
                               output_element_bytes=self.dtype_bytes, tied=tied_weights(self.profile),
                               largest_parameter=arrays["largest"], weight_gradient_inputs=arrays["wgrad_inputs"],
                               input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
-                              batch_saved=self._batch_saved(b))
-        if t == 1:  # (under TP a boundary tensor's share per GPU differs by side: counted twice, the safe side)
-            boundary = self._boundary_saved(b)
-            if boundary.any():
-                for mode in KEEPS_OUTPUT:
-                    table.activations[mode] = np.maximum(table.activations[mode] - boundary, 0.0)
-                table = replace(table, boundary_saved=boundary)
+                              batch_saved=self._batch_saved(b), boundary_saved=boundary)
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from planner.cluster import Cluster
+from planner.cost.memory import optimizer_transient_bytes
 from planner.plan import Layout, Plan, Prediction, Stage, stage_ranks
 from planner.profile_schema import Profile
 from planner.solver.costs import UnitCostTable
@@ -83,7 +84,7 @@ def replication_problem(table: UnitCostTable, env: Environment, num_gpus: int, n
     cfg = Config(tp=1, sequence_parallel=False, pp=1, dp=1, micro_batch_size=micro_batch_size,
                  num_microbatches=num_microbatches, schedule="1f1b", virtual_stages=1, zero_stage=0)
     frozen = table.frozen_parameters
-    trained = table.parameters - (frozen if frozen is not None else 0.0)
+    trained = np.asarray(table.parameters - (frozen if frozen is not None else 0.0), dtype=float)
     grad_bytes = 4 if env.dtype == "float32" else 2
     same_node = num_gpus <= env.gpus_per_node
     return ReplicationProblem(
@@ -98,10 +99,12 @@ def replication_problem(table: UnitCostTable, env: Environment, num_gpus: int, n
         memory_limit_bytes=env.usable_memory_bytes,
         optimizer_s=np.asarray(trained * env.optimizer_s_per_param, dtype=float),
         # AdamW's temporaries (planner/cost/memory.py `optimizer_transient_bytes`): the runtime's
-        # make_optimizer, foreach on GPUs, tensor by tensor on CPUs; none for a fused one.
-        step_bytes=None if env.fused_optimizer or env.device == "cpu" else np.asarray(4 * trained, dtype=float),
+        # make_optimizer, foreach on GPUs (per parameter, summed), tensor by tensor on CPUs (its
+        # largest parameter's, the stage's largest); none for a fused one.
+        step_bytes=None if env.fused_optimizer or env.device == "cpu"
+        else optimizer_transient_bytes(trained, np.zeros_like(trained), "gpu"),
         step_peak_bytes=None if env.fused_optimizer or env.device != "cpu" or table.largest_parameter is None
-        else np.asarray(8 * table.largest_parameter, dtype=float),
+        else optimizer_transient_bytes(np.zeros_like(trained), np.asarray(table.largest_parameter, dtype=float), "cpu"),
         overlap_p2p=env.overlap.pipeline_p2p,
     )
 

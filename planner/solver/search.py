@@ -849,12 +849,12 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
                                   env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload)
     per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
-    gradients = per_unit[end] - per_unit[start] + gpu_state_parts(table.copy_parameters(start, end), cfg, env).gradients
+    gradients = per_unit[end] - per_unit[start] + gpu_state_parts(copies, cfg, env).gradients
     bucket = gradient_bucket_bytes(gradients, cfg.zero_stage, cfg.dp)
+    trained = params if table.frozen_parameters is None else params - table.frozen_parameters
     step_transient = zeros
     if not (cfg.offload or env.fused_optimizer):
         shards = cfg.zero_dp if cfg.zero_stage >= 1 else 1
-        trained = params if table.frozen_parameters is None else params - table.frozen_parameters
         updated = trained / shards
         if table.expert_parameters is not None and cfg.zero_stage >= 1:  # experts shard over expert dp
             updated = updated + table.expert_parameters * (1 / cfg.expert_dp - 1 / shards)
@@ -865,7 +865,6 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
                                                    largest, env.device)
     accumulation = zeros
     if table.largest_parameter is not None and cfg.zero_stage <= 1:
-        trained = params if table.frozen_parameters is None else params - table.frozen_parameters
         largest = _range_max_at(table, env, "largest_trained", np.minimum(table.largest_parameter, trained), start, end)
         accumulation = accumulation_bytes(largest, env.dtype)
     batch = batch_bytes(m, table.input_bytes, table.target_bytes, start == 0, end == n)
