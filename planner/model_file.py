@@ -74,7 +74,8 @@ class ModelFile:
         return for_training(call_user(self, "build_model", **self.model_args))
 
     def make_batch(self, batch_size: int):
-        return call_user(self, "make_batch", batch_size, **self.model_args)
+        """(inputs, targets) from the user's make_batch, its shape checked (`check_batch`)."""
+        return check_batch(call_user(self, "make_batch", batch_size, **self.model_args), self.path)
 
     def loss(self, output, targets):
         if hasattr(self.module, "loss_fn"):
@@ -168,6 +169,32 @@ def check_model_args(path: Path, module: ModuleType, model_args: dict[str, Any])
             )
 
 
+def check_batch(batch, path: Path):
+    """`batch` if it is (inputs, targets) with inputs a tensor or a tuple of positional arguments
+    (the model is called as model(*inputs)); a PlannerError saying what to return otherwise.
+
+    A Hugging Face user's habit is a dict of keyword arguments, which the model would receive
+    whole as its first argument and fail on deep inside (an embedding's indices a dict): it is
+    refused here with the tuple to write instead."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise PlannerError(
+            f"make_batch() in {path} returned {type(batch).__name__}"
+            + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "") + ", not (inputs, targets).",
+            "Return a pair: the model's inputs (a tensor, or a tuple of its forward's positional arguments) "
+            "and the targets loss_fn compares its output with.",
+        )
+    inputs = batch[0]
+    if isinstance(inputs, dict):
+        raise PlannerError(
+            f"make_batch() in {path} returned its inputs as a dict ({', '.join(map(str, list(inputs)[:4]))}); "
+            "the planner calls the model as model(*inputs), with positional arguments.",
+            "Return a tuple in the order of the forward's parameters, None for one you skip "
+            "(a Hugging Face T5: (input_ids, None, decoder_input_ids)), and compute the loss in loss_fn "
+            "from the output and the targets.",
+        )
+    return batch
+
+
 def for_training(model):
     """Turn off inference-only state a model may carry into training.
 
@@ -175,11 +202,15 @@ def for_training(model):
     Hugging Face causal LM) makes each forward append to tensors kept from the previous
     one: running a unit twice then backpropagates through a freed graph, and a pipeline
     stage would carry the cache across micro-batches. Training never reads it, so it is
-    off for every model that has the flag, whatever its class.
+    off for every model that has the flag, whatever its class, and in every submodule that
+    keeps a config of its own (an encoder-decoder's decoder stack reads a copy of the model's
+    config: Hugging Face's T5).
     """
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", False):
-        config.use_cache = False
+    modules = getattr(model, "modules", None)  # nn.Module.modules, without importing torch here
+    for module in modules() if callable(modules) else [model]:
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            config.use_cache = False
     return model
 
 

@@ -20,7 +20,10 @@ to the stage of unit c+1 (it runs right before it).
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
 import hashlib
+import types
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,7 +33,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import PlannerError
 
@@ -348,6 +351,49 @@ class StorageBirths(TorchDispatchMode):
         return out
 
 
+_SHARED = (torch.Tensor, nn.Module, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+           types.MethodType, type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+"""What a copy of a unit's inputs shares rather than copies: tensors and modules (their values are
+the unit's inputs and weights), code, and immutable scalars."""
+
+
+def copy_state(x):
+    """`x` copied if it is a mutable object a model's forward updates as it goes, with the tensors
+    and modules inside it shared; `x` itself otherwise.
+
+    Hugging Face models pass one key/value `Cache` to every attention layer, and each layer
+    appends its keys and values to it (an encoder-decoder's cross-attention computes them once
+    and reads them back after). A unit's captured inputs hold that object as the whole forward
+    left it, so running the unit alone again would attend over keys it never saw, or backward
+    through a graph an earlier run freed. The tracer keeps a copy made when the unit was called
+    (`_Tracer.pre_hook`), and every run of the unit alone starts from a fresh copy of that
+    (planner/profiler/measure.py `_fresh_inputs`). An object that will not copy is shared, as
+    before."""
+    if isinstance(x, _SHARED):
+        return x
+    shared: dict[int, object] = {}
+    seen: set[int] = set()
+    stack = [x]
+    while stack:  # the tensors and modules reachable from x go into deepcopy's memo, as themselves
+        o = stack.pop()
+        if id(o) in seen or len(seen) > 100_000:
+            continue
+        seen.add(id(o))
+        if isinstance(o, _SHARED):
+            shared[id(o)] = o
+            continue
+        stack.extend(gc.get_referents(o))
+    try:
+        return copy.deepcopy(x, shared)
+    except Exception:  # an object that defines no copy: the unit reads it as the trace left it
+        return x
+
+
+def copy_inputs(args, kwargs) -> tuple:
+    """`(args, kwargs)` with `copy_state` applied to every leaf."""
+    return tree_map(copy_state, (args, kwargs))
+
+
 class _Tracer:
     """The profiler's unit hooks over a `DataFlow`: units get positions in the order of their
     first call; a unit called again (weight sharing) consumes and produces at that position."""
@@ -370,7 +416,7 @@ class _Tracer:
             if self.flow.depth == 0 and name not in self.positions:
                 self.positions[name] = float(len(self.order))
                 self.order.append(name)
-                self.unit_inputs[name] = (args, kwargs)
+                self.unit_inputs[name] = copy_inputs(args, kwargs)
             return self.flow.enter(self.positions.get(name, -1.0), args, kwargs)
 
         return hook

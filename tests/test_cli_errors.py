@@ -124,6 +124,18 @@ def test_cuda_without_gpu(write_model):
     assert_clean_error(run_cli("profile", str(write_model(GOOD)), "--device", "cuda"), "no CUDA GPU")
 
 
+@pytest.mark.parametrize("returned,needles", [
+    ("{'x': torch.randn(batch_size, 8)}, torch.randint(2, (batch_size,))", ("inputs as a dict (x)", "positional arguments")),
+    ("torch.randn(batch_size, 8)", ("returned Tensor, not (inputs, targets)",)),
+    ("(torch.randn(batch_size, 8), None, None)", ("returned tuple of 3 items",)),
+])
+def test_a_batch_not_shaped_as_the_contract_says_is_named(write_model, returned, needles):
+    """make_batch returns (inputs, targets), inputs a tensor or a tuple of positional arguments:
+    anything else is named before any work, not found failing deep inside the model."""
+    source = GOOD.replace("return torch.randn(batch_size, width), torch.randint(2, (batch_size,))", f"return {returned}")
+    assert_clean_error(run_cli("profile", str(write_model(source))), "make_batch()", *needles)
+
+
 def test_good_file_profiles_and_shows(write_model, tmp_path):
     out = tmp_path / "p.json"
     result = run_cli("profile", str(write_model(GOOD)), "-a", "width=16", "--micro-batch-sizes", "1,2", "-o", str(out), "--repeats", "1")

@@ -211,3 +211,60 @@ def test_analytic_profile_counts_the_loss_with_the_last_unit(write_model):
     # backward starts from the loss: its gradient replaces the ones the unit alone is given
     assert a.backward_time_s > b.backward_time_s
     assert with_loss.units[0].costs[512] == without.units[0].costs[512]
+
+
+CACHED = """
+import torch
+from torch import nn
+
+class Keys:
+    '''A key cache every layer appends to, as Hugging Face's DynamicCache is: state the
+    forward mutates, passed to every layer.'''
+    def __init__(self):
+        self.keys = {}
+
+    def update(self, layer, k):
+        self.keys[layer] = torch.cat([self.keys[layer], k], dim=1) if layer in self.keys else k
+        return self.keys[layer]
+
+class Layer(nn.Module):
+    def __init__(self, index, d=8):
+        super().__init__()
+        self.index = index
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x, cache):
+        k = cache.update(self.index, self.proj(x))
+        return x + torch.softmax(x @ k.transpose(1, 2), dim=-1) @ k
+
+class Model(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.layers = nn.ModuleList([Layer(i, d) for i in range(3)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        cache = Keys()
+        for layer in self.layers:
+            x = layer(x, cache)
+        return self.head(x).mean(dim=1)
+
+def build_model(**_):
+    return Model()
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 6, 8), torch.randint(4, (batch_size,))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_unit_alone_sees_state_its_forward_updates_as_it_was_when_called(write_model, device):
+    """Each layer appends its keys to one cache object. Run alone, a layer must start from the
+    cache as it was when the layer was called in the whole forward, not as the forward left it
+    (its own keys already there: twice the keys to attend over, and, measured, a backward
+    through the graph the first run freed)."""
+    prof = profile_model(str(write_model(CACHED)), {}, [2], device=device, repeats=2, warmup=1)
+    b, t, d = 2, 6, 8
+    attention = 2 * (2 * b * t * t * d)  # the scores and their product with the keys, 6 keys each
+    for unit in prof.units[:3]:
+        assert unit.costs[b].forward_flops == 2 * b * t * d * d + attention

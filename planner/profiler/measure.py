@@ -43,6 +43,7 @@ from planner.profiler.counters import (
     tensor_bytes,
     tensors_in,
 )
+from planner.units import copy_state
 
 
 def _fresh_inputs(args, kwargs):
@@ -52,14 +53,16 @@ def _fresh_inputs(args, kwargs):
     model every activation is the output of an op, and a unit may modify its input in place
     (torchvision's ResNet cuts a unit `relu = nn.ReLU(inplace=True)` out of its stem), which
     autograd refuses on a leaf. The clone also keeps the captured inputs unchanged from one
-    run to the next. It is made here, outside the counters and the timers."""
+    run to the next, as a fresh copy of an object the forward updates does (a key/value cache:
+    planner/units.py `copy_state`). It is made here, outside the counters and the timers."""
 
     def fresh(x):
         if isinstance(x, torch.Tensor):
             x = x.detach()
             if x.is_floating_point():
                 x = x.requires_grad_(True).clone()
-        return x
+            return x
+        return copy_state(x)
 
     return tree_map(fresh, (args, kwargs))
 
