@@ -29,11 +29,13 @@ loss over equal micro-batches they equal the one-process gradient of the whole l
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed.pipelining.stage as torch_stage
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
@@ -57,6 +59,7 @@ from runtime.pp_split import (
     make_stage,
     needs_full_backward,
     restore_output,
+    schedule_inputs,
     set_example_microbatch,
     stage_spec,
 )
@@ -157,7 +160,7 @@ class PipelineRunner:
         self._running, self._events = {}, []
         losses: list[torch.Tensor] = []
         self.schedule.step(
-            *(tuple(inputs) if self.has_first else ()),
+            *(schedule_inputs(inputs) if self.has_first else ()),
             target=targets if self.has_last else None,
             losses=losses if self.has_last else None,
             **_NO_OUTPUTS,
@@ -185,7 +188,19 @@ def _NO_SEPARATE_WEIGHT_PASS():  # noqa: N802  (torch's dw_builder: the W action
 class _PipelineStage(PipelineStage):
     """torch's stage, telling the stage module when torch runs it to infer shapes (runtime/pp_split.py
     `StageSpec.shape_inference`): it then runs on uninitialised tensors, which glue must not read,
-    and on meta ones, whose kernels that refuse float32 run in bfloat16 (`Bfloat16Retry`)."""
+    and on meta ones, whose kernels that refuse float32 run in bfloat16 (`Bfloat16Retry`).
+
+    Its deferred weight pass (zero bubble's W) keeps the autograd graph until the pass ends.
+    torch's `stage_backward_weight` differentiates its parameter groups one at a time and frees
+    the graph behind each; groups that share a node upstream of their saved intermediates then
+    fail, the second one backpropagating through buffers the first freed. Hugging Face's T5 does
+    this: the decoder's relative-position bias is made once from a weight of its first block
+    and added to the scores of every block. Kept, the graph is freed all the same when the pass
+    drops its intermediates, at its end (`_retaining_graph`)."""
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        with _retaining_graph():
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
     def _forward_metadata_inference(self, *args, **kwargs):
         spec = stage_spec(self.submod)
@@ -195,6 +210,18 @@ class _PipelineStage(PipelineStage):
                 return super()._forward_metadata_inference(*args, **kwargs)
         finally:
             spec.shape_inference = False
+
+
+@contextlib.contextmanager
+def _retaining_graph():
+    """torch's stage calls `stage_backward_weight` by its module's name: for the duration, with
+    `retain_graph=True` (see `_PipelineStage`)."""
+    original = torch_stage.stage_backward_weight
+    torch_stage.stage_backward_weight = functools.partial(original, retain_graph=True)
+    try:
+        yield
+    finally:
+        torch_stage.stage_backward_weight = original
 
 
 def build_schedule(stages: list[tuple[int, nn.Module]], plan: Plan, pp_group, device, loss_fn,

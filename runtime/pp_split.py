@@ -77,6 +77,10 @@ class _Stub(nn.Module):
     The meta copy sits in a tuple so it is not registered: the stage owns no parameters of
     it, and TP, FSDP and the optimizer never see it. Outputs are cached per input shapes
     (stages have static shapes), so a stage replays an earlier unit once, not per micro-batch.
+    Each call returns new tensor objects over them (meta aliases, free): the replay keys
+    tensors by object, and a unit called twice in one forward on the same shapes (T5's
+    dropout, after its embedding and after its last norm) makes two tensors, of which the
+    second may be the one a later stage receives.
     """
 
     def __init__(self, meta_unit: nn.Module):
@@ -105,14 +109,14 @@ class _Stub(nn.Module):
                 # keeps the key it had (as in the trace), and a received one stays real.
                 self._cache[key] = _SAME if out is given else out
             out = self._cache[key]
-            return args[0] if out is _SAME else out
+            return args[0] if out is _SAME else out.detach()
         args, kwargs = tree_map_only(torch.Tensor, to_meta, (args, kwargs))
         flat = tree_flatten((args, kwargs))[0]
         signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
         if signature not in self._cache:
             with torch.no_grad(), meta_autocast():
                 self._cache[signature] = self._meta[0](*args, **kwargs)
-        return self._cache[signature]
+        return tree_map_only(torch.Tensor, torch.Tensor.detach, self._cache[signature])
 
 
 def check_splittable(model: nn.Module, plan: Plan) -> None:
@@ -149,8 +153,11 @@ class CrossStageTie:
         return out
 
 
-def _unit_of(name: str, units: list[str]) -> str:
-    return max((u for u in units if name.startswith(u + ".")), key=len)
+def _unit_of(name: str, units: list[str]) -> str | None:
+    """The unit holding parameter `name`, or None for a module no unit holds: one the forward
+    never calls, whose weight the model reaches through a tied name (Hugging Face's T5 keeps
+    its embedding as `shared` and calls it as `encoder.embed_tokens` and `decoder.embed_tokens`)."""
+    return max((u for u in units if name.startswith(u + ".")), key=len, default=None)
 
 
 def cross_stage_ties(model: nn.Module, plan: Plan) -> list[CrossStageTie]:
@@ -162,7 +169,7 @@ def cross_stage_ties(model: nn.Module, plan: Plan) -> list[CrossStageTie]:
         names.setdefault(id(p), []).append(name)
     ties = []
     for group in names.values():
-        stages = sorted({stage_of_unit[_unit_of(n, units)] for n in group})
+        stages = sorted({stage_of_unit[u] for u in (_unit_of(n, units) for n in group) if u is not None})
         if len(stages) > 1:
             pp = plan.layout.pp_degree
             ties.append(CrossStageTie(tuple(group), tuple(stages), tuple(sorted({s % pp for s in stages}))))
@@ -248,7 +255,7 @@ def _stage_forward(self: nn.Module, *args):
     spec = stage_spec(self)
     layout = spec.layout
     if spec.stage == 0:
-        received, inputs = {}, args
+        received, inputs = {}, model_inputs(spec.placeholders, args)
     else:
         if len(args) != len(spec.in_keys):
             raise RuntimeError(f"stage {spec.stage} got {len(args)} tensors, expected {len(spec.in_keys)}")
@@ -277,6 +284,23 @@ def _stage_forward(self: nn.Module, *args):
     # backward (autograd.grad w.r.t. the stage inputs) routes its gradient straight back.
     return tuple(_sendable(ScatterToGroup.apply(flow.values[k], spec.scatter_group) if spec.sliced(k) else flow.values[k])
                  for k in spec.out_keys)
+
+
+def schedule_inputs(inputs: tuple) -> tuple:
+    """The tensors of the model's inputs, in order: what the first stage gets from torch's
+    schedule, which passes tensors only (it splits them into micro-batches and refuses any
+    other argument). `model_inputs` puts the rest back."""
+    return tuple(x for x in tree_flatten(tuple(inputs))[0] if isinstance(x, torch.Tensor))
+
+
+def model_inputs(template: tuple, tensors: tuple) -> tuple:
+    """The model's inputs for one micro-batch: `template` (the placeholders, shaped like one
+    micro-batch) with its tensors replaced, in order, by those the schedule passed, and its
+    other leaves (a None for an optional argument, a number) kept: a Hugging Face T5 takes
+    (input_ids, None, decoder_input_ids)."""
+    leaves, tree = tree_flatten(tuple(template))
+    passed = iter(tensors)
+    return tuple(tree_unflatten([next(passed) if isinstance(x, torch.Tensor) else x for x in leaves], tree))
 
 
 def _sendable(t: torch.Tensor) -> torch.Tensor:

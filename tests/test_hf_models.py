@@ -386,3 +386,48 @@ def test_llama4_moe_block_under_sequence_parallelism_runs(tmp_path):
     note = next(n for n in plan.search.notes if n.startswith("tensor parallelism"))
     assert "sequence parallelism keeps its unit whole" in note
     check_parity(plan, tmp_path)
+
+
+T5 = """
+import torch
+import torch.nn.functional as F
+from transformers import T5Config, T5ForConditionalGeneration
+
+def build_model(layers=2):
+    return T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=layers,
+                                               num_heads=4, decoder_start_token_id=0, dropout_rate=0.0))
+
+def make_batch(batch_size, layers=2, seq=16):
+    g = torch.Generator().manual_seed(0)
+    source = torch.randint(1, 128, (batch_size, seq), generator=g)
+    target = torch.randint(1, 128, (batch_size, seq + 1), generator=g)
+    return (source, None, target[:, :-1]), target[:, 1:]  # (input_ids, attention_mask, decoder_input_ids)
+
+def loss_fn(output, targets):
+    return F.cross_entropy(output.logits.reshape(-1, output.logits.shape[-1]), targets.reshape(-1))
+"""
+
+
+def test_an_encoder_decoder_keeps_no_key_value_cache(write_model):
+    """T5's decoder stack reads its own copy of the config: the cache is off there too
+    (`for_training`), so profiling a decoder block alone runs it as training does."""
+    from planner.model_file import load_model_file
+
+    model = load_model_file(str(write_model(T5)), {}).build_model()
+    assert model.decoder.config is not model.config and model.decoder.config.use_cache is False
+    assert not any(m.config.use_cache for m in model.modules() if hasattr(m, "config"))
+
+
+@pytest.mark.slow
+def test_an_encoder_decoder_trains_like_one_process_under_zero_bubble(write_model, tmp_path):
+    """Hugging Face's T5, a model file written by a user: a None among the inputs, a dropout
+    module called twice (after the embedding and after the last norm: the second call makes the
+    encoder's output, which crosses to the decoder's stage), an embedding the forward reaches
+    only through tied names, and a relative-position bias every decoder block adds that zero
+    bubble's deferred weight pass differentiates with the blocks' weights."""
+    from tests.test_runtime_parity import check_parity
+
+    profile = profile_model(str(write_model(T5)), {}, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(pp=2, dp=1, tp=1, micro_batch_size=1, schedule="zero-bubble"))
+    assert any(u.startswith("decoder.") for u in plan.stages[1].units)
+    check_parity(plan, tmp_path)
