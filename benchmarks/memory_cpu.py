@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_memory_measured import CASES, predict, rank_peaks  # noqa: E402
+from planner.plan import rank_peak_bytes  # noqa: E402
+from tests.test_memory_measured import CASES, predict  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 STEPS = 4  # warm-up, measured, two timed steps to hold the measured one against
@@ -50,7 +51,7 @@ def main(names: list[str]) -> None:
         plan, _ = predict(model, args, world, pins)
         with tempfile.TemporaryDirectory() as tmp:
             metrics = run(plan, Path(tmp))
-        predicted = rank_peaks(plan)
+        predicted = rank_peak_bytes(plan)
         times = metrics["step_times_s"]
         overhead = times[1] / statistics.median(times[2:]) - 1
         for rank, (p, m) in enumerate(zip(predicted, metrics["peak_tensor_bytes"], strict=True)):

@@ -251,7 +251,8 @@ class Prediction(_Model):
     gradient reduction included). Not what `planner validate` compares: that is the idle share
     of the pipeline's makespan, simulated from the stage times (planner/validate.py `predicted_bubble`)."""
     peak_memory_bytes: list[int]
-    """Per stage: peak bytes of tensors per GPU (planner/cost/memory.py `StageMemory.tensor_bytes`)."""
+    """Per stage: peak bytes of tensors per GPU (planner/cost/memory.py `StageMemory.tensor_bytes`).
+    A rank holding several stages (interleaving) holds their sum: `rank_peak_bytes`."""
     memory_terms_bytes: list[dict[str, int]] | None = None
     """Per stage, the peak's terms by name in bytes (planner/cost/memory.py `StageMemory.terms`:
     parameters, gradients, optimizer_state, activations, transient, communication, loss, batch
@@ -373,6 +374,18 @@ def stage_ranks(layout: Layout, stage_index: int) -> list[int]:
     return [
         rank_of(layout, pp_index, d, t) for d in range(layout.dp_degree) for t in range(layout.tp_degree)
     ]
+
+
+def rank_peak_bytes(plan: Plan) -> list[float]:
+    """The predicted tensor peak of every rank: the stages it holds, summed (interleaving puts
+    v chunks on one pipeline rank). Empty for a plan without a prediction."""
+    if plan.prediction is None or not plan.prediction.peak_memory_bytes:
+        return []
+    peaks = [0.0] * plan.world_size
+    for stage, peak in zip(plan.stages, plan.prediction.peak_memory_bytes, strict=True):
+        for rank in stage.ranks:
+            peaks[rank] += peak
+    return peaks
 
 
 def check_plan_consistency(plan: Plan) -> None:

@@ -161,4 +161,11 @@ def memory_terms_table(plan, all_stages: bool = False) -> Table | None:
         stage = terms[k]
         tensors = sum(v for name, v in stage.items() if name != "fragmentation")
         table.add_row(str(k), *(format_bytes(stage[name]) if name in stage else "-" for name in names), format_bytes(tensors))
+    lay = plan.layout
+    if lay.virtual_stages > 1:  # what a GPU holds is its chunks together
+        from planner.plan import rank_peak_bytes
+
+        table.caption = (f"A pipeline rank holds {lay.virtual_stages} of these stages (stage k on rank k mod {lay.pp_degree}), "
+                         f"so their sum: {format_bytes(max(rank_peak_bytes(plan)))} on the busiest rank.")
+        table.caption_justify = "left"
     return table

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from planner.errors import PlannerError
 from planner.metrics_schema import Metrics, load_metrics
-from planner.plan import Plan
+from planner.plan import Plan, rank_peak_bytes
 from planner.report import format_bytes, format_time
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def compare(plan: Plan, metrics_path: str | Path, plan_path: str | Path = "the p
     pred = plan.prediction
     rows: list[Row] = [("iteration time", pred.iteration_time_s if pred else None, metrics.median_iteration_time_s, "time"),
             ("samples/s", pred.samples_per_s if pred else None, metrics.samples_per_s, "rate")]
-    predicted_peak = max(pred.peak_memory_bytes) if pred and pred.peak_memory_bytes else None
+    predicted_peak = max(rank_peak_bytes(plan), default=None)
     if metrics.peak_tensor_bytes:
         rows.append(("peak tensor memory (max over ranks)", predicted_peak, max(metrics.peak_tensor_bytes), "bytes"))
     elif peaks := [p for p in metrics.peak_memory_bytes if p]:

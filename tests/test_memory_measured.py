@@ -29,6 +29,7 @@ from planner.cost.memory import (
     stage_memory,
 )
 from planner.cost.schedules import forwards_first, in_flight_microbatches, pending_weight_passes
+from planner.plan import rank_peak_bytes
 from planner.profiler import profile_model
 from planner.solver.plan_builder import build_plan
 from planner.solver.solve import Pins, search
@@ -108,15 +109,6 @@ def run_measured(plan, tmp_path, steps: int = 2) -> list[int]:
     return json.loads(out.read_text())["peak_tensor_bytes"]
 
 
-def rank_peaks(plan) -> list[float]:
-    """The plan's predicted tensor peak of every rank: the stages it holds, summed (interleaving)."""
-    peaks = [0.0] * plan.world_size
-    for stage, peak in zip(plan.stages, plan.prediction.peak_memory_bytes, strict=True):
-        for rank in stage.ranks:
-            peaks[rank] += peak
-    return peaks
-
-
 # (example, its small arguments, world size, pinned layout)
 CASES = {
     "gpt-dp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
@@ -159,7 +151,7 @@ def test_predicted_peak_matches_measured_tensor_peak(case, tmp_path):
     model, args, world, pins = CASES[case]
     plan, _ = predict(model, args, world, pins)
     measured = run_measured(plan, tmp_path)
-    predicted = rank_peaks(plan)
+    predicted = rank_peak_bytes(plan)
     holds = [tuple(k for k, stage in enumerate(plan.stages) if rank in stage.ranks) for rank in range(plan.world_size)]
     groups = {held: [rank for rank in range(plan.world_size) if holds[rank] == held] for held in set(holds)}
     errors = {held: predicted[ranks[0]] / max(measured[r] for r in ranks) - 1 for held, ranks in groups.items()}
