@@ -4,7 +4,8 @@
 
 by least squares (robust to a shared machine's outliers, `fit`), where traffic is the ring
 algorithm's bytes per rank (2(n-1)/n M for all-reduce, (n-1)/n M for all-gather and
-reduce-scatter, M for p2p; planner/cost/collectives.py). `fit_cluster` turns a finished
+reduce-scatter, (n-1)/n^2 M for all-to-all of a whole tensor M, M for p2p;
+planner/cost/collectives.py). `fit_cluster` turns a finished
 measurement (planner/cluster_worker.py) into a Cluster: the GPU preset, the intra-node link
 from the p2p fit, a `fitted` section (each fit with its raw [bytes, seconds] points) that the
 collective model uses for groups inside a node, the node's compute contention and the
@@ -13,9 +14,11 @@ pipeline overhead (`overhead_from_step`).
 
 from __future__ import annotations
 
-TRAFFIC = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-           "reduce_scatter": lambda n: (n - 1) / n, "p2p": lambda n: 1.0, "p2p_inter_node": lambda n: 1.0}
-"""Ring bytes per rank as a fraction of the message (the same table as collectives.RING_TRAFFIC)."""
+from planner.cost.collectives import RING_TRAFFIC
+
+TRAFFIC = {**RING_TRAFFIC, "p2p_inter_node": RING_TRAFFIC["p2p"]}
+"""Ring bytes per rank as a fraction of the message (collectives.RING_TRAFFIC; the inter-node
+ping-pong is a p2p)."""
 
 def fit(sizes: list[int], times: list[float], traffic_factor: float) -> dict:
     """Least-squares latency + traffic / bandwidth, robust to outliers and kept positive.

@@ -4,8 +4,9 @@
 Every rank times all-reduce, all-gather (`all_gather_into_tensor`, else the list form),
 reduce-scatter (`reduce_scatter_tensor`; where the backend lacks it, as older gloo does, an
 `all_to_all_single` followed by a local sum of the n received blocks, which moves the same
-(n-1)/n M bytes per rank as the ring reduce-scatter; the file's `method` field says which ran)
-and point-to-point (rank 0 <-> 1 ping-pong, halved), for message sizes doubling from
+(n-1)/n M bytes per rank as the ring reduce-scatter; the file's `method` field says which ran),
+all-to-all (`all_to_all_single`, recorded against the whole tensor of all ranks' inputs, as
+planner/cost/collectives.py prices it) and point-to-point (rank 0 <-> 1 ping-pong, halved), for message sizes doubling from
 `--min-bytes` to `--max-bytes`: two warm-up calls, then the median of `--repeats` timed calls,
 each after a barrier; the slowest rank's median is kept. A collective's sweep stops early once
 its share of `--time-budget` is spent. Rank 0 shows a progress bar, fits the timings
@@ -200,7 +201,7 @@ def _sweep(r: _Rank, args) -> tuple[dict[str, list], dict[str, str]]:
     """Each collective timed at message sizes doubling from --min-bytes to --max-bytes, until its
     share of --time-budget is spent: ({kind: [[bytes, seconds], ...]}, {kind: method that ran})."""
     sizes = [args.min_bytes * 2**k for k in range(64) if args.min_bytes * 2**k <= args.max_bytes]
-    kinds = ["all_reduce", "all_gather", "reduce_scatter"] + (["p2p"] if r.per_node > 1 else []) \
+    kinds = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"] + (["p2p"] if r.per_node > 1 else []) \
         + (["p2p_inter_node"] if r.per_node < r.n else [])
     results: dict[str, list] = {k: [] for k in kinds}
     methods: dict[str, str] = {}
@@ -214,7 +215,8 @@ def _sweep(r: _Rank, args) -> tuple[dict[str, list], dict[str, str]]:
             x = r.torch.ones(numel, device=r.device)
             fn, methods[kind] = _operation(r.dist, r.torch, kind, x, r.n, r.rank, r.per_node, methods.get(kind))
             t = r.timed(fn, args.repeats)
-            results[kind].append([numel * 4, t / 2 if kind.startswith("p2p") else t])
+            whole = r.n if kind == "all_to_all" else 1  # an all-to-all's M is the whole tensor, n ranks' inputs
+            results[kind].append([numel * 4 * whole, t / 2 if kind.startswith("p2p") else t])
             if bar:
                 bar.update(task, advance=1, description=f"{kind:>15} {numel * 4:>10} B {t * 1e3:9.3f} ms")
             budget_left = r.torch.tensor([float(time.perf_counter() - started < args.time_budget / len(kinds))], device=r.device)
@@ -255,6 +257,9 @@ def _operation(dist, torch, kind: str, x, n: int, rank: int, per_node: int, meth
         if method in (None, "reduce_scatter_tensor") and _works(lambda: dist.reduce_scatter_tensor(out, x)):
             return (lambda: dist.reduce_scatter_tensor(out, x)), "reduce_scatter_tensor"
         return (lambda: reduce_scatter_by_all_to_all(dist, torch, out, x, exchanged)), "all_to_all_single + local sum"
+    if kind == "all_to_all":  # expert parallelism's token dispatch (runtime/apply_ep.py)
+        received = torch.empty_like(x)
+        return (lambda: dist.all_to_all_single(received, x)), "all_to_all_single"
     peer = 1 if kind == "p2p" else per_node
     return (lambda: _ping_pong(dist, x, rank, peer)), f"send/recv ping-pong rank 0 <-> {peer}, halved"
 

@@ -122,7 +122,7 @@ def test_profile_cluster_writes_a_cluster_the_solver_reads(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     cluster = load_cluster(out)
     assert cluster.world_size == 2 and cluster.num_nodes == 1 and cluster.gpu.name == "cpu"
-    for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         fitted = cluster.fitted[kind]
         for key in ("latency_s", "bandwidth_bytes_per_s"):
             assert math.isfinite(fitted[key]) and fitted[key] > 0
@@ -130,8 +130,10 @@ def test_profile_cluster_writes_a_cluster_the_solver_reads(tmp_path):
     assert cluster.intra_node.latency_s == cluster.fitted["p2p"]["latency_s"]
     # torch's 1F1B over two near-empty stages: bookkeeping and p2p waits per micro-batch, under a second.
     assert 0 < cluster.pipeline_overhead_s < 1.0
-    # The collective model now prices a 2-rank all-reduce from the measurement.
-    assert CollectiveModel(cluster).algorithm_times("all_reduce", 1e6, Group(2, 1)).keys() == {"fitted"}
+    # The collective model now prices a 2-rank all-reduce from the measurement, and expert
+    # parallelism's all-to-all (recorded against the whole tensor, as the model prices it).
+    for kind in ("all_reduce", "all_to_all"):
+        assert CollectiveModel(cluster).algorithm_times(kind, 1e6, Group(2, 1)).keys() == {"fitted"}
 
 
 def test_profile_cluster_needs_two_processes():

@@ -11,7 +11,10 @@ option, default 1.0).
   D = c T k d x dtype bytes, to the ranks owning their experts (all-to-all with variable
   splits, balanced in expectation) and receives the outputs back: two all-to-alls in the
   forward, their reverse in the backward (`ALL_TO_ALLS_PER_STEP` = 4), and two more when full
-  recomputation replays the forward. The group's placement picks the links
+  recomputation replays the forward. The variable splits are agreed first: each forward
+  exchanges its per-expert copy counts, one all-to-all of E integers (`COUNT_BYTES` each),
+  as runtime/apply_ep.py does and Megatron-Core's all-to-all dispatcher does before its
+  permutation; its latency is what it costs. The group's placement picks the links
   (planner/cost/collectives.py: within a node over NVLink; across nodes each GPU's remote
   share leaves through its own NIC).
 - **Expert GEMMs.** Under balanced routing a rank computes c T k token-expert products at
@@ -57,6 +60,8 @@ from planner.cost.compute import interpolate
 
 ALL_TO_ALLS_PER_STEP = 4
 """Forward dispatch and combine, and their reverses in the backward."""
+COUNT_BYTES = 8
+"""Bytes of one expert's copy count in the counts exchange (int64, `torch.bincount`'s type)."""
 ETP_ALL_REDUCES_PER_STEP = 2
 """Expert TP: the experts' output summed over TP in the forward, their input's gradient in the backward."""
 

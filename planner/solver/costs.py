@@ -24,6 +24,7 @@ from planner.cost.fp8 import price_fp8_unit, skipped_units
 from planner.cost.memory import op_activation_bytes, unit_activation_bytes
 from planner.cost.moe import (
     ALL_TO_ALLS_PER_STEP,
+    COUNT_BYTES,
     ETP_ALL_REDUCES_PER_STEP,
     dispatch_bytes_per_rank,
     expert_time_ratio,
@@ -417,6 +418,7 @@ class UnitCosts:
                 ratio = expert_time_ratio(shape, ep, flops_per_s, bytes_per_s, self.imbalance, etp)
                 perm = permutation_s(shape, ep, bytes_per_s, self.imbalance) * self.compute.slowdown
                 a2a = self.ep_all_to_all_s(dispatch_bytes_per_rank(shape, ep, self.imbalance), ep, t, folded)
+                counts = self.ep_all_to_all_s(COUNT_BYTES * shape.num_experts, ep, t, folded)  # each forward's splits
                 if etp > 1:  # expert TP's all-reduces ride with the all-to-alls: 2 per step, the forward's replayed
                     a2a += self.tp_collectives(t).all_reduce_s(expert_tp_all_reduce_bytes(shape, etp)) \
                         * ETP_ALL_REDUCES_PER_STEP / ALL_TO_ALLS_PER_STEP
@@ -425,9 +427,9 @@ class UnitCosts:
                 fwd[i] += f * (ratio - 1) + perm
                 bwd[i] += bk * (ratio - 1) + perm
                 for mode in REPLAYING:  # the recomputed forward dispatches and combines again
-                    rec[mode][i] += f * (ratio - 1) + perm + 2 * a2a
-                rec_comm[i] += 2 * a2a
-                comm[i] += ALL_TO_ALLS_PER_STEP * a2a
+                    rec[mode][i] += f * (ratio - 1) + perm + 2 * a2a + counts
+                rec_comm[i] += 2 * a2a + counts
+                comm[i] += ALL_TO_ALLS_PER_STEP * a2a + counts
         assert base.expert_parameters is not None, "only a model with experts is priced with ep > 1"
         experts = base.expert_parameters / (ep * etp)
         return replace(base, forward_s=fwd, backward_s=bwd, recompute_s=rec,
