@@ -291,7 +291,8 @@ def solve(
     schedule: Optional[str] = typer.Option(None, "--schedule", help="Pin: gpipe, 1f1b, interleaved-1f1b, zero-bubble "
                                            "(pipedream-2bw with --allow-async)."),
     virtual_stages: Optional[int] = typer.Option(None, "--virtual-stages", help="Pin chunks per pipeline rank."),
-    recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin: none, selective, full."),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="Pin every unit's mode: none, selective (the attention core, as Megatron-LM), "
+                                                        "op (torchtitan's op-level: matmul outputs kept), full."),
     zero: Optional[int] = typer.Option(None, "--zero", help="Pin the ZeRO stage (0-3)."),
     sequence_parallel: Optional[bool] = typer.Option(None, "--sequence-parallel/--no-sequence-parallel", help="Pin sequence parallelism."),
     ep: Optional[int] = typer.Option(None, "--ep", help="Pin the expert-parallel degree (MoE models; divides the experts and dp)."),

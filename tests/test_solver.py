@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,6 +16,8 @@ from planner.plan import parse_plan
 from planner.profiler import profile_model
 from planner.solver.solve import Pins, even_block_cuts, solve
 from tests.conftest import ROOT
+
+GIB = 2**30
 
 # A GPT with 1.3B-parameter-class blocks (d 2048) but only 8 layers: small enough to profile in seconds.
 GPT = dict(n_layers=8, d_model=2048, n_heads=16, d_ff=8192, vocab_size=32000, seq_len=1024)
@@ -101,8 +104,30 @@ def test_memory_pressure_turns_on_recomputation_or_zero(gpt_profile):
 def test_model_that_cannot_fit_says_by_how_much():
     huge = profile_model("examples/gpt.py", dict(n_layers=4, d_model=12288, n_heads=96, d_ff=49152, vocab_size=51200, seq_len=2048),
                          [1], device="meta", gpu="a100-40gb", dtype="bfloat16")
-    with pytest.raises(PlannerError, match=r"does not fit: the smallest per-GPU memory .* GiB, but a100-40gb offers"):
+    with pytest.raises(PlannerError, match=r"does not fit: the smallest per-GPU memory .* GiB, but a100-40gb offers") as refused:
         solve(huge, make_cluster(1, 1, "a100-40gb"), 8)
+    # What the fullest stage needs at the least, not what the smallest unit range would: on one
+    # GPU the one stage holds every weight (16-bit, at least 2 bytes each), and a need the GPU
+    # could meet would contradict "does not fit".
+    needed_gib = float(re.search(r"needs is ([0-9.]+) GiB", str(refused.value)).group(1))
+    assert needed_gib * GIB >= 2 * huge.model.num_parameters
+    assert needed_gib > 0.9 * 40
+
+
+def test_a_pinned_layout_that_cannot_fit_reports_what_its_stage_needs():
+    """The DP's refusal reports the least its fullest stage can hold, not the least of any unit
+    range: with one stage pinned, that is the whole model's need (the plan that fit on a roomier
+    GPU), where it was once the embedding's alone, far below what the GPU offers."""
+    profile = profile_model("examples/gpt.py", dict(n_layers=4, d_model=1024, n_heads=16, d_ff=4096, vocab_size=32000, seq_len=2048),
+                            [8], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    cluster = make_cluster(8, 8, "a100-80gb")
+    pins = Pins(pp=1, tp=1, dp=8, cp=1, micro_batch_size=8, zero_stage=3, recompute="none")
+    needed = max(solve(profile, cluster, 64, pins).prediction.peak_memory_bytes)
+    small = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=int(needed / 2)))
+    with pytest.raises(PlannerError, match="does not fit") as refused:
+        solve(profile, small, 64, pins)
+    reported = float(re.search(r"needs is ([0-9.]+) GiB", str(refused.value)).group(1))
+    assert reported == pytest.approx(needed / GIB, abs=0.01)
 
 
 @pytest.mark.parametrize("pins,needle", [

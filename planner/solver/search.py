@@ -396,14 +396,26 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     transient = _range_max_at(table, env, "transient", table.transient["full"], start, end)
     width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
-        range_costs, min_needed = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
+        range_costs, least_bytes = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
                                                        first[env.allowed_recompute[0]], start, end, fixed, floor,
                                                        transient, p2p, levels, buffers, cfg.num_microbatches,
                                                        level_pending)
     else:
-        range_costs, min_needed, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
+        range_costs, least_bytes, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
                                                                       floor, transient, p2p, levels, buffers,
                                                                       cfg.num_microbatches, level_pending)
+    min_needed = float(least_bytes.min())  # the least any one range holds: each of a rank's other chunks holds that
+
+    def least_stage_bytes(bounds: tuple | None = None) -> float:
+        """The least bytes the fullest stage holds, on `bounds` or under any cuts (a min-max DP
+        over each range's least bytes): what this configuration needs per GPU, for the message
+        when nothing fits (the least of any one range understates it: with one stage, that
+        stage holds the whole model)."""
+        nbytes = np.full((len(levels), size, size), np.inf)
+        nbytes[:, start, end] = least_bytes
+        if bounds is not None:
+            return max(float(nbytes[row_of_stage[k], i, j]) for k, (i, j) in enumerate(bounds))
+        return least_bottleneck(SharedRows(nbytes, row_of_stage))
 
     def stage_costs(limit: float):
         """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
@@ -453,7 +465,8 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                     continue
                 if best is not None:  # repaired at the first limit
                     break
-                return Evaluation(cfg, False, "the given cuts do not fit in memory", min_memory_bytes=min_needed)
+                return Evaluation(cfg, False, "the given cuts do not fit in memory",
+                                  min_memory_bytes=least_stage_bytes(tuple(fixed_bounds)))
             bounds = tuple(fixed_bounds)
         else:
             least = least_bottleneck(cost)
@@ -467,7 +480,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
                     break
                 dominated = math.isfinite(time_cap_s)
                 return Evaluation(cfg, False, "dominated or no stage cuts fit in memory",
-                                  min_memory_bytes=math.inf if dominated else min_needed)
+                                  min_memory_bytes=math.inf if dominated else least_stage_bytes())
         evaluation = price(bounds, stage_modes(choice, bounds))
         overflowed = not evaluation.feasible
         tried, to_refit = [evaluation], [bounds]
@@ -537,7 +550,7 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
     and what a level holds besides: `StageBuffers.level_bytes`, with `pending` weight passes per level)
     and its optimizer step's (`floor`). Returns ((limit, with_bytes) -> (cost [level, range],
     choice [level, range]: 0 or -1, and with_bytes the bytes [level, range] at that choice, inf
-    where none fits), least bytes of any range)."""
+    where none fits), and the least bytes [level, range] each range can hold)."""
     prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
@@ -549,7 +562,7 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
         fits = memory <= limit
         return (np.where(fits, time_s[None, :], np.inf), np.where(fits, 0, -1),
                 np.where(fits, memory, np.inf) if with_bytes else None)
-    return costs, float(memory.min())
+    return costs, memory
 
 
 def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
@@ -574,7 +587,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     base = held[None] + np.stack([at_level(level, waiting) for level, waiting in zip(levels.tolist(), pending.tolist(),
                                                                                      strict=True)])[..., None]
     least_act = act_all[rows[:, None], lasts_all[rows]]
-    min_needed = float(np.maximum(base + levels[:, None, None] * least_act[None], floor[None, :, None]).min())
+    least = np.maximum(base + levels[:, None, None] * least_act[None], floor[None, :, None]).min(axis=2)  # [level, range]
     offset = p2p[end - 1][None, :]
 
     def costs(limit: float, with_bytes: bool = True):
@@ -625,7 +638,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
             columns.append(int(column[point]))
             point = int(parent[point])
         return columns[::-1]
-    return costs, min_needed, choices.width, refit
+    return costs, least, choices.width, refit
 
 
 def unit_choices(table: UnitCostTable, cfg: Config, env: Environment) -> UnitChoices:
