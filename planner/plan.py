@@ -206,6 +206,12 @@ class Stage(_Model):
     exceptions rather than a list per unit keeps uniform stages, and older plans, as they were."""
     tp_plan: dict[str, TPStyle] = {}
     """Module FQN (from the model root) -> tensor-parallel style."""
+    tp_feeds: dict[str, list[str]] | None = None
+    """Each module of `tp_plan` styled rowwise that reads column-sharded features -> the colwise
+    modules they come from, by data flow (planner/solver/intra_op.py `sharded_feeds`; FQNs from
+    the model root): the runtime keeps those outputs sharded and has the rowwise module read them
+    so, wherever the modules sit. None (plans written before 2026-11-28, or by hand): a colwise
+    and a rowwise module are paired when they share a parent, as Megatron's `attn` and `mlp` do."""
     tp_copy_outputs: list[str] = []
     """Modules of `tp_plan` styled colwise or rowwise whose output the model then writes in place
     (the profile's `output_written_in_place`): the runtime returns a copy of their local output,
@@ -221,6 +227,12 @@ class Stage(_Model):
         if unknown:
             raise ValueError(f"unit_recompute names {unknown}, which are not units of this stage ({self.units}); "
                              "list only the stage's own units")
+        feeds = self.tp_feeds or {}
+        mislabelled = sorted({n for n in feeds if self.tp_plan.get(n) != "rowwise"}
+                             | {c for cs in feeds.values() for c in cs if self.tp_plan.get(c) != "colwise"})
+        if mislabelled:
+            raise ValueError(f"tp_feeds names {mislabelled}, which the stage's tp_plan does not style as the pairing "
+                             "needs; list rowwise modules, each with the colwise modules it reads")
         unsharded = sorted(n for n in self.tp_copy_outputs if self.tp_plan.get(n) not in ("colwise", "rowwise"))
         if unsharded:
             raise ValueError(f"tp_copy_outputs names {unsharded}, which the stage's tp_plan does not style colwise or "

@@ -136,6 +136,21 @@ class OpNode(_Model):
     """Ops whose outputs flow into this op's inputs (through non-matmul ops); `input` for the unit's input."""
 
 
+class SavedRegion(_Model):
+    """What a unit saves for backward that was computed from the same matmul-like ops: the part
+    of its saved bytes a tensor-parallel layout splits or not (planner/solver/costs.py
+    `split_saved_share`). A saved tensor made from the output of a column-sharded linear alone is
+    split over the TP ranks; one that mixes in the unit's input (a residual stream) is whole."""
+
+    ops: list[str]
+    """The ops (`OpNode.name`, or `input` for the unit's input) its tensors were computed from:
+    the tags of planner/profiler/opgraph.py, through every non-matmul op. Empty: made from
+    neither (a constant)."""
+    bytes: int
+    """Bytes saved in this region, distinct storages, at the smallest profiled micro-batch size
+    (as `OpNode` shapes are)."""
+
+
 class MoECosts(_Model):
     """One MoE layer's experts at one micro-batch size, under balanced routing: the experts
     module run alone (planner/profiler/moe.py) on the tokens it received in the unit's forward,
@@ -228,6 +243,9 @@ class Unit(_Model):
     """Costs per micro-batch size."""
     ops: list[OpNode] = []
     """Matmul-like ops and their data flow, for the intra-op solver."""
+    saved_regions: list[SavedRegion] | None = None
+    """What the unit saves for backward, by the ops it was computed from. None in profiles
+    written before 2026-11-28 (the cost model then splits all but its boundary copies)."""
     moe: list[MoELayer] = []
     """The mixture-of-experts layers inside the unit, in the order of their experts modules;
     empty for a dense unit (and in profiles written before MoE layers were recorded)."""

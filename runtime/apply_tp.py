@@ -68,12 +68,19 @@ def _in_unit(name: str, unit: str) -> bool:
 
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str], sequence_parallel: bool,
-             units: list[str] | None = None, copy_outputs: Sequence[str] = ()) -> None:
+             units: list[str] | None = None, copy_outputs: Sequence[str] = (),
+             feeds: Mapping[str, Sequence[str]] | None = None) -> None:
     """Shard `module` (a whole model or one stage of it) over `tp_mesh` as `tp_plan` says.
 
     `units` are the stage's units in execution order (needed for sequence parallelism only);
     `copy_outputs` the sharded modules whose output the model writes in place (the plan's
-    `Stage.tp_copy_outputs`: `_copy_local_outputs`).
+    `Stage.tp_copy_outputs`: `_copy_local_outputs`); `feeds` the plan's `Stage.tp_feeds`, the
+    rowwise modules that read column-sharded features and the colwise modules those come from,
+    by data flow. Without sequence parallelism they are the pairs: a colwise module listed keeps
+    its output sharded and the rowwise one reads it so, wherever they sit (BERT's
+    `intermediate.dense` and `output.dense`). Without `feeds`, and under sequence parallelism
+    (whose gathers and scatters sit at a pair's parent), a pair is a colwise and a rowwise
+    module under one parent (`_paired_owners`).
     """
     if not tp_plan or tp_mesh.size() == 1:
         return
@@ -83,6 +90,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
         raise PlannerError(f"tp_plan names modules this stage does not have: {missing[:5]}.",
                            "Name modules by their FQN from the model root (see check_tp_plan).")
     pairs = _paired_owners(tp_plan, units)
+    linked = None if feeds is None or sequence_parallel else set(feeds) | {c for cs in feeds.values() for c in cs}
     if sequence_parallel:
         if units is None:
             raise PlannerError("Sequence parallelism needs the stage's units.", "Pass units= to apply_tp.")
@@ -94,7 +102,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
     token_gathered: list[str] = []  # sharded alone inside an MoE block under SP: gather its tokens first
     for name, style in tp_plan.items():
         in_region = any(_in_unit(name, u) for u in region)
-        paired = _parent(name) in pairs
+        paired = _parent(name) in pairs if linked is None else name in linked
         # An MoE block runs on this rank's tokens (`_moe_block_parameters`): a module it holds
         # sharded outside a pair (Qwen2-MoE's shared_expert_gate, rowwise) gathers every rank's
         # tokens, as a pair's owner does, and hands back its own tokens' outputs.

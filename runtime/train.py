@@ -414,7 +414,8 @@ def _parallelize_chunks(plan: Plan, mf, chunks: list[tuple[int, nn.Module]], see
         stage = plan.stages[s]
         materialize(model, seed, device, mode, mf)
         apply_float8(model, plan, device)  # FP8 linears before TP/FSDP wrap them (runtime/apply_fp8.py); no-op for bf16
-        apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel, stage.units, stage.tp_copy_outputs)
+        apply_tp(model, mesh["tp"], stage.tp_plan, lay.sequence_parallel, stage.units, stage.tp_copy_outputs,
+                 stage.tp_feeds)
         if ep_mesh is not None or lay.expert_tp_degree > 1:  # experts over ep and/or split over tp (apply_ep.py)
             axes = ("ep",) if lay.expert_tp_degree == 1 else ("tp",) if ep_mesh is None else ("ep", "tp")
             apply_ep(model, (ep_mesh if ep_mesh is not None else mesh)[axes], expert_tp=lay.expert_tp_degree > 1)

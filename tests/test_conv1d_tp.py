@@ -11,6 +11,8 @@ must list for the runtime to copy (`Stage.tp_copy_outputs`).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -569,9 +571,10 @@ def _gated_problem():
 
 
 @pytest.mark.parametrize("strategies,blamed", [
-    # Qwen3.5's plan that failed at the first forward: in_proj_qkv paired (a colwise sibling) yet fed
-    # the replicated input; the sharded z gating the whole core; out_proj paired, reading that merge.
-    (dict(qkv="rowwise", z="colwise", out="rowwise"), {"qkv", "z", "out"}),
+    # Qwen3.5's plan that failed at the first forward: the sharded z gating the whole core; out_proj
+    # paired with z, reading that merge. (in_proj_qkv, rowwise, was paired then by its colwise
+    # sibling yet fed the replicated input; paired by data flow, it slices that input, as priced.)
+    (dict(qkv="rowwise", z="colwise", out="rowwise"), {"z", "out"}),
     (dict(qkv="replicate", z="colwise", out="rowwise"), {"z", "out"}),  # a Megatron pair, but z gates a whole core
     (dict(qkv="replicate", z="replicate", out="rowwise"), set()),  # alone: slices its replicated input
     (dict(qkv="colwise", z="replicate", out="replicate"), set()),  # alone: gathers its output
@@ -630,3 +633,81 @@ def test_solved_unit_plans_are_runnable_as_priced(gpt2_meta_profile):
     block = next(u for u in gpt2_meta_profile.units if u.kind == "GPT2Block")
     plan = solve_intra_op(IntraOpProblem(tuple(block.ops), 2, 4, 1e-12, _Collectives(), require_sharding=True)).tp_plan
     assert (plan["mlp.c_fc"], plan["mlp.c_proj"]) == ("colwise", "rowwise")
+
+
+class _SplitSiblings(nn.Module):
+    """BERT's layer in small: q, k and v under one module, the output projection under another;
+    the MLP's two linears under two more (`intermediate.dense`, `output.dense`)."""
+
+    def __init__(self, d=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.self_attn = nn.ModuleDict(dict(query=nn.Linear(d, d), key=nn.Linear(d, d), value=nn.Linear(d, d)))
+        self.attn_out = nn.ModuleDict(dict(dense=nn.Linear(d, d)))
+        self.intermediate = nn.ModuleDict(dict(dense=nn.Linear(d, 4 * d)))
+        self.output = nn.ModuleDict(dict(dense=nn.Linear(4 * d, d)))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (self.self_attn[n](x).view(b, s, -1, 4).transpose(1, 2) for n in ("query", "key", "value"))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        h = x + self.attn_out["dense"](a)
+        return h + self.output["dense"](F.gelu(self.intermediate["dense"](h)))
+
+
+def _split_siblings(sequence_parallel: bool = False):
+    from planner.profiler.opgraph import record_unit
+
+    ops, regions = record_unit(_SplitSiblings().to("meta"), (torch.empty(2, 3, 8, device="meta"),), {})
+    return IntraOpProblem(tuple(ops), 2, 4, 1e-12, _Collectives(), require_sharding=True,
+                          sequence_parallel=sequence_parallel), regions
+
+
+def test_a_column_and_a_row_shard_pair_by_data_flow_not_by_parent():
+    """The row-parallel modules read column-sharded features from modules under other parents:
+    paired all the same (`sharded_feeds`), so the plan runs as the ILP priced it (no gather of
+    the intermediate features, no slice), and the plan tells the runtime so (`Stage.tp_feeds`).
+    Under sequence parallelism, whose gathers sit at a pair's parent, such pairs are blamed."""
+    from planner.solver.intra_op import _unrunnable, sharded_feeds
+
+    problem, _ = _split_siblings()
+    megatron = {"self_attn.query": "colwise", "self_attn.key": "colwise", "self_attn.value": "colwise",
+                "attention_1": "heads", "attn_out.dense": "rowwise", "intermediate.dense": "colwise",
+                "output.dense": "rowwise"}
+    assert sharded_feeds(list(problem.ops), megatron) == {
+        "attn_out.dense": ["self_attn.key", "self_attn.query", "self_attn.value"],
+        "output.dense": ["intermediate.dense"]}
+    assert _unrunnable(problem, megatron) == frozenset()
+    solution = solve_intra_op(problem)
+    assert solution.strategies["intermediate.dense"] == "colwise" and solution.strategies["output.dense"] == "rowwise"
+    under_sp, _ = _split_siblings(sequence_parallel=True)
+    assert _unrunnable(under_sp, megatron) == set(megatron) - {"attention_1"}
+
+
+def test_saved_bytes_are_told_apart_by_the_ops_they_come_from():
+    """What the unit saves for backward, by the ops each tensor was computed from: the unit's
+    input (saved by q, k and v), what attention keeps (its own copies of q, k and v in heads,
+    its output, the log-sum-exp; made inside the kernel, so its own), the residual stream after
+    the output projection (which mixes in the input), the MLP's column-sharded features (GELU's
+    input and output). A TP layout splits the regions whose every op splits its output."""
+    from planner.solver.costs import split_saved_share
+
+    problem, regions = _split_siblings()
+    by_ops = {tuple(r.ops): r.bytes for r in regions}
+    row = 2 * 3 * 4  # bytes of one (b, s) position's float32 features, per feature
+    assert by_ops[("input",)] == row * 8
+    assert by_ops[("intermediate.dense",)] == 2 * row * 32  # GELU's input and its output
+    assert by_ops[("attn_out.dense", "input")] == row * 8  # h, saved by intermediate.dense
+    assert by_ops[("attention_1",)] >= 4 * row * 8  # q, k, v and the output, at least
+    assert set(by_ops) == {("input",), ("intermediate.dense",), ("attn_out.dense", "input"), ("attention_1",)}
+    unit = SimpleNamespace(saved_regions=regions)
+    megatron = {"self_attn.query": "colwise", "self_attn.key": "colwise", "self_attn.value": "colwise",
+                "attention_1": "heads", "attn_out.dense": "rowwise", "intermediate.dense": "colwise",
+                "output.dense": "rowwise"}
+    total = sum(by_ops.values())
+    split = total - by_ops[("input",)] - by_ops[("attn_out.dense", "input")]
+    assert split_saved_share(unit, megatron, False) == pytest.approx(split / total)
+    mlp_only = {**megatron, **{n: "replicate" for n in ("self_attn.query", "self_attn.key", "self_attn.value",
+                                                        "attn_out.dense")}, "attention_1": "replicate"}
+    assert split_saved_share(unit, mlp_only, False) == pytest.approx(by_ops[("intermediate.dense",)] / total)
+    assert split_saved_share(unit, megatron, True) == pytest.approx(1.0)  # under SP the stream is sequence-sharded too

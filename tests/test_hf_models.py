@@ -431,3 +431,18 @@ def test_an_encoder_decoder_trains_like_one_process_under_zero_bubble(write_mode
     plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(pp=2, dp=1, tp=1, micro_batch_size=1, schedule="zero-bubble"))
     assert any(u.startswith("decoder.") for u in plan.stages[1].units)
     check_parity(plan, tmp_path)
+
+
+@pytest.mark.slow
+def test_an_encoders_linears_paired_across_sibling_modules_train_like_one_process(tmp_path):
+    """Hugging Face's BERT under TP2: the MLP's `intermediate.dense` column-sharded with
+    `output.dense`, under another module, row-sharded, paired by data flow (`Stage.tp_feeds`;
+    the attention too where the ILP shards it): the features between stay split, and the run
+    trains to the one-process losses and parameters."""
+    from tests.test_runtime_parity import check_parity
+
+    profile = profile_model(str(EXAMPLES / "hf_bert.py"), {}, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(pp=1, dp=1, tp=2, sequence_parallel=False))
+    feeds = plan.stages[0].tp_feeds or {}
+    assert feeds["bert.encoder.layer.0.output.dense"] == ["bert.encoder.layer.0.intermediate.dense"]
+    check_parity(plan, tmp_path)

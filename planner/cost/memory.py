@@ -161,13 +161,20 @@ def unit_activation_bytes(
     sequence_parallel: bool,
     recompute: str,
     sharded: bool = True,
+    split_share: float | None = None,
 ) -> ActivationBytes:
-    """One unit's activation memory for one micro-batch (module docstring)."""
+    """One unit's activation memory for one micro-batch (module docstring). `split_share`: the
+    share of `saved_bytes` the TP layout splits, where the profile says which ops each saved
+    tensor comes from (planner/solver/costs.py `split_saved_share`); None: all but
+    `REPLICATED_BOUNDARY_COPIES` boundary-shaped tensors, a Megatron layer's split."""
     t = tp_degree if sharded else 1
     sp = sequence_parallel and sharded
-    replicated = min(saved_bytes, REPLICATED_BOUNDARY_COPIES * output_bytes)
-    inner = saved_bytes - replicated
-    kept = replicated / (t if sp else 1) + inner / t
+    if split_share is not None:
+        kept = saved_bytes * ((1 - split_share) + split_share / t)
+    else:
+        replicated = min(saved_bytes, REPLICATED_BOUNDARY_COPIES * output_bytes)
+        inner = saved_bytes - replicated
+        kept = replicated / (t if sp else 1) + inner / t
     if recompute == "none":
         return ActivationBytes(kept, 0.0)
     if recompute == "selective":

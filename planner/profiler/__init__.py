@@ -58,7 +58,7 @@ from planner.profiler.measure import (
     whole_model_job,
 )
 from planner.profiler.moe import MoECount, count_moe, moe_records
-from planner.profiler.opgraph import record_op_graph
+from planner.profiler.opgraph import record_unit
 from planner.units import (
     UnitTrace,
     model_fingerprint,
@@ -261,7 +261,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         model=_model_info(mf, str(model_file), meta_model, units, owned, traces, sizes[0], batches[sizes[0]], element),
         micro_batch_sizes=sizes,
         units=[_unit_record(i, name, modules[name], fingerprints[name], owned.get(name, []), costs[name],
-                            op_graphs[fingerprints[name]], moe_records(moe, name, element), element)
+                            *op_graphs[fingerprints[name]], moe_records(moe, name, element), element)
                for i, name in enumerate(units)],
         cuts=_cut_records(traces, sizes),
         whole_model=whole,
@@ -325,7 +325,7 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
 
 
 def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: str, owned: list, costs: dict[int, UnitCosts],
-                 ops: list, moe, element: int) -> Unit:
+                 ops: list, saved_regions: list, moe, element: int) -> Unit:
     """One unit's profile record; `owned`: the (name, parameter) pairs it holds."""
     num_parameters = sum(p.numel() for _, p in owned)
     return Unit(
@@ -339,6 +339,7 @@ def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: st
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         costs=costs,
         ops=ops,
+        saved_regions=saved_regions,
         moe=moe,
     )
 
@@ -561,15 +562,16 @@ def _cut_records(traces: dict[int, UnitTrace], sizes: list[int]) -> list[Cut]:
     return cuts
 
 
-def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nullcontext) -> dict[str, list]:
-    """Each distinct unit's matmul-like ops, for the intra-op solver (recorded once per fingerprint)."""
-    op_graphs: dict[str, list] = {}
+def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nullcontext) -> dict[str, tuple[list, list]]:
+    """Each distinct unit's matmul-like ops, for the intra-op solver, and its saved regions
+    (`record_unit`; recorded once per fingerprint)."""
+    op_graphs: dict[str, tuple[list, list]] = {}
     for name in units:
         if fingerprints[name] not in op_graphs:
             args, kwargs = trace.unit_inputs[name]
             try:
                 with MetaAttentionMode():
-                    op_graphs[fingerprints[name]] = record_op_graph(modules[name], args, kwargs, precision)
+                    op_graphs[fingerprints[name]] = record_unit(modules[name], args, kwargs, precision)
             except Exception as exc:
                 raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
     return op_graphs

@@ -29,8 +29,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import sdpa_flop_count
 
-from planner.profile_schema import OpNode
-from planner.profiler.counters import tensors_in
+from planner.profile_schema import OpNode, SavedRegion
+from planner.profiler.counters import SavedBytes, tensors_in
 
 INPUT = "input"
 LEAF_KINDS = {nn.Linear: "linear", nn.Embedding: "embedding", nn.Conv1d: "conv", nn.Conv2d: "conv", nn.Conv3d: "conv"}
@@ -265,10 +265,24 @@ class _OpGraphRecorder(TorchFunctionMode):
                 self.handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
         self.pending: dict[str, dict] = {}
         self.per_head_fused: dict[str, OpNode] = {}  # `_mark_fused`'s exceptions, for `_shards_whole_heads`
+        self.storage_tags: dict[int, frozenset] = {}
+        """Tags by storage (the latest tensor tagged over it): autograd may save a view made
+        inside a kernel (nn.Linear's 2-D view of a 3-D input), a tensor no call returned."""
+        self.current: frozenset = frozenset()
+        """The tags the output of the call now running will carry: a tensor saved for backward
+        that no earlier call made (softmax's output, attention's log-sum-exp) belongs to it."""
+        self.saved_tags: dict[int, frozenset] = {}  # storage key (SavedBytes) -> its tags
+
+    def note_saved(self, t: torch.Tensor) -> None:
+        """A tensor autograd saves for backward (`SavedBytes.on_save`): its storage takes the tags
+        of the tensor, or of the call making it."""
+        key = t.untyped_storage()._cdata
+        self.saved_tags.setdefault(key, self.tags.get(id(t)) or self.storage_tags.get(key) or self.current)
 
     def tag(self, obj, sources: frozenset) -> None:
         for t in tensors_in(obj):
             self.tags[id(t)] = sources
+            self.storage_tags[t.untyped_storage()._cdata] = sources
             self.alive.append(t)
 
     def sources(self, obj) -> frozenset:
@@ -282,6 +296,7 @@ class _OpGraphRecorder(TorchFunctionMode):
             if self.depth == 0:
                 x = tensors_in((args, kwargs))[0]
                 self.pending[name] = dict(kind=kind, module=module, x=x, inputs=self.sources((args, kwargs)))
+                self.current = frozenset({name or kind})
             self.depth += 1
 
         return hook
@@ -324,6 +339,9 @@ class _OpGraphRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.depth == 0:  # what this call's output will be tagged with (below), for what it saves
+            kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None
+            self.current = frozenset({f"{kind}_{self.counts.get(kind, 0) + 1}"}) if kind else self.sources((args, kwargs))
         out = func(*args, **kwargs)
         if self.depth > 0:
             return out
@@ -402,21 +420,36 @@ class _OpGraphRecorder(TorchFunctionMode):
 
 
 def record_op_graph(unit: nn.Module, args: tuple, kwargs: dict, precision=nullcontext) -> list[OpNode]:
-    """Run `unit` once (meta tensors advised) and return its matmul-like ops in order. `precision`:
-    the context the forward runs in (planner/profiler/autocast.py on meta), entered inside the
-    recorder so that the recorder sees the casts and follows the data through them."""
+    """`record_unit`'s ops."""
+    return record_unit(unit, args, kwargs, precision)[0]
+
+
+def record_unit(unit: nn.Module, args: tuple, kwargs: dict, precision=nullcontext) -> tuple[list[OpNode], list[SavedRegion]]:
+    """Run `unit` once (meta tensors advised) and return its matmul-like ops in order, and what it
+    saves for backward by the ops it was computed from (`SavedRegion`). `precision`: the context
+    the forward runs in (planner/profiler/autocast.py on meta), entered inside the recorder so
+    that the recorder sees the casts and follows the data through them.
+
+    The forward runs with autograd on, so that what it saves is seen (`SavedBytes`, each storage
+    once, parameters and buffers excluded); the graph keeps none of it (`keep=False`)."""
     recorder = _OpGraphRecorder(unit)
     recorder.tag((args, kwargs), frozenset({INPUT}))
+    saved = SavedBytes(exclude=[*unit.parameters(), *unit.buffers()], on_save=recorder.note_saved, keep=False)
     try:
-        with torch.no_grad(), recorder, precision():
+        with torch.enable_grad(), recorder, precision(), saved.hooks():
             unit(*args, **kwargs)
     finally:
+        saved.release()
         for h in recorder.handles:
             h.remove()
     if recorder.per_head_fused and not _shards_whole_heads(unit, args, kwargs, precision, recorder.ops):
         for op in recorder.per_head_fused.values():
             op.fused_attention_input = True
-    return recorder.ops
+    regions: dict[frozenset, int] = {}
+    for key, nbytes in saved.sizes.items():
+        tags = recorder.saved_tags.get(key, frozenset())
+        regions[tags] = regions.get(tags, 0) + nbytes
+    return recorder.ops, [SavedRegion(ops=sorted(tags), bytes=n) for tags, n in regions.items()]
 
 
 class _AttentionShapes(TorchFunctionMode):

@@ -9,7 +9,7 @@ planner/solver/intra_op.py). Identical units (same fingerprint) share one ILP so
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -40,6 +40,7 @@ from planner.solver.intra_op import (
     IntraOpSolution,
     evaluate,
     moe_blocks,
+    sharded_feeds,
     solve_intra_op,
 )
 
@@ -90,6 +91,9 @@ class UnitCostTable:
     """Extra forward FLOPs per recomputation mode."""
     tp_plans: list[dict[str, str]]
     """Per unit: module path relative to the unit -> DTensor style ("" is the unit itself)."""
+    tp_feeds: list[dict[str, list[str]]] = field(default_factory=list)
+    """Per unit: each row-parallel op -> the column-parallel ops it reads sharded
+    (planner/solver/intra_op.py `sharded_feeds`, op names); empty without TP."""
     output_bytes: float = 0.0
     """The model output of one micro-batch (the last unit's output), the loss's input
     (planner/cost/memory.py `loss_bytes`)."""
@@ -211,6 +215,34 @@ K/V gathers): `full` replays the whole forward; `op` saves matmul and attention 
 not the collectives' (torchtitan's save list keeps only reduce-scatters; counted as replayed)."""
 
 
+SPLIT_OUTPUTS = {"colwise", "heads", "sequence", "F", "S"}
+"""Strategies (planner/solver/intra_op.py) whose output each TP rank holds a slice of: a column
+shard's features, an attention's heads, a sequence shard. A row shard's output is summed whole
+(all-reduce), or sequence-sharded under SP (reduce-scatter); so is the unit's input."""
+
+
+def split_saved_share(unit: Unit, strategies: dict[str, str], sequence_parallel: bool) -> float | None:
+    """The share of `unit`'s saved bytes that its TP layout splits over the ranks, from what it
+    saves by the ops it was computed from (`Unit.saved_regions`): a region is split when every
+    op it comes from has a split output under `strategies` (`SPLIT_OUTPUTS`; a row shard's or
+    the unit's input under sequence parallelism, whose activations between the sandwiches are
+    sequence-sharded: Korthikanti et al. 2022, section 4.2.2). A unit whose attention stays
+    replicated while its MLP is sharded (BERT on two CPU ranks) splits its MLP's share alone.
+    None for a profile without regions (written before 2026-11-28)."""
+    if not unit.saved_regions:
+        return None
+
+    def split(op: str) -> bool:
+        if op == "input" or strategies.get(op) == "rowwise":
+            return sequence_parallel
+        return strategies.get(op) in SPLIT_OUTPUTS
+
+    total = sum(r.bytes for r in unit.saved_regions)
+    if total <= 0:
+        return None
+    return sum(r.bytes for r in unit.saved_regions if r.ops and all(split(op) for op in r.ops)) / total
+
+
 def op_checkpoint_terms(unit: Unit, scale: float, dtype_bytes: int, t: int,
                         strategies: dict[str, str]) -> tuple[float, float]:
     """What torchtitan's op-level selective checkpointing keeps of a unit (its policy,
@@ -297,7 +329,10 @@ class UnitCosts:
         if b == self.base_mbs:
             return self._ilp[key]
         if (*key, b) not in self._ilp:
-            self._ilp[(*key, b)] = evaluate(self._problem(unit, t, sp, b), self._ilp[key].strategies)
+            # The ops the solver kept replicated stay offered so (under SP they may not be otherwise).
+            chosen = self._ilp[key].strategies
+            kept = frozenset(n for n, s in chosen.items() if s == "replicate")
+            self._ilp[(*key, b)] = evaluate(replace(self._problem(unit, t, sp, b), replicated_ops=kept), chosen)
         return self._ilp[(*key, b)]
 
     def table(self, t: int, sp: bool, b: int, ep: int = 1, cp: int = 1, cp_algorithm: str = "all-gather") -> UnitCostTable:
@@ -467,6 +502,7 @@ class UnitCosts:
         row["fwd"] += self._copy_s(u, sol.strategies if sol else {}, t, sp, scale)
         row["comm"] = sol.comm_time_s if sol else 0.0
         row["plan"] = dict(sol.tp_plan) if (sol and is_sharded) else {}
+        row["feeds"] = sharded_feeds(u.ops, sol.strategies) if (sol and is_sharded) else {}
         fp8 = None
         if self.float8:
             fp8 = price_fp8_unit(u, b, self.compute.gpu, t, skip_fqns=self.fp8_skip,
@@ -501,8 +537,9 @@ class UnitCosts:
         out_b = interpolate({k: v.output_bytes for k, v in c.items()}, b)
         in_b = interpolate({k: v.input_bytes for k, v in c.items()}, b)
         scores = _score_bytes(u, scale, self.dtype_bytes)
+        share = split_saved_share(u, sol.strategies, sp) if sol and is_sharded else None
         for mode in ("none", "selective", "full"):
-            a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded)
+            a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded, split_share=share)
             row[("act", mode)], row[("transient", mode)] = a.stored, a.transient
         # Op-level selective checkpointing (runtime/recompute.py `op_policy`, torchtitan's "op"):
         # saved outputs of attention and every other linear; the rest of the forward replayed.
@@ -542,6 +579,7 @@ class UnitCosts:
                                            "fp8_flops", "wgrad_inputs")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
+        feeds: list[dict[str, list[str]]] = [{} for _ in range(n)]
         layer_seconds: dict[int, list[tuple[float, float]]] = {}  # unit -> its MoE layers' experts' (fwd, bwd) s
         self._layer_seconds[(t, sp, b)] = layer_seconds
         tied = tied_unit_indices(self.profile)
@@ -551,6 +589,7 @@ class UnitCosts:
                 values[indices] = row.get(name, 0.0)
             for i in indices.tolist():
                 plans[i] = dict(row["plan"])
+                feeds[i] = row["feeds"]
                 if row["layers"]:
                     layer_seconds[i] = row["layers"]
         fwd, bwd = arrays["fwd"], arrays["bwd"]
@@ -574,7 +613,7 @@ class UnitCosts:
                               largest_parameter=arrays["largest"], weight_gradient_inputs=arrays["wgrad_inputs"],
                               input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
-                              batch_saved=self._batch_saved(b), boundary_saved=boundary)
+                              batch_saved=self._batch_saved(b), boundary_saved=boundary, tp_feeds=feeds)
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -81,6 +81,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -519,41 +520,70 @@ def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
     return solution
 
 
+def sharded_feeds(ops: Sequence[OpNode], strategies: dict[str, str]) -> dict[str, list[str]]:
+    """Each row-parallel linear that reads column-sharded features, with the column-parallel
+    linears they come from: by data flow (`OpNode.inputs`, through the per-feature ops between,
+    and through attention sharded by heads), not by module parents. Megatron's pairs share a
+    parent (`attn`, `mlp`), but Hugging Face's BERT and ViT put the MLP's two linears in two
+    modules (`intermediate.dense`, `output.dense`) and the attention's output projection in
+    another than q, k and v. The runtime (runtime/apply_tp.py) keeps such a column-parallel
+    output sharded and has the row-parallel module read it so, as priced; keyed and listed by
+    op name (the plan's `Stage.tp_feeds` by module FQN)."""
+    by_name = {op.name: op for op in ops}
+
+    def columns(name: str, seen: set[str]) -> set[str]:
+        if name in seen or name not in by_name:
+            return set()
+        seen.add(name)
+        op, chosen = by_name[name], strategies.get(name)
+        if op.kind == "linear" and op.module and chosen == "colwise":
+            return {name}
+        if op.kind in ("attention", "matmul") and chosen in ("heads", "F"):  # features still sharded past it
+            return set().union(*(columns(src, seen) for src in op.inputs))
+        return set()
+
+    feeds = {}
+    for op in ops:
+        if op.kind == "linear" and op.module and strategies.get(op.name) == "rowwise":
+            found = set().union(*(columns(src, set()) for src in op.inputs))
+            if found:
+                feeds[op.name] = sorted(found)
+    return feeds
+
+
 def _unrunnable(problem: IntraOpProblem, strategies: dict[str, str], graph: _Graph | None = None) -> frozenset[str]:
     """Ops whose strategy the runtime cannot realise as the ILP priced it, to keep replicated.
 
     The ILP converts a tensor's layout on any edge, a replicated one to a feature shard for free
     (a slice). The runtime (runtime/apply_tp.py) converts only where a module's style does: a
-    column-parallel module's output stays sharded when its parent also holds a row-parallel one
-    (a Megatron pair, `_paired_owners`) and is gathered otherwise; a row-parallel module reads a
+    column-parallel module's output stays sharded when a row-parallel one reads it (a pair by
+    data flow, `sharded_feeds`) and is gathered otherwise; a row-parallel module reads a
     sharded input when paired and slices a replicated one otherwise; its output is all-reduced.
     Between modules nothing converts, so what a node hands on must be what its consumer reads,
     and the tensors an elementwise merge combines must agree (the unit's input excepted: Llama's
     rotary cos and sin, replicated, broadcast over the heads of a sharded q). Qwen3.5's gated
-    delta net got `in_proj_qkv` rowwise beside a colwise `in_proj_z` (so paired, reading its
-    replicated input as if sharded) and a norm gating the replicated attention output with the
-    sharded z: the plan failed at the first forward. Blamed: a paired row-parallel module fed a
-    replicated tensor, a column-parallel module or sharded attention whose sharded output meets
-    a replicated reader or merge, attention reading a replicated tensor. Sequence parallelism
-    runs its own layout (Megatron's, units whose linears all shard or none): not checked."""
-    if problem.sequence_parallel or not SHARDED & set(strategies.values()):
+    delta net got `in_proj_qkv` rowwise beside a colwise `in_proj_z` (paired by their parent, as
+    the runtime then paired, reading its replicated input as if sharded) and a norm gating the
+    replicated attention output with the sharded z: the plan failed at the first forward.
+    Blamed: a paired row-parallel module fed a replicated tensor, a column-parallel module or
+    sharded attention whose sharded output meets a replicated reader or merge, attention reading
+    a replicated tensor. Sequence parallelism runs its own layout (Megatron's, units whose
+    linears all shard or none), whose gather and reduce-scatter sit at a pair's parent module: a
+    pair whose modules have no parent in common (BERT's MLP, `intermediate.dense` and
+    `output.dense`) cannot run so, and is blamed whole."""
+    if problem.sequence_parallel:
+        parent = {op.name: (op.module or "").rpartition(".")[0] for op in problem.ops}
+        return frozenset(n for row, columns in sharded_feeds(problem.ops, strategies).items()
+                         if any(parent[c] != parent[row] for c in columns) for n in (row, *columns))
+    if not SHARDED & set(strategies.values()):
         return frozenset()
     graph = graph or _build_graph(problem)
     by_name = {op.name: op for op in problem.ops}
-
-    def owner(name: str) -> str | None:
-        module = by_name[name].module
-        return None if not module else module.rpartition(".")[0]  # the unit itself (a Linear unit) pairs with nothing
-
-    under: dict[str, set[str]] = {}
-    for name, chosen in strategies.items():
-        parent = owner(name) if name in by_name else None
-        if parent is not None and chosen in ("colwise", "rowwise"):
-            under.setdefault(parent, set()).add(chosen)
-    pairs = {o for o, styles in under.items() if {"colwise", "rowwise"} <= styles}
+    feeds = sharded_feeds(problem.ops, strategies)
+    pairs = set(feeds) | {column for columns in feeds.values() for column in columns}
 
     def paired(name: str) -> bool:
-        return owner(name) in pairs
+        return name in pairs
 
     def strategy(node: str) -> str:
         return strategies.get(node, "fixed")

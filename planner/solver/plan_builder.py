@@ -177,10 +177,13 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
     stages = []
     for k, ((i, j), recompute, unit_modes) in enumerate(zip(best.bounds, best.stage_recompute, best.unit_recompute,
                                                              strict=True)):
-        tp_plan, copies = {}, []
+        tp_plan, copies, feeds = {}, [], {}
         if cfg.tp > 1:
             for u in range(i, j):
                 tp_plan.update({module_fqn(names[u], module): style for module, style in table.tp_plans[u].items()})
+                modules = {op.name: op.module for op in profile.units[u].ops if op.module}
+                feeds.update({module_fqn(names[u], modules[r]): [module_fqn(names[u], modules[c]) for c in cs]
+                              for r, cs in table.tp_feeds[u].items()})
                 written = [module_fqn(names[u], op.module) for op in profile.units[u].ops
                            if op.output_written_in_place and op.module is not None]
                 copies += [name for name in written if tp_plan.get(name) in ("colwise", "rowwise")]
@@ -188,7 +191,8 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
                    for u in range(i, j) for layer in profile.units[u].moe} if cfg.ep > 1 else {}
         unit_recompute = {names[u]: r for u, r in zip(range(i, j), unit_modes, strict=True) if r != recompute}
         stages.append(Stage(units=names[i:j], ranks=stage_ranks(layout, k), recompute=recompute,
-                            unit_recompute=unit_recompute, tp_plan=tp_plan, tp_copy_outputs=copies, experts=experts))
+                            unit_recompute=unit_recompute, tp_plan=tp_plan, tp_feeds=feeds if cfg.tp > 1 else None,
+                            tp_copy_outputs=copies, experts=experts))
     n = cluster.world_size
     t = best.iteration_time_s
     samples = global_batch_size / t
