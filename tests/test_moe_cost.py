@@ -10,7 +10,15 @@ import pytest
 from planner.cluster import make_cluster
 from planner.cost.collectives import CollectiveModel, Group
 from planner.cost.memory import model_state_bytes
-from planner.cost.moe import MoEShape, expert_time_ratio, permutation_s
+from planner.cost.moe import (
+    ALL_TO_ALLS_PER_STEP,
+    COUNT_BYTES,
+    MoEShape,
+    dispatch_bytes_per_rank,
+    expert_time_ratio,
+    moe_shapes,
+    permutation_s,
+)
 from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.search import Config, state_bytes, updated_parameters
@@ -104,8 +112,17 @@ def test_ep_memory_by_hand(moe_meta):
     # A rank's optimizer updates 1/4 of the dense parameters and 1/2 of its half of the experts.
     assert updated_parameters(ep2, cfg, 0, len(ep2.parameters)) == pytest.approx(
         (moe_meta.model.num_parameters - experts) / 4 + experts / 2 / 2)
-    # The all-to-alls: 4 per MoE layer and micro-batch; the permutation lands in the stage times.
+    # The all-to-alls: 4 per MoE layer and micro-batch (dispatch and combine, their reverses in the
+    # backward) and each forward's exchange of the per-expert copy counts (E int64s a rank) that
+    # sets the splits; the permutation lands in the stage times.
     assert (ep2.ep_comm_s > 0).sum() == 4 and dense.ep_comm_s is None
+    seconds = ep_all_to_all(cluster, coll)
+    for u in moe_meta.units:
+        for shape in moe_shapes(u, 1, 2):
+            expected = ALL_TO_ALLS_PER_STEP * seconds(dispatch_bytes_per_rank(shape, 2), 2, 1, False) \
+                + seconds(COUNT_BYTES * shape.num_experts, 2, 1, False)
+            assert ep2.ep_comm_s[u.index] == pytest.approx(expected)
+            assert seconds(COUNT_BYTES * shape.num_experts, 2, 1, False) > 0
     assert np.all(ep2.forward_s >= 0) and np.all(ep2.recompute_s["full"] >= ep2.recompute_s["none"])
 
 
