@@ -78,11 +78,28 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_st
     held = [name for name in units if name in present and any(True for _ in present[name].parameters())]
     tied = [group for group in tied_units(module, held)]
     grouped = {name for group in tied for name in group}
+    joining = _holders_outside_units(present, held)
     for group in [*tied, *([name] for name in held if name not in grouped)]:
-        targets = [present[name] for name in group]
+        targets = [present[name] for name in group] + [present[m] for name in group for m in joining.get(name, ())]
         fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=reshard,
                     offload_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+
+
+def _holders_outside_units(present: dict[str, nn.Module], held: list[str]) -> dict[str, list[str]]:
+    """Per unit, the modules outside every unit that own one of its parameters: Hugging Face's T5
+    keeps its embedding as `shared`, which the forward never calls, and reaches it through the
+    tied `encoder.embed_tokens` and `decoder.embed_tokens`. FSDP2 wants every holder of a shared
+    parameter in one group; left to the root's, `shared` would be a second manager of it."""
+    owner = {id(p): name for name in held for p in present[name].parameters()}
+    joining: dict[str, list[str]] = {}
+    for name, mod in present.items():
+        if not name or any(name == u or name.startswith(u + ".") for u in held):
+            continue
+        for p in mod._parameters.values():
+            if p is not None and id(p) in owner and name not in joining.get(owner[id(p)], []):
+                joining.setdefault(owner[id(p)], []).append(name)
+    return joining
 
 
 def offload_policy(offload: str, device_type: str) -> OffloadPolicy:
