@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from planner.cost.memory import TERMS
+from planner.plan import rank_peak_bytes
 from planner.profile_schema import Profile
 
 if TYPE_CHECKING:  # pandas costs half a second to import: only the profile table needs it
@@ -163,8 +164,6 @@ def memory_terms_table(plan, all_stages: bool = False) -> Table | None:
         table.add_row(str(k), *(format_bytes(stage[name]) if name in stage else "-" for name in names), format_bytes(tensors))
     lay = plan.layout
     if lay.virtual_stages > 1:  # what a GPU holds is its chunks together
-        from planner.plan import rank_peak_bytes
-
         table.caption = (f"A pipeline rank holds {lay.virtual_stages} of these stages (stage k on rank k mod {lay.pp_degree}), "
                          f"so their sum: {format_bytes(max(rank_peak_bytes(plan)))} on the busiest rank.")
         table.caption_justify = "left"

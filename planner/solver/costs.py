@@ -40,7 +40,6 @@ from planner.solver.intra_op import (
     IntraOpSolution,
     evaluate,
     moe_blocks,
-    sharded_feeds,
     solve_intra_op,
 )
 
@@ -502,7 +501,7 @@ class UnitCosts:
         row["fwd"] += self._copy_s(u, sol.strategies if sol else {}, t, sp, scale)
         row["comm"] = sol.comm_time_s if sol else 0.0
         row["plan"] = dict(sol.tp_plan) if (sol and is_sharded) else {}
-        row["feeds"] = sharded_feeds(u.ops, sol.strategies) if (sol and is_sharded) else {}
+        row["feeds"] = dict(sol.feeds) if (sol and is_sharded) else {}
         fp8 = None
         if self.float8:
             fp8 = price_fp8_unit(u, b, self.compute.gpu, t, skip_fqns=self.fp8_skip,

@@ -161,6 +161,9 @@ class IntraOpSolution:
     """Human-readable list of the collectives paid, e.g. `fwd all-reduce attn.wo->merge`."""
     forward_comm_time_s: float = 0.0
     """The forward pass's share of `comm_time_s` (what full recomputation runs again)."""
+    feeds: dict[str, list[str]] = field(default_factory=dict)
+    """Each row-parallel op reading column-sharded features -> the column-parallel ops they come
+    from (`sharded_feeds`); the plan's `Stage.tp_feeds` by module FQN."""
 
 
 @dataclass(frozen=True)
@@ -496,7 +499,8 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str]) -> IntraOpSolu
         module = by_name[n].module if n in by_name else None
         if module is not None and s in STYLE:
             plan[module] = STYLE[s]
-    return IntraOpSolution(dict(strategies), plan, compute, comm, params, paid, forward_comm)
+    return IntraOpSolution(dict(strategies), plan, compute, comm, params, paid, forward_comm,
+                           sharded_feeds(problem.ops, strategies))
 
 
 def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
