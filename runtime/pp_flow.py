@@ -14,6 +14,13 @@ the model's own variables still hold, so the received tensor replaces it at ever
 runs a stage on uninitialised tensors, and glue that reads them may take another path) is
 replaced by its exact value when the replay knows it, and refused otherwise: real code must
 never compute on memory that does not exist.
+
+Replaying an earlier stage's glue on the meta device with the values it can know costs far
+more than running it: Hugging Face's mask code is about fifty small ops, each through the
+value tracker, 8-10 ms a micro-batch on CPU for a stage behind Llama's embedding, against 2 ms
+for the first stage's whole forward. Every micro-batch replays the same code on inputs of the
+same shapes, so a stage keeps what its earlier glue returned the first time (`GlueReplay`) and
+hands it back while each op, and what it reads, is the same as then.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from planner.errors import PlannerError
 from planner.meta_values import KnownValues, model_line
@@ -73,13 +81,129 @@ def to_meta(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_meta else t.detach().to("meta")
 
 
+_MISS = object()
+_CHECKED_VALUES = 1 << 16
+"""Elements of a real tensor earlier glue may read for its result still to be reused (a received
+tensor's values, such as position ids: packed sequences change them from one micro-batch to
+the next). A larger one turns the reuse off."""
+
+
+class GlueReplay:
+    """What one stage's replay of earlier stages' glue returned, op by op, on its first forward,
+    and the values known of it: later forwards take the results back instead of running the
+    ops on meta (module docstring).
+
+    An op's result is taken back only if it is the same op at the same place in the sequence,
+    reading the same things: each meta tensor the same one by its key in the flow (or the same
+    object: a parameter or buffer), each real tensor equal in value, every other argument
+    equal. Otherwise the reuse is off from that op on, for good, and the replay runs the ops as
+    before. Glue writing in place (its tensors would carry the first forward's writes) is never
+    reused. Not used while torch infers shapes (uninitialised inputs) or with no device."""
+
+    def __init__(self) -> None:
+        self.known_values = KnownValues(sample=False)
+        """Values of the earlier glue's meta tensors, kept with them across forwards."""
+        self.ops: list[tuple] = []
+        """(op, signature of what it read, its result) in the order the first forward ran them."""
+        self.recorded = False
+        """The first forward ran to its end: `ops` is complete."""
+        self.usable = True
+        self.reused = 0
+        """Ops whose result was taken back (tests, benchmarks)."""
+
+    def signature(self, flow: "Flow", args, kwargs) -> tuple | None:
+        """What an op reads, comparable across forwards; None where it cannot be compared."""
+        flat, spec = tree_flatten((args, kwargs))
+        parts: list = [spec]
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                key = flow.keys.get(id(x))
+                if x.is_meta:
+                    parts.append(("key", key) if key is not None else ("object", x))  # held: its id stays its own
+                elif x.numel() <= _CHECKED_VALUES:
+                    parts.append(("value", x.detach().to("cpu", copy=True)))
+                else:
+                    return None
+            else:
+                parts.append(("leaf", x))
+        return tuple(parts)
+
+    @staticmethod
+    def same(a: tuple, b: tuple) -> bool:
+        """Whether two signatures read the same things."""
+        if len(a) != len(b) or a[0] != b[0]:
+            return False
+        for x, y in zip(a[1:], b[1:], strict=True):
+            if x[0] != y[0]:
+                return False
+            if x[0] == "value":
+                if x[1].dtype != y[1].dtype or x[1].shape != y[1].shape or not torch.equal(x[1], y[1]):
+                    return False
+            elif x[0] == "leaf":
+                try:
+                    if x[1] is not y[1] and not bool(x[1] == y[1]):
+                        return False
+                except Exception:  # an argument that cannot be compared
+                    return False
+            elif x[0] == "object":
+                if x[1] is not y[1]:
+                    return False
+            elif x[1] != y[1]:
+                return False
+        return True
+
+    def take(self, flow: "Flow", func, args, kwargs):
+        """The recorded result of this op (the flow's `glue_index`-th), or _MISS (reuse off)."""
+        index = flow.glue_index
+        if index < len(self.ops):
+            op, read, out = self.ops[index]
+            # (`==`: a property's getter is a new object at each access)
+            now = self.signature(flow, args, kwargs) if op is func or op == func else None
+            if now is not None and self.same(read, now):
+                flow.glue_index += 1
+                self.reused += 1
+                kept, spec = out
+                inputs = tree_flatten((args, kwargs))[0]
+                return tree_unflatten([inputs[x.index] if isinstance(x, _Argument) else x for x in kept], spec)
+        self.usable = False
+        return _MISS
+
+    def record(self, flow: "Flow", func, args, kwargs, out) -> None:
+        """Keep this op's result (the first forward's); glue that writes turns the reuse off."""
+        name = getattr(func, "__name__", "")
+        writes = (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" \
+            or (name.startswith("__i") and name.endswith("__")) or "out" in kwargs
+        read = None if writes else self.signature(flow, args, kwargs)
+        if read is None:
+            self.usable = False
+            return
+        # A result that is one of the op's own arguments (`.to` a dtype it has) is that argument
+        # on every forward: recorded as its place among them.
+        inputs = [id(x) for x in tree_flatten((args, kwargs))[0]]
+        flat, spec = tree_flatten(out)
+        kept = [_Argument(inputs.index(id(x))) if isinstance(x, torch.Tensor) and id(x) in inputs else x for x in flat]
+        self.ops.append((func, read, (kept, spec)))
+        flow.glue_index += 1
+
+
+@dataclass(frozen=True)
+class _Argument:
+    """In a recorded result: the op's `index`-th flattened argument."""
+
+    index: int
+
+
 class Flow(DataFlow):
     """The pipeline's `DataFlow` (planner/units.py: the profiler numbers tensors with the same
     class): records the cut layout (`stage` None) or replays stage `stage` of `layout`."""
 
     def __init__(self, layout: CutLayout | None = None, stage: int | None = None, received: dict[Key, torch.Tensor] | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, glue: GlueReplay | None = None):
         super().__init__()
+        self.glue_replay = glue if glue is not None and glue.usable and device is not None else None
+        """The stage's record of its earlier glue (`GlueReplay`), while it may be used."""
+        self.glue_index = 0
+        """Earlier-glue ops this forward has run (the next one's place in the record)."""
         self.layout, self.stage = layout, stage
         self.received = received or {}
         self.device = device
@@ -90,6 +214,8 @@ class Flow(DataFlow):
         self._known_values: KnownValues | None = None
         self.late = list(layout.late) if layout is not None and not self.recording else []
         self.late_index = 0
+        if self.glue_replay is not None:
+            self._known_values = self.glue_replay.known_values
 
     @property
     def known_values(self) -> KnownValues:
@@ -155,10 +281,21 @@ class Flow(DataFlow):
         if stage < self.stage:  # an earlier stage's glue: shapes only, the values arrive by p2p
             # On meta, but with the values it can know (received tensors such as position
             # ids, and what follows from them): glue may read them, as mask code does.
+            replay = self.glue_replay
+            if replay is not None and replay.recorded:
+                out = replay.take(self, func, args, kwargs)
+                if out is not _MISS:
+                    return self.produce(out, position)
+                self.glue_replay = None  # the rest of this forward runs its ops (with the values kept)
             values = self.known_values
-            args, kwargs = values.to_meta((args, kwargs))
+            meta_args, meta_kwargs = values.to_meta((args, kwargs))
             with values:
-                return self.produce(func(*args, **kwargs), position)
+                out = func(*meta_args, **meta_kwargs)
+            if replay is not None and not replay.recorded:
+                replay.record(self, func, args, kwargs, out)
+                if not replay.usable:
+                    self.glue_replay = None
+            return self.produce(out, position)
         return self.produce(func(*args, **kwargs), position)
 
     # A unit's internals are not numbered, so while one runs the mode steps off torch's

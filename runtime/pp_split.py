@@ -53,7 +53,7 @@ import contextlib
 import copy
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ from planner.errors import PlannerError
 from planner.meta_values import meta_autocast
 from planner.plan import Plan
 from planner.units import owned_parameters
-from runtime.pp_flow import INPUT, CutLayout, Flow, Key, StopStage, UnitHooks, to_meta
+from runtime.pp_flow import INPUT, CutLayout, Flow, GlueReplay, Key, StopStage, UnitHooks, to_meta
 from runtime.pp_scatter import GatherFromGroup, ScatterToGroup, splits
 
 _SAME = object()  # a _Stub's cache entry for a unit that returns its input
@@ -202,6 +202,9 @@ class StageSpec:
     shape_inference: bool = False
     """True while torch's pipeline infers the shapes crossing each cut by running the stage on
     uninitialised tensors (runtime/apply_pp.py): `_stage_forward` gives them sane values first."""
+    glue: GlueReplay = field(default_factory=GlueReplay)
+    """What the replay of earlier stages' glue returned on the first forward, reused after it
+    (runtime/pp_flow.py `GlueReplay`)."""
 
     def sliced(self, key: Key) -> bool:
         """Whether crossing tensor `key` travels as this group's slices."""
@@ -267,7 +270,8 @@ def _stage_forward(self: nn.Module, *args):
     if spec.hooks is None:  # first call: after TP, FSDP and recompute wrapped the units
         spec.hooks = UnitHooks(self, layout.units)
     device = next((t.device for t in args if isinstance(t, torch.Tensor) and not t.is_meta), None)
-    flow = Flow(layout, spec.stage, received, device=device)
+    glue = None if spec.shape_inference or spec.stage == 0 else spec.glue
+    flow = Flow(layout, spec.stage, received, device=device, glue=glue)
     inputs = flow.produce(tuple(inputs), INPUT)
     output = None
     try:
@@ -275,6 +279,11 @@ def _stage_forward(self: nn.Module, *args):
             output = spec.forward(self, *inputs)
     except StopStage:
         pass
+    except BaseException:
+        spec.glue.usable = False  # a forward that failed recorded only part of its glue
+        raise
+    if flow.glue_replay is not None:
+        flow.glue_replay.recorded = True
     if spec.stage == layout.num_stages - 1:
         assert output is not None, "the last stage must run to the end of forward"
         return _flatten_output(spec, output)

@@ -103,6 +103,75 @@ def test_chained_stages_equal_the_model(model, kwargs):
     assert sorted(names) == sorted(n for n, _ in full.named_parameters())  # original FQNs, each once
 
 
+# A stage after the first replays the earlier stages' glue each micro-batch; it reuses what that
+# glue returned the first time while the glue reads the same things (runtime/pp_flow.py
+# `GlueReplay`). The glue here branches on the values of a tensor the stage receives.
+STEERED_NET = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.a, self.b = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, tokens):
+        pos = tokens % 4
+        h = self.emb(tokens)
+        shift = 2.0 if bool((pos == 3).any()) else 1.0  # stage 0's glue, read in stage 1's replay
+        h = self.a(h)
+        h = h * shift + pos.unsqueeze(-1).float()  # stage 1's own glue: the stage receives pos
+        return self.b(h)
+
+def build_model():
+    return Net()
+
+def make_batch(batch_size, **_):
+    return torch.randint(16, (batch_size, 4)), torch.randint(16, (batch_size, 4))
+
+def loss_fn(out, y):
+    return F.cross_entropy(out.reshape(-1, 16), y.reshape(-1))
+"""
+
+
+def test_a_later_stage_reuses_its_earlier_glue_while_it_reads_the_same_values(write_model):
+    plan = make_plan(pp=2, units=["emb", "a", "b"], args={}, cuts=[0, 2, 3])
+    plan.model.file = str(write_model(STEERED_NET, "steered.py"))
+    mf = _model_file(plan)
+    with torch.device("meta"):
+        full = mf.build_model()
+    _materialize(full, mf)
+    ones = torch.ones(2, 4, dtype=torch.long)  # pos 1 everywhere: shift 1
+    chunks, out = _chain(plan, mf, (ones,))
+    assert torch.equal(out, full(ones))
+    (_, first), (_, last) = chunks
+    replay = last._pp_stage.glue
+    for tokens in (ones + 4, ones * 3, torch.tensor([[3, 1, 2, 7], [0, 5, 9, 11]])):  # shift 1, 2, 2
+        got = last(*first(tokens))
+        assert torch.equal(got, full(tokens)), tokens
+    # The second batch reads the same values (pos is 1 everywhere again): its glue came from the
+    # record; the third's pos differs, so the glue ran again and reuse stopped for good.
+    assert replay.reused > 0 and not replay.usable
+
+
+def test_hf_llama_stage_reuses_its_earlier_glue():
+    plan = _plan("hf_llama", pp=2, cuts=[0, 3, 6])
+    mf = _model_file(plan)
+    with torch.device("meta"):
+        full = mf.build_model()
+    _materialize(full, mf)
+    inputs, _ = _batch(mf, plan, 0)
+    chunks, _ = _chain(plan, mf, inputs)
+    (_, first), (_, last) = chunks
+    for step in (1, 2):
+        batch, _ = _batch(mf, plan, step)
+        out = last(*first(*batch))
+        assert torch.equal(out[0] if isinstance(out, tuple) else out, full(*batch).logits)
+    replay = last._pp_stage.glue
+    assert replay.usable and replay.reused >= 2 * len(replay.ops) > 0  # the mask code, from the record
+
+
 def test_unet_crossing_sets_include_skips():
     from runtime.pp_flow import trace_layout
 
