@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from planner.errors import PlannerError
 from planner.meta_values import KnownValues, model_line
@@ -111,9 +111,10 @@ class GlueReplay:
         self.reused = 0
         """Ops whose result was taken back (tests, benchmarks)."""
 
-    def signature(self, flow: "Flow", args, kwargs) -> tuple | None:
-        """What an op reads, comparable across forwards; None where it cannot be compared."""
-        flat, spec = tree_flatten((args, kwargs))
+    @staticmethod
+    def signature(flow: "Flow", flat: list, spec) -> tuple | None:
+        """What an op reads (its flattened arguments), comparable across forwards; None where it
+        cannot be compared."""
         parts: list = [spec]
         for x in flat:
             if isinstance(x, torch.Tensor):
@@ -157,14 +158,15 @@ class GlueReplay:
         index = flow.glue_index
         if index < len(self.ops):
             op, read, out = self.ops[index]
+            flat, spec = tree_flatten((args, kwargs))
             # (`==`: a property's getter is a new object at each access)
-            now = self.signature(flow, args, kwargs) if op is func or op == func else None
+            now = self.signature(flow, flat, spec) if op is func or op == func else None
             if now is not None and self.same(read, now):
                 flow.glue_index += 1
                 self.reused += 1
-                kept, spec = out
-                inputs = tree_flatten((args, kwargs))[0]
-                return tree_unflatten([inputs[x.index] if isinstance(x, _Argument) else x for x in kept], spec)
+                if not isinstance(out, _Rebuilt):
+                    return out
+                return tree_unflatten([flat[x.index] if isinstance(x, _Argument) else x for x in out.leaves], out.spec)
         self.usable = False
         return _MISS
 
@@ -173,16 +175,19 @@ class GlueReplay:
         name = getattr(func, "__name__", "")
         writes = (name.endswith("_") and not name.endswith("__")) or name == "__setitem__" \
             or (name.startswith("__i") and name.endswith("__")) or "out" in kwargs
-        read = None if writes else self.signature(flow, args, kwargs)
+        flat, spec = tree_flatten((args, kwargs))
+        read = None if writes else self.signature(flow, flat, spec)
         if read is None:
             self.usable = False
             return
         # A result that is one of the op's own arguments (`.to` a dtype it has) is that argument
         # on every forward: recorded as its place among them.
-        inputs = [id(x) for x in tree_flatten((args, kwargs))[0]]
-        flat, spec = tree_flatten(out)
-        kept = [_Argument(inputs.index(id(x))) if isinstance(x, torch.Tensor) and id(x) in inputs else x for x in flat]
-        self.ops.append((func, read, (kept, spec)))
+        inputs = [id(x) for x in flat]
+        leaves, out_spec = tree_flatten(out)
+        if any(isinstance(x, torch.Tensor) and id(x) in inputs for x in leaves):
+            out = _Rebuilt([_Argument(inputs.index(id(x))) if isinstance(x, torch.Tensor) and id(x) in inputs else x
+                            for x in leaves], out_spec)
+        self.ops.append((func, read, out))
         flow.glue_index += 1
 
 
@@ -191,6 +196,14 @@ class _Argument:
     """In a recorded result: the op's `index`-th flattened argument."""
 
     index: int
+
+
+@dataclass(frozen=True)
+class _Rebuilt:
+    """A recorded result holding some of its op's arguments (`_Argument`), rebuilt on reuse."""
+
+    leaves: list
+    spec: TreeSpec
 
 
 class Flow(DataFlow):
