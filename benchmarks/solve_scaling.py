@@ -36,7 +36,7 @@ MoE from EP 4 to EP 8, 18.35 -> 18.93 s. The code before (4aad57f) and after, al
 (`planner solve` processes, median of 5, 3 for the others): 175B x64 0.88 -> 0.87 s, x1024 1.03 ->
 1.10 s, x12,288 1.46 -> 1.54 s. The CSV was written again the same day (the seventeenth
 session) once zero bubble's waiting weight passes counted their weight ops' output gradients
-(planner/cost/schedules.py `pending_weight_passes`): 175B on 512 went back from zero bubble to
+(planner/cost/schedules.py `PeakState.pending`): 175B on 512 went back from zero bubble to
 ZeRO 3 on every GPU, 32.7 -> 32.9 s; and once more after ZeRO 1-2's once-per-step collectives
 were priced per unit, as FSDP2 runs them (planner/solver/search.py `Environment.dp_collectives`):
 175B on 12,288 moved from pp8 dp384 to pp6 dp512 (5.874 -> 5.872 s), the other times by under

@@ -28,7 +28,7 @@ from planner.cost.memory import (
     pipeline_keeps_outputs,
     stage_memory,
 )
-from planner.cost.schedules import forwards_first, in_flight_microbatches, pending_weight_passes
+from planner.cost.schedules import peak_states
 from planner.plan import rank_peak_bytes
 from planner.profiler import profile_model
 from planner.solver.plan_builder import build_plan
@@ -61,15 +61,12 @@ def predict(model: str, args: dict, world: int, pins: Pins):
     stages = []
     for k, ((i, j), r) in enumerate(zip(best.bounds, best.stage_recompute, strict=True)):
         copy = float(table.copy_parameters(i, j)[0])
-        stages.append(stage_memory(
+        fixed = dict(
             num_parameters=float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]),
             dtype=profile.dtype, zero_stage=cfg.zero_stage, dp_degree=cfg.dp,
             # the last unit's kept output, which the table counts with the next (another stage's) unit
             activation_bytes=float(table.activations[r][i:j].sum())
             + (float(table.boundary_saved[j - 1]) if table.boundary_saved is not None else 0.0),
-            in_flight=(flight := in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp,
-                                                        cfg.virtual_stages)),
-            forwards_first=bool(forwards_first(cfg.schedule, cfg.pp, cfg.num_microbatches, flight)),
             transient_bytes=float(table.transient[r][i:j].max()) if r == "full" else 0.0,
             p2p_bytes=p2p_buffer_bytes(cfg.num_microbatches, float(table.cut_bytes[i - 1]) if i > 0 else 0.0,
                                        float(table.cut_bytes[j - 1])) if cfg.pp > 1 else 0.0,
@@ -80,19 +77,22 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             # torch's schedule keeps the last stage's outputs before 2.10 (runtime/apply_pp.py)
             kept_output_bytes=cfg.num_microbatches * output_bytes
             if (cfg.pp > 1 and k == len(best.bounds) - 1 and pipeline_keeps_outputs()) else 0.0,
-            loss=loss_bytes(output_bytes, 4 if profile.dtype == "float32" else 2,
-                            loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches))
-            if k == len(best.bounds) - 1 else 0.0,
             largest_parameter=max(_largest_parameter(u, cfg.tp) for u in profile.units[i:j]),
             batch_bytes=float(batch_bytes(cfg.num_microbatches, table.input_bytes, table.target_bytes, i == 0,
                                           j == len(profile.units))),
-            batch_views=min(flight, cfg.num_microbatches) * table.batch_saved if i == 0 else 0.0,
             accumulation=accumulation_bytes(float(table.largest_parameter[i:j].max()), profile.dtype)
             if cfg.zero_stage <= 1 else 0.0,
-            pending_weight_gradients=pending_weight_passes(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp,
-                                                           cfg.virtual_stages) * float(table.weight_gradient_inputs[i:j].sum())
-            if i > 0 else 0.0,  # torch runs the first stage's backward whole, as its W
-            device="cpu"))
+            device="cpu")
+        loss = loss_bytes(output_bytes, 4 if profile.dtype == "float32" else 2,
+                          loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches)) if k == len(best.bounds) - 1 else 0.0
+        # The rank's largest peak state (planner/cost/schedules.py `peak_states`).
+        stages.append(max((stage_memory(
+            **fixed, in_flight=state.in_flight, forwards_first=not state.gradients, loss=loss if state.loss else 0.0,
+            batch_views=min(state.in_flight, cfg.num_microbatches) * table.batch_saved if i == 0 else 0.0,
+            pending_weight_gradients=state.pending * float(table.weight_gradient_inputs[i:j].sum())
+            if i > 0 else 0.0)  # torch runs the first stage's backward whole, as its W
+            for state in peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)),
+            key=lambda m: m.total))
     return build_plan(profile, cluster, GLOBAL_BATCH, result, 1, profile.dtype, None), stages
 
 
@@ -118,7 +118,8 @@ CASES = {
     "gpt-dp2-m1": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=4, zero_stage=0, recompute="none")),
     "gpt-pp2-gpipe": ("gpt", GPT_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="gpipe", recompute="none")),
     # Zero bubble's last stage keeps its weight ops' output gradients for the deferred W's (it was
-    # -21% before they were counted: planner/cost/schedules.py `pending_weight_passes`).
+    # -21% before they were counted), and with m = p its peak comes before any W made a gradient
+    # (planner/cost/schedules.py `peak_states`).
     "gpt-pp2-zb": ("gpt", GPT_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=4, schedule="zero-bubble", recompute="none")),
     "gpt-tp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=1, tp=2, micro_batch_size=2, zero_stage=0, recompute="none",
                                           sequence_parallel=False)),

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from planner.cluster import make_cluster
+from planner.cost.schedules import PeakState, forwards_first
 from planner.engines import export_plan
 from planner.errors import PlannerError
 from planner.plan import parse_plan
@@ -296,11 +297,13 @@ def test_rank_refit_equals_brute_force(instance):
     transient_of = np.array([transient[i:j].max() for i, j in zip(start, end, strict=True)])
     zeros = np.zeros(len(start))
     buffers = StageBuffers(receive=zeros, gathered=zeros, step_transient=zeros, bucket=zeros, batch=zeros,
-                           accumulation=zeros, weight_gradient_inputs=zeros, boundary_back=zeros, batch_saved=zeros, gradients=of(held.grads),
-                           schedule="1f1b", pp=2)  # 1F1B: gives back where m <= level
+                           accumulation=zeros, weight_gradient_inputs=zeros, boundary_back=zeros, batch_saved=zeros,
+                           gradients=of(held.grads), loss=zeros, schedule="1f1b", pp=2)
+    # 1F1B: the gradients given back where m <= level (planner/cost/schedules.py `peak_states`)
+    group = (PeakState(float(level), 0.0, not bool(forwards_first("1f1b", 2, held.m, level))),)
     choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)
     costs, _, width, refit = _per_unit_range_costs(choices, start, end, of(held.fixed), of(held.floor), transient_of,
-                                                   np.zeros(n), np.array([level]), buffers, held.m)
+                                                   np.zeros(n), [group], buffers, held.m)
     # Each chunk alone, as the stage DP's table prices it, and with the bytes at its choice.
     cost, _, nbytes = costs(limit)
     for chunk in chunks:
@@ -308,7 +311,7 @@ def test_rank_refit_equals_brute_force(instance):
         alone = _chunk_brute_force(unit_s, start_s, act, transient, chunk, held, level, limit)
         assert cost[0, at] == pytest.approx(alone, rel=1e-12, abs=1e-12) if np.isfinite(alone) else cost[0, at] == np.inf
         assert nbytes[0, at] <= limit * (1 + 1e-12) + 1e-12 if np.isfinite(alone) else nbytes[0, at] == np.inf
-    columns = refit(chunks, float(level), limit)
+    columns = refit(chunks, group, limit)
     best = _rank_brute_force(unit_s, start_s, act, transient, chunks, held, level, limit)
     assert (columns is None) == (not np.isfinite(best))
     if columns is not None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.cost.schedules import SCHEDULES, bubble_fraction, in_flight_microbatches, iteration_time_s, pending_weight_passes
+from planner.cost.schedules import SCHEDULES, bubble_fraction, in_flight_microbatches, iteration_time_s
 from planner.cost.simulator import action_name, draw_gantt, schedule_actions, simulate
 
 F_S, B_S = 1.0, 2.0  # backward twice the forward per micro-batch (Narayanan et al. 2021b)
@@ -218,12 +218,24 @@ def test_forwards_first_only_where_every_forward_of_the_peak_precedes_the_first_
     assert not forwards_first("zero-bubble", 2, 2, 2.0) and not forwards_first("interleaved-1f1b", 2, 2, 2.0)
 
 
-def test_zero_bubble_weight_passes_waiting_at_the_peak():
+def test_zero_bubble_peak_states():
+    from planner.cost.schedules import PeakState as S
+    from planner.cost.schedules import peak_states
+
     # torch's ZB1P on 2 ranks, 4 micro-batches (schedule_actions):
-    #   rank 0: F0 F1 B0 W0 F2 B1 W1 ...   after B0, two held and one B without its W
-    #   rank 1: F0 B0 F1 B1 W0 ...         after B1, two held and both B's without their W's
-    assert [pending_weight_passes("zero-bubble", 2, 4, rank) for rank in range(2)] == [1, 2]
+    #   rank 0: F0 F1 B0 W0 F2 B1 W1 ...   the first stage's whole backward is its W: nothing waits
+    #   rank 1: F0 B0 F1 B1 W0 F2 B2 ...   after B2, two held, both B's without their W's, W0's gradients
+    assert peak_states("zero-bubble", 2, 4, 0) == (S(2.0, 0.0, True),)
+    assert peak_states("zero-bubble", 2, 4, 1) == (S(2.0, 2.0, True),)
     # Rank r runs its W's r steps late: r + 1 waiting at its peak of p in flight.
-    assert [pending_weight_passes("zero-bubble", 4, 8, rank) for rank in range(4)] == [1, 2, 3, 4]
-    assert [pending_weight_passes("zero-bubble", 4, 16, rank, 2) for rank in range(4)] == [0.5, 1, 1.5, 2]
-    assert all(pending_weight_passes(s, 4, 8, 3) == 0 for s in ("gpipe", "1f1b", "interleaved-1f1b", "pipedream-2bw"))
+    assert [peak_states("zero-bubble", 4, 8, r) for r in range(4)] == [(S(4.0, p, True),) for p in (0.0, 2.0, 3.0, 4.0)]
+    # Interleaved, in micro-batches through all of a rank's chunks: rank 0's later chunk splits.
+    assert [peak_states("zero-bubble", 4, 16, r, 2)[0].pending for r in range(4)] == [0.5, 1, 1.5, 2]
+    # m = p: the peak comes before any W made a gradient; a W holds them, but not the loss its B
+    # freed. The first rank: both forwards first, then one held with the gradients.
+    assert peak_states("zero-bubble", 2, 2, 1) == (S(2.0, 2.0, False), S(2.0, 2.0, True, loss=False))
+    assert peak_states("zero-bubble", 2, 2, 0) == (S(2.0, 0.0, False), S(1.0, 0.0, True))
+    # The other schedules: one state, the gradients held unless every forward comes first.
+    assert peak_states("1f1b", 4, 3, 0) == (S(3.0, 0.0, False),) and peak_states("1f1b", 4, 8, 0) == (S(4.0, 0.0, True),)
+    assert peak_states("gpipe", 4, 8, 2) == (S(8.0, 0.0, False),)
+    assert peak_states("interleaved-1f1b", 4, 8, 0, 2) == (S(5.5, 0.0, True),)

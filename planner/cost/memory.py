@@ -313,7 +313,7 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     views of the batch, counted once, in `batch_bytes` (at most m micro-batches' of them);
     `accumulation`: gradient accumulation's transient (`accumulation_bytes`), where gradients are held;
     `pending_weight_gradients`: the output gradients zero bubble keeps for the weight passes waiting
-    at the peak (planner/cost/schedules.py `pending_weight_passes` x the stage's weight ops' output
+    at the peak (planner/cost/schedules.py `PeakState.pending` x the stage's weight ops' output
     gradients of one micro-batch), counted with the activations.
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)

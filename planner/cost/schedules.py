@@ -96,6 +96,7 @@ streams for GPipe and 1F1B on uniform stages (tests/test_overlap.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -221,26 +222,84 @@ def forwards_first(schedule: str, num_ranks: int, num_microbatches: int, in_flig
     return np.logical_and(held_back, np.asarray(in_flight) >= num_microbatches)
 
 
-def pending_weight_passes(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
-                          virtual_stages: int = 1) -> float:
-    """At pipeline rank `rank`'s activations' peak, the micro-batches (chunk-micro-batches / v, as
-    `in_flight_microbatches` counts) whose weight-gradient pass waits after their input-gradient
-    pass: zero bubble's, whose W's torch's `stage_backward_input` feeds with the weight ops' output
-    gradients it keeps meanwhile (planner/solver/costs.py `UnitCostTable.weight_gradient_inputs`).
-    Played from the schedule's actions (planner/cost/simulator.py `pending_at_peak`): on the
-    last of p ranks p (B's of the micro-batches in flight before the oldest's W), on the first 1
-    (its W follows its B at once, from its first steady step). 0 for the other schedules."""
+@dataclass(frozen=True)
+class PeakState:
+    """What a pipeline rank holds at one moment of its step that may be its activations' peak:
+    the memory there is in_flight x activations + pending x weight-pass inputs, the gradients if
+    held, the loss if held (planner/solver/search.py `StageBuffers.state_bytes`)."""
+
+    in_flight: float
+    """Micro-batches whose activations are held (chunk-micro-batches / v, as `in_flight_microbatches`)."""
+    pending: float
+    """Of them, those whose weight pass waits (zero bubble's: the output gradients of their weight
+    ops, which torch's `stage_backward_input` keeps for it; planner/solver/costs.py
+    `UnitCostTable.weight_gradient_inputs`)."""
+    gradients: bool
+    """The rank's parameter gradients exist (zero_grad frees them at the step's start)."""
+    loss: bool = True
+    """The last stage's loss is held (not during a deferred weight pass: its input-gradient pass
+    freed it)."""
+
+    def covers(self, other: "PeakState") -> bool:
+        """Holds at least what `other` holds, term by term."""
+        return (self.in_flight >= other.in_flight and self.pending >= other.pending
+                and self.gradients >= other.gradients and self.loss >= other.loss)
+
+
+def peak_states(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
+                virtual_stages: int = 1) -> tuple[PeakState, ...]:
+    """The moments of pipeline rank `rank`'s step one of which is its activations' peak, whichever
+    sizes its terms have: the memory model takes the largest (planner/solver/search.py).
+
+    One for every schedule but zero bubble: `in_flight_microbatches` held, with the gradients
+    unless every forward of that peak precedes the rank's first backward (`forwards_first`).
+
+    Zero bubble (torch's ScheduleInterleavedZeroBubble, `schedule_actions`), played action by
+    action: a forward holds one more micro-batch; an input-gradient pass (B) makes its
+    micro-batch's weight-pass inputs, kept until its weight pass (W), which makes the gradients
+    and then frees the micro-batch; during a W the loss its B freed is not held. The first stage
+    (rank 0's chunk 0) has no input gradient to make: torch skips its B and runs its whole
+    backward as its W, which frees the micro-batch as it makes the gradients, as a 1F1B backward
+    does (`stage_buffers` keeps no weight-pass inputs for it). Measured on GPT-NeoX's two stages at m = 2 (benchmarks/hf_architectures.py): the
+    first rank's peak comes at its second F with no gradient yet, the last rank's during its
+    second B, before any W made one, and its first W holds 27 KiB less (no loss, the gradients).
+    Only the states no other covers (`PeakState.covers`) are kept."""
     if schedule != "zero-bubble":
-        return 0.0
-    return _pending_by_rank(num_ranks, num_microbatches, virtual_stages)[rank] / virtual_stages
+        level = in_flight_microbatches(schedule, num_ranks, num_microbatches, rank, virtual_stages)
+        return (PeakState(level, 0.0, not bool(forwards_first(schedule, num_ranks, num_microbatches, level))),)
+    return _zero_bubble_states(num_ranks, num_microbatches, virtual_stages)[rank]
 
 
 @lru_cache(maxsize=256)
-def _pending_by_rank(num_ranks: int, num_microbatches: int, virtual_stages: int) -> tuple[int, ...]:
-    from planner.cost.simulator import pending_at_peak, schedule_actions
+def _zero_bubble_states(num_ranks: int, num_microbatches: int, virtual_stages: int) -> tuple[tuple[PeakState, ...], ...]:
+    from planner.cost.simulator import schedule_actions
 
-    return tuple(pending_at_peak(actions)
-                 for actions in schedule_actions("zero-bubble", num_ranks, num_microbatches, virtual_stages))
+    v = virtual_stages
+    out = []
+    for actions in schedule_actions("zero-bubble", num_ranks, num_microbatches, v):
+        held = pending = 0
+        made = False
+        states = []
+        for kind, chunk, _ in actions:
+            whole = chunk == 0  # the first stage's whole backward runs as its W
+            if kind == "F":
+                held += 1
+                states.append(PeakState(held / v, pending / v, made))
+            elif kind == "B" and not whole:
+                pending += 1
+                states.append(PeakState(held / v, pending / v, made))
+            elif kind == "W" and whole:  # frees the micro-batch as it makes the gradients
+                states.append(PeakState(held / v, pending / v, made))
+                held, made = held - 1, True
+            elif kind == "W":
+                states.append(PeakState(held / v, pending / v, True, loss=False))
+                held, pending, made = held - 1, pending - 1, True
+        kept = []
+        for state in dict.fromkeys(states):
+            if not any(other != state and other.covers(state) for other in states):
+                kept.append(state)
+        out.append(tuple(kept))
+    return tuple(out)
 
 
 def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, rank: int,

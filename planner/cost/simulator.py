@@ -314,19 +314,6 @@ def peak_in_flight(actions: list[Action]) -> int:
     return peak
 
 
-def pending_at_peak(actions: list[Action]) -> int:
-    """One rank's most chunk-micro-batches whose input-gradient pass (B) has run and weight pass
-    (W) has not, at its activations' peak (`peak_in_flight`): a B comes after its F and before
-    the W that releases the oldest, so the peak holds it too. 0 without a split backward."""
-    peak, held, pending, most = peak_in_flight(actions), 0, 0, 0
-    for kind, _, _ in actions:
-        held += (kind == "F") - (kind == "W")
-        pending += (kind == "B") - (kind == "W")
-        if held == peak:
-            most = max(most, pending)
-    return most
-
-
 def draw_gantt(timeline: Timeline, path: str | Path, title: str = "", row_labels: tuple[str, ...] = (),
                after: tuple[tuple[str, float], ...] = (), end_s: float = 0.0) -> Path:
     """PNG Gantt chart of a timeline; row labels, once-per-step segments: see planner.cost.gantt."""

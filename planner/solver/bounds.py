@@ -315,9 +315,12 @@ class TimeBound:
             states = stage_arrays(table, cfg, self.env)[2]
             kind = terms.common
             flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
-            # Ranks holding every micro-batch in flight hold no gradient at their activations' peak:
-            # where some rank may, the kind's states without them (a lower bound for every rank).
-            unheld = bool(forwards_first(cfg.schedule, cfg.pp, cfg.num_microbatches, max(level for level, _ in flights)))
+            # Ranks holding every micro-batch in flight hold no gradient at their activations' peak,
+            # nor may zero bubble's before their first weight pass (planner/cost/schedules.py
+            # `peak_states`): where some rank may, the kind's states without them (a lower bound
+            # for every rank).
+            unheld = cfg.schedule == "zero-bubble" or bool(
+                forwards_first(cfg.schedule, cfg.pp, cfg.num_microbatches, max(level for level, _ in flights)))
             grads = gradient_bytes_per_unit(table, cfg, self.env) if unheld else 0.0
             reserved = _end_units(table, cfg, self.env, terms, states - grads)
             memory = self.env.usable_memory_bytes - float(receive_floor_bytes(
@@ -404,8 +407,9 @@ class TimeBound:
         states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather, least_cut, gradients = groups.T
         # A rank that runs every forward of its activations' peak first holds no gradient then
         # (planner/cost/schedules.py `forwards_first`: without a pipeline, GPipe and 1F1B, the
-        # closed form 0, with m <= its micro-batches in flight): where some rank may, s - g.
-        states = np.where((m <= most) & ((form == 0) | (p == 1)), states - gradients, states)
+        # closed form 0, with m <= its micro-batches in flight), nor may a zero-bubble rank
+        # (form 2) before its first weight pass (`peak_states`): where some rank may, s - g.
+        states = np.where(((m <= most) & ((form == 0) | (p == 1))) | (form == 2), states - gradients, states)
         # What a rank's memory leaves beside its pipeline buffers; activations A may not be negative
         # (below 0 nothing fits, and any bound holds).
         memory = self.env.usable_memory_bytes - receive_floor_bytes(p, v, m, least_cut, self.env.pipeline_buffers)

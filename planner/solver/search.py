@@ -82,7 +82,7 @@ from planner.cost.memory import (
 )
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
-from planner.cost.schedules import forwards_first, in_flight_microbatches, iteration_time_s, pending_weight_passes
+from planner.cost.schedules import PeakState, iteration_time_s, peak_states
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
@@ -378,32 +378,29 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     copy_states = gpu_state_bytes(table.copy_parameters(start, end), cfg, env)
     hops, p2p, sliced = p2p_arrays(table, cfg, env)
     blocker = flush_blocker(cfg, sliced)  # pipedream-2bw: flushed (priced as 1F1B) or not (cut by m max)
-    # Peak micro-batches in flight per stage position (1F1B: earlier stages hold more). Stage
-    # positions holding as many share one row of the cost table (zero bubble: all of them).
-    rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
-                      for rank in range(cfg.pp)]
-    rank_pending = [pending_weight_passes(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
-                    for rank in range(cfg.pp)]
-    in_flight = np.array(rank_in_flight)[np.arange(num_chunks) % cfg.pp]
-    pending = np.array(rank_pending)[np.arange(num_chunks) % cfg.pp]
-    pairs, row_of_stage = np.unique(np.stack([in_flight, pending], axis=1), axis=0, return_inverse=True)
-    levels, level_pending, row_of_stage = pairs[:, 0], pairs[:, 1], row_of_stage.reshape(-1)
+    # What each stage position's rank may hold at its activations' peak (planner/cost/schedules.py
+    # `peak_states`: the micro-batches in flight, 1F1B's earlier stages holding more, and under
+    # zero bubble the weight passes waiting, the gradients and the loss). Stage positions whose
+    # ranks hold alike share one row of the cost table.
+    rank_groups = [peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
+                   for rank in range(cfg.pp)]
+    stage_groups = [rank_groups[k % cfg.pp] for k in range(num_chunks)]
+    groups = list(dict.fromkeys(stage_groups))
+    row_of_stage = np.array([groups.index(g) for g in stage_groups])
     buffers = stage_buffers(table, cfg, env, start, end)
     states_held = p_states[end] - p_states[start] + copy_states
-    fixed = states_held + buffers.forward_backward
-    fixed = fixed + np.where(end == num_units, stage_loss_bytes(table, env, cfg), 0.0)  # the loss, on the last stage
+    fixed = states_held + buffers.forward_backward + buffers.loss  # the loss, on the last stage
     floor = states_held + buffers.step  # the optimizer step's phase, which no recomputation shrinks
     transient = _range_max_at(table, env, "transient", table.transient["full"], start, end)
     width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
     if len(env.allowed_recompute) == 1:
         range_costs, least_bytes = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
                                                        first[env.allowed_recompute[0]], start, end, fixed, floor,
-                                                       transient, p2p, levels, buffers, cfg.num_microbatches,
-                                                       level_pending)
+                                                       transient, p2p, groups, buffers, cfg.num_microbatches)
     else:
         range_costs, least_bytes, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
-                                                                      floor, transient, p2p, levels, buffers,
-                                                                      cfg.num_microbatches, level_pending)
+                                                                      floor, transient, p2p, groups, buffers,
+                                                                      cfg.num_microbatches)
     min_needed = float(least_bytes.min())  # the least any one range holds: each of a rank's other chunks holds that
 
     def least_stage_bytes(bounds: tuple | None = None) -> float:
@@ -411,7 +408,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
         over each range's least bytes): what this configuration needs per GPU, for the message
         when nothing fits (the least of any one range understates it: with one stage, that
         stage holds the whole model)."""
-        nbytes = np.full((len(levels), size, size), np.inf)
+        nbytes = np.full((len(groups), size, size), np.inf)
         nbytes[:, start, end] = least_bytes
         if bounds is not None:
             return max(float(nbytes[row_of_stage[k], i, j]) for k, (i, j) in enumerate(bounds))
@@ -425,13 +422,13 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
         level_cost, level_choice, level_bytes = range_costs(limit, cfg.virtual_stages > 1)
         if env.cut_allowed is not None:
             level_cost[:, ~range_allowed(start, end, np.array(env.cut_allowed))] = np.inf
-        cost = np.full((len(levels), size, size), np.inf)
-        choice = np.full((len(levels), size, size), -1)
+        cost = np.full((len(groups), size, size), np.inf)
+        choice = np.full((len(groups), size, size), -1)
         cost[:, start, end], choice[:, start, end] = level_cost, level_choice
         values = np.unique(level_cost[np.isfinite(level_cost)])
         held: SharedRows | None = None  # read only where a rank holds several chunks
         if cfg.virtual_stages > 1:
-            nbytes = np.full((len(levels), size, size), np.inf)
+            nbytes = np.full((len(groups), size, size), np.inf)
             nbytes[:, start, end] = level_bytes
             held = SharedRows(nbytes, row_of_stage)
         return SharedRows(cost, row_of_stage), choice, held, values
@@ -503,7 +500,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             # solve_scaling rows once the cuts were leveled, and cost a refit per rank.)
             for cuts in to_refit:
                 chosen = stage_modes(choice, cuts)
-                modes = _refit_ranks(cuts, chosen, held_bytes, rank_in_flight, rank_pending, env.usable_memory_bytes,
+                modes = _refit_ranks(cuts, chosen, held_bytes, rank_groups, env.usable_memory_bytes,
                                      refit, unit_choices(table, cfg, env), width)
                 if modes is not None and modes != chosen:
                     tried.append(price(cuts, modes))
@@ -521,19 +518,18 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     return evaluation
 
 
-def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, rank_in_flight: list[float],
-                 rank_pending: list[float], limit: float, refit, choices: UnitChoices,
-                 width: int) -> list[tuple[int, ...]] | None:
+def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, rank_groups: list[tuple[PeakState, ...]],
+                 limit: float, refit, choices: UnitChoices, width: int) -> list[tuple[int, ...]] | None:
     """`modes` (per chunk of `bounds`, each unit's mode index) with the chunks of every pipeline
     rank whose bytes (`held_bytes`, as the cost table chose them) overflow `limit` together
     chosen again by `refit` (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
-    pp = len(rank_in_flight)
+    pp = len(rank_groups)
     out = list(modes)
     for rank in range(pp):
         chunks = list(range(rank, len(bounds), pp))
         if sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
             continue
-        columns = refit([bounds[k] for k in chunks], rank_in_flight[rank], limit, rank_pending[rank])
+        columns = refit([bounds[k] for k in chunks], rank_groups[rank], limit)
         if columns is None:
             return None
         for k, column in zip(chunks, columns, strict=True):
@@ -543,20 +539,23 @@ def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, r
 
 def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
                          start: np.ndarray, end: np.ndarray, fixed: np.ndarray, floor: np.ndarray, transient: np.ndarray,
-                         p2p: np.ndarray, levels: np.ndarray, buffers: StageBuffers, num_microbatches: int,
-                         pending: np.ndarray):
+                         p2p: np.ndarray, groups: list[tuple[PeakState, ...]], buffers: StageBuffers,
+                         num_microbatches: int):
     """One allowed mode (`--recompute` pinned): every unit of every range runs it. A range holds
-    the larger of its forward/backward bytes (`fixed`, the transient, the activations in flight,
-    and what a level holds besides: `StageBuffers.level_bytes`, with `pending` weight passes per level)
-    and its optimizer step's (`floor`). Returns ((limit, with_bytes) -> (cost [level, range],
-    choice [level, range]: 0 or -1, and with_bytes the bytes [level, range] at that choice, inf
-    where none fits), and the least bytes [level, range] each range can hold)."""
+    the larger of its forward/backward bytes (`fixed`, the transient, and at the largest of its
+    group's peak states the activations in flight and what the state holds besides:
+    `StageBuffers.state_bytes`) and its optimizer step's (`floor`). Returns ((limit, with_bytes)
+    -> (cost [group, range], choice [group, range]: 0 or -1, and with_bytes the bytes [group,
+    range] at that choice, inf where none fits), and the least bytes [group, range] each range
+    can hold)."""
     prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
-    memory = np.maximum(held[None, :] + buffers.level_bytes(levels[:, None], num_microbatches, pending[:, None])
-                        + levels[:, None] * (p_act[end] - p_act[start])[None, :], floor[None, :])
+    stored = p_act[end] - p_act[start]
+    memory = np.stack([np.max([held + buffers.state_bytes(state, num_microbatches) + state.in_flight * stored
+                               for state in group], axis=0) for group in groups])
+    memory = np.maximum(memory, floor[None, :])
 
     def costs(limit: float, with_bytes: bool = True):
         fits = memory <= limit
@@ -566,49 +565,71 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
 
 
 def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
-                          floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray, levels: np.ndarray,
-                          buffers: StageBuffers | None = None, num_microbatches: int = 0, pending=None):
-    """Modes per unit (planner/solver/unit_recompute.py): per range and level the fastest
-    frontier point that fits, a range whose optimizer step's bytes (`floor`) exceed the limit
-    fitting none; what a level holds besides (`buffers`, `StageBuffers.level_bytes` with `pending`
-    weight passes per level; None: nothing) changes its room. Returns as `_uniform_range_costs`, the choice a `padded` column,
+                          floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray,
+                          groups: list[tuple[PeakState, ...]], buffers: StageBuffers | None = None,
+                          num_microbatches: int = 0):
+    """Modes per unit (planner/solver/unit_recompute.py): per range and group of peak states
+    (planner/cost/schedules.py `peak_states`) the fastest frontier point that fits at every state
+    of the group, a range whose optimizer step's bytes (`floor`) exceed the limit fitting none;
+    what a state holds besides its activations (`buffers`, `StageBuffers.state_bytes`; None:
+    nothing) changes its room. Returns as `_uniform_range_costs`, the choice a `padded` column,
     and the padded width K (`UnitChoices.modes` reads the column with it)."""
     rows = choices.rows(start, end)
     _, act_all, lasts_all = choices.padded
     held = np.stack([fixed, fixed + transient], axis=1)  # [range, set]: the transient only with a full unit
-    levels = np.asarray(levels)
 
-    pending = np.zeros(len(levels)) if pending is None else np.asarray(pending)
+    def at_state(state: PeakState) -> np.ndarray:
+        return np.zeros(len(rows)) if buffers is None else buffers.state_bytes(state, num_microbatches)
 
-    def at_level(level, waiting) -> np.ndarray:
-        return np.zeros(len(rows)) if buffers is None else buffers.level_bytes(level, num_microbatches, waiting)
-
-    # [level, range, set]: what a range holds besides its activations, at each level
-    base = held[None] + np.stack([at_level(level, waiting) for level, waiting in zip(levels.tolist(), pending.tolist(),
-                                                                                     strict=True)])[..., None]
+    # Per group, per state: what a range holds besides its activations [range, set], and the state's level.
+    bases = [[(held + at_state(state)[:, None], state.in_flight) for state in group] for group in groups]
     least_act = act_all[rows[:, None], lasts_all[rows]]
-    least = np.maximum(base + levels[:, None, None] * least_act[None], floor[None, :, None]).min(axis=2)  # [level, range]
+    least = np.stack([np.maximum(np.max([base + level * least_act for base, level in group], axis=0),
+                                 floor[:, None]).min(axis=1) for group in bases])  # [group, range]
     offset = p2p[end - 1][None, :]
+    # One state: its room and level as they are. Several: a frontier point fits them all where its
+    # activations fit the least of their rooms per micro-batch in flight (level 1 on that room).
+    single = [len(group) == 1 for group in bases]
+    levels = np.array([group[0][1] if one else 1.0 for group, one in zip(bases, single, strict=True)])
+
+    def rooms(limit: float) -> np.ndarray:
+        out = []
+        for group, one in zip(bases, single, strict=True):
+            if one:
+                out.append(limit - group[0][0])
+                continue
+            per = [np.where(limit - base >= 0, np.inf, -np.inf) if level <= 0 else (limit - base) / level
+                   for base, level in group]
+            out.append(np.min(per, axis=0))
+        return np.stack(out)  # [group, range, set]
+
+    def held_at(column: np.ndarray) -> np.ndarray:
+        """Bytes [group, range] at each group's chosen column (any column where none fits)."""
+        sets = (column >= choices.width).astype(int)
+        act = choices.padded[1][rows[None, :], column]
+        out = []
+        for k, group in enumerate(bases):
+            out.append(np.max([np.take_along_axis(base, sets[k][:, None], axis=1)[:, 0] + level * act[k]
+                               for base, level in group], axis=0))
+        return np.stack(out)
 
     def costs(limit: float, with_bytes: bool = True):
-        cost, choice = fastest_fitting(choices, rows, limit - base, levels)
+        cost, choice = fastest_fitting(choices, rows, rooms(limit), levels)
         stepping = floor > limit
         if stepping.any():
             cost, choice = np.where(stepping[None, :], np.inf, cost), np.where(stepping[None, :], -1, choice)
         if not with_bytes:
             return cost + offset, choice, None
         fits = choice >= 0
-        column = np.where(fits, choice, 0)
-        memory = base[np.arange(len(levels))[:, None], np.arange(len(rows))[None, :], (column >= choices.width).astype(int)] \
-            + np.asarray(levels, dtype=float)[:, None] * choices.padded[1][rows[None, :], column]
+        memory = held_at(np.where(fits, choice, 0))
         return cost + offset, choice, np.where(fits, np.maximum(memory, floor[None, :]), np.inf)
 
     position = np.full((choices.num_units + 1, choices.num_units + 1), -1)
     position[start, end] = np.arange(start.size)
 
-    def refit(ranges: list[tuple[int, int]], level: float, limit: float, waiting: float = 0.0) -> list[int] | None:
-        """One pipeline rank's chunks `ranges` together in `limit` bytes with `level` micro-batches
-        in flight (`waiting` of them for their weight pass): the `padded` column of each (its units' modes) of least summed time whose
+    def refit(ranges: list[tuple[int, int]], group: tuple[PeakState, ...], limit: float) -> list[int] | None:
+        """One pipeline rank's chunks `ranges` together in `limit` bytes at its peak states `group`
+        (each chunk at the largest): the `padded` column of each (its units' modes) of least summed time whose
         summed bytes fit, or None. The chunks' frontiers are merged one by one into the Pareto
         frontier of (summed time, summed bytes) over their combinations, fastest first, thinned
         as a unit range's frontier is (planner/solver/unit_recompute.py `pareto`: every kept
@@ -624,7 +645,8 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
                 return None
             row = rows[n]
             option_t = time_all[row]
-            option_b = np.maximum((held[n, sets] + at_level(level, waiting)[n]) + level * act_all[row], floor[n])
+            option_b = np.maximum(np.max([held[n, sets] + at_state(state)[n] + state.in_flight * act_all[row]
+                                          for state in group], axis=0), floor[n])
             total_t = (merged_t[:, None] + option_t[None, :]).ravel()
             total_b = (merged_b[:, None] + option_b[None, :]).ravel()
             fit = np.flatnonzero(np.isfinite(total_t) & (total_b <= limit))
@@ -773,42 +795,36 @@ class StageBuffers:
     (`accumulation_bytes`): in the forward/backward phase, given back as the gradients are."""
     weight_gradient_inputs: np.ndarray
     """Per micro-batch whose weight pass waits, the output gradients its weight ops keep
-    (`UnitCostTable.weight_gradient_inputs` over the range): zero bubble's (`level_bytes`)."""
+    (`UnitCostTable.weight_gradient_inputs` over the range): zero bubble's (`state_bytes`)."""
     boundary_back: np.ndarray
     """The range's last unit's kept output (`UnitCostTable.boundary_saved`), which the table counts
-    with the next unit: another stage's, so each micro-batch in flight holds it here (`level_bytes`)."""
+    with the next unit: another stage's, so each micro-batch in flight holds it here (`state_bytes`)."""
     batch_saved: np.ndarray
     """Of one micro-batch's stored activations, the bytes that are views of the batch (the first
     stage's `UnitCostTable.batch_saved`): counted in `batch`, so each micro-batch in flight gives
-    them back (`level_bytes`)."""
+    them back (`state_bytes`)."""
     gradients: np.ndarray
     """The gradients the stage holds (its units' and its tied copies', ZeRO applied): in the
-    optimizer step's phase always, in the forward/backward phase unless every forward of the
-    peak precedes the rank's first backward (planner/cost/schedules.py `forwards_first`;
-    planner/cost/memory.py `stage_memory`). They are counted in `held`, so `unheld_gradients`
-    is what the forward/backward phase gives back."""
+    optimizer step's phase always, in the forward/backward phase at the peak states that hold
+    them (planner/cost/schedules.py `PeakState.gradients`; planner/cost/memory.py `stage_memory`).
+    They are counted in `held`, so `state_bytes` gives them back where a state holds none."""
+    loss: np.ndarray
+    """The loss's bytes on the stage holding the last unit (`stage_loss_bytes`), 0 elsewhere:
+    counted in the forward/backward phase's fixed bytes, given back at a state that holds none."""
     schedule: str
     pp: int
 
-    def unheld_gradients(self, in_flight, num_microbatches: int) -> np.ndarray:
-        """Per in-flight count (scalar or [level, 1] / [stage]), the gradient bytes the forward/backward
-        phase does not hold: all of them where every forward of the peak precedes the first backward."""
-        return np.where(forwards_first(self.schedule, self.pp, num_microbatches, in_flight), self.gradients, 0.0)
-
-    def unheld_accumulation(self, in_flight, num_microbatches: int) -> np.ndarray:
-        """`accumulation` where no gradient is held yet at the activations' peak."""
-        return np.where(forwards_first(self.schedule, self.pp, num_microbatches, in_flight), self.accumulation, 0.0)
-
-    def level_bytes(self, in_flight, num_microbatches: int, pending=0.0) -> np.ndarray:
-        """What the forward/backward phase holds beyond its states, buffers and in-flight
-        activations at a rank's level (`in_flight` micro-batches, `pending` of them waiting for
-        their weight pass: planner/cost/schedules.py `pending_weight_passes`): the pending weight
-        passes' inputs (`weight_gradient_inputs`) and the last unit's kept outputs (`boundary_back`),
-        less the gradients not yet made and their accumulation (`unheld_gradients`,
-        `unheld_accumulation`) and the activations that are views of the batch (`batch_views`)."""
-        return (np.asarray(pending) * self.weight_gradient_inputs + np.asarray(in_flight) * self.boundary_back
-                - self.unheld_gradients(in_flight, num_microbatches)
-                - self.unheld_accumulation(in_flight, num_microbatches) - self.batch_views(in_flight, num_microbatches))
+    def state_bytes(self, state: PeakState, num_microbatches: int) -> np.ndarray:
+        """What the forward/backward phase holds beyond its states, buffers, loss and in-flight
+        activations at peak state `state` (planner/cost/schedules.py `peak_states`): the pending
+        weight passes' inputs (`weight_gradient_inputs`) and the last unit's kept outputs
+        (`boundary_back`), less the gradients and their accumulation where the state has made none,
+        the loss where it holds none, and the activations that are views of the batch (`batch_views`)."""
+        out = (state.pending * self.weight_gradient_inputs + state.in_flight * self.boundary_back
+               - self.batch_views(state.in_flight, num_microbatches))
+        if not state.gradients:
+            out = out - self.gradients - self.accumulation
+        return out if state.loss else out - self.loss
 
     def batch_views(self, in_flight, num_microbatches: int) -> np.ndarray:
         """The in-flight activations that are views of the batch (`batch_saved`)."""
@@ -892,7 +908,7 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
                         boundary_back=zeros if table.boundary_saved is None else table.boundary_saved[end - 1],
                         batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
-                        schedule=cfg.schedule, pp=cfg.pp)
+                        loss=np.where(end == n, stage_loss_bytes(table, env, cfg), 0.0), schedule=cfg.schedule, pp=cfg.pp)
 
 
 def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
@@ -930,8 +946,7 @@ def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> flo
 
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,
                  held: np.ndarray, copies: np.ndarray, activations: np.ndarray, transient: np.ndarray,
-                 buffers: StageBuffers, loss: np.ndarray, stepping: np.ndarray, in_flight: np.ndarray,
-                 pending: np.ndarray) -> StageTerms:
+                 buffers: StageBuffers, loss: np.ndarray, stepping: np.ndarray, peak: list[PeakState]) -> StageTerms:
     """Per stage [starts[k], ends[k]), the terms of `_price`'s memory by name (planner/cost/memory.py
     `StageMemory.terms`): the model states split into parameters, gradients and optimizer state
     (the stage's units and its tied copies, ZeRO and offload applied), PipeDream-2BW's stashed
@@ -939,7 +954,8 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     forward/backward phase the activations of the micro-batches in flight (less the batch's views,
     plus the output gradients of the `pending` weight passes), full recomputation's and
     accumulation's transients, the communication buffers (`StageBuffers.communication`) and the
-    loss's bytes on the last stage; where the optimizer step's phase is larger (`stepping`),
+    loss's bytes on the last stage, at each stage's peak state (`peak`, planner/cost/schedules.py
+    `PeakState`: the gradients and the loss where it holds them); where the optimizer step's phase is larger (`stepping`),
     AdamW's temporaries as the transient or else ZeRO 0's bucket with the receive buffers as
     communication; the batch in both, as `stage_memory` names them. They sum to the stage's
     memory exactly."""
@@ -956,15 +972,17 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
     temporaries = buffers.step_transient >= buffers.bucket
     step_transient = np.where(temporaries, buffers.step_transient, 0.0)
     step_communication = np.where(temporaries, 0.0, buffers.bucket) + buffers.receive
-    unheld = np.where(stepping, 0.0, buffers.unheld_gradients(in_flight, cfg.num_microbatches))
+    in_flight = np.array([state.in_flight for state in peak])
+    pending = np.array([state.pending for state in peak])
+    made = np.array([state.gradients for state in peak])
+    unheld = np.where(stepping | made, 0.0, buffers.gradients)
     columns = {"parameters": weights + copy.weights, "gradients": gradients + copy.gradients - unheld,
                "optimizer_state": optimizer + copy.optimizer,
                "activations": np.where(stepping, 0.0, activations - buffers.batch_views(in_flight, cfg.num_microbatches)
                                        + pending * buffers.weight_gradient_inputs + in_flight * buffers.boundary_back),
-               "transient": np.where(stepping, step_transient, transient + buffers.accumulation
-                                     - buffers.unheld_accumulation(in_flight, cfg.num_microbatches)),
+               "transient": np.where(stepping, step_transient, transient + np.where(made, buffers.accumulation, 0.0)),
                "communication": np.where(stepping, step_communication, buffers.communication),
-               "loss": np.where(stepping, 0.0, loss), "batch": buffers.batch}
+               "loss": np.where(stepping | ~np.array([state.loss for state in peak]), 0.0, loss), "batch": buffers.batch}
     if cfg.schedule == "pipedream-2bw":
         columns["stashed_weights"] = held - (weights + gradients + optimizer)
     return StageTerms(tuple(columns), np.stack([np.broadcast_to(np.asarray(c, dtype=float), (len(starts),))
@@ -1017,19 +1035,21 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     total = sums(per_unit(times)) + start_s + p2p[ends - 1]
     stored = sums(per_unit(table.activations))
     held = sums(states)
-    rank_in_flight = [in_flight_microbatches(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
-                      for rank in range(cfg.pp)]
-    in_flight = np.array(rank_in_flight)[np.arange(len(bounds)) % cfg.pp]
-    pending = np.array([pending_weight_passes(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
-                        for rank in range(cfg.pp)])[np.arange(len(bounds)) % cfg.pp]
+    rank_groups = [peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
+                   for rank in range(cfg.pp)]
     # The stages cut the units in order, so their ranges are the segments reduceat takes from `starts`.
     transient = np.where(np.logical_or.reduceat(rebuilding, starts), np.maximum.reduceat(table.transient["full"], starts), 0.0)
     copies = table.copy_parameters(starts, ends)
     copy_states = gpu_state_bytes(copies, cfg, env)
     loss = np.where(ends == len(table.parameters), stage_loss_bytes(table, env, cfg), 0.0)
     buffers = stage_buffers(table, cfg, env, starts, ends)
-    forward_backward = held + copy_states + in_flight * stored + transient + buffers.forward_backward + loss \
-        + buffers.level_bytes(in_flight, cfg.num_microbatches, pending)
+    # Each stage at the largest of its rank's peak states (planner/cost/schedules.py `peak_states`).
+    at_states = [[state.in_flight * stored[k] + buffers.state_bytes(state, cfg.num_microbatches)[k]
+                  for state in rank_groups[k % cfg.pp]] for k in range(len(bounds))]
+    peak = [rank_groups[k % cfg.pp][int(np.argmax(values))] for k, values in enumerate(at_states)]
+    in_flight = np.array([state.in_flight for state in peak])
+    forward_backward = held + copy_states + transient + buffers.forward_backward + loss \
+        + np.array([max(values) for values in at_states])
     stepping = held + copy_states + buffers.step
     memory = np.maximum(forward_backward, stepping)
     half_p2p = p2p[ends - 1] / 2
@@ -1041,7 +1061,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient, buffers, loss,
-                         stepping > forward_backward, in_flight, pending)
+                         stepping > forward_backward, peak)
     pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
     fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0
