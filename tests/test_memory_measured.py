@@ -74,6 +74,9 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             largest_unit_parameters=float(table.parameters[i:j].max()) + copy,
             largest_unit_pair_parameters=copy + (float((table.parameters[i:j - 1] + table.parameters[i + 1:j]).max())
                                                  if j - i > 1 else 0.0),
+            # while the loss is held, FSDP holds the last unit and the one it prefetches
+            last_unit_parameters=float(table.parameters[j - 1]) + copy,
+            last_unit_pair_parameters=copy + (float(table.parameters[j - 2] + table.parameters[j - 1]) if j - i > 1 else 0.0),
             # torch's schedule keeps the last stage's outputs before 2.10 (runtime/apply_pp.py)
             kept_output_bytes=cfg.num_microbatches * output_bytes
             if (cfg.pp > 1 and k == len(best.bounds) - 1 and pipeline_keeps_outputs()) else 0.0,

@@ -103,14 +103,30 @@ def test_show_prints_the_terms(gpt_profile, tmp_path):
 def test_zero3_holds_two_gathered_units_and_one_unit_s_gradients(gpt_profile):
     # FSDP2 gathers a unit and prefetches the next (or copies the largest out of its flat
     # all-gather buffer: two copies of it), and holds one unit's unsharded gradients before their
-    # reduce-scatter: the plan's communication term is that, on top of the shards.
+    # reduce-scatter: the plan's communication term is that, on top of the shards. While the loss
+    # is held the backward has reached the last unit only, so the loss and the largest pair are
+    # never held at once: the peak is the larger moment.
     plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=1, dp=8, tp=1, zero_stage=3))
     (terms,) = plan.prediction.memory_terms_bytes
     weights, grads, _ = STATE_BYTES["mixed"]
     units = [u.num_parameters for u in gpt_profile.units]
     pair = max(a + b for a, b in zip(units[:-1], units[1:], strict=True))
-    assert terms["communication"] == pytest.approx(weights * max(pair, 2 * max(units)) + grads * max(units), rel=1e-6)
+    largest = weights * max(pair, 2 * max(units)) + grads * max(units)
+    last = weights * max(units[-2] + units[-1], 2 * units[-1]) + grads * units[-1]
+    assert terms["loss"] > 0 and terms["loss"] + last >= largest  # the loss's moment is the peak here
+    assert terms["communication"] == pytest.approx(last, rel=1e-6)
     assert terms["parameters"] == pytest.approx(weights * sum(units) / 8, rel=1e-6)
+    # Where the largest pair outweighs the loss with the last unit, the loss is gone at the peak.
+    from planner.cost.memory import gathered_bytes, stage_memory
+
+    mib = 2**20
+    pair_moment = gathered_bytes(100 * mib, 10 * mib, 20 * mib, "bfloat16", 3, 8)
+    loss_moment = gathered_bytes(100 * mib, mib, 2 * mib, "bfloat16", 3, 8)
+    for loss, held in ((mib, (0.0, pair_moment)), (200 * mib, (200 * mib, loss_moment))):
+        at = stage_memory(100 * mib, "bfloat16", 3, 8, activation_bytes=mib, in_flight=1, largest_unit_parameters=10 * mib,
+                          largest_unit_pair_parameters=20 * mib, loss=loss, last_unit_parameters=mib,
+                          last_unit_pair_parameters=2 * mib)
+        assert (at.loss, at.communication) == pytest.approx(held)
 
 
 
@@ -220,3 +236,28 @@ def test_a_tensor_two_units_keep_counts_once(name, args):
     assert table.boundary_saved is not None and table.boundary_saved.sum() > 0
     assert table.activations["none"].sum() == saved.bytes
     assert sum(u.costs[2].saved_bytes for u in profile.units) > 1.2 * saved.bytes
+
+
+def test_zero3_gathers_experts_as_their_own_group():
+    # The runtime shards each experts module on its own (runtime/apply_dp.py), so a MoE layer is
+    # two FSDP groups: during the experts' backward FSDP holds the layer whole and has prefetched
+    # the layer before without its experts; one group's gradients at a time (measured on a
+    # two-layer Mixtral: benchmarks/hf_architectures.py's zero3 peak went from +16% to +3%).
+    from planner.cost.memory import gathered_bytes
+    from planner.profiler import profile_model
+
+    profile = profile_model(str(EXAMPLES / "moe.py"), dict(n_layers=3, d_model=64, n_heads=4, vocab_size=64, seq_len=16,
+                                                             num_experts=8, top_k=2, moe_d_ff=256),
+                            [2], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=1, dp=2, tp=1, ep=1, zero_stage=3, micro_batch_size=2))
+    (terms,) = plan.prediction.memory_terms_bytes
+    params = [u.num_parameters for u in profile.units]
+    experts = [sum(layer.expert_parameters for layer in u.moe) for u in profile.units]  # all of a layer's experts
+    outer = [p - e for p, e in zip(params, experts, strict=True)]
+    groups = max(max(o, e) for o, e in zip(outer, experts, strict=True))
+    pairs = max(o + p for o, p in zip(outer[:-1], params[1:], strict=True))
+    nested = gathered_bytes(sum(params), groups, pairs, "bfloat16", 3, 2)
+    whole = gathered_bytes(sum(params), max(params), max(a + b for a, b in zip(params[:-1], params[1:], strict=True)),
+                           "bfloat16", 3, 2)
+    assert nested < whole  # the two are told apart here
+    assert terms["loss"] == 0 and terms["communication"] == pytest.approx(nested, rel=1e-6)

@@ -285,7 +285,8 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
                  kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
                  device: str = "gpu", stashed_parameters: float = 0.0, loss: float = 0.0,
                  forwards_first: bool = False, batch_bytes: float = 0.0, batch_views: float = 0.0,
-                 accumulation: float = 0.0, pending_weight_gradients: float = 0.0) -> StageMemory:
+                 accumulation: float = 0.0, pending_weight_gradients: float = 0.0,
+                 last_unit_parameters: float | None = None, last_unit_pair_parameters: float = 0.0) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -314,11 +315,22 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     `accumulation`: gradient accumulation's transient (`accumulation_bytes`), where gradients are held;
     `pending_weight_gradients`: the output gradients zero bubble keeps for the weight passes waiting
     at the peak (planner/cost/schedules.py `PeakState.pending` x the stage's weight ops' output
-    gradients of one micro-batch), counted with the activations.
+    gradients of one micro-batch), counted with the activations;
+    `last_unit_parameters`, `last_unit_pair_parameters`: under ZeRO 3, on the stage holding the
+    loss, the last unit's parameters and its pair with the one FSDP prefetches before it: while
+    the loss is held FSDP has gathered those only, and by the time it gathers the stage's largest
+    pair the loss is freed, so the two are not summed (the larger moment is the peak).
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     gathered = gathered_bytes(num_parameters, largest_unit_parameters, largest_unit_pair_parameters, dtype, zero_stage,
                               dp_degree)
+    if loss and zero_stage >= 3 and last_unit_parameters is not None:
+        with_loss = min(gathered_bytes(num_parameters, last_unit_parameters, last_unit_pair_parameters, dtype, zero_stage,
+                                       dp_degree), gathered)
+        if loss + with_loss >= gathered:
+            gathered = with_loss
+        else:  # the peak comes at the largest pair, the loss freed
+            loss = 0.0
     bucket = gradient_bucket_bytes(states.gradients, zero_stage, dp_degree)
     grads_at_peak = 0.0 if forwards_first else states.gradients
     communication = p2p_bytes + gathered + kept_output_bytes
@@ -357,7 +369,12 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
       more, two copies of the largest unit: FSDP2 all-gathers a unit into one flat buffer and
       copies it out into the unit's parameters before freeing it (torch 2.13
       `foreach_all_gather_copy_out`); and one unit's unsharded gradients before its
-      reduce-scatter (the largest unit).
+      reduce-scatter (the largest unit). A unit with experts is two FSDP groups, the experts
+      sharded on their own (runtime/apply_dp.py): the search passes the largest group as the
+      largest unit, and as a pair a unit whole with the unit before it less its experts, which
+      is what FSDP has prefetched while the experts' backward runs (measured on a two-layer
+      Mixtral under ZeRO 3 on CPU: the peak came in layer 1's experts' backward, holding layer 1
+      whole and layer 0's attention, and the experts' gradients).
     - ZeRO 1-2: the gathered parameters are `parameters` (runtime/train.py reshards after the
       last backward); FSDP2 keeps the sharded copy beside them, 1/dp of the weights. With
       offload that copy is on the host.

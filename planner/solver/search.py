@@ -811,8 +811,21 @@ class StageBuffers:
     loss: np.ndarray
     """The loss's bytes on the stage holding the last unit (`stage_loss_bytes`), 0 elsewhere:
     counted in the forward/backward phase's fixed bytes, given back at a state that holds none."""
+    gathered_with_loss: np.ndarray
+    """FSDP's gathered bytes while the loss is held (ZeRO 3: the last unit's, with the group it
+    prefetches), at most `gathered`: the two peak at different moments of the backward."""
     schedule: str
     pp: int
+
+    @property
+    def loss_apart(self) -> np.ndarray:
+        """What holding the loss and `gathered` at once overstates: loss + gathered less the larger
+        of the two moments (the loss with `gathered_with_loss`, or `gathered` without the loss)."""
+        return self.loss + self.gathered - np.maximum(self.gathered, self.loss + self.gathered_with_loss)
+
+    def loss_moment(self) -> np.ndarray:
+        """Whether a state holding the loss peaks while it is held (else: at FSDP's largest pair, freed)."""
+        return self.loss + self.gathered_with_loss >= self.gathered
 
     def state_bytes(self, state: PeakState, num_microbatches: int) -> np.ndarray:
         """What the forward/backward phase holds beyond its states, buffers, loss and in-flight
@@ -824,7 +837,7 @@ class StageBuffers:
                - self.batch_views(state.in_flight, num_microbatches))
         if not state.gradients:
             out = out - self.gradients - self.accumulation
-        return out if state.loss else out - self.loss
+        return out - self.loss_apart if state.loss else out - self.loss
 
     def batch_views(self, in_flight, num_microbatches: int) -> np.ndarray:
         """The in-flight activations that are views of the batch (`batch_saved`)."""
@@ -868,15 +881,29 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
     # A tied weight's copy, which a stage holding another of its units keeps (`copy_parameters`),
     # counts with the stage's parameters, and under ZeRO 3 with whichever unit FSDP gathers it in.
     copies = np.asarray(table.copy_parameters(start, end), dtype=float) * np.ones(len(start))
-    gathered = zeros
+    gathered = gathered_with_loss = zeros
     if cfg.zero_stage >= 1 and cfg.zero_dp > 1:
         if cfg.zero_stage >= 3:
-            largest_unit = _range_max_at(table, env, "parameters", params, start, end) + copies
-            largest_pair = _range_max_at(table, env, "pairs", params[:-1] + params[1:], start, end - 1) + copies
+            # FSDP groups: a unit, its experts apart (runtime/apply_dp.py shards each experts module
+            # on its own). A unit's backward holds its groups and the next group FSDP prefetches,
+            # the unit before's own (`outer`), and one group's gradients (planner/cost/memory.py
+            # `gathered_bytes`).
+            experts = np.zeros(n) if table.expert_parameters is None else table.expert_parameters
+            outer = params - experts
+            groups = np.maximum(outer, experts)
+            largest_unit = _range_max_at(table, env, "fsdp_groups", groups, start, end) + copies
+            largest_pair = _range_max_at(table, env, "prefetched_pairs", outer[:-1] + params[1:], start, end - 1) + copies
+            # While the loss is held the backward has reached the last unit only: FSDP holds that
+            # one and the group it prefetches, not the stage's largest pair.
+            last_pair = np.where(end - start > 1, outer[n - 2] + params[n - 1] if n > 1 else 0.0, 0.0) + copies
+            at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, groups[n - 1] + copies,
+                                     last_pair, env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload)
         else:
             largest_unit = largest_pair = zeros
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
                                   env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload)
+        gathered_with_loss = np.where(end == n, np.minimum(at_loss, gathered), gathered) if cfg.zero_stage >= 3 \
+            else gathered
     per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
     gradients = per_unit[end] - per_unit[start] + gpu_state_parts(copies, cfg, env).gradients
     bucket = gradient_bucket_bytes(gradients, cfg.zero_stage, cfg.dp)
@@ -908,7 +935,9 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
                         boundary_back=zeros if table.boundary_saved is None else table.boundary_saved[end - 1],
                         batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
-                        loss=np.where(end == n, stage_loss_bytes(table, env, cfg), 0.0), schedule=cfg.schedule, pp=cfg.pp)
+                        loss=np.where(end == n, stage_loss_bytes(table, env, cfg), 0.0),
+                        gathered_with_loss=gathered_with_loss,
+                        schedule=cfg.schedule, pp=cfg.pp)
 
 
 def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
@@ -983,6 +1012,11 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
                "transient": np.where(stepping, step_transient, transient + np.where(made, buffers.accumulation, 0.0)),
                "communication": np.where(stepping, step_communication, buffers.communication),
                "loss": np.where(stepping | ~np.array([state.loss for state in peak]), 0.0, loss), "batch": buffers.batch}
+    # A state holding the loss: at the loss's moment FSDP holds `gathered_with_loss`; else the loss is gone.
+    with_loss = ~stepping & np.array([state.loss for state in peak])
+    columns["communication"] = np.where(with_loss & buffers.loss_moment(), buffers.receive + buffers.gathered_with_loss,
+                                        columns["communication"])
+    columns["loss"] = np.where(with_loss & ~buffers.loss_moment(), 0.0, columns["loss"])
     if cfg.schedule == "pipedream-2bw":
         columns["stashed_weights"] = held - (weights + gradients + optimizer)
     return StageTerms(tuple(columns), np.stack([np.broadcast_to(np.asarray(c, dtype=float), (len(starts),))
