@@ -246,6 +246,11 @@ class Unit(_Model):
     saved_regions: list[SavedRegion] | None = None
     """What the unit saves for backward, by the ops it was computed from. None in profiles
     written before 2026-11-28 (the cost model then splits all but its boundary copies)."""
+    float_fed: bool | None = None
+    """Whether the unit consumes a floating-point tensor (an embedding of token ids does not). A
+    pipeline stage after the first holding a trained unit that does not runs its whole backward
+    at once under zero bubble (runtime/pp_split.py `needs_full_backward`). None in profiles
+    written before 2026-11-28: read as fed one."""
     moe: list[MoELayer] = []
     """The mixture-of-experts layers inside the unit, in the order of their experts modules;
     empty for a dense unit (and in profiles written before MoE layers were recorded)."""

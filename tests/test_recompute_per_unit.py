@@ -303,7 +303,7 @@ def test_rank_refit_equals_brute_force(instance):
     group = (PeakState(float(level), 0.0, not bool(forwards_first("1f1b", 2, held.m, level))),)
     choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)
     costs, _, width, refit = _per_unit_range_costs(choices, start, end, of(held.fixed), of(held.floor), transient_of,
-                                                   np.zeros(n), [group], buffers, held.m)
+                                                   np.zeros(n), [(group, group)], buffers, held.m)
     # Each chunk alone, as the stage DP's table prices it, and with the bytes at its choice.
     cost, _, nbytes = costs(limit)
     for chunk in chunks:
@@ -311,7 +311,7 @@ def test_rank_refit_equals_brute_force(instance):
         alone = _chunk_brute_force(unit_s, start_s, act, transient, chunk, held, level, limit)
         assert cost[0, at] == pytest.approx(alone, rel=1e-12, abs=1e-12) if np.isfinite(alone) else cost[0, at] == np.inf
         assert nbytes[0, at] <= limit * (1 + 1e-12) + 1e-12 if np.isfinite(alone) else nbytes[0, at] == np.inf
-    columns = refit(chunks, group, limit)
+    columns = refit(chunks, [(group, group)] * len(chunks), limit)
     best = _rank_brute_force(unit_s, start_s, act, transient, chunks, held, level, limit)
     assert (columns is None) == (not np.isfinite(best))
     if columns is not None:

@@ -239,3 +239,16 @@ def test_zero_bubble_peak_states():
     assert peak_states("1f1b", 4, 3, 0) == (S(3.0, 0.0, False),) and peak_states("1f1b", 4, 8, 0) == (S(4.0, 0.0, True),)
     assert peak_states("gpipe", 4, 8, 2) == (S(8.0, 0.0, False),)
     assert peak_states("interleaved-1f1b", 4, 8, 0, 2) == (S(5.5, 0.0, True),)
+
+
+def test_zero_bubble_stage_run_with_its_whole_backward():
+    # A later stage holding a trained unit fed no floating-point tensor (a decoder's token
+    # embedding) runs its whole backward at B (runtime/pp_split.py needs_full_backward): its
+    # micro-batch is freed there and nothing waits for a W, as on 1F1B's last rank.
+    from planner.cost.schedules import PeakState as S
+    from planner.cost.schedules import peak_states
+
+    assert peak_states("zero-bubble", 2, 2, 1, whole_chunk=1) == (S(1.0, 0.0, True),)
+    assert peak_states("zero-bubble", 2, 4, 1, whole_chunk=1) == (S(1.0, 0.0, True),)
+    assert peak_states("zero-bubble", 2, 4, 1) == (S(2.0, 2.0, True),)  # split: two held, both waiting
+    assert peak_states("zero-bubble", 2, 4, 0, whole_chunk=1) == peak_states("zero-bubble", 2, 4, 0)  # another rank's

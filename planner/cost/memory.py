@@ -286,7 +286,8 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
                  device: str = "gpu", stashed_parameters: float = 0.0, loss: float = 0.0,
                  forwards_first: bool = False, batch_bytes: float = 0.0, batch_views: float = 0.0,
                  accumulation: float = 0.0, pending_weight_gradients: float = 0.0,
-                 last_unit_parameters: float | None = None, last_unit_pair_parameters: float = 0.0) -> StageMemory:
+                 last_unit_parameters: float | None = None, last_unit_pair_parameters: float = 0.0,
+                 tied_parameters: float = 0.0) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -319,14 +320,16 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
     `last_unit_parameters`, `last_unit_pair_parameters`: under ZeRO 3, on the stage holding the
     loss, the last unit's parameters and its pair with the one FSDP prefetches before it: while
     the loss is held FSDP has gathered those only, and by the time it gathers the stage's largest
-    pair the loss is freed, so the two are not summed (the larger moment is the peak).
+    pair the loss is freed, so the two are not summed (the larger moment is the peak);
+    `tied_parameters`: under ZeRO 3, the stage's parameters of units sharing a weight, one FSDP
+    group held through the backward (`gathered_bytes`; the other arguments then leave them out).
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     gathered = gathered_bytes(num_parameters, largest_unit_parameters, largest_unit_pair_parameters, dtype, zero_stage,
-                              dp_degree)
+                              dp_degree, tied_parameters=tied_parameters)
     if loss and zero_stage >= 3 and last_unit_parameters is not None:
         with_loss = min(gathered_bytes(num_parameters, last_unit_parameters, last_unit_pair_parameters, dtype, zero_stage,
-                                       dp_degree), gathered)
+                                       dp_degree, tied_parameters=tied_parameters), gathered)
         if loss + with_loss >= gathered:
             gathered = with_loss
         else:  # the peak comes at the largest pair, the loss freed
@@ -359,7 +362,8 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
 
 
 def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, largest_unit_pair_parameters: Amount,
-                   dtype: str, zero_stage: int, dp_degree: int, offload: bool = False) -> Amount:
+                   dtype: str, zero_stage: int, dp_degree: int, offload: bool = False,
+                   tied_parameters: Amount | float = 0.0) -> Amount:
     """FSDP2's gathered parameters beside a stage's sharded model states, per GPU, held through
     forward and backward (the runtime runs ZeRO 1-3 as FSDP2 when dp > 1; elementwise, so the
     search passes arrays of stage ranges):
@@ -374,7 +378,11 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
       largest unit, and as a pair a unit whole with the unit before it less its experts, which
       is what FSDP has prefetched while the experts' backward runs (measured on a two-layer
       Mixtral under ZeRO 3 on CPU: the peak came in layer 1's experts' backward, holding layer 1
-      whole and layer 0's attention, and the experts' gradients).
+      whole and layer 0's attention, and the experts' gradients). Units sharing a weight (a tied
+      embedding and output head) are one FSDP group, gathered from the backward of the last of
+      them to that of the first, with its gradients: `tied_parameters` (their parameters in the
+      stage, copies included) are held whole throughout, apart from the pairs (measured on BERT,
+      whose tied embeddings and MLM head stay gathered through its encoder's backward).
     - ZeRO 1-2: the gathered parameters are `parameters` (runtime/train.py reshards after the
       last backward); FSDP2 keeps the sharded copy beside them, 1/dp of the weights. With
       offload that copy is on the host.
@@ -385,7 +393,7 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
         return 0.0 * num_parameters
     if zero_stage >= 3:
         return weight_bytes * np.maximum(largest_unit_pair_parameters, 2 * largest_unit_parameters) \
-            + grad_bytes * largest_unit_parameters
+            + grad_bytes * largest_unit_parameters + (weight_bytes + grad_bytes) * tied_parameters
     return 0.0 * num_parameters if offload else weight_bytes * num_parameters / dp_degree
 
 

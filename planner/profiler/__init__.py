@@ -261,7 +261,8 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         model=_model_info(mf, str(model_file), meta_model, units, owned, traces, sizes[0], batches[sizes[0]], element),
         micro_batch_sizes=sizes,
         units=[_unit_record(i, name, modules[name], fingerprints[name], owned.get(name, []), costs[name],
-                            *op_graphs[fingerprints[name]], moe_records(moe, name, element), element)
+                            *op_graphs[fingerprints[name]], moe_records(moe, name, element), element,
+                            float_fed=i in _float_fed(trace))
                for i, name in enumerate(units)],
         cuts=_cut_records(traces, sizes),
         whole_model=whole,
@@ -324,8 +325,15 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
     )
 
 
+def _float_fed(trace: UnitTrace) -> set[int]:
+    """Indices of the units that consume a floating-point tensor (runtime/pp_flow.py reads its
+    cut layout alike)."""
+    return {int(c) for t in trace.tensors if getattr(torch, t.dtype).is_floating_point
+            for c in t.consumers if c >= 0 and c % 1 == 0}
+
+
 def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: str, owned: list, costs: dict[int, UnitCosts],
-                 ops: list, saved_regions: list, moe, element: int) -> Unit:
+                 ops: list, saved_regions: list, moe, element: int, float_fed: bool = True) -> Unit:
     """One unit's profile record; `owned`: the (name, parameter) pairs it holds."""
     num_parameters = sum(p.numel() for _, p in owned)
     return Unit(
@@ -340,6 +348,7 @@ def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: st
         costs=costs,
         ops=ops,
         saved_regions=saved_regions,
+        float_fed=float_fed,
         moe=moe,
     )
 

@@ -122,6 +122,10 @@ class UnitCostTable:
     tied: tuple[TiedWeight, ...] = ()
     """Parameters shared by several units (tied embeddings). `parameters` counts each in its
     first unit; a stage holding another of its units holds a copy too (`copy_parameters`)."""
+    whole_backward: np.ndarray | None = None
+    """Per unit, True where it holds a trained parameter yet consumes no floating-point tensor
+    (`Unit.float_fed`: an embedding of token ids): a zero-bubble stage after the first holding
+    one runs its whole backward at B (runtime/pp_split.py `needs_full_backward`). None: none do."""
     expert_parameters: np.ndarray | None = None
     """The part of `parameters` that are MoE experts' (after EP: 1/ep of them): their gradients
     and optimizer state are sharded and reduced over expert data parallelism, not dp
@@ -619,6 +623,9 @@ class UnitCosts:
                            if u.parameter_bytes else 0.0 for u in units])  # (the schema fills trainable bytes)
         if frozen.any():  # the share of each unit's parameters that is frozen, after TP alike
             table = replace(table, frozen_parameters=frozen)
+        whole = np.array([u.float_fed is False and bool(u.trainable_parameter_bytes) for u in units])
+        if whole.any():
+            table = replace(table, whole_backward=whole)
         if not layer_seconds:
             return table
         seconds = [layer_seconds.get(u.index, []) for u in units]

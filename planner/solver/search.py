@@ -382,11 +382,10 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     # `peak_states`: the micro-batches in flight, 1F1B's earlier stages holding more, and under
     # zero bubble the weight passes waiting, the gradients and the loss). Stage positions whose
     # ranks hold alike share one row of the cost table.
-    rank_groups = [peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
-                   for rank in range(cfg.pp)]
-    stage_groups = [rank_groups[k % cfg.pp] for k in range(num_chunks)]
-    groups = list(dict.fromkeys(stage_groups))
-    row_of_stage = np.array([groups.index(g) for g in stage_groups])
+    whole = whole_backward_ranges(table, cfg, start, end)
+    stage_rows = stage_state_rows(cfg, num_chunks, whole is not None)
+    groups = list(dict.fromkeys(stage_rows))
+    row_of_stage = np.array([groups.index(g) for g in stage_rows])
     buffers = stage_buffers(table, cfg, env, start, end)
     states_held = p_states[end] - p_states[start] + copy_states
     fixed = states_held + buffers.forward_backward + buffers.loss  # the loss, on the last stage
@@ -396,11 +395,11 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     if len(env.allowed_recompute) == 1:
         range_costs, least_bytes = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
                                                        first[env.allowed_recompute[0]], start, end, fixed, floor,
-                                                       transient, p2p, groups, buffers, cfg.num_microbatches)
+                                                       transient, p2p, groups, buffers, cfg.num_microbatches, whole)
     else:
         range_costs, least_bytes, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
                                                                       floor, transient, p2p, groups, buffers,
-                                                                      cfg.num_microbatches)
+                                                                      cfg.num_microbatches, whole)
     min_needed = float(least_bytes.min())  # the least any one range holds: each of a rank's other chunks holds that
 
     def least_stage_bytes(bounds: tuple | None = None) -> float:
@@ -500,7 +499,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
             # solve_scaling rows once the cuts were leveled, and cost a refit per rank.)
             for cuts in to_refit:
                 chosen = stage_modes(choice, cuts)
-                modes = _refit_ranks(cuts, chosen, held_bytes, rank_groups, env.usable_memory_bytes,
+                modes = _refit_ranks(cuts, chosen, held_bytes, stage_rows, cfg.pp, env.usable_memory_bytes,
                                      refit, unit_choices(table, cfg, env), width)
                 if modes is not None and modes != chosen:
                     tried.append(price(cuts, modes))
@@ -518,18 +517,58 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     return evaluation
 
 
-def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, rank_groups: list[tuple[PeakState, ...]],
+StateRow = tuple[tuple[PeakState, ...], tuple[PeakState, ...]]
+"""A stage position's peak states (planner/cost/schedules.py `peak_states`): as its stage runs
+under the schedule, and if its stage runs its whole backward at once (`whole_backward_ranges`)."""
+
+
+def stage_state_rows(cfg: Config, num_chunks: int, with_whole: bool) -> list[StateRow]:
+    """Per stage position, its rank's peak states and, where `with_whole`, those of its stage
+    running its whole backward at B (zero bubble's `whole_chunk`; the first stage's own rule applies
+    to position 0 either way)."""
+    rows = []
+    for k in range(num_chunks):
+        split = peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
+        whole = peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages, whole_chunk=k) \
+            if with_whole and k > 0 else split
+        rows.append((split, whole))
+    return rows
+
+
+def whole_backward_ranges(table: UnitCostTable, cfg: Config, start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
+    """Per stage range [start, end), whether zero bubble's runtime runs its whole backward at its
+    input-gradient pass (runtime/pp_split.py `needs_full_backward`): a range after the first
+    holding a trained unit fed no floating-point tensor (`UnitCostTable.whole_backward`), or with
+    no trained unit before it (its inputs carry no gradient). None where no range does."""
+    if cfg.schedule != "zero-bubble" or cfg.pp * cfg.virtual_stages == 1:
+        return None
+    trained = table.parameters if table.frozen_parameters is None else table.parameters - table.frozen_parameters
+    before = np.concatenate([[0], np.cumsum(trained > 0)])
+    flagged = np.concatenate([[0], np.cumsum(table.whole_backward if table.whole_backward is not None
+                                             else np.zeros(len(trained), dtype=bool))])
+    whole = (np.asarray(start) > 0) & ((before[start] == 0) | (flagged[end] > flagged[start]))
+    return whole if whole.any() else None
+
+
+def _by_range(row: StateRow, whole: np.ndarray | None, of) -> np.ndarray:
+    """`of(group)` of a row's states per range (axis 0): its whole-backward states where `whole`."""
+    split = of(row[0])
+    if whole is None or row[1] == row[0]:
+        return split
+    return np.where(whole.reshape(-1, *([1] * (split.ndim - 1))), of(row[1]), split)
+
+
+def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, stage_rows: list[StateRow], pp: int,
                  limit: float, refit, choices: UnitChoices, width: int) -> list[tuple[int, ...]] | None:
     """`modes` (per chunk of `bounds`, each unit's mode index) with the chunks of every pipeline
     rank whose bytes (`held_bytes`, as the cost table chose them) overflow `limit` together
     chosen again by `refit` (`_per_unit_range_costs`); None where some rank's chunks cannot fit."""
-    pp = len(rank_groups)
     out = list(modes)
     for rank in range(pp):
         chunks = list(range(rank, len(bounds), pp))
         if sum(float(held_bytes[k, bounds[k][0], bounds[k][1]]) for k in chunks) <= limit:
             continue
-        columns = refit([bounds[k] for k in chunks], rank_groups[rank], limit)
+        columns = refit([bounds[k] for k in chunks], [stage_rows[k] for k in chunks], limit)
         if columns is None:
             return None
         for k, column in zip(chunks, columns, strict=True):
@@ -539,12 +578,13 @@ def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, r
 
 def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
                          start: np.ndarray, end: np.ndarray, fixed: np.ndarray, floor: np.ndarray, transient: np.ndarray,
-                         p2p: np.ndarray, groups: list[tuple[PeakState, ...]], buffers: StageBuffers,
-                         num_microbatches: int):
+                         p2p: np.ndarray, groups: list[StateRow], buffers: StageBuffers,
+                         num_microbatches: int, whole: np.ndarray | None = None):
     """One allowed mode (`--recompute` pinned): every unit of every range runs it. A range holds
     the larger of its forward/backward bytes (`fixed`, the transient, and at the largest of its
-    group's peak states the activations in flight and what the state holds besides:
-    `StageBuffers.state_bytes`) and its optimizer step's (`floor`). Returns ((limit, with_bytes)
+    row's peak states the activations in flight and what the state holds besides:
+    `StageBuffers.state_bytes`; a row's whole-backward states where `whole`, `stage_state_rows`)
+    and its optimizer step's (`floor`). Returns ((limit, with_bytes)
     -> (cost [group, range], choice [group, range]: 0 or -1, and with_bytes the bytes [group,
     range] at that choice, inf where none fits), and the least bytes [group, range] each range
     can hold)."""
@@ -553,9 +593,11 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
     time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
     stored = p_act[end] - p_act[start]
-    memory = np.stack([np.max([held + buffers.state_bytes(state, num_microbatches) + state.in_flight * stored
-                               for state in group], axis=0) for group in groups])
-    memory = np.maximum(memory, floor[None, :])
+    def at_peak(group: tuple[PeakState, ...]) -> np.ndarray:
+        return np.max([held + buffers.state_bytes(state, num_microbatches) + state.in_flight * stored for state in group],
+                      axis=0)
+
+    memory = np.maximum(np.stack([_by_range(row, whole, at_peak) for row in groups]), floor[None, :])
 
     def costs(limit: float, with_bytes: bool = True):
         fits = memory <= limit
@@ -566,11 +608,12 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
 
 def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
                           floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray,
-                          groups: list[tuple[PeakState, ...]], buffers: StageBuffers | None = None,
-                          num_microbatches: int = 0):
-    """Modes per unit (planner/solver/unit_recompute.py): per range and group of peak states
-    (planner/cost/schedules.py `peak_states`) the fastest frontier point that fits at every state
-    of the group, a range whose optimizer step's bytes (`floor`) exceed the limit fitting none;
+                          groups: list[StateRow], buffers: StageBuffers | None = None,
+                          num_microbatches: int = 0, whole: np.ndarray | None = None):
+    """Modes per unit (planner/solver/unit_recompute.py): per range and row of peak states
+    (planner/cost/schedules.py `peak_states`; the row's whole-backward states where `whole`,
+    `stage_state_rows`) the fastest frontier point that fits at every state, a range whose
+    optimizer step's bytes (`floor`) exceed the limit fitting none;
     what a state holds besides its activations (`buffers`, `StageBuffers.state_bytes`; None:
     nothing) changes its room. Returns as `_uniform_range_costs`, the choice a `padded` column,
     and the padded width K (`UnitChoices.modes` reads the column with it)."""
@@ -581,36 +624,40 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     def at_state(state: PeakState) -> np.ndarray:
         return np.zeros(len(rows)) if buffers is None else buffers.state_bytes(state, num_microbatches)
 
-    # Per group, per state: what a range holds besides its activations [range, set], and the state's level.
-    bases = [[(held + at_state(state)[:, None], state.in_flight) for state in group] for group in groups]
+    # Per group of states, per state: what a range holds besides its activations [range, set], and its level.
+    bases = {group: [(held + at_state(state)[:, None], state.in_flight) for state in group]
+             for row in groups for group in row}
     least_act = act_all[rows[:, None], lasts_all[rows]]
-    least = np.stack([np.maximum(np.max([base + level * least_act for base, level in group], axis=0),
-                                 floor[:, None]).min(axis=1) for group in bases])  # [group, range]
+
+    def least_of(group: tuple[PeakState, ...]) -> np.ndarray:
+        return np.maximum(np.max([base + level * least_act for base, level in bases[group]], axis=0),
+                          floor[:, None]).min(axis=1)
+
+    least = np.stack([_by_range(row, whole, least_of) for row in groups])  # [row, range]
     offset = p2p[end - 1][None, :]
     # One state: its room and level as they are. Several: a frontier point fits them all where its
     # activations fit the least of their rooms per micro-batch in flight (level 1 on that room).
-    single = [len(group) == 1 for group in bases]
-    levels = np.array([group[0][1] if one else 1.0 for group, one in zip(bases, single, strict=True)])
+    single = [row[0] == row[1] and len(row[0]) == 1 for row in groups]
+    levels = np.array([row[0][0].in_flight if one else 1.0 for row, one in zip(groups, single, strict=True)])
 
     def rooms(limit: float) -> np.ndarray:
-        out = []
-        for group, one in zip(bases, single, strict=True):
-            if one:
-                out.append(limit - group[0][0])
-                continue
-            per = [np.where(limit - base >= 0, np.inf, -np.inf) if level <= 0 else (limit - base) / level
-                   for base, level in group]
-            out.append(np.min(per, axis=0))
-        return np.stack(out)  # [group, range, set]
+        def normalised(group: tuple[PeakState, ...]) -> np.ndarray:
+            return np.min([np.where(limit - base >= 0, np.inf, -np.inf) if level <= 0 else (limit - base) / level
+                           for base, level in bases[group]], axis=0)
+
+        return np.stack([limit - bases[row[0]][0][0] if one else _by_range(row, whole, normalised)
+                         for row, one in zip(groups, single, strict=True)])  # [row, range, set]
 
     def held_at(column: np.ndarray) -> np.ndarray:
-        """Bytes [group, range] at each group's chosen column (any column where none fits)."""
+        """Bytes [row, range] at each row's chosen column (any column where none fits)."""
         sets = (column >= choices.width).astype(int)
         act = choices.padded[1][rows[None, :], column]
         out = []
-        for k, group in enumerate(bases):
-            out.append(np.max([np.take_along_axis(base, sets[k][:, None], axis=1)[:, 0] + level * act[k]
-                               for base, level in group], axis=0))
+        for k, row in enumerate(groups):
+            def at_column(group: tuple[PeakState, ...], k: int = k) -> np.ndarray:
+                return np.max([np.take_along_axis(base, sets[k][:, None], axis=1)[:, 0] + level * act[k]
+                               for base, level in bases[group]], axis=0)
+            out.append(_by_range(row, whole, at_column))
         return np.stack(out)
 
     def costs(limit: float, with_bytes: bool = True):
@@ -627,9 +674,9 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     position = np.full((choices.num_units + 1, choices.num_units + 1), -1)
     position[start, end] = np.arange(start.size)
 
-    def refit(ranges: list[tuple[int, int]], group: tuple[PeakState, ...], limit: float) -> list[int] | None:
-        """One pipeline rank's chunks `ranges` together in `limit` bytes at its peak states `group`
-        (each chunk at the largest): the `padded` column of each (its units' modes) of least summed time whose
+    def refit(ranges: list[tuple[int, int]], chunk_rows: list[StateRow], limit: float) -> list[int] | None:
+        """One pipeline rank's chunks `ranges` together in `limit` bytes, each at the largest of its
+        row's peak states (`chunk_rows`): the `padded` column of each (its units' modes) of least summed time whose
         summed bytes fit, or None. The chunks' frontiers are merged one by one into the Pareto
         frontier of (summed time, summed bytes) over their combinations, fastest first, thinned
         as a unit range's frontier is (planner/solver/unit_recompute.py `pareto`: every kept
@@ -639,12 +686,13 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
         sets = (np.arange(2 * width) >= width).astype(int)
         merged_t, merged_b = np.zeros(1), np.zeros(1)
         trail: list[tuple[np.ndarray, np.ndarray]] = []  # per chunk: (parent point, its column) of each point
-        for i, j in ranges:
+        for (i, j), states in zip(ranges, chunk_rows, strict=True):
             n = int(position[i, j])
             if n < 0:
                 return None
             row = rows[n]
             option_t = time_all[row]
+            group = states[1] if whole is not None and whole[n] else states[0]
             option_b = np.maximum(np.max([held[n, sets] + at_state(state)[n] + state.in_flight * act_all[row]
                                           for state in group], axis=0), floor[n])
             total_t = (merged_t[:, None] + option_t[None, :]).ravel()
@@ -883,25 +931,32 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
     copies = np.asarray(table.copy_parameters(start, end), dtype=float) * np.ones(len(start))
     gathered = gathered_with_loss = zeros
     if cfg.zero_stage >= 1 and cfg.zero_dp > 1:
+        tied_held = zeros
         if cfg.zero_stage >= 3:
             # FSDP groups: a unit, its experts apart (runtime/apply_dp.py shards each experts module
-            # on its own). A unit's backward holds its groups and the next group FSDP prefetches,
-            # the unit before's own (`outer`), and one group's gradients (planner/cost/memory.py
-            # `gathered_bytes`).
+            # on its own), and the units sharing a weight together (a tied embedding and output
+            # head: one group, gathered from the backward of the last of them to that of the first,
+            # its gradients with it: `tied_held`, through the whole backward). A unit's backward
+            # holds its groups and the next group FSDP prefetches, the unit before's own (`outer`),
+            # and one group's gradients (planner/cost/memory.py `gathered_bytes`).
+            tied = np.zeros(n, dtype=bool)
+            tied[[u for tie in table.tied for u in tie.units]] = True
+            tied_held = prefix(np.where(tied, params, 0.0))[end] - prefix(np.where(tied, params, 0.0))[start] + copies
             experts = np.zeros(n) if table.expert_parameters is None else table.expert_parameters
-            outer = params - experts
-            groups = np.maximum(outer, experts)
-            largest_unit = _range_max_at(table, env, "fsdp_groups", groups, start, end) + copies
-            largest_pair = _range_max_at(table, env, "prefetched_pairs", outer[:-1] + params[1:], start, end - 1) + copies
+            outer = np.where(tied, 0.0, params - experts)
+            own = np.where(tied, 0.0, params)
+            groups = np.maximum(outer, np.where(tied, 0.0, experts))
+            largest_unit = _range_max_at(table, env, "fsdp_groups", groups, start, end)
+            largest_pair = _range_max_at(table, env, "prefetched_pairs", outer[:-1] + own[1:], start, end - 1)
             # While the loss is held the backward has reached the last unit only: FSDP holds that
             # one and the group it prefetches, not the stage's largest pair.
-            last_pair = np.where(end - start > 1, outer[n - 2] + params[n - 1] if n > 1 else 0.0, 0.0) + copies
-            at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, groups[n - 1] + copies,
-                                     last_pair, env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload)
+            last_pair = np.where(end - start > 1, outer[n - 2] + own[n - 1] if n > 1 else 0.0, 0.0)
+            at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, groups[n - 1] + zeros,
+                                     last_pair, env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
         else:
             largest_unit = largest_pair = zeros
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
-                                  env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload)
+                                  env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
         gathered_with_loss = np.where(end == n, np.minimum(at_loss, gathered), gathered) if cfg.zero_stage >= 3 \
             else gathered
     per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
@@ -1069,8 +1124,9 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     total = sums(per_unit(times)) + start_s + p2p[ends - 1]
     stored = sums(per_unit(table.activations))
     held = sums(states)
-    rank_groups = [peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, rank, cfg.virtual_stages)
-                   for rank in range(cfg.pp)]
+    whole = whole_backward_ranges(table, cfg, starts, ends)
+    stage_groups = [row[1] if whole is not None and whole[k] else row[0]
+                    for k, row in enumerate(stage_state_rows(cfg, len(bounds), whole is not None))]
     # The stages cut the units in order, so their ranges are the segments reduceat takes from `starts`.
     transient = np.where(np.logical_or.reduceat(rebuilding, starts), np.maximum.reduceat(table.transient["full"], starts), 0.0)
     copies = table.copy_parameters(starts, ends)
@@ -1079,8 +1135,8 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     buffers = stage_buffers(table, cfg, env, starts, ends)
     # Each stage at the largest of its rank's peak states (planner/cost/schedules.py `peak_states`).
     at_states = [[state.in_flight * stored[k] + buffers.state_bytes(state, cfg.num_microbatches)[k]
-                  for state in rank_groups[k % cfg.pp]] for k in range(len(bounds))]
-    peak = [rank_groups[k % cfg.pp][int(np.argmax(values))] for k, values in enumerate(at_states)]
+                  for state in stage_groups[k]] for k in range(len(bounds))]
+    peak = [stage_groups[k][int(np.argmax(values))] for k, values in enumerate(at_states)]
     in_flight = np.array([state.in_flight for state in peak])
     forward_backward = held + copy_states + transient + buffers.forward_backward + loss \
         + np.array([max(values) for values in at_states])
