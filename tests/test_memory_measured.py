@@ -60,10 +60,13 @@ def predict(model: str, args: dict, world: int, pins: Pins):
     output_bytes = interpolate({b: c.output_bytes for b, c in last.items()}, cfg.micro_batch_size)
     stages = []
     own = table.parameters
-    free = own.copy()  # the units that share no weight
-    free[[u for tie in table.tied for u in tie.units]] = 0.0
     for k, ((i, j), r) in enumerate(zip(best.bounds, best.stage_recompute, strict=True)):
         copy = float(table.copy_parameters(i, j)[0])
+        # a tie two of whose units the stage holds is one FSDP group, held through the backward
+        grouped = [tie for tie in table.tied if sum(i <= u < j for u in tie.units) >= 2]
+        free = own.copy()
+        free[[u for tie in grouped for u in tie.units]] = 0.0
+        apart = 0.0 if grouped else copy
         fixed = dict(
             num_parameters=float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]),
             dtype=profile.dtype, zero_stage=cfg.zero_stage, dp_degree=cfg.dp,
@@ -74,12 +77,12 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             p2p_bytes=p2p_buffer_bytes(cfg.num_microbatches, float(table.cut_bytes[i - 1]) if i > 0 else 0.0,
                                        float(table.cut_bytes[j - 1])) if cfg.pp > 1 else 0.0,
             # units sharing a weight are one FSDP group, held through the backward (copies included)
-            tied_parameters=float(own[i:j].sum() - free[i:j].sum()) + copy,
-            largest_unit_parameters=float(free[i:j].max()),
-            largest_unit_pair_parameters=float((free[i:j - 1] + free[i + 1:j]).max()) if j - i > 1 else 0.0,
+            tied_parameters=float(own[i:j].sum() - free[i:j].sum()) + copy - apart,
+            largest_unit_parameters=float(free[i:j].max()) + apart,
+            largest_unit_pair_parameters=apart + (float((free[i:j - 1] + free[i + 1:j]).max()) if j - i > 1 else 0.0),
             # while the loss is held, FSDP holds the last unit and the one it prefetches
-            last_unit_parameters=float(free[j - 1]),
-            last_unit_pair_parameters=float(free[j - 2] + free[j - 1]) if j - i > 1 else 0.0,
+            last_unit_parameters=float(free[j - 1]) + apart,
+            last_unit_pair_parameters=apart + (float(free[j - 2] + free[j - 1]) if j - i > 1 else 0.0),
             # torch's schedule keeps the last stage's outputs before 2.10 (runtime/apply_pp.py)
             kept_output_bytes=cfg.num_microbatches * output_bytes
             if (cfg.pp > 1 and k == len(best.bounds) - 1 and pipeline_keeps_outputs()) else 0.0,

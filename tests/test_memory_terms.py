@@ -317,3 +317,45 @@ def test_zero_bubble_stage_with_a_token_embedding_runs_its_whole_backward(write_
     # The whole stage holds one micro-batch at its peak, not two with their weight passes' inputs.
     one = table.activations["none"][2:5].sum() + (table.boundary_saved[4] if table.boundary_saved is not None else 0.0)
     assert plan.prediction.memory_terms_bytes[1]["activations"] == pytest.approx(one, rel=1e-6)
+
+
+def test_zero3_tie_split_over_stages_leaves_each_unit_its_own_group(write_model):
+    # The runtime groups a tie's units only where one stage holds two of them (runtime/apply_dp.py):
+    # a tied embedding in stage 0 and its head's copy in stage 1 are each an ordinary FSDP unit,
+    # gathered (and copied out of the flat buffer: twice) at their own backward. In one stage
+    # they are one group held through the backward.
+    from planner.cost.memory import STATE_BYTES
+    from tests.test_tied_stages import TIED_GPT
+
+    path = write_model(TIED_GPT, "tied_gpt.py")
+    args = dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, vocab_size=4096, seq_len=16)
+    profile = profile_model_meta(path, args)
+    n = len(profile.units)
+    embedding = profile.units[0].num_parameters  # the tied weight counts in its first unit
+    weights, grads, _ = STATE_BYTES["mixed"]
+    split = solve(profile, make_cluster(4, gpu="a100-80gb"), 8, Pins(pp=2, dp=2, tp=1, zero_stage=3, micro_batch_size=2,
+                                                                      schedule="1f1b", recompute="none"),
+                  cuts=lambda chunks: ((0, 2), (2, n)))
+    first = split.prediction.memory_terms_bytes[0]
+    assert first["communication"] >= (2 * weights + grads) * embedding  # its own group, copied out
+    whole = solve(profile, make_cluster(2, gpu="a100-80gb"), 8, Pins(pp=1, dp=2, tp=1, zero_stage=3, micro_batch_size=2,
+                                                                      recompute="none"))
+    (terms,) = whole.prediction.memory_terms_bytes
+    assert terms["communication"] >= (weights + grads) * embedding  # the group, held through the backward
+
+
+def profile_model_meta(path, args):
+    from planner.profiler import profile_model
+
+    return profile_model(str(path), args, [2], device="meta", gpu="a100-80gb", dtype="bfloat16")
+
+
+def test_zero_bubble_bounds_hold_for_stages_run_whole():
+    # The search's lower bounds take the fewest micro-batches a zero-bubble rank may hold: every
+    # later stage run with its whole backward frees each at B (1F1B's count on the later ranks).
+    from planner.solver.bounds import _rank_in_flight
+
+    assert _rank_in_flight("zero-bubble", 4, 8, 1) == (4.0, 3.0, 2.0, 1.0)
+    assert _rank_in_flight("zero-bubble", 2, 4, 2)[1] <= min(
+        s.in_flight for s in __import__("planner.cost.schedules", fromlist=["peak_states"]).peak_states(
+            "zero-bubble", 2, 4, 1, 2, frozenset({1, 3})))

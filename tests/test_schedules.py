@@ -248,7 +248,7 @@ def test_zero_bubble_stage_run_with_its_whole_backward():
     from planner.cost.schedules import PeakState as S
     from planner.cost.schedules import peak_states
 
-    assert peak_states("zero-bubble", 2, 2, 1, whole_chunk=1) == (S(1.0, 0.0, True),)
-    assert peak_states("zero-bubble", 2, 4, 1, whole_chunk=1) == (S(1.0, 0.0, True),)
+    assert peak_states("zero-bubble", 2, 2, 1, whole_chunks=frozenset({1})) == (S(1.0, 0.0, True),)
+    assert peak_states("zero-bubble", 2, 4, 1, whole_chunks=frozenset({1})) == (S(1.0, 0.0, True),)
     assert peak_states("zero-bubble", 2, 4, 1) == (S(2.0, 2.0, True),)  # split: two held, both waiting
-    assert peak_states("zero-bubble", 2, 4, 0, whole_chunk=1) == peak_states("zero-bubble", 2, 4, 0)  # another rank's
+    assert peak_states("zero-bubble", 2, 4, 0, whole_chunks=frozenset({1})) == peak_states("zero-bubble", 2, 4, 0)  # another rank's

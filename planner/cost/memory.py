@@ -379,10 +379,12 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
       is what FSDP has prefetched while the experts' backward runs (measured on a two-layer
       Mixtral under ZeRO 3 on CPU: the peak came in layer 1's experts' backward, holding layer 1
       whole and layer 0's attention, and the experts' gradients). Units sharing a weight (a tied
-      embedding and output head) are one FSDP group, gathered from the backward of the last of
-      them to that of the first, with its gradients: `tied_parameters` (their parameters in the
-      stage, copies included) are held whole throughout, apart from the pairs (measured on BERT,
-      whose tied embeddings and MLM head stay gathered through its encoder's backward).
+      embedding and output head in one stage) are one FSDP group, gathered from the backward of
+      the last of them to that of the first, with its gradients: `tied_parameters` (their
+      parameters in the stage, copies included) are held whole throughout, beside the pairs, and
+      twice while FSDP copies the group out of its all-gather buffer (measured on BERT, whose
+      tied embeddings and MLM head stay gathered through its encoder's backward). A tie split
+      over stages leaves each unit a group of its own.
     - ZeRO 1-2: the gathered parameters are `parameters` (runtime/train.py reshards after the
       last backward); FSDP2 keeps the sharded copy beside them, 1/dp of the weights. With
       offload that copy is on the host.
@@ -392,8 +394,9 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
     if zero_stage == 0 or dp_degree <= 1:
         return 0.0 * num_parameters
     if zero_stage >= 3:
-        return weight_bytes * np.maximum(largest_unit_pair_parameters, 2 * largest_unit_parameters) \
-            + grad_bytes * largest_unit_parameters + (weight_bytes + grad_bytes) * tied_parameters
+        return weight_bytes * np.maximum(np.maximum(largest_unit_pair_parameters, 2 * largest_unit_parameters)
+                                         + tied_parameters, 2 * tied_parameters) \
+            + grad_bytes * (largest_unit_parameters + tied_parameters)
     return 0.0 * num_parameters if offload else weight_bytes * num_parameters / dp_degree
 
 

@@ -247,7 +247,7 @@ class PeakState:
 
 
 def peak_states(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
-                virtual_stages: int = 1, whole_chunk: int | None = None) -> tuple[PeakState, ...]:
+                virtual_stages: int = 1, whole_chunks: frozenset[int] = frozenset()) -> tuple[PeakState, ...]:
     """The moments of pipeline rank `rank`'s step one of which is its activations' peak, whichever
     sizes its terms have: the memory model takes the largest (planner/solver/search.py).
 
@@ -263,19 +263,19 @@ def peak_states(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
     does (`stage_buffers` keeps no weight-pass inputs for it). Measured on GPT-NeoX's two stages at m = 2 (benchmarks/hf_architectures.py): the
     first rank's peak comes at its second F with no gradient yet, the last rank's during its
     second B, before any W made one, and its first W holds 27 KiB less (no loss, the gradients).
-    `whole_chunk`: a later stage (chunk) the runtime runs with its whole backward at B, as it
+    `whole_chunks`: later stages (chunks) the runtime runs with their whole backward at B, as it
     does a stage holding a trained unit fed no floating-point tensor (runtime/pp_split.py
-    `needs_full_backward`: a decoder's token embedding); its W's do nothing. Only the states no
+    `needs_full_backward`: a decoder's token embedding); their W's do nothing. Only the states no
     other covers (`PeakState.covers`) are kept."""
     if schedule != "zero-bubble":
         level = in_flight_microbatches(schedule, num_ranks, num_microbatches, rank, virtual_stages)
         return (PeakState(level, 0.0, not bool(forwards_first(schedule, num_ranks, num_microbatches, level))),)
-    return _zero_bubble_states(num_ranks, num_microbatches, virtual_stages, whole_chunk)[rank]
+    return _zero_bubble_states(num_ranks, num_microbatches, virtual_stages, whole_chunks)[rank]
 
 
 @lru_cache(maxsize=256)
 def _zero_bubble_states(num_ranks: int, num_microbatches: int, virtual_stages: int,
-                        whole_chunk: int | None) -> tuple[tuple[PeakState, ...], ...]:
+                        whole_chunks: frozenset[int]) -> tuple[tuple[PeakState, ...], ...]:
     from planner.cost.simulator import schedule_actions
 
     v = virtual_stages
@@ -286,7 +286,7 @@ def _zero_bubble_states(num_ranks: int, num_microbatches: int, virtual_stages: i
         states = []
         for kind, chunk, _ in actions:
             first = chunk == 0  # the first stage's whole backward runs as its W
-            whole = chunk == whole_chunk != 0  # a later one's at its B
+            whole = chunk in whole_chunks and not first  # a later one's at its B
             if kind == "F":
                 held += 1
                 states.append(PeakState(held / v, pending / v, made))

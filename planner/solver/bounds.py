@@ -76,7 +76,7 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.cost.memory import model_state_bytes
-from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, forwards_first, in_flight_microbatches
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, forwards_first, in_flight_microbatches, peak_states
 from planner.solver.comm_pricing import bucket_parameters, gathered_dense, tail_collectives
 from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
@@ -790,7 +790,14 @@ def _least_slowest_chunk_s(prefix: list[float], chunks: int, offsets: list[float
 
 @lru_cache(maxsize=None)
 def _rank_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, ...]:
-    """L_r of every pipeline rank r (`in_flight_microbatches`), computed once for both uses below."""
+    """L_r of every pipeline rank r (`in_flight_microbatches`), computed once for both uses below.
+    Zero bubble: the fewest any rank may hold, every later stage running its whole backward at B
+    (planner/cost/schedules.py `peak_states`' `whole_chunks`: it frees each micro-batch there,
+    earlier than a deferred W), so the bound holds whichever stages the search finds so."""
+    if schedule == "zero-bubble":
+        every = frozenset(range(1, pp * virtual_stages))
+        return tuple(max(s.in_flight for s in peak_states(schedule, pp, num_microbatches, k, virtual_stages, every))
+                     for k in range(pp))
     return tuple(in_flight_microbatches(schedule, pp, num_microbatches, k, virtual_stages) for k in range(pp))
 
 

@@ -524,13 +524,13 @@ under the schedule, and if its stage runs its whole backward at once (`whole_bac
 
 def stage_state_rows(cfg: Config, num_chunks: int, with_whole: bool) -> list[StateRow]:
     """Per stage position, its rank's peak states and, where `with_whole`, those of its stage
-    running its whole backward at B (zero bubble's `whole_chunk`; the first stage's own rule applies
+    running its whole backward at B (zero bubble's `whole_chunks`; the first stage's own rule applies
     to position 0 either way)."""
     rows = []
     for k in range(num_chunks):
         split = peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages)
-        whole = peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages, whole_chunk=k) \
-            if with_whole and k > 0 else split
+        whole = peak_states(cfg.schedule, cfg.pp, cfg.num_microbatches, k % cfg.pp, cfg.virtual_stages,
+                            whole_chunks=frozenset({k})) if with_whole and k > 0 else split
         rows.append((split, whole))
     return rows
 
@@ -934,25 +934,41 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
         tied_held = zeros
         if cfg.zero_stage >= 3:
             # FSDP groups: a unit, its experts apart (runtime/apply_dp.py shards each experts module
-            # on its own), and the units sharing a weight together (a tied embedding and output
-            # head: one group, gathered from the backward of the last of them to that of the first,
-            # its gradients with it: `tied_held`, through the whole backward). A unit's backward
-            # holds its groups and the next group FSDP prefetches, the unit before's own (`outer`),
-            # and one group's gradients (planner/cost/memory.py `gathered_bytes`).
-            tied = np.zeros(n, dtype=bool)
-            tied[[u for tie in table.tied for u in tie.units]] = True
-            tied_held = prefix(np.where(tied, params, 0.0))[end] - prefix(np.where(tied, params, 0.0))[start] + copies
+            # on its own), and the units of a stage sharing a weight together (a tied embedding and
+            # output head in one stage: one group, gathered from the backward of the last of them to
+            # that of the first, its gradients with it: `tied_held`, through the whole backward; a
+            # tie split over stages leaves each unit, with its copy, a group of its own). A unit's
+            # backward holds its groups and the next group FSDP prefetches, the unit before's own
+            # (`outer`), and one group's gradients (planner/cost/memory.py `gathered_bytes`).
             experts = np.zeros(n) if table.expert_parameters is None else table.expert_parameters
-            outer = np.where(tied, 0.0, params - experts)
-            own = np.where(tied, 0.0, params)
-            groups = np.maximum(outer, np.where(tied, 0.0, experts))
-            largest_unit = _range_max_at(table, env, "fsdp_groups", groups, start, end)
-            largest_pair = _range_max_at(table, env, "prefetched_pairs", outer[:-1] + own[1:], start, end - 1)
+            grouped, tied = np.zeros(len(start), dtype=bool), np.zeros(n, dtype=bool)
+            for tie in table.tied:
+                units = np.array(tie.units)
+                inside = (units[:, None] >= start) & (units[:, None] < end)
+                joined = inside.sum(axis=0) >= 2  # the runtime groups a tie's units a stage holds together
+                grouped |= joined
+                tied[units] = True
+                tied_held = tied_held + np.where(joined, (params[units][:, None] * inside).sum(axis=0), 0.0)
+            tied_held = tied_held + np.where(grouped, copies, 0.0)
+            apart = np.where(grouped, 0.0, copies)  # a copy counts with whichever unit FSDP gathers it in
+            pick = lambda name, values, i, j: np.where(  # noqa: E731  (tied units out where a group holds them)
+                grouped, _range_max_at(table, env, name + "_untied", np.where(tied[:len(values)], 0.0, values), i, j),
+                _range_max_at(table, env, name, values, i, j))
+            outer = params - experts
+            groups = np.maximum(outer, experts)
+            largest_unit = pick("fsdp_groups", groups, start, end) + apart
+            pairs = outer[:-1] + params[1:]
+            largest_pair = np.where(grouped, _range_max_at(table, env, "prefetched_pairs_untied",
+                                                           np.where(tied[:-1], 0.0, outer[:-1]) + np.where(tied[1:], 0.0, params[1:]),
+                                                           start, end - 1),
+                                    _range_max_at(table, env, "prefetched_pairs", pairs, start, end - 1)) + apart
             # While the loss is held the backward has reached the last unit only: FSDP holds that
             # one and the group it prefetches, not the stage's largest pair.
-            last_pair = np.where(end - start > 1, outer[n - 2] + own[n - 1] if n > 1 else 0.0, 0.0)
-            at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, groups[n - 1] + zeros,
-                                     last_pair, env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
+            last = np.where(grouped & tied[n - 1], 0.0, groups[n - 1])
+            before = np.where(grouped & tied[n - 2], 0.0, outer[n - 2]) if n > 1 else 0.0
+            last_pair = np.where(end - start > 1, before + np.where(grouped & tied[n - 1], 0.0, params[n - 1]), 0.0) + apart
+            at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, last + apart, last_pair,
+                                     env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
         else:
             largest_unit = largest_pair = zeros
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
