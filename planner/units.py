@@ -126,6 +126,8 @@ class UnitTrace:
     """What in the forward a split sequence cannot follow (planner/profiler/counters.py `SequenceSplitChecks`)."""
     attention_calls: int | None = None
     """Its calls to F.scaled_dot_product_attention (None: not counted, the input has no sequence)."""
+    float_fed: set[int] = field(default_factory=set)
+    """Indices of the units that consume a floating-point tensor (`DataFlow.float_fed`)."""
 
     def unit_at(self, position: float) -> int:
         """The index of the unit whose stage runs code at `position` (see module docstring):
@@ -217,6 +219,12 @@ class DataFlow(TorchFunctionMode):
                 self.keys[id(t)] = key
                 self.values[key] = t
         return tree_unflatten(flat, spec) if changed else obj
+
+    def float_fed(self) -> set[int]:
+        """Indices of the units that consume a floating-point tensor (an embedding of token ids
+        does not): the profile's `Unit.float_fed`, and the pipeline's cut layout alike."""
+        return {int(u) for key, users in self.consumers.items() if self.values[key].is_floating_point()
+                for u in users if u % 1 == 0 and u >= 0}
 
     def consume(self, obj, position: float) -> None:
         for t in tree_flatten(obj)[0]:
@@ -488,6 +496,7 @@ def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
                 if b < len(tracer.order)]
         + [(tracer.order[a], tracer.order[b]) for a, b in
            repeated_spans([int(tracer.positions[n]) for n in tracer.sequence], len(tracer.order))],
+        float_fed=tracer.flow.float_fed(),
     )
 
 

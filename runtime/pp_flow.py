@@ -423,8 +423,7 @@ def trace_layout(model: nn.Module, plan: Plan, example_inputs: tuple) -> CutLayo
             if layout.stage_at(key[0]) <= k < max(layout.stage_at(u) for u in users)
         ))
     layout.late = flow.late
-    layout.float_fed = {int(u) for key, users in flow.consumers.items() if flow.values[key].is_floating_point()
-                        for u in users if u % 1 == 0 and u >= 0}
+    layout.float_fed = flow.float_fed()
     layout.trained = {i for i, name in enumerate(units) if any(p.requires_grad for p in meta_model.get_submodule(name).parameters())}
     check_unsplit(layout, joined_units(flow.late, flow.late_reach))
     check_unsplit(layout, repeated_spans(flow.order, len(units)),

@@ -298,7 +298,7 @@ def test_rank_refit_equals_brute_force(instance):
     zeros = np.zeros(len(start))
     buffers = StageBuffers(receive=zeros, gathered=zeros, step_transient=zeros, bucket=zeros, batch=zeros,
                            accumulation=zeros, weight_gradient_inputs=zeros, boundary_back=zeros, batch_saved=zeros,
-                           gradients=of(held.grads), loss=zeros, gathered_with_loss=zeros, schedule="1f1b", pp=2)
+                           gradients=of(held.grads), loss=zeros, gathered_with_loss=zeros)
     # 1F1B: the gradients given back where m <= level (planner/cost/schedules.py `peak_states`)
     group = (PeakState(float(level), 0.0, not bool(forwards_first("1f1b", 2, held.m, level))),)
     choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)

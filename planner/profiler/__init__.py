@@ -262,7 +262,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         micro_batch_sizes=sizes,
         units=[_unit_record(i, name, modules[name], fingerprints[name], owned.get(name, []), costs[name],
                             *op_graphs[fingerprints[name]], moe_records(moe, name, element), element,
-                            float_fed=i in _float_fed(trace))
+                            float_fed=i in trace.float_fed)
                for i, name in enumerate(units)],
         cuts=_cut_records(traces, sizes),
         whole_model=whole,
@@ -323,13 +323,6 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
     )
-
-
-def _float_fed(trace: UnitTrace) -> set[int]:
-    """Indices of the units that consume a floating-point tensor (runtime/pp_flow.py reads its
-    cut layout alike)."""
-    return {int(c) for t in trace.tensors if getattr(torch, t.dtype).is_floating_point
-            for c in t.consumers if c >= 0 and c % 1 == 0}
 
 
 def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: str, owned: list, costs: dict[int, UnitCosts],

@@ -862,8 +862,6 @@ class StageBuffers:
     gathered_with_loss: np.ndarray
     """FSDP's gathered bytes while the loss is held (ZeRO 3: the last unit's, with the group it
     prefetches), at most `gathered`: the two peak at different moments of the backward."""
-    schedule: str
-    pp: int
 
     @property
     def loss_apart(self) -> np.ndarray:
@@ -951,22 +949,24 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
                 tied_held = tied_held + np.where(joined, (params[units][:, None] * inside).sum(axis=0), 0.0)
             tied_held = tied_held + np.where(grouped, copies, 0.0)
             apart = np.where(grouped, 0.0, copies)  # a copy counts with whichever unit FSDP gathers it in
-            pick = lambda name, values, i, j: np.where(  # noqa: E731  (tied units out where a group holds them)
-                grouped, _range_max_at(table, env, name + "_untied", np.where(tied[:len(values)], 0.0, values), i, j),
-                _range_max_at(table, env, name, values, i, j))
+            untied = lambda values, units=tied: np.where(units, 0.0, values)  # noqa: E731
+
+            def range_max(name: str, values: np.ndarray, without_ties: np.ndarray, i, j) -> np.ndarray:
+                """Each range's max of `values`, of `without_ties` where the range holds a tie's group."""
+                return np.where(grouped, _range_max_at(table, env, name + "_untied", without_ties, i, j),
+                                _range_max_at(table, env, name, values, i, j))
+
             outer = params - experts
             groups = np.maximum(outer, experts)
-            largest_unit = pick("fsdp_groups", groups, start, end) + apart
-            pairs = outer[:-1] + params[1:]
-            largest_pair = np.where(grouped, _range_max_at(table, env, "prefetched_pairs_untied",
-                                                           np.where(tied[:-1], 0.0, outer[:-1]) + np.where(tied[1:], 0.0, params[1:]),
-                                                           start, end - 1),
-                                    _range_max_at(table, env, "prefetched_pairs", pairs, start, end - 1)) + apart
+            largest_unit = range_max("fsdp_groups", groups, untied(groups), start, end) + apart
+            largest_pair = range_max("prefetched_pairs", outer[:-1] + params[1:],
+                                     untied(outer[:-1], tied[:-1]) + untied(params[1:], tied[1:]), start, end - 1) + apart
             # While the loss is held the backward has reached the last unit only: FSDP holds that
             # one and the group it prefetches, not the stage's largest pair.
-            last = np.where(grouped & tied[n - 1], 0.0, groups[n - 1])
+            held_alone = ~(grouped & tied[n - 1])  # the last unit, outside a tie's group
+            last = np.where(held_alone, groups[n - 1], 0.0)
             before = np.where(grouped & tied[n - 2], 0.0, outer[n - 2]) if n > 1 else 0.0
-            last_pair = np.where(end - start > 1, before + np.where(grouped & tied[n - 1], 0.0, params[n - 1]), 0.0) + apart
+            last_pair = np.where(end - start > 1, before + np.where(held_alone, params[n - 1], 0.0), 0.0) + apart
             at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, last + apart, last_pair,
                                      env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
         else:
@@ -1007,8 +1007,7 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
                         batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
                         loss=np.where(end == n, stage_loss_bytes(table, env, cfg), 0.0),
-                        gathered_with_loss=gathered_with_loss,
-                        schedule=cfg.schedule, pp=cfg.pp)
+                        gathered_with_loss=gathered_with_loss)
 
 
 def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
