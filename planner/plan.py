@@ -330,6 +330,10 @@ class SearchReport(BaseModel):
     """The plan's predicted forward time per stage and micro-batch (the Gantt chart's input)."""
     stage_backward_s: list[float] | None = None
     """The plan's predicted backward time per stage and micro-batch."""
+    stage_weight_fraction: list[float] | None = None
+    """Zero bubble: per stage, the share of its backward run as the deferred weight pass W,
+    where stages differ (0: the runtime runs that stage's whole backward at B; planner/cost/
+    schedules.py `weight_fractions`). None: the same split for every stage (BACKWARD_WEIGHT_FRACTION)."""
     alternatives: list[Alternative] = []
     """The next best configurations, fastest first."""
     notes: list[str] = []
@@ -460,6 +464,10 @@ def check_plan_consistency(plan: Plan) -> None:
                 problems.append(f"stage {i} has no units")
             if sorted(stage.ranks) != stage_ranks(lay, i):
                 problems.append(f"stage {i} ranks {stage.ranks} != expected {stage_ranks(lay, i)}")
+    split = plan.search.stage_weight_fraction if plan.search else None
+    if split is not None and (len(split) != num_stages or not all(0.0 <= w <= 1.0 for w in split)):
+        problems.append(f"search.stage_weight_fraction {split} must give one share in [0, 1] per stage ({num_stages}); "
+                        "remove it to use the default split")
     seen: set[str] = set()
     for stage in plan.stages:
         for unit in stage.units:

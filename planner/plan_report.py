@@ -186,6 +186,7 @@ def print_search(search: SearchReport, console: Console) -> None:
 
 def simulated_timeline(plan: Plan):
     """The plan's schedule played by the event simulator on its predicted stage times."""
+    from planner.cost.schedules import weight_split
     from planner.cost.simulator import simulate
     from planner.errors import PlannerError
 
@@ -193,7 +194,8 @@ def simulated_timeline(plan: Plan):
     if not fwd or not bwd:
         raise PlannerError("This plan has no predicted stage times to simulate.", "Draw Gantt charts of plans written by `planner solve`.")
     lay = plan.layout
-    return simulate(lay.schedule, fwd, bwd, plan.batch.num_microbatches, lay.virtual_stages)
+    return simulate(lay.schedule, fwd, bwd, plan.batch.num_microbatches, lay.virtual_stages,
+                    backward_weight_fraction=weight_split(plan))
 
 
 SCHEDULE_TERMS = ("compute", "tp_comm", "p2p", "bubble")

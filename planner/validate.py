@@ -124,6 +124,7 @@ def predicted_bubble(plan: Plan) -> float | None:
     are not idle time here; a run shows those as gaps). None without predicted stage times
     (a hand-written plan, or one solved before they were recorded). A pipedream-2bw plan the
     runtime runs without a flush: the steady state's idle share."""
+    from planner.cost.schedules import weight_split
     from planner.cost.simulator import simulate
     from planner.plan import flush_free_blocker
 
@@ -137,7 +138,8 @@ def predicted_bubble(plan: Plan) -> float | None:
         # the others idle for the difference, and no fill or drain is left to count.
         work = [f + b for f, b in zip(forward, backward, strict=True)]
         return 1 - sum(work) / (len(work) * max(work)) if max(work) > 0 else 0.0
-    return simulate(lay.schedule, forward, backward, plan.batch.num_microbatches, lay.virtual_stages).bubble_fraction()
+    return simulate(lay.schedule, forward, backward, plan.batch.num_microbatches, lay.virtual_stages,
+                    backward_weight_fraction=weight_split(plan)).bubble_fraction()
 
 
 def timeline_from_metrics(metrics: Metrics):

@@ -52,7 +52,16 @@ plus, for v = 1, the hop max(f_k + B_k - W_k, f_k, B_k) of every chunk but the s
 (Alpa's form with the hop in place of f_k + b_k; the simulator was within -11%..+0.4% of
 it on random stages), for v > 1 (p - 1) times the largest hop (-11%..+38% at v = 2). For m < p the
 W's cannot fill the drain regularly and there is no simple form: iteration_time_s plays the
-schedule in the simulator. Activations are counted until W (W still needs the layer
+schedule in the simulator. Nor is there one where the split differs between chunks: a stage
+the runtime runs whole at B (runtime/pp_split.py `needs_full_backward`: a later stage holding
+a trained unit fed no floating-point tensor, or one with nothing trained before it, has no
+W to defer) has W = 0 and B = b, which takes ZB-H1's saving away at its hop (on uniform
+stages, p = 4, m = 8, f = 1, b = 2: one such stage of four makes 27 -> 30 of 1F1B's 33), so
+iteration_time_s plays such pipelines too (`weight_fractions`). The first stage is the one
+whose split does not matter: torch runs its whole backward at its W (nothing needs its input
+gradients), and as nothing waits on its B the makespan is the same for any split of it
+(tests/test_zero_bubble_whole_backward.py plays random stages); it keeps the common w.
+Activations are counted until W (W still needs the layer
 inputs): rank i holds min(m v, (v-1) m_r + p) chunk-micro-batches, every rank alike; for
 v = 1 that is min(m, p), 1F1B's peak on rank 0, as the paper states for ZB-H1.
 
@@ -96,17 +105,43 @@ streams for GPipe and 1F1B on uniform stages (tests/test_overlap.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-from planner.plan import SCHEDULES
+from planner.plan import SCHEDULES, Plan
 
 BACKWARD_WEIGHT_FRACTION = 0.5
 """Zero bubble's split of a chunk's backward b into B = (1 - w) b (input gradients) and W = w b
 (weight gradients), unless a caller gives another w: the two GEMMs of a linear's backward
 cost the same."""
+
+
+def chunk_weight_fractions(backward_weight_fraction: float | Sequence[float], num_chunks: int) -> list[float]:
+    """Zero bubble's W share per chunk: one value for every chunk, or one per chunk; each in [0, 1]."""
+    if isinstance(backward_weight_fraction, (int, float)):
+        split = [float(backward_weight_fraction)] * num_chunks
+    else:
+        split = [float(w) for w in backward_weight_fraction]
+        if len(split) != num_chunks:
+            raise ValueError(f"{len(split)} weight fractions for {num_chunks} chunks: give one, or one per chunk")
+    if any(not 0.0 <= w <= 1.0 for w in split):
+        raise ValueError(f"backward_weight_fraction must lie in [0, 1], got {backward_weight_fraction}")
+    return split
+
+
+def weight_fractions(whole_backward: Sequence[bool]) -> list[float]:
+    """Per chunk, the W share the runtime runs in zero bubble: BACKWARD_WEIGHT_FRACTION, or 0 for a
+    chunk run whole at B (runtime/pp_split.py `needs_full_backward`; module docstring)."""
+    return [0.0 if whole else BACKWARD_WEIGHT_FRACTION for whole in whole_backward]
+
+
+def weight_split(plan: Plan) -> float | list[float]:
+    """The W shares a plan's price assumed: per stage where it recorded them, else the default."""
+    split = plan.search.stage_weight_fraction if plan.search else None
+    return split if split else BACKWARD_WEIGHT_FRACTION
 
 
 def check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> None:
@@ -173,10 +208,13 @@ def bubble_fraction(schedule: str, num_ranks: int, num_microbatches: int, virtua
 
 
 def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
-                     virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = BACKWARD_WEIGHT_FRACTION,
+                     virtual_stages: int = 1, p2p_s: float = 0.0,
+                     backward_weight_fraction: float | Sequence[float] = BACKWARD_WEIGHT_FRACTION,
                      flushed: bool = False) -> float:
     """Closed-form time of the pipeline part of one iteration (module docstring); lists per chunk.
-    `flushed`: a pipedream-2bw step the runtime runs flushed takes 1F1B's time (`timed_schedule`)."""
+    `backward_weight_fraction`: zero bubble's W share, one for all chunks or one per chunk
+    (`weight_fractions`). `flushed`: a pipedream-2bw step the runtime runs flushed takes 1F1B's
+    time (`timed_schedule`)."""
     num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
     p, m, v = num_chunks // virtual_stages, num_microbatches, virtual_stages
     check_schedule(schedule, p, m, v)
@@ -193,11 +231,12 @@ def iteration_time_s(schedule: str, stage_forward_s: list[float], stage_backward
         return forward_s + sum(stage_backward_s) + (m - 1) * max(stage_backward_s) + latency_s
     if schedule != "zero-bubble":
         return sum(work) + (m - 1) * max(work) + latency_s
-    w = backward_weight_fraction
-    if m < p:  # no closed form (module docstring): play it
+    split = chunk_weight_fractions(backward_weight_fraction, num_chunks)
+    if m < p or len(set(split[1:])) > 1:  # no closed form (module docstring): play it
         from planner.cost.simulator import simulate
 
-        return simulate(schedule, stage_forward_s, stage_backward_s, m, v, p2p_s, w).makespan_s
+        return simulate(schedule, stage_forward_s, stage_backward_s, m, v, p2p_s, split).makespan_s
+    w = split[-1]  # every chunk's but the first, whose split moves nothing (module docstring)
     # Qi et al. 2023: with the drain filled by deferred W's, a hop of the fill/drain costs
     # max(f + B - W, f, B) instead of f + b (module docstring).
     hop = [max(f + (1 - w) * b - w * b, f, (1 - w) * b) for f, b in zip(stage_forward_s, stage_backward_s, strict=False)]

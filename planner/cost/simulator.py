@@ -42,10 +42,11 @@ the action order alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, check_schedule, check_stage_lists
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, check_schedule, check_stage_lists, chunk_weight_fractions
 
 Action = tuple[str, int, int]
 """(kind, global chunk, micro-batch); kind is F, BW, B or W."""
@@ -177,24 +178,25 @@ def _looped(rank: int, p: int, m: int, v: int, warmup: int, zero_bubble: bool) -
 
 
 def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
-             virtual_stages: int = 1, p2p_s: float = 0.0, backward_weight_fraction: float = BACKWARD_WEIGHT_FRACTION,
+             virtual_stages: int = 1, p2p_s: float = 0.0,
+             backward_weight_fraction: float | Sequence[float] = BACKWARD_WEIGHT_FRACTION,
              grad_sync_s: list[float] | None = None, num_buckets: int = 1) -> Timeline:
     """Play `schedule_actions` on per-chunk forward / backward times (lists in chunk order).
 
-    In zero-bubble the backward b of a chunk splits into B = (1 - w) b and W = w b with w =
-    backward_weight_fraction. `grad_sync_s` (per rank, seconds) adds each rank's gradient
-    reduction on its communication stream, in `num_buckets` buckets (module docstring).
+    In zero-bubble the backward b of chunk c splits into B = (1 - w_c) b and W = w_c b with
+    w = backward_weight_fraction, one for all chunks or one per chunk (planner/cost/schedules.py
+    `weight_fractions`: 0 for a chunk the runtime runs whole at B). `grad_sync_s` (per rank,
+    seconds) adds each rank's gradient reduction on its communication stream, in `num_buckets`
+    buckets (module docstring).
     """
     num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
-    if not 0.0 <= backward_weight_fraction <= 1.0:
-        raise ValueError(f"backward_weight_fraction must lie in [0, 1], got {backward_weight_fraction}")
+    w = chunk_weight_fractions(backward_weight_fraction, num_chunks)
     p = num_chunks // virtual_stages
     plans = schedule_actions(schedule, p, num_microbatches, virtual_stages)
-    w = backward_weight_fraction
 
     def duration(kind: str, c: int) -> float:
         return {"F": stage_forward_s[c], "BW": stage_backward_s[c],
-                "B": (1 - w) * stage_backward_s[c], "W": w * stage_backward_s[c]}[kind]
+                "B": (1 - w[c]) * stage_backward_s[c], "W": w[c] * stage_backward_s[c]}[kind]
 
     def ready_s(kind: str, c: int, j: int) -> float | None:
         """When the inputs of an action have arrived, or None if they are not produced yet."""

@@ -236,6 +236,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
             processes=result.processes,
             stage_forward_s=list(best.stage_forward_s),
             stage_backward_s=list(best.stage_backward_s),
+            stage_weight_fraction=list(best.stage_weight_fraction) or None,
             alternatives=alternatives,
             notes=[tp_coverage_note(profile, table.tp_plans, cfg.tp, cfg.sequence_parallel)] if cfg.tp > 1 else [],
         ),

@@ -82,7 +82,7 @@ from planner.cost.memory import (
 )
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
-from planner.cost.schedules import PeakState, iteration_time_s, peak_states
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, PeakState, iteration_time_s, peak_states, weight_fractions
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
@@ -167,6 +167,9 @@ class Evaluation:
     """Per stage: the mode of each of its units, in order."""
     stage_forward_s: tuple = ()
     stage_backward_s: tuple = ()
+    stage_weight_fraction: tuple = ()
+    """Zero bubble: per stage, the share of its backward deferred as W where the stages differ
+    (planner/cost/schedules.py `weight_fractions`); empty: BACKWARD_WEIGHT_FRACTION everywhere."""
     peak_memory_bytes: tuple = ()
     breakdown_s: dict = field(default_factory=dict)
     bubble_fraction: float = 0.0
@@ -1167,7 +1170,10 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient, buffers, loss,
                          stepping > forward_backward, peak)
-    pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages, flushed=flushed)
+    # Zero bubble: a stage the runtime runs whole at B defers no weight pass (`weight_fractions`).
+    split = weight_fractions(whole.tolist()) if whole is not None else []
+    pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages,
+                                  backward_weight_fraction=split or BACKWARD_WEIGHT_FRACTION, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
     fill_s = sum(float(hops[j - 1]) for i, j in bounds[:-1]) if env.overlap.pipeline_p2p else 0.0
     pipeline_s += fill_s
@@ -1227,6 +1233,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         unit_recompute=recompute,
         stage_forward_s=tuple(fwd),
         stage_backward_s=tuple(bwd),
+        stage_weight_fraction=tuple(split),
         peak_memory_bytes=tuple(mem),
         memory_terms=terms,
         breakdown_s={

@@ -1,0 +1,111 @@
+"""Zero bubble where a stage runs its whole backward at B: the time follows the runtime.
+
+torch's zero-bubble schedules split a chunk's backward into B (input gradients) and W (weight
+gradients). Two kinds of stage do not: the first (torch runs its whole backward at W, nothing
+needing its input gradients) and a later stage whose weights its inputs' graph does not reach
+(runtime/pp_split.py `needs_full_backward`: the whole backward at B, W empty). The price
+plays the second as B = b, W = 0 (planner/cost/schedules.py `weight_fractions`); the first's
+split moves nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from planner.cluster import make_cluster
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, iteration_time_s, weight_fractions
+from planner.cost.simulator import simulate
+from planner.solver.solve import Pins, solve
+from tests.test_memory_terms import DECODER_EMBEDDING
+
+
+def _random_pipeline(rng: random.Random) -> tuple[list[float], list[float], int, int]:
+    p = rng.choice([2, 3, 4, 8])
+    v = rng.choice([1, 1, 2])
+    m = rng.choice([p, 2 * p, 3 * p]) if v > 1 else rng.choice([max(1, p // 2), p, p + 1, 2 * p, 3 * p])
+    forward = [rng.uniform(0.5, 2.0) for _ in range(p * v)]
+    backward = [rng.uniform(1.0, 4.0) for _ in range(p * v)]
+    return forward, backward, m, v
+
+
+def test_the_first_stages_split_never_moves_the_makespan():
+    # Nothing waits on the first chunk's B: all of its backward at W (torch's rule) or at B, the
+    # step is the same. So the price keeps the common split there (no case for chunk 0).
+    rng = random.Random(0)
+    for _ in range(200):
+        forward, backward, m, v = _random_pipeline(rng)
+        rest = [BACKWARD_WEIGHT_FRACTION] * (len(forward) - 1)
+        times = [simulate("zero-bubble", forward, backward, m, v, backward_weight_fraction=[w0, *rest]).makespan_s
+                 for w0 in (0.0, BACKWARD_WEIGHT_FRACTION, 1.0)]
+        assert times == pytest.approx([times[1]] * 3, rel=1e-12)
+        assert iteration_time_s("zero-bubble", forward, backward, m, v, backward_weight_fraction=[1.0, *rest]) \
+            == pytest.approx(iteration_time_s("zero-bubble", forward, backward, m, v), rel=1e-12)
+
+
+def test_a_stage_run_whole_takes_zero_bubbles_saving_away_at_its_hop():
+    # Uniform stages f = 1, b = 2, p = 4, m = 8: ZB-H1 27, 1F1B 33. One whole stage of four: 30.
+    forward, backward = [1.0] * 4, [2.0] * 4
+    split = weight_fractions([False, False, True, False])
+    assert split == [BACKWARD_WEIGHT_FRACTION, BACKWARD_WEIGHT_FRACTION, 0.0, BACKWARD_WEIGHT_FRACTION]
+    assert iteration_time_s("zero-bubble", forward, backward, 8) == 27.0
+    assert iteration_time_s("1f1b", forward, backward, 8) == 33.0
+    assert iteration_time_s("zero-bubble", forward, backward, 8, backward_weight_fraction=split) == 30.0
+    # Every stage after the first whole: 1F1B's time, not better.
+    whole = weight_fractions([False, True, True, True])
+    assert iteration_time_s("zero-bubble", forward, backward, 8, backward_weight_fraction=whole) == 33.0
+
+
+def test_mixed_splits_are_played_and_never_beat_the_common_one():
+    rng = random.Random(1)
+    for _ in range(100):
+        forward, backward, m, v = _random_pipeline(rng)
+        whole = [k > 0 and rng.random() < 0.4 for k in range(len(forward))]
+        split = weight_fractions(whole)
+        priced = iteration_time_s("zero-bubble", forward, backward, m, v, backward_weight_fraction=split)
+        played = simulate("zero-bubble", forward, backward, m, v, backward_weight_fraction=split).makespan_s
+        common = simulate("zero-bubble", forward, backward, m, v).makespan_s
+        if len(set(split[1:])) > 1:
+            assert priced == played
+        assert played >= common - 1e-9
+
+
+def test_bad_weight_fractions_are_refused():
+    with pytest.raises(ValueError, match="one per chunk"):
+        iteration_time_s("zero-bubble", [1.0] * 4, [2.0] * 4, 8, backward_weight_fraction=[0.5, 0.5])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        simulate("zero-bubble", [1.0] * 2, [2.0] * 2, 4, backward_weight_fraction=[0.5, 1.5])
+
+
+def test_the_solver_prices_a_whole_stage_as_the_runtime_runs_it(write_model):
+    # A decoder's token embedding in the second stage: fed no floating-point tensor, so the
+    # runtime runs that stage's backward whole at B. The plan records the split it priced and
+    # its Gantt (the simulator) plays the same.
+    from planner.plan import parse_plan
+    from planner.plan_report import simulated_timeline
+    from planner.profiler import profile_model
+    from planner.validate import predicted_bubble
+
+    path = write_model(DECODER_EMBEDDING, "decoder_embedding.py")
+    profile = profile_model(str(path), {}, [2], device="meta", gpu="a100-80gb")
+    pins = Pins(pp=2, dp=1, tp=1, schedule="zero-bubble", virtual_stages=1, micro_batch_size=2, recompute="none")
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 8, pins, cuts=lambda chunks: ((0, 2), (2, 5)))
+    assert plan.stages[1].units[0] == "decoder_embed"
+    assert plan.search.stage_weight_fraction == [BACKWARD_WEIGHT_FRACTION, 0.0]
+    forward, backward = plan.search.stage_forward_s, plan.search.stage_backward_s
+    whole = iteration_time_s("zero-bubble", forward, backward, 4, backward_weight_fraction=[0.5, 0.0])
+    split = iteration_time_s("zero-bubble", forward, backward, 4)
+    assert whole > split
+    assert simulated_timeline(plan).makespan_s == pytest.approx(whole, rel=1e-12)
+    assert predicted_bubble(plan) == pytest.approx(simulated_timeline(plan).bubble_fraction(), rel=1e-12)
+    # Cut where the second stage has no embedding: the common split, recorded as nothing.
+    other = solve(profile, make_cluster(2, gpu="a100-80gb"), 8, pins, cuts=lambda chunks: ((0, 3), (3, 5)))
+    assert other.search.stage_weight_fraction is None
+    # A hand-edited plan whose shares do not match its stages is refused with what to do.
+    data = plan.model_dump(mode="json")
+    data["search"]["stage_weight_fraction"] = [0.5]
+    with pytest.raises(Exception, match="stage_weight_fraction"):
+        parse_plan(data)
+    assert np.isfinite(plan.prediction.iteration_time_s)
