@@ -331,9 +331,10 @@ class SearchReport(BaseModel):
     stage_backward_s: list[float] | None = None
     """The plan's predicted backward time per stage and micro-batch."""
     stage_weight_fraction: list[float] | None = None
-    """Zero bubble: per stage, the share of its backward run as the deferred weight pass W,
-    where stages differ (0: the runtime runs that stage's whole backward at B; planner/cost/
-    schedules.py `weight_fractions`). None: the same split for every stage (BACKWARD_WEIGHT_FRACTION)."""
+    """Zero bubble: per stage, the share of its backward run as the deferred weight pass W: its
+    weight GEMMs' share, or 0 where the runtime runs the stage's whole backward at B
+    (planner/solver/search.py `zero_bubble_split`). None: other schedules, or plans from before
+    it was recorded (planner/cost/schedules.py `BACKWARD_WEIGHT_FRACTION` for every stage)."""
     alternatives: list[Alternative] = []
     """The next best configurations, fastest first."""
     notes: list[str] = []

@@ -27,6 +27,12 @@ and `planner profile-cluster` measures by how much a fixed mix of matrix product
 elementwise work slows down when all of them run it together. Unit times are multiplied
 by that ratio.
 
+Zero bubble's weight-gradient pass (`weight_gradient_share`): the share of a unit's backward
+that its weight GEMMs take, from the profile's ops at the GPU's rates: for a GPT block of
+width 4096 on an H100 0.42 at 2048 tokens, 0.28 at 8192 and 0.12 at 32768, where attention's
+backward (no W, and at attention's lower rate) dominates; 0.5 for an output head; 0 for
+norms and embeddings, whose weight gradients are elementwise or a scatter.
+
 Optimizer step (`optimizer_s_per_param`): a measured profile records one AdamW step over the
 whole model on its device; on that device a rank's step costs its share of it. Otherwise
 the step is memory-bound: AdamW streams weights, gradients, fp32 master weights and both
@@ -169,6 +175,23 @@ class ComputeModel:
         if self.source == "profiled" and measured and self.profile.model.num_parameters:
             return measured / self.profile.model.num_parameters * self.slowdown
         return OPTIMIZER_TRAFFIC_BYTES_PER_PARAM / self.gpu.achievable_bandwidth * self.slowdown
+
+    def weight_gradient_share(self, unit: Unit) -> float:
+        """Share of the unit's backward spent on weight gradients: zero bubble's W (module docstring).
+
+        A linear's or convolution's weight gradient is one GEMM as large as its forward (Qi et
+        al. 2023, section 2: T_W = T_F's GEMMs); the rest of the backward is input gradients,
+        fused attention's backward (none of it W) and elementwise work. Priced as the time of
+        those GEMMs at the GPU's GEMM rate over the backward's compute time (attention at its own
+        rate), at the smallest profiled micro-batch size (the share hardly moves with it). At
+        most a half: a later stage's every weighted op also makes its input's gradient, a GEMM
+        as large (only the first stage's first op does not, and the first stage's split moves
+        nothing: planner/cost/schedules.py)."""
+        costs = unit.costs[min(unit.costs)]
+        weights = sum(op.forward_flops for op in unit.ops if op.weight_shape and op.kind in ("linear", "conv"))
+        rate, attention_rate = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_attention_flops(self.dtype)
+        backward_s = (costs.backward_flops - costs.backward_attention_flops) / rate + costs.backward_attention_flops / attention_rate
+        return min(weights / rate / backward_s, 0.5) if backward_s > 0 else 0.0
 
     def forward_flops(self, unit: Unit, micro_batch_size: float) -> float:
         return interpolate({k: c.forward_flops for k, c in unit.costs.items()}, micro_batch_size)

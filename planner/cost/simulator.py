@@ -185,9 +185,8 @@ def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list
 
     In zero-bubble the backward b of chunk c splits into B = (1 - w_c) b and W = w_c b with
     w = backward_weight_fraction, one for all chunks or one per chunk (planner/cost/schedules.py
-    `weight_fractions`: 0 for a chunk the runtime runs whole at B). `grad_sync_s` (per rank,
-    seconds) adds each rank's gradient reduction on its communication stream, in `num_buckets`
-    buckets (module docstring).
+    module docstring). `grad_sync_s` (per rank, seconds) adds each rank's gradient reduction on
+    its communication stream, in `num_buckets` buckets (module docstring).
     """
     num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
     w = chunk_weight_fractions(backward_weight_fraction, num_chunks)

@@ -107,6 +107,9 @@ class UnitCostTable:
     """Per unit, bytes of its weight ops' output gradients for one micro-batch (per GPU): what a
     weight gradient deferred past the input gradient's pass keeps (zero bubble's W: torch's
     `stage_backward_input` holds them for `stage_backward_weight`). None: not known (0)."""
+    weight_gradient_share: np.ndarray | None = None
+    """Per unit, the share of its backward its weight GEMMs take (planner/cost/compute.py
+    `weight_gradient_share`): zero bubble's W. None: not known (the common split)."""
     boundary_saved: np.ndarray | None = None
     """Per unit, the bytes of one micro-batch it keeps of its own output where the next unit keeps
     that tensor as its input (`UnitCosts.saved_output_bytes`, `saved_input_bytes`: an in-place
@@ -525,6 +528,7 @@ class UnitCosts:
         # The output gradients the weights' gradients are made from (a TP-sharded op's 1/t of them)
         row["wgrad_inputs"] = sum(math.prod(op.output_shape) / (t if op.name in sharded_ops else 1)
                                   for op in u.ops if op.weight_shape) * scale * self.dtype_bytes
+        row["wgrad_share"] = self.compute.weight_gradient_share(u)
         f_fwd, f_bwd = self.compute.forward_flops(u, b), self.compute.backward_flops(u, b)
         row["flops"] = f_fwd + f_bwd
         core = _attention_flop_share(u)
@@ -579,7 +583,7 @@ class UnitCosts:
         n = len(units)
         arrays: dict[str | tuple[str, str], np.ndarray] = {
             name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
-                                           "fp8_flops", "wgrad_inputs")}
+                                           "fp8_flops", "wgrad_inputs", "wgrad_share")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
         feeds: list[dict[str, list[str]]] = [{} for _ in range(n)]
@@ -616,7 +620,8 @@ class UnitCosts:
                               largest_parameter=arrays["largest"], weight_gradient_inputs=arrays["wgrad_inputs"],
                               input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
-                              batch_saved=self._batch_saved(b), boundary_saved=boundary, tp_feeds=feeds)
+                              batch_saved=self._batch_saved(b), boundary_saved=boundary, tp_feeds=feeds,
+                              weight_gradient_share=arrays["wgrad_share"])
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -82,7 +82,7 @@ from planner.cost.memory import (
 )
 from planner.cost.moe import expert_dp_degree
 from planner.cost.overlap import Overlap
-from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, PeakState, iteration_time_s, peak_states, weight_fractions
+from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, PeakState, iteration_time_s, peak_states
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
@@ -168,8 +168,8 @@ class Evaluation:
     stage_forward_s: tuple = ()
     stage_backward_s: tuple = ()
     stage_weight_fraction: tuple = ()
-    """Zero bubble: per stage, the share of its backward deferred as W where the stages differ
-    (planner/cost/schedules.py `weight_fractions`); empty: BACKWARD_WEIGHT_FRACTION everywhere."""
+    """Zero bubble: per stage, the share of its backward deferred as W (`zero_bubble_split`);
+    empty: other schedules, or BACKWARD_WEIGHT_FRACTION everywhere."""
     peak_memory_bytes: tuple = ()
     breakdown_s: dict = field(default_factory=dict)
     bubble_fraction: float = 0.0
@@ -551,6 +551,29 @@ def whole_backward_ranges(table: UnitCostTable, cfg: Config, start: np.ndarray, 
                                              else np.zeros(len(trained), dtype=bool))])
     whole = (np.asarray(start) > 0) & ((before[start] == 0) | (flagged[end] > flagged[start]))
     return whole if whole.any() else None
+
+
+def zero_bubble_split(table: UnitCostTable, cfg: Config, start: np.ndarray, end: np.ndarray, backward_s: list[float],
+                      whole: np.ndarray | None) -> list[float]:
+    """Zero bubble: per stage, the share of its backward (`backward_s`) run as the deferred W,
+    its units' weight GEMMs (`UnitCostTable.weight_gradient_share`); 0 for a stage the runtime
+    runs whole at B (`whole_backward_ranges`), 1 for the first, whose whole backward torch runs
+    at W (its B has no input gradient to make; planner/cost/schedules.py: its split moves no
+    makespan, and the closed form's hop for it is then its forward, as it runs). Empty for other
+    schedules, or where the table does not know the shares and no stage is whole."""
+    if cfg.schedule != "zero-bubble" or (table.weight_gradient_share is None and whole is None):
+        return []
+    if table.weight_gradient_share is None:
+        split = np.full(len(start), BACKWARD_WEIGHT_FRACTION)
+    else:
+        weights_s = range_sums((table.weight_gradient_share * table.backward_s)[None], np.zeros(len(start), dtype=int),
+                               np.asarray(start), np.asarray(end))
+        split = np.divide(weights_s, backward_s, out=np.zeros(len(start)), where=np.asarray(backward_s) > 0)
+    if whole is not None:
+        split = np.where(whole, 0.0, split)
+    split = np.clip(split, 0.0, BACKWARD_WEIGHT_FRACTION)
+    split[np.asarray(start) == 0] = 1.0
+    return split.tolist()
 
 
 def _by_range(row: StateRow, whole: np.ndarray | None, of) -> np.ndarray:
@@ -1170,8 +1193,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient, buffers, loss,
                          stepping > forward_backward, peak)
-    # Zero bubble: a stage the runtime runs whole at B defers no weight pass (`weight_fractions`).
-    split = weight_fractions(whole.tolist()) if whole is not None else []
+    split = zero_bubble_split(table, cfg, starts, ends, bwd, whole)
     pipeline_s = iteration_time_s(cfg.schedule, fwd, bwd, cfg.num_microbatches, cfg.virtual_stages,
                                   backward_weight_fraction=split or BACKWARD_WEIGHT_FRACTION, flushed=flushed)
     # Overlapped p2p: only the first micro-batch's hops through every cut, there and back.
