@@ -31,7 +31,10 @@ Zero bubble's weight-gradient pass (`weight_gradient_share`): the share of a uni
 that its weight GEMMs take, from the profile's ops at the GPU's rates: for a GPT block of
 width 4096 on an H100 0.42 at 2048 tokens, 0.28 at 8192 and 0.12 at 32768, where attention's
 backward (no W, and at attention's lower rate) dominates; 0.5 for an output head; 0 for
-norms and embeddings, whose weight gradients are elementwise or a scatter.
+norms and embeddings, whose weight gradients are elementwise or a scatter (a norm's is a
+reduction over the tokens: a third of its small backward, measured on CPU, left out).
+benchmarks/zero_bubble_split.py times torch's B and W per unit on CPU: GPT blocks 0.43-0.46
+measured against 0.45 predicted at 128 tokens, 0.28-0.29 against 0.27 at 1024.
 
 Optimizer step (`optimizer_s_per_param`): a measured profile records one AdamW step over the
 whole model on its device; on that device a rank's step costs its share of it. Otherwise
