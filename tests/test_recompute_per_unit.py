@@ -19,6 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from planner.cluster import make_cluster
 from planner.cost.schedules import PeakState, forwards_first
 from planner.engines import export_plan
+from planner.engines.torchtitan import every_nth_layer
 from planner.errors import PlannerError
 from planner.plan import parse_plan
 from planner.plan_report import recompute_summary
@@ -216,6 +217,47 @@ def test_torchtitan_exports_every_nth_layer(engine_plan):
     assert 'selective_ac_option = "2"' in exported.text and exported.warnings == []
     other = export_plan(_with_full(engine_plan, {"blocks.0"}), "torchtitan")
     assert 'mode = "full"' in other.text and "per-unit recompute" in other.warnings[0]
+
+
+def _priced(engine_plan, text: str, engine: str):
+    from planner.engines import ENGINES
+    from planner.engines.pricing import price
+
+    profile = profile_model("examples/gpt.py", ENGINE_GPT, [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    return price(profile, make_cluster(2, 2, "a100-80gb"), ENGINES[engine].parse(text), global_batch_size=8)
+
+
+def test_a_torchtitan_job_recomputing_every_second_layer_is_priced_as_it_runs(engine_plan):
+    # selective_ac_option = "2": each process fully recomputes its 2nd, 4th, ... layer (its own
+    # counter over the layers it holds), nothing else; priced so, between no and full recomputation.
+    head = '[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 1\n' \
+           '[training]\nlocal_batch_size = 8\nglobal_batch_size = 8\n'
+    times = {}
+    for label, ac in (("none", 'mode = "none"'), ("full", 'mode = "full"'),
+                      ("every 2", 'mode = "selective"\nselective_ac_option = "2"')):
+        plan = _priced(engine_plan, head + "[activation_checkpoint]\n" + ac + "\n", "torchtitan")
+        times[label] = plan.prediction.iteration_time_s
+        if label == "every 2":
+            for stage in plan.stages:
+                blocks = [u for u in stage.units if u.startswith("blocks.")]
+                modes = stage.unit_modes()
+                assert [modes[b] for b in blocks] == ["full" if n % 2 == 1 else "none" for n in range(len(blocks))]
+                assert all(mode == "none" for u, mode in modes.items() if u not in blocks)
+            assert every_nth_layer(plan, [u for s in plan.stages for u in s.units]) == 2  # and exported so again
+    assert times["none"] < times["every 2"] < times["full"]
+
+
+def test_megatron_block_recomputation_is_priced_on_the_first_layers_of_each_stage(engine_plan):
+    args = ("--num-layers 6 --hidden-size 256 --num-attention-heads 8 --seq-length 128 --micro-batch-size 1 "
+            "--global-batch-size 8 --pipeline-model-parallel-size 2 --bf16 --recompute-granularity full "
+            "--recompute-method block --recompute-num-layers 1")
+    plan = _priced(engine_plan, args, "megatron")
+    for stage in plan.stages:
+        blocks = [u for u in stage.units if u.startswith("blocks.")]
+        assert [stage.unit_modes()[b] for b in blocks] == ["full"] + ["none"] * (len(blocks) - 1)
+    everything = _priced(engine_plan, args.replace("--recompute-method block --recompute-num-layers 1",
+                                                   "--recompute-method uniform --recompute-num-layers 1"), "megatron")
+    assert plan.prediction.iteration_time_s < everything.prediction.iteration_time_s
 
 
 @st.composite

@@ -103,6 +103,11 @@ class EngineLayout:
     `Training.offload` = "cpu"; planner/cost/sharding.py)."""
     float8: bool = False
     """Linears in FP8, torchao tensorwise dynamic scaling (planner/plan.py `Training.float8`)."""
+    layer_recompute: tuple[str, int] | None = None
+    """Full recomputation of some transformer layers only, `recompute` being "full" (`layer_modes`):
+    ("every", N), each pipeline rank's N-th, 2N-th, ... layer counted over its chunks in order
+    (torchtitan's `selective_ac_option = "N"`); ("first", k), each stage chunk's first k layers
+    (Megatron-LM's `--recompute-method block --recompute-num-layers k`). None: `recompute` on every unit."""
 
     # The sizes of a resolved layout (`plan_layout`, or pricing.py `resolve` for a read one),
     # where the engines' files are written and configurations priced.
@@ -149,6 +154,28 @@ def model_parts(names: list[str]) -> tuple[list[str], list[str], list[str]]:
     if best == (0, 0):
         return [], list(names), []
     return names[:best[0]], names[best[0]:best[1]], names[best[1]:]
+
+
+def layer_modes(layout: EngineLayout, names: list[str], bounds) -> list[tuple[str, ...]]:
+    """Per stage chunk (`bounds`, in chunk order over `names`), each unit's recomputation under
+    `layout.layer_recompute`: "full" on the transformer layers (`model_parts`' blocks) the rule
+    names, "none" on every other unit."""
+    assert layout.layer_recompute is not None, "only a layout recomputing some layers has per-unit modes"
+    rule, n = layout.layer_recompute
+    blocks = set(model_parts(names)[1])
+    counted = [0] * layout.pp_degree  # layers seen so far per pipeline rank ("every")
+    modes = []
+    for k, (i, j) in enumerate(bounds):
+        stage, seen = [], 0
+        for name in names[i:j]:
+            full = False
+            if name in blocks:
+                seen += 1
+                counted[k % layout.pp_degree] += 1
+                full = counted[k % layout.pp_degree] % n == 0 if rule == "every" else seen <= n
+            stage.append("full" if full else "none")
+        modes.append(tuple(stage))
+    return modes
 
 
 def blocks_per_stage(names: list[str], bounds) -> tuple[list[int], list[str]]:
@@ -317,7 +344,7 @@ def differences(a: EngineLayout, b: EngineLayout, bounds_a=None, bounds_b=None) 
                         ("sequence parallel", "sequence_parallel"), ("schedule", "schedule"), ("virtual stages", "virtual_stages"),
                         ("micro-batch", "micro_batch_size"), ("recompute", "recompute"), ("dtype", "dtype"),
                         ("ep", "ep_degree"), ("expert tp", "expert_tp_degree"), ("cp", "cp_degree"), ("cp attention", "cp_algorithm"), ("offload", "offload"),
-                        ("fp8", "float8")):
+                        ("fp8", "float8"), ("recomputed layers", "layer_recompute")):
         x, y = getattr(a, name), getattr(b, name)
         if x is not None and y is not None and x != y:
             out.append(f"{label} {x} -> {y}")

@@ -153,8 +153,10 @@ def _unit_recompute(plan: Plan, names: list[str], mapped: EngineLayout, changes:
     (`block_recompute_layers`, written by `render`), else the nearest one mode (common.py)."""
     from planner.engines.common import nearest_unit_recompute
 
-    return nearest_unit_recompute(plan, mapped, changes, block_recompute_layers(plan, names) is not None,
-                                  "Megatron-LM recomputes one mode, or fully the first k layers of each stage")
+    k = block_recompute_layers(plan, names)
+    mapped = nearest_unit_recompute(plan, mapped, changes, k is not None,
+                                    "Megatron-LM recomputes one mode, or fully the first k layers of each stage")
+    return replace(mapped, layer_recompute=("first", k)) if k is not None else mapped
 
 
 def _split_args(counts: list[int], pp: int, v: int) -> list[str]:
@@ -315,11 +317,15 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
             raise PlannerError(f"{source}: {left} layers do not split evenly over the other {rest} stages.", "Fix the layer counts.")
         middle = [left // rest] * rest if rest else []
         split = Split("blocks", blocks=tuple(([first] if first is not None else []) + middle + ([last] if last is not None else [])))
+    some_layers = None
     if args.get("--recompute-granularity") == "full":
         method, k = args.get("--recompute-method"), num("--recompute-num-layers", 1)
-        if method == "block" or (method == "uniform" and k != 1):
-            notes.append(f"--recompute-method {method} --recompute-num-layers {k} priced as full recomputation of every layer")
-        recompute = "full"
+        if method == "block":  # the first k layers of each stage chunk, the rest kept
+            some_layers = ("first", k) if k > 0 else None
+        elif method == "uniform" and k != 1:
+            notes.append(f"--recompute-method uniform --recompute-num-layers {k} priced as full recomputation of every layer "
+                         "(it checkpoints groups of k layers: the same recomputation, fewer layer inputs kept)")
+        recompute = "none" if method == "block" and k <= 0 else "full"
     else:
         recompute = "selective" if args.get("--recompute-granularity") == "selective" or args.get("--recompute-activations") else "none"
     zero = 0
@@ -355,7 +361,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         **MEMORY_HABITS,
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,
-        global_batch_size=glob, local_batch_size=mbs, recompute=recompute, split=split,
+        global_batch_size=glob, local_batch_size=mbs, recompute=recompute, layer_recompute=some_layers, split=split,
         dtype="bfloat16" if args.get("--bf16") else "float16" if args.get("--fp16") else "float32",
         grad_clip=clip or None, notes=tuple(notes), ep_degree=num("--expert-model-parallel-size", 1),
         expert_tp_degree=num("--expert-tensor-parallel-size", 1),

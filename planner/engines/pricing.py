@@ -16,6 +16,7 @@ from planner.cluster import Cluster
 from planner.engines.common import (
     EngineLayout,
     differences,
+    layer_modes,
     plan_layout,
     prediction,
     seconds,
@@ -95,10 +96,12 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     dtype = layout.dtype or profile.dtype
     if layout.recompute not in RECOMPUTE:
         raise PlannerError(f"Recompute {layout.recompute!r} is not one mode for all stages.", f"Give one of {', '.join(RECOMPUTE)}.")
+    some_layers = layout.layer_recompute is not None
     if layout.float8:
         check_float8(cluster, dtype)
     pins = Pins(layout.pp_degree, layout.tp_degree, layout.dp_degree, layout.micro_batch_size, layout.schedule,
-                layout.virtual_stages, layout.recompute, layout.zero_stage, layout.sequence_parallel,
+                layout.virtual_stages, None if some_layers else layout.recompute, layout.zero_stage, layout.sequence_parallel,
+                recompute_modes=("none", layout.recompute) if some_layers else None,
                 ep=layout.ep_degree, shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree,
                 expert_tp=layout.expert_tp_degree, fused_loss=layout.fused_loss, fused_optimizer=layout.fused_optimizer,
                 pipeline_buffers=layout.pipeline_buffers, dp_collectives=layout.dp_collectives)
@@ -117,7 +120,9 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
                  shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree, expert_tp=layout.expert_tp_degree,
                  cp_algorithm=layout.cp_algorithm if layout.cp_degree > 1 else "all-gather")
     table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm)
-    evaluation = evaluate_config(table, cfg, env, bounds)
+    # Some layers recomputed (torchtitan's every N-th, Megatron-LM's first k per stage): those units' modes, fixed.
+    modes = layer_modes(layout, [u.name for u in profile.units], bounds) if some_layers else None
+    evaluation = evaluate_config(table, cfg, env, bounds, fixed_modes=modes)
     if not evaluation.feasible:
         raise PlannerError(f"The configuration cannot be priced: {evaluation.reason}.", "Check its stages and degrees.")
     result = SearchResult([evaluation], 1, 0, math.inf, 0.0, costs)

@@ -121,8 +121,10 @@ def _unit_recompute(plan: Plan, names: list[str], mapped: EngineLayout, changes:
     written by `render`), else the nearest one mode (common.py)."""
     from planner.engines.common import nearest_unit_recompute
 
-    return nearest_unit_recompute(plan, mapped, changes, every_nth_layer(plan, names) is not None,
-                                  "torchtitan recomputes one mode, or fully every N-th layer")
+    nth = every_nth_layer(plan, names)
+    mapped = nearest_unit_recompute(plan, mapped, changes, nth is not None,
+                                    "torchtitan recomputes one mode, or fully every N-th layer")
+    return replace(mapped, layer_recompute=("every", nth)) if nth is not None else mapped
 
 
 def _toml_value(value) -> str:
@@ -230,9 +232,13 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     split = Split("units", tuple(tuple(p) for p in parts)) if parts else Split("weighted")
     mode = ac.get("mode", "selective")
     option = str(ac.get("selective_ac_option", "2"))
-    if mode == "selective" and option != "op":
-        notes.append(f"selective_ac_option {option} (full AC every {option}th layer) priced as full recomputation")
+    layers = None
+    if mode == "selective" and option != "op":  # full AC on every N-th layer a process holds
+        if not option.isdigit():
+            raise PlannerError(f"{source}: selective_ac_option {option!r} is neither \"op\" nor a layer count.",
+                               'Give "op" or an integer N (full AC on every N-th layer).')
         mode = "full" if option != "0" else "none"
+        layers = ("every", int(option)) if int(option) > 1 else None
     elif mode == "selective":
         mode = "op"  # op-level selective checkpointing, priced as such (planner/solver/costs.py)
     local = int(train.get("local_batch_size", 8))
@@ -243,7 +249,7 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         pp_degree=pp, tp_degree=int(par.get("tensor_parallel_degree", 1)), dp_degree=dp, zero_stage=zero,
         sequence_parallel=int(par.get("tensor_parallel_degree", 1)) > 1, schedule=names[sched] if pp > 1 else "1f1b",
         virtual_stages=v, micro_batch_size=mbs, global_batch_size=None if glob in (-1, None) else int(glob), local_batch_size=local,
-        recompute=mode, split=split, dtype="float32" if train.get("mixed_precision_param") == "float32" else "bfloat16",
+        recompute=mode, layer_recompute=layers, split=split, dtype="float32" if train.get("mixed_precision_param") == "float32" else "bfloat16",
         grad_clip=train.get("max_norm"), notes=tuple(notes), ep_degree=int(par.get("expert_parallel_degree", 1)),
         expert_tp_degree=int(par.get("expert_tensor_parallel_degree", 1)) if int(par.get("expert_parallel_degree", 1)) > 1 else 1,
         cp_degree=cp, shard_degree=shard * cp if hsdp and shard != -1 else None,

@@ -352,8 +352,12 @@ def _updated_per_stage(table: UnitCostTable, cfg: Config, starts: np.ndarray, en
 
 
 def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_bounds: tuple | None = None,
-                    time_cap_s: float = math.inf) -> Evaluation:
+                    time_cap_s: float = math.inf, fixed_modes: list[tuple[str, ...]] | None = None) -> Evaluation:
     """Price one configuration; the DP chooses the cuts unless `fixed_bounds` gives them (baselines).
+
+    `fixed_modes` (with `fixed_bounds`): per stage, each unit's recomputation, among
+    `env.allowed_recompute`, priced as given (an engine's rule: planner/engines/common.py
+    `layer_modes`), memory not checked: a configuration priced, not chosen.
 
     `time_cap_s` is the search's k-th best iteration time so far: every schedule takes at least
     m x its slowest stage, so stage ranges slower than time_cap_s / m cannot be part of a plan
@@ -381,6 +385,11 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     copy_states = gpu_state_bytes(table.copy_parameters(start, end), cfg, env)
     hops, p2p, sliced = p2p_arrays(table, cfg, env)
     blocker = flush_blocker(cfg, sliced)  # pipedream-2bw: flushed (priced as 1F1B) or not (cut by m max)
+    if fixed_modes is not None:
+        assert fixed_bounds is not None, "fixed recomputation modes need fixed cuts"
+        index = {r: k for k, r in enumerate(env.allowed_recompute)}
+        return _price(table, cfg, env, tuple(fixed_bounds), [tuple(index[r] for r in stage) for stage in fixed_modes],
+                      times, first, states, zero, p2p, hops, flushed=blocker is not None)
     # What each stage position's rank may hold at its activations' peak (planner/cost/schedules.py
     # `peak_states`: the micro-batches in flight, 1F1B's earlier stages holding more, and under
     # zero bubble the weight passes waiting, the gradients and the loss). Stage positions whose
