@@ -55,3 +55,30 @@ def test_offload_under_zero2_keeps_the_weights_on_the_gpu():
     saved = offloaded_state_bytes(n, "bfloat16", zero_stage=2, shard_degree=4)
     held = model_state_bytes(n, "bfloat16", 2, 4)
     assert saved.weights == 0 and saved.gradients == held.gradients and saved.optimizer == held.optimizer
+
+
+def test_fsdp2_copies_each_gather_out_on_the_compute_stream():
+    # FSDP2 (the planner's runtime, torchtitan) copies each unit's all-gather out of its flat
+    # buffer into the parameters before the unit runs: a read and a write of the gathered bytes
+    # per gather, in series with compute: every unit's forward gather, and the backward gather of
+    # every unit but the last, which keeps its parameters. FSDP1 and DeepSpeed gather into the
+    # parameters' own storage (`gather_copy_out=False`): no copy.
+    from dataclasses import replace
+
+    from planner.cluster import make_cluster
+    from planner.hardware import get_gpu
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+
+    args = dict(n_layers=4, d_model=1024, n_heads=16, d_ff=4096, vocab_size=8192, seq_len=512)
+    profile = profile_model("examples/gpt.py", args, [2], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    pins = Pins(pp=1, tp=1, dp=8, micro_batch_size=2, schedule="1f1b", recompute="none", zero_stage=3, cp=1)
+    cluster = make_cluster(8, 8, "a100-80gb")
+    copied = solve(profile, cluster, 32, pins)
+    viewed = solve(profile, cluster, 32, replace(pins, gather_copy_out=False))
+    gpu = get_gpu("a100-80gb")
+    gathered = [2 * u.num_parameters * 2 / gpu.achievable_bandwidth for u in profile.units]  # read + write, bf16
+    expected = copied.batch.num_microbatches * (2 * sum(gathered) - gathered[-1])
+    difference = copied.prediction.iteration_time_s - viewed.prediction.iteration_time_s
+    assert difference == pytest.approx(expected, rel=1e-6)
+    assert difference > 0

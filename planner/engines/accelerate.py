@@ -154,4 +154,5 @@ def parse(text: str, source: str = "accelerate.yaml") -> EngineLayout:
         cp_degree=cp, offload=bool(fsdp.get("fsdp_offload_params", False)) and kind == "FSDP", float8=float8, micro_batch_size=mbs,
         local_batch_size=mbs * m if mbs else None,
         recompute="full" if fsdp.get("fsdp_activation_checkpointing") else "none", split=Split("even"),
-        dtype={"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(precision, "float32"), notes=tuple(notes))
+        dtype={"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(precision, "float32"), notes=tuple(notes),
+        gather_copy_out=kind != "FSDP" or int(fsdp.get("fsdp_version", 1)) == 2)  # FSDP1: flat parameters, no copy-out

@@ -86,6 +86,10 @@ class EngineLayout:
     `Environment.pipeline_buffers`): "per-microbatch" (torch.distributed.pipelining: torchtitan)
     or "in-flight" (Megatron-LM, DeepSpeed)."""
     dp_collectives: str = "per-unit"
+    gather_copy_out: bool = True
+    """ZeRO 3's gathers copied out of their flat buffers on the compute stream: FSDP2 (torchtitan,
+    Accelerate's fsdp_version 2); False where parameters are views of the gathered buffer (FSDP1's
+    flat parameters, DeepSpeed's ZeRO 3). planner/solver/search.py `Environment.gather_copy_out`."""
     """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
     `Environment.dp_collectives`): "per-unit" (FSDP2: torchtitan) or "bucketed" (Megatron-LM's
     distributed optimizer, DeepSpeed)."""

@@ -184,7 +184,8 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
         shard_degree=mics if stage == 3 and mics > 0 else None, offload=offload,
         fused_optimizer=_fused_adam(config),
         pipeline_buffers="in-flight",  # deepspeed/runtime/pipe/engine.py: buffers per micro-batch in flight
-        dp_collectives="bucketed")  # deepspeed/runtime/zero/stage_1_and_2.py: reduce_bucket_size, allgather_bucket_size
+        dp_collectives="bucketed",  # deepspeed/runtime/zero/stage_1_and_2.py: reduce_bucket_size, allgather_bucket_size
+        gather_copy_out=False)  # ZeRO 3's parameters point into the gathered buffer (partition_parameters.py)
 
 
 def _fused_adam(config: dict) -> bool:

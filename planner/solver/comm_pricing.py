@@ -51,6 +51,13 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     takes unit u-1's backward window at r too: exact for a range of one mode; in a mixed range
     the window differs by unit u-1's recomputation, an approximation the cost table and the
     price (`_price`) share, so the DP's bounds stay exact about what it prices.
+
+    FSDP2 copies each gather out of its flat buffer into the unit's parameters on the compute
+    stream (`Environment.gather_copy_out`, torch's `foreach_all_gather_copy_out`): a read and a
+    write of the gathered bytes, c_u, in series with compute, at each gather: unit u's in the
+    forward, unit u-1's under unit u's backward, none for the range's last unit, which keeps
+    its parameters (so a range pays sum c_u + sum_{u < j-1} c_u; its start term takes off the
+    c_{i-1} that unit i's entry holds).
     """
     num_units = len(table.parameters)
     nothing = np.zeros(num_units)
@@ -61,6 +68,8 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     gather = nothing if cfg.zero_stage < 3 else _over_dp(env.dp_all_gather_s, table, cfg, env.dtype_bytes, gather=True)
     hide_gather, hide_scatter = env.overlap.param_gather, env.overlap.grad_reduce
     previous = lambda a: np.concatenate([[0.0], a[:-1]])  # noqa: E731
+    copy = 2 * gathered_dense(table, env.dtype_bytes) * env.dtype_bytes * env.copy_s_per_byte \
+        if cfg.zero_stage == 3 and env.gather_copy_out else nothing
     forward = np.maximum(gather - previous(table.forward_s), 0.0) if hide_gather else gather
     hidden = (scatter if hide_scatter else 0.0) + (previous(gather) if hide_gather else 0.0)
     serial = (0.0 if hide_scatter else scatter) + (0.0 if hide_gather else gather)
@@ -68,10 +77,11 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     for r in env.allowed_recompute:
         window = previous(table.backward_s + table.recompute_s[r])
         backward_hidden = np.maximum(hidden - window, 0.0)
-        per_unit = forward + backward_hidden + serial
+        per_unit = forward + backward_hidden + serial + copy + previous(copy)
         # At a range's start, the pair (u, u-1) is not in the range: its first gather and its
         # last reduce-scatter are exposed instead.
-        start = (gather - forward if hide_gather else 0.0) + (scatter if hide_scatter else 0.0) - backward_hidden
+        start = (gather - forward if hide_gather else 0.0) + (scatter if hide_scatter else 0.0) - backward_hidden \
+            - previous(copy)
         out[r] = (per_unit, np.broadcast_to(start, (num_units,)).astype(float))
     return out
 

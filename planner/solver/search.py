@@ -230,6 +230,13 @@ class Environment:
     fused_loss: bool = False
     """The stack's cross-entropy is fused, holding no more than the logits (planner/cost/memory.py
     `loss_bytes`); the planner's runtime runs the eager loss (False)."""
+    gather_copy_out: bool = True
+    """ZeRO 3: each unit's all-gather is copied out of its flat buffer into the parameters on the
+    compute stream (FSDP2's `foreach_all_gather_copy_out`: the planner's runtime, torchtitan);
+    False where parameters are views of the gathered buffer (FSDP1's flat parameters, DeepSpeed)."""
+    copy_s_per_byte: float = 0.0
+    """Seconds per byte a device-memory copy reads or writes (planner/cost/compute.py: the GPU's
+    achievable bandwidth, with the node's contention)."""
     """Which communication hides behind compute (planner/cost/overlap.py)."""
     cut_allowed: tuple[bool, ...] | None = None
     """Whether a stage may end after unit c (planner/solver/inter_op.py `allowed_cuts`: runs of

@@ -107,6 +107,9 @@ class Pins:
     """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
     `Environment.pipeline_buffers`): "per-microbatch" as the planner's runtime, or "in-flight"."""
     dp_collectives: str = "per-unit"
+    gather_copy_out: bool = True
+    """ZeRO 3's gathers copied out of their flat buffers on the compute stream (planner/solver/search.py
+    `Environment.gather_copy_out`): FSDP2, as the planner's runtime; False for FSDP1 and DeepSpeed."""
     """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
     `Environment.dp_collectives`): "per-unit" as the planner's runtime (FSDP2), or "bucketed"."""
 
@@ -499,6 +502,8 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         fused_optimizer=pins.fused_optimizer,
         pipeline_buffers=pins.pipeline_buffers,
         dp_collectives=pins.dp_collectives,
+        gather_copy_out=pins.gather_copy_out,
+        copy_s_per_byte=compute.slowdown / compute.gpu.achievable_bandwidth,
         device="cpu" if cluster.gpu.name == "cpu" else "gpu",
     )
 
