@@ -175,6 +175,17 @@ def predict(case: dict) -> dict:
     }
 
 
+def write_out_of_sample(rows: list[dict], stem: str) -> pd.DataFrame:
+    """An out-of-sample check's rows (each with its `error`) as benchmarks/results/<stem>.csv, and
+    the errors summed up: the tail of llm_foundry_a100_40gb.py and torchtitan_a100.py."""
+    frame = pd.DataFrame(rows)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(RESULTS / f"{stem}.csv", index=False)
+    errors = frame["error"].abs()
+    print(f"median |error| {errors.median():.1%}, max {errors.max():.1%}, within 10%: {(errors <= 0.10).sum()}/{len(frame)}")
+    return frame
+
+
 def cases() -> list[dict]:
     table1 = [table1_case(r) for r in pd.read_csv(REFERENCE / "megatron_sc21_table1.csv").itertuples()]
     modern = [modern_case(r) for r in pd.read_csv(REFERENCE / "modern_stacks.csv").itertuples()]

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cost_model_vs_reference import RESULTS, modern_case, predict  # noqa: E402
+from cost_model_vs_reference import modern_case, predict, write_out_of_sample  # noqa: E402
 
 SHAPES = {"7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
 # model, GPUs, micro-batch, gradient accumulation, global batch, tokens/s per GPU (the README's rows)
@@ -52,12 +52,7 @@ def main() -> pd.DataFrame:
         out.append(result)
         print(f"{result['model']:>14} mbs {mbs:2d} x{accumulation:<2d} published {result['published_iteration_s']:7.2f} s "
               f"predicted {result['predicted_iteration_s']:7.2f} s  error {result['error']:+.1%} {result['note']}", flush=True)
-    frame = pd.DataFrame(out)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(RESULTS / "llm_foundry_a100_40gb.csv", index=False)
-    errors = frame["error"].abs()
-    print(f"median |error| {errors.median():.1%}, max {errors.max():.1%}, within 10%: {(errors <= 0.10).sum()}/{len(frame)}")
-    return frame
+    return write_out_of_sample(out, "llm_foundry_a100_40gb")
 
 
 if __name__ == "__main__":

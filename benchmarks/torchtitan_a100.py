@@ -29,6 +29,9 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cost_model_vs_reference import write_out_of_sample  # noqa: E402
 
 from planner.cluster import make_cluster  # noqa: E402
 from planner.engines import torchtitan  # noqa: E402
@@ -36,7 +39,6 @@ from planner.engines.pricing import price  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
 from planner.profiler import profile_model  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 SHAPES = {  # layers, d_model, heads, kv heads, FFN, vocabulary, sequence
     "Llama 3 8B": (32, 4096, 32, 8, 14336, 128256, 8192),
     "Llama 3 70B": (80, 8192, 64, 8, 28672, 128256, 8192),
@@ -93,12 +95,7 @@ def main() -> pd.DataFrame:
         print(f"{model:>12} b{batch} {ac:>15}  published {published:6.2f} s  predicted {row['predicted_iteration_s']:6.2f} s"
               f"  error {row['error']:+.1%}  peak {row.get('predicted_peak_gib', float('nan')):5.1f} GiB  {row['notes']}",
               flush=True)
-    frame = pd.DataFrame(out)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(RESULTS / "torchtitan_a100.csv", index=False)
-    errors = frame["error"].abs()
-    print(f"median |error| {errors.median():.1%}, max {errors.max():.1%}, within 10%: {(errors <= 0.10).sum()}/{len(frame)}")
-    return frame
+    return write_out_of_sample(out, "torchtitan_a100")
 
 
 if __name__ == "__main__":
