@@ -444,11 +444,51 @@ class SequenceSplitChecks(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _FusedRMSNorm(torch.autograd.Function):
+    """torch's fused RMSNorm kernel as autograd sees it on a GPU: `rms_norm` dispatches to
+    aten::_fused_rms_norm (aten/src/ATen/native/layer_norm.cpp `rms_norm_symint`), which has a
+    CUDA kernel and a backward formula keeping its input and the per-row reciprocal RMS
+    (`_fused_rms_norm_backward(grad, input, normalized_shape, rstd, weight, mask)`). A CPU has no
+    such kernel, so there, and on the meta device, the op decomposes and autograd keeps the fp32
+    copies of the composite form instead (4 bytes per element twice, against the kernel's 2)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps):
+        out, rstd = aten._fused_rms_norm(input, normalized_shape, weight, eps)
+        ctx.save_for_backward(input, rstd, weight)
+        ctx.normalized_shape = normalized_shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, rstd, weight = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]]
+        grad_input, grad_weight = aten._fused_rms_norm_backward(grad, input, ctx.normalized_shape, rstd, weight, mask)
+        return grad_input, grad_weight, None, None
+
+
+def _fused_rms_norm(input, normalized_shape, weight=None, eps=None):
+    """`F.rms_norm` as the GPU kernel runs it (`_FusedRMSNorm`), where torch would take the fused
+    path: not for a weight of another dtype (torch falls back to the composite form there)."""
+    if weight is not None and weight.dtype != input.dtype:
+        return None
+    return _FusedRMSNorm.apply(input, weight, list(normalized_shape), eps)
+
+
 class MetaAttentionMode(TorchFunctionMode):
-    """Routes scaled_dot_product_attention on meta tensors to the flash kernel."""
+    """Routes scaled_dot_product_attention on meta tensors to the flash kernel, and, with
+    `gpu_kernels` (an analytic profile for a GPU), `rms_norm` to the fused kernel (`_FusedRMSNorm`)."""
+
+    def __init__(self, gpu_kernels: bool = False) -> None:
+        super().__init__()
+        self.gpu_kernels = gpu_kernels
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
             return _flash_sdpa(*args, **kwargs)
+        if self.gpu_kernels and func in (F.rms_norm, torch.rms_norm) and args and args[0].device.type == "meta":
+            out = _fused_rms_norm(*args, **kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)

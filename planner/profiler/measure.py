@@ -165,7 +165,7 @@ def unit_costs(
     it saves with them in FP8 (`Float8Saves`, `UnitCosts.fp8_saved_bytes`)."""
     params = list(module.parameters())
     meta = analytic_gpu is not None
-    attention_mode = MetaAttentionMode() if meta else nullcontext()
+    attention_mode = MetaAttentionMode(gpu_kernels=analytic_gpu.name != "cpu") if analytic_gpu is not None else nullcontext()
 
     a, kw = _fresh_inputs(args, kwargs)
     fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
