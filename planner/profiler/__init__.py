@@ -245,8 +245,10 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
 
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
     with values, _logged_step("recording the op graphs"):
+        # Recorded on meta for a GPU: with the GPU's fused kernels, as its units were counted.
+        gpu_kernels = device.startswith("cuda") or (analytic_gpu is not None and analytic_gpu.name != "cpu")
         op_graphs = _op_graphs(mf, graph_modules, units, fingerprints, trace,
-                               run_as.on_meta if meta_traced else run_as.on_device)
+                               run_as.on_meta if meta_traced else run_as.on_device, gpu_kernels=gpu_kernels)
 
     element = torch.empty((), dtype=torch_dtype).element_size()
     return Profile(
@@ -564,7 +566,8 @@ def _cut_records(traces: dict[int, UnitTrace], sizes: list[int]) -> list[Cut]:
     return cuts
 
 
-def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nullcontext) -> dict[str, tuple[list, list]]:
+def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nullcontext,
+               gpu_kernels: bool = False) -> dict[str, tuple[list, list]]:
     """Each distinct unit's matmul-like ops, for the intra-op solver, and its saved regions
     (`record_unit`; recorded once per fingerprint)."""
     op_graphs: dict[str, tuple[list, list]] = {}
@@ -572,7 +575,7 @@ def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nul
         if fingerprints[name] not in op_graphs:
             args, kwargs = trace.unit_inputs[name]
             try:
-                with MetaAttentionMode():
+                with MetaAttentionMode(gpu_kernels=gpu_kernels):
                     op_graphs[fingerprints[name]] = record_unit(modules[name], args, kwargs, precision)
             except Exception as exc:
                 raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
