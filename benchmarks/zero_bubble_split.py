@@ -39,6 +39,8 @@ MODELS = {  # name: model file, arguments
     "gpt s1024": ("examples/gpt.py", dict(n_layers=2, d_model=256, n_heads=4, d_ff=1024, vocab_size=512, seq_len=1024)),
     "hf_llama": ("examples/hf_llama.py", dict(n_layers=2)),
     "resnet": ("examples/resnet.py", {}),
+    "moe": ("examples/moe.py", dict(n_layers=2, d_model=128, n_heads=4, vocab_size=512, seq_len=128, num_experts=4, top_k=2,
+                                    moe_d_ff=256)),
 }
 
 

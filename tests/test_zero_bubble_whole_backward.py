@@ -103,6 +103,13 @@ def test_the_weight_gradient_share_follows_the_ops():
     assert shares[32768]["blocks.0"] < 0.2
     assert shares[2048]["head"] == pytest.approx(0.5)
     assert shares[2048]["embed"] == shares[2048]["norm"] == 0.0
+    # A MoE layer's experts are grouped GEMMs the op graph does not list: counted from the layer.
+    args = dict(n_layers=1, d_model=1024, n_heads=16, vocab_size=4096, seq_len=1024, num_experts=8, top_k=2, moe_d_ff=1024)
+    profile = profile_model("examples/moe.py", args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    layer = profile.units[1]
+    share = ComputeModel(profile, get_gpu("h100-80gb"), "bfloat16").weight_gradient_share(layer)
+    without = ComputeModel(profile, get_gpu("h100-80gb"), "bfloat16").weight_gradient_share(layer.model_copy(update={"moe": []}))
+    assert layer.moe and share > without + 0.1
 
 
 def test_the_solver_prices_a_whole_stage_as_the_runtime_runs_it(write_model):

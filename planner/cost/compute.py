@@ -34,7 +34,9 @@ backward (no W, and at attention's lower rate) dominates; 0.5 for an output head
 norms and embeddings, whose weight gradients are elementwise or a scatter (a norm's is a
 reduction over the tokens: a third of its small backward, measured on CPU, left out).
 benchmarks/zero_bubble_split.py times torch's B and W per unit on CPU: GPT blocks 0.43-0.46
-measured against 0.45 predicted at 128 tokens, 0.28-0.29 against 0.27 at 1024.
+measured against 0.45 predicted at 128 tokens, 0.28-0.29 against 0.27 at 1024; the MoE
+example's layers, whose experts' grouped GEMMs the op graph does not list (counted from the
+layer's expert FLOPs), 0.45 against 0.43.
 
 Optimizer step (`optimizer_s_per_param`): a measured profile records one AdamW step over the
 whole model on its device; on that device a rank's step costs its share of it. Otherwise
@@ -185,13 +187,16 @@ class ComputeModel:
         A linear's or convolution's weight gradient is one GEMM as large as its forward (Qi et
         al. 2023, section 2: T_W = T_F's GEMMs); the rest of the backward is input gradients,
         fused attention's backward (none of it W) and elementwise work. Priced as the time of
-        those GEMMs at the GPU's GEMM rate over the backward's compute time (attention at its own
-        rate), at the smallest profiled micro-batch size (the share hardly moves with it). At
+        those GEMMs (a MoE layer's experts' too) at the GPU's GEMM rate over the backward's compute
+        time (attention at its own rate), at the smallest profiled micro-batch size (the share hardly moves with it). At
         most a half: a later stage's every weighted op also makes its input's gradient, a GEMM
         as large (only the first stage's first op does not, and the first stage's split moves
         nothing: planner/cost/schedules.py)."""
-        costs = unit.costs[min(unit.costs)]
+        smallest = min(unit.costs)
+        costs = unit.costs[smallest]
         weights = sum(op.forward_flops for op in unit.ops if op.weight_shape and op.kind in ("linear", "conv"))
+        # A MoE layer's experts run grouped GEMMs the op graph does not list: their forward FLOPs.
+        weights += sum(layer.costs[smallest].expert_forward_flops for layer in unit.moe if smallest in layer.costs)
         rate, attention_rate = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_attention_flops(self.dtype)
         backward_s = (costs.backward_flops - costs.backward_attention_flops) / rate + costs.backward_attention_flops / attention_rate
         return min(weights / rate / backward_s, 0.5) if backward_s > 0 else 0.0
