@@ -187,11 +187,11 @@ class ComputeModel:
         A linear's or convolution's weight gradient is one GEMM as large as its forward (Qi et
         al. 2023, section 2: T_W = T_F's GEMMs); the rest of the backward is input gradients,
         fused attention's backward (none of it W) and elementwise work. Priced as the time of
-        those GEMMs (a MoE layer's experts' too) at the GPU's GEMM rate over the backward's compute
-        time (attention at its own rate), at the smallest profiled micro-batch size (the share hardly moves with it). At
-        most a half: a later stage's every weighted op also makes its input's gradient, a GEMM
-        as large (only the first stage's first op does not, and the first stage's split moves
-        nothing: planner/cost/schedules.py)."""
+        those GEMMs (a MoE layer's experts' too) at the GPU's GEMM rate over the backward's
+        compute time (attention at its own rate), at the smallest profiled micro-batch size (the
+        share hardly moves with it). At most a half: a later stage's every weighted op also makes
+        its input's gradient, a GEMM as large (only the first stage's first op does not, and the
+        first stage's split moves nothing: planner/cost/schedules.py)."""
         smallest = min(unit.costs)
         costs = unit.costs[smallest]
         weights = sum(op.forward_flops for op in unit.ops if op.weight_shape and op.kind in ("linear", "conv"))
