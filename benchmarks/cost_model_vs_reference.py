@@ -60,6 +60,7 @@ import pandas as pd
 from planner.cluster import make_cluster
 from planner.cost.overlap import SERIAL, Overlap
 from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY
+from planner.engines.megatron import gradient_dtype
 from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.solve import Pins, even_block_cuts, solve
@@ -126,6 +127,7 @@ def modern_case(row) -> dict:
                     dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
                     pins=StackPins(pp=pp, tp=tp, dp=dp, cp=1, zero_stage=1, overlap=Overlap(tp_comm=True),
                                    recompute_modes=("none", "selective", "full"),  # Megatron-LM's: no op-level mode
+                                   grad_dtype=gradient_dtype("bfloat16"),  # its fp32 gradient buffer in bf16
                                    **MEGATRON_MEMORY),
                     schedules=["1f1b", "interleaved-1f1b"] if pp > 1 else [None], profile_mbs=[1, 2],
                     published_s=megatron_core_flops(batch, s, l, h, ffn, vocab) / (tflops * 1e12 * gpus),

@@ -279,6 +279,12 @@ class Prediction(_Model):
     """Communication the prediction assumes hidden behind compute, by name (planner/cost/overlap.py:
     grad_reduce, param_gather, pipeline_p2p, tp_comm); the breakdown's terms are then the exposed
     parts. None: not recorded (plans predicted before overlap was modelled)."""
+    state_bytes: dict[str, int] | None = None
+    """Bytes per parameter element the prediction assumes (planner/cost/memory.py `Precision`):
+    weights (as the forward reads and ZeRO gathers them), gradients (as held before their
+    reduction), reduction (as the data-parallel reduction moves them), optimizer (fp32 master and
+    Adam moments). The planner's runtime trains a 16-bit plan under autocast over fp32 parameters:
+    4, 4, 4, 8. None: not recorded (older plans)."""
 
 
 class Alternative(BaseModel):

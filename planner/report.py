@@ -163,8 +163,15 @@ def memory_terms_table(plan, all_stages: bool = False) -> Table | None:
         tensors = sum(v for name, v in stage.items() if name != "fragmentation")
         table.add_row(str(k), *(format_bytes(stage[name]) if name in stage else "-" for name in names), format_bytes(tensors))
     lay = plan.layout
+    captions = []
     if lay.virtual_stages > 1:  # what a GPU holds is its chunks together
-        table.caption = (f"A pipeline rank holds {lay.virtual_stages} of these stages (stage k on rank k mod {lay.pp_degree}), "
-                         f"so their sum: {format_bytes(max(rank_peak_bytes(plan)))} on the busiest rank.")
+        captions.append(f"A pipeline rank holds {lay.virtual_stages} of these stages (stage k on rank k mod {lay.pp_degree}), "
+                        f"so their sum: {format_bytes(max(rank_peak_bytes(plan)))} on the busiest rank.")
+    if pred.state_bytes:
+        b = pred.state_bytes
+        captions.append(f"Bytes per parameter: weights {b['weights']}, gradients {b['gradients']} (reduced as "
+                        f"{b['reduction']}), optimizer {b['optimizer']}.")
+    if captions:
+        table.caption = " ".join(captions)
         table.caption_justify = "left"
     return table

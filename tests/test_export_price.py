@@ -70,10 +70,14 @@ def _assert_priced_as_planned(priced, plan, engine_layout) -> None:
     them in buckets (Megatron-LM, DeepSpeed: `EngineLayout.dp_collectives`), not one per unit as the
     planner's runtime (FSDP2) does, and ZeRO 3's copy-out of each gather, which an engine gathering
     into the parameters' own storage (DeepSpeed: `EngineLayout.gather_copy_out`) does not make:
-    the rest of the step alike."""
+    the rest of the step alike; nor the bytes those collectives move where the engine holds
+    weights and gradients in other dtypes than the planner's runtime (fp32 parameters under
+    autocast: torchtitan gathers bf16 weights, Megatron-LM keeps bf16 weights and fp32 gradients;
+    `Prediction.state_bytes`)."""
     bucketed = engine_layout.dp_collectives != "per-unit" and plan.layout.zero_stage in (1, 2)
     uncopied = not engine_layout.gather_copy_out and plan.layout.zero_stage == 3
-    if not bucketed and not uncopied:
+    dtypes = priced.prediction.state_bytes != plan.prediction.state_bytes and plan.layout.dp_degree > 1
+    if not bucketed and not uncopied and not dtypes:
         assert priced.prediction.iteration_time_s == pytest.approx(plan.prediction.iteration_time_s, rel=1e-9)
         return
     rest = [p.prediction.iteration_time_s - p.prediction.breakdown_s["dp_comm"] for p in (priced, plan)]

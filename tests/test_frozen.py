@@ -208,7 +208,8 @@ def test_frozen_parameters_are_priced_as_held_not_trained():
     cfg, table = result.ranked[0].config, result.costs.table(1, False, result.ranked[0].config.micro_batch_size)
     assert table.frozen_parameters.sum() == pytest.approx(total - trained)
     env = _environment(cluster, result.costs.compute, "bfloat16", Pins(), 0.9)
-    by_hand = model_state_bytes(trained, "bfloat16", 1, 4).total + model_state_bytes(total - trained, "bfloat16", 1, 4).weights
+    held = env.precision  # the runtime's: fp32 parameters under autocast
+    by_hand = model_state_bytes(trained, held, 1, 4).total + model_state_bytes(total - trained, held, 1, 4).weights
     assert state_bytes(table, cfg, env).sum() == pytest.approx(by_hand)
     assert updated_parameters(table, cfg, 0, len(table.parameters)) == pytest.approx(trained / 4)
 

@@ -4,6 +4,8 @@ what planner/cost/memory.py says it is, and `planner show` prints them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planner.cluster import make_cluster
@@ -52,27 +54,39 @@ def test_terms_sum_to_the_peak(gpt_profile, case):
         assert any(t["transient"] > 0 for t in terms)  # rebuilding a unit's activations in the backward
 
 
+def _held(plan):
+    """The plan's `Precision` (`Prediction.state_bytes`)."""
+    from planner.cost.memory import Precision
+
+    b = plan.prediction.state_bytes
+    return Precision(b["weights"], b["gradients"], b["reduction"])
+
+
 def test_each_state_term_is_the_memory_model_s(gpt_profile):
-    """ZeRO 1 on dp 8: 16-bit weights and gradients whole, fp32 master weights and moments over 8;
-    2BW: one more copy of the 16-bit weights. With one micro-batch a step, the activations' peak
-    comes before the first gradient."""
+    """ZeRO 1 on dp 8, as the runtime trains a bf16 plan (fp32 parameters under autocast): fp32
+    weights and gradients whole, the moments over 8; a 16-bit stack (Megatron-LM's, DeepSpeed's)
+    holds 16-bit weights and gradients whole and the fp32 master weights over 8 too. With one
+    micro-batch a step, the activations' peak comes before the first gradient."""
     pins = Pins(pp=1, dp=8, tp=1, zero_stage=1, micro_batch_size=1)  # 4 micro-batches: gradients held
-    plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, pins)
-    (terms,) = plan.prediction.memory_terms_bytes
     n = gpt_profile.model.num_parameters
-    weights, grads, optimizer = STATE_BYTES["mixed"]
-    assert terms["parameters"] == pytest.approx(n * weights, rel=1e-6)
-    assert terms["gradients"] == pytest.approx(n * grads, rel=1e-6)
-    assert terms["optimizer_state"] == pytest.approx(n * optimizer / 8, rel=1e-6)
-    assert terms["activations"] > 0
+    for stack, state in ((pins, (4, 4, 8)), (replace(pins, param_dtype="bfloat16"), STATE_BYTES["mixed"])):
+        plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, stack)
+        (terms,) = plan.prediction.memory_terms_bytes
+        weights, grads, optimizer = state
+        assert _held(plan).state == state
+        assert terms["parameters"] == pytest.approx(n * weights, rel=1e-6)
+        assert terms["gradients"] == pytest.approx(n * grads, rel=1e-6)
+        assert terms["optimizer_state"] == pytest.approx(n * optimizer / 8, rel=1e-6)
+        assert terms["activations"] > 0
     one = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=1, dp=8, tp=1, zero_stage=1, micro_batch_size=4))
     (alone,) = one.prediction.memory_terms_bytes
     assert alone["gradients"] == 0 and alone["activations"] > 0
 
     plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=4, dp=2, tp=1, schedule="pipedream-2bw"),
                  allow_async=True)
+    held = _held(plan)
     for terms in plan.prediction.memory_terms_bytes:
-        assert terms["stashed_weights"] == pytest.approx(stashed_weight_bytes(terms["parameters"] / weights, "bfloat16",
+        assert terms["stashed_weights"] == pytest.approx(stashed_weight_bytes(terms["parameters"] / held.param_bytes, held,
                                                                                0, 2), rel=1e-6)
 
 
@@ -108,7 +122,7 @@ def test_zero3_holds_two_gathered_units_and_one_unit_s_gradients(gpt_profile):
     # never held at once: the peak is the larger moment.
     plan = solve(gpt_profile, make_cluster(8, gpu="a100-80gb"), 32, Pins(pp=1, dp=8, tp=1, zero_stage=3))
     (terms,) = plan.prediction.memory_terms_bytes
-    weights, grads, _ = STATE_BYTES["mixed"]
+    weights, grads, _ = _held(plan).state
     units = [u.num_parameters for u in gpt_profile.units]
     pair = max(a + b for a, b in zip(units[:-1], units[1:], strict=True))
     largest = weights * max(pair, 2 * max(units)) + grads * max(units)
@@ -160,8 +174,10 @@ def test_optimizer_step_phase_and_fused_optimizers(gpt_profile):
 
     cfg = Config(tp=1, sequence_parallel=False, pp=1, dp=8, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
                  virtual_stages=1, zero_stage=0)
-    (ours,), (fused,) = _terms(gpt_profile, cfg, recompute="full"), _terms(gpt_profile, cfg, recompute="full",
-                                                                           fused_optimizer=True)
+    # Priced for a stack holding 16-bit weights and gradients (the runtime's fp32 gradients under
+    # autocast would make the forward/backward phase the peak here).
+    (ours,), (fused,) = _terms(gpt_profile, cfg, recompute="full", param_dtype="bfloat16"), \
+        _terms(gpt_profile, cfg, recompute="full", fused_optimizer=True, param_dtype="bfloat16")
     n = gpt_profile.model.num_parameters
     # The bucket (one copy of the 16-bit gradients) is smaller than the fp32 temporaries, so they are the peak.
     assert ours["activations"] == 0 and ours["loss"] == 0
@@ -256,9 +272,9 @@ def test_zero3_gathers_experts_as_their_own_group():
     outer = [p - e for p, e in zip(params, experts, strict=True)]
     groups = max(max(o, e) for o, e in zip(outer, experts, strict=True))
     pairs = max(o + p for o, p in zip(outer[:-1], params[1:], strict=True))
-    nested = gathered_bytes(sum(params), groups, pairs, "bfloat16", 3, 2)
+    nested = gathered_bytes(sum(params), groups, pairs, _held(plan), 3, 2)
     whole = gathered_bytes(sum(params), max(params), max(a + b for a, b in zip(params[:-1], params[1:], strict=True)),
-                           "bfloat16", 3, 2)
+                           _held(plan), 3, 2)
     assert nested < whole  # the two are told apart here
     assert terms["loss"] == 0 and terms["communication"] == pytest.approx(nested, rel=1e-6)
 
@@ -324,7 +340,6 @@ def test_zero3_tie_split_over_stages_leaves_each_unit_its_own_group(write_model)
     # a tied embedding in stage 0 and its head's copy in stage 1 are each an ordinary FSDP unit,
     # gathered (and copied out of the flat buffer: twice) at their own backward. In one stage
     # they are one group held through the backward.
-    from planner.cost.memory import STATE_BYTES
     from tests.test_tied_stages import TIED_GPT
 
     path = write_model(TIED_GPT, "tied_gpt.py")
@@ -332,10 +347,10 @@ def test_zero3_tie_split_over_stages_leaves_each_unit_its_own_group(write_model)
     profile = profile_model_meta(path, args)
     n = len(profile.units)
     embedding = profile.units[0].num_parameters  # the tied weight counts in its first unit
-    weights, grads, _ = STATE_BYTES["mixed"]
     split = solve(profile, make_cluster(4, gpu="a100-80gb"), 8, Pins(pp=2, dp=2, tp=1, zero_stage=3, micro_batch_size=2,
                                                                       schedule="1f1b", recompute="none"),
                   cuts=lambda chunks: ((0, 2), (2, n)))
+    weights, grads, _ = _held(split).state
     first = split.prediction.memory_terms_bytes[0]
     assert first["communication"] >= (2 * weights + grads) * embedding  # its own group, copied out
     whole = solve(profile, make_cluster(2, gpu="a100-80gb"), 8, Pins(pp=1, dp=2, tp=1, zero_stage=3, micro_batch_size=2,

@@ -106,8 +106,8 @@ def test_ep_memory_by_hand(moe_meta):
     # ZeRO 1 over dp 4: dense states over 4 ranks, the experts' over expert-dp = 4 / 2 = 2 ranks.
     cfg = _cfg(ep=2)
     assert cfg.expert_dp == 2
-    dense_states = model_state_bytes(moe_meta.model.num_parameters - experts, "bfloat16", 1, 4).total
-    expert_states = model_state_bytes(experts / 2, "bfloat16", 1, 2).total
+    dense_states = model_state_bytes(moe_meta.model.num_parameters - experts, env.precision, 1, 4).total
+    expert_states = model_state_bytes(experts / 2, env.precision, 1, 2).total
     assert state_bytes(ep2, cfg, env).sum() == pytest.approx(dense_states + expert_states)
     # A rank's optimizer updates 1/4 of the dense parameters and 1/2 of its half of the experts.
     assert updated_parameters(ep2, cfg, 0, len(ep2.parameters)) == pytest.approx(

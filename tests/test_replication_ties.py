@@ -61,7 +61,9 @@ def test_the_tie_is_priced_on_the_partition(tied_profile):
     copies, seconds = tie_terms(table, env, split, 1, 4)
     cfg = Config(1, False, 1, 1, 1, 4, "1f1b", 1, 0)
     assert copies[0] == 0 and copies[1] == pytest.approx(float(gpu_state_bytes(np.array([tie.num_parameters]), cfg, env)[0]))
-    assert seconds == pytest.approx(env.dp_all_reduce_s(tie.num_parameters * 2, 3, 1))  # every replica of both stages
+    # every replica of both stages, the gradient as the runtime holds it (fp32 parameters under autocast)
+    assert env.precision.reduce_bytes == 4
+    assert seconds == pytest.approx(env.dp_all_reduce_s(tie.num_parameters * 4, 3, 1))
     together = ReplicatedStages(((0, n),), (3,), 0.0, 0.0)  # one stage holds both uses: no copy
     copies, seconds = tie_terms(table, env, together, 1, 4)
     assert copies == [0.0] and seconds > 0  # its replicas still sum the tied gradient

@@ -77,7 +77,9 @@ def test_fsdp2_copies_each_gather_out_on_the_compute_stream():
     copied = solve(profile, cluster, 32, pins)
     viewed = solve(profile, cluster, 32, replace(pins, gather_copy_out=False))
     gpu = get_gpu("a100-80gb")
-    gathered = [2 * u.num_parameters * 2 / gpu.achievable_bandwidth for u in profile.units]  # read + write, bf16
+    # read + write of the weights as gathered: fp32, the runtime's parameters under autocast
+    assert copied.prediction.state_bytes["weights"] == 4
+    gathered = [2 * u.num_parameters * 4 / gpu.achievable_bandwidth for u in profile.units]
     expected = copied.batch.num_microbatches * (2 * sum(gathered) - gathered[-1])
     difference = copied.prediction.iteration_time_s - viewed.prediction.iteration_time_s
     assert difference == pytest.approx(expected, rel=1e-6)

@@ -107,10 +107,67 @@ REPLICATED_BOUNDARY_COPIES = 5
 # Share of the tensor bytes the caching allocator loses to fragmentation (a stated allowance,
 # the upper end of the 5-10% PyTorch's allocator typically loses on long runs).
 FRAGMENTATION_ALLOWANCE = 0.10
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a training stack holds and moves the model, in bytes per parameter element. Stacks
+    that all "train in bf16" differ here, and the difference is memory and data-parallel traffic:
+
+    - `param_bytes`: the weights the forward reads, which ZeRO 3 all-gathers and ZeRO 1-2 gather
+      after the step. 4 for this planner's runtime (fp32 parameters, each forward under
+      autocast: runtime/train.py `_autocast`; FSDP2 without a MixedPrecisionPolicy gathers them
+      as stored) and for Accelerate's DDP (native AMP); 2 where the model is converted
+      (Megatron-LM, DeepSpeed) or FSDP casts its gathers (`param_dtype`: torchtitan,
+      llm-foundry).
+    - `grad_bytes`: the gradients held unsharded until their reduction. 4 for Megatron-LM in
+      bf16, which accumulates into an fp32 `main_grad` buffer (megatron/training/arguments.py
+      sets `accumulate_allreduce_grads_in_fp32` for bf16 unless `--grad-reduce-in-bf16`;
+      param_and_grad_buffer.py makes the buffer fp32).
+    - `reduce_bytes`: each gradient element as the data-parallel reduction moves it. Megatron-LM
+      reduces its buffer's dtype; FSDP2 casts to its `reduce_dtype` (torchtitan's
+      `mixed_precision_reduce`, float32 by default), FSDP1 likewise (llm-foundry's PURE: bf16);
+      DeepSpeed its `communication_data_type` (the model's dtype by default).
+    - the optimizer state: Adam's fp32 moments (8), and an fp32 master copy (4) where the
+      weights are 16-bit.
+
+    Summed, 16 bytes a parameter in the usual cases and 18 for Megatron-LM's bf16; sharded
+    differently by ZeRO (`model_state_bytes`)."""
+
+    param_bytes: int
+    grad_bytes: int
+    reduce_bytes: int
+
+    @property
+    def optimizer_bytes(self) -> int:
+        return 8 + (4 if self.param_bytes < 4 else 0)
+
+    @property
+    def state(self) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer state) bytes per parameter."""
+        return self.param_bytes, self.grad_bytes, self.optimizer_bytes
+
+    @classmethod
+    def of(cls, dtype: "str | Precision", param: str | None = None, grad: str | None = None,
+           reduce: str | None = None) -> "Precision":
+        """A dtype's default (fp32 throughout; a 16-bit type for weights, gradients and their
+        reduction, as the ZeRO paper counts it), or a stack's: `param`, `grad`, `reduce` name the
+        dtypes that differ (each defaults to the one before it)."""
+        if isinstance(dtype, Precision):
+            return dtype
+        if dtype not in DTYPE_SIZES or any(d is not None and d not in DTYPE_SIZES for d in (param, grad, reduce)):
+            raise ValueError(f"unknown dtype among {dtype!r}, {param!r}, {grad!r}, {reduce!r}; "
+                             f"use one of {', '.join(DTYPE_SIZES)}")
+        param_bytes = DTYPE_SIZES[param or dtype]
+        grad_bytes = DTYPE_SIZES[grad] if grad else param_bytes
+        return cls(param_bytes, grad_bytes, DTYPE_SIZES[reduce] if reduce else grad_bytes)
+
+
 # Bytes of model state per parameter for Adam: (weights, gradients, optimizer state).
 STATE_BYTES = {
-    "mixed": (2, 2, 12),  # 16-bit weights and grads; fp32 master, m, v
-    "float32": (4, 4, 8),  # fp32 weights and grads; m, v
+    "mixed": Precision.of("bfloat16").state,  # 16-bit weights and grads; fp32 master, m, v
+    "float32": Precision.of("float32").state,  # fp32 weights and grads; m, v
 }
 
 
@@ -128,9 +185,11 @@ class ModelStateBytes(Generic[Amount]):
         return self.weights + self.gradients + self.optimizer
 
 
-def model_state_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp_degree: int) -> ModelStateBytes[Amount]:
-    """Model states of `num_parameters` (already divided by TP where sharded) on one GPU."""
-    weights, grads, optimizer = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
+def model_state_bytes(num_parameters: Amount, dtype: str | Precision, zero_stage: int,
+                      dp_degree: int) -> ModelStateBytes[Amount]:
+    """Model states of `num_parameters` (already divided by TP where sharded) on one GPU;
+    `dtype`: the run's dtype (its default `Precision`) or the stack's `Precision`."""
+    weights, grads, optimizer = Precision.of(dtype).state
     n = num_parameters
     return ModelStateBytes(
         weights=n * weights / (dp_degree if zero_stage >= 3 else 1),
@@ -279,7 +338,7 @@ class StageMemory:
         return terms
 
 
-def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: int, activation_bytes: float,
+def stage_memory(num_parameters: float, dtype: str | Precision, zero_stage: int, dp_degree: int, activation_bytes: float,
                  in_flight: float, transient_bytes: float = 0.0, p2p_bytes: float = 0.0,
                  largest_unit_parameters: float = 0.0, largest_unit_pair_parameters: float = 0.0,
                  kept_output_bytes: float = 0.0, largest_parameter: float = 0.0,
@@ -362,7 +421,7 @@ def stage_memory(num_parameters: float, dtype: str, zero_stage: int, dp_degree: 
 
 
 def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, largest_unit_pair_parameters: Amount,
-                   dtype: str, zero_stage: int, dp_degree: int, offload: bool = False,
+                   dtype: str | Precision, zero_stage: int, dp_degree: int, offload: bool = False,
                    tied_parameters: Amount | float = 0.0) -> Amount:
     """FSDP2's gathered parameters beside a stage's sharded model states, per GPU, held through
     forward and backward (the runtime runs ZeRO 1-3 as FSDP2 when dp > 1; elementwise, so the
@@ -390,7 +449,7 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
       offload that copy is on the host.
 
     Parameters are per GPU after TP."""
-    weight_bytes, grad_bytes, _ = STATE_BYTES["float32" if dtype == "float32" else "mixed"]
+    weight_bytes, grad_bytes, _ = Precision.of(dtype).state
     if zero_stage == 0 or dp_degree <= 1:
         return 0.0 * num_parameters
     if zero_stage >= 3:
@@ -412,7 +471,7 @@ def kept_output_bytes(num_microbatches: int, output_bytes: float, pp_degree: int
     return num_microbatches * output_bytes if pp_degree > 1 else 0.0
 
 
-def accumulation_bytes(largest_trained_parameter: Amount, dtype: str) -> Amount:
+def accumulation_bytes(largest_trained_parameter: Amount, dtype: str | Precision) -> Amount:
     """The transient of gradient accumulation: a later micro-batch's backward makes each
     parameter's gradient anew and adds it to the one held (autograd's AccumulateGrad), so for a
     moment the largest trained parameter's gradient is there twice (`largest_trained_parameter`:
@@ -420,7 +479,7 @@ def accumulation_bytes(largest_trained_parameter: Amount, dtype: str) -> Amount:
     gradients held against none, its largest weight's gradient 144 KiB. Without ZeRO or with
     ZeRO 1 only: under ZeRO 2-3 FSDP2 reduce-scatters each unit's fresh gradients instead
     (`gathered_bytes` holds them)."""
-    return largest_trained_parameter * STATE_BYTES["float32" if dtype == "float32" else "mixed"][1]
+    return largest_trained_parameter * Precision.of(dtype).grad_bytes
 
 
 def batch_bytes(num_microbatches: int, input_bytes: float, target_bytes: float, first, last) -> np.ndarray:
@@ -445,7 +504,7 @@ def pipeline_keeps_outputs() -> bool:
     return found is not None and (int(found.group(1)), int(found.group(2))) < (2, 10)
 
 
-def stashed_weight_bytes(num_parameters: Amount, dtype: str, zero_stage: int, dp_degree: int) -> Amount:
+def stashed_weight_bytes(num_parameters: Amount, dtype: str | Precision, zero_stage: int, dp_degree: int) -> Amount:
     """PipeDream-2BW's second weight version of `num_parameters` trained parameters (after TP) on one
     GPU: one more copy of the weights as held (`ModelStateBytes.weights`: 16-bit under mixed
     precision, sharded over dp under ZeRO 3). Narayanan et al. 2021, arXiv 2006.09503, section 3.1:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.cost.memory import ModelStateBytes, model_state_bytes
+from planner.cost.memory import ModelStateBytes, Precision, model_state_bytes
 
 PCIE_X16_EFFECTIVE_BYTES_PER_S = {"gen4": 25e9, "gen5": 50e9}
 """Host<->device bytes per second per direction of a PCIe x16 link, as a copy from pinned memory
@@ -86,7 +86,7 @@ def fsdp_collective_counts(zero_stage: int, num_microbatches: int) -> tuple[int,
     return reductions, gathers
 
 
-def offloaded_state_bytes(num_parameters: float, dtype: str, zero_stage: int, shard_degree: int) -> ModelStateBytes:
+def offloaded_state_bytes(num_parameters: float, dtype: str | Precision, zero_stage: int, shard_degree: int) -> ModelStateBytes:
     """The model states per GPU that CPU offload keeps in host memory. ZeRO-3: all of them (the
     GPU holds gathered parameters and unreduced gradients only transiently, planner/cost/memory.py's
     communication term). ZeRO 1-2: gradients and optimizer state; the weights stay, since this
@@ -95,7 +95,7 @@ def offloaded_state_bytes(num_parameters: float, dtype: str, zero_stage: int, sh
     return held if zero_stage >= 3 else ModelStateBytes(weights=0.0, gradients=held.gradients, optimizer=held.optimizer)
 
 
-def offload_step_cost(num_parameters: float, dtype: str, zero_stage: int, shard_degree: int,
+def offload_step_cost(num_parameters: float, dtype: str | Precision, zero_stage: int, shard_degree: int,
                       num_reductions: int, num_gathers: int, transfer_bytes_per_parameter: float = 4.0,
                       pcie_bytes_per_s: float = PCIE_X16_EFFECTIVE_BYTES_PER_S["gen4"],
                       cpu_adam_s_per_parameter: float = CPU_ADAM_S_PER_PARAMETER,

@@ -6,7 +6,10 @@ cluster.py, main 2026-07): `distributed_type: FSDP` (or `MULTI_GPU` for DDP), `n
 `fsdp_reshard_after_forward` (true: ZeRO-3; false: parameters kept after forward, the planner's
 ZeRO 1/2 as FSDP2 runs them), `fsdp_activation_checkpointing` (whole transformer layers),
 `fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP`. FSDP1's `fsdp_sharding_strategy`
-(FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD[_ZERO2]) is read too.
+(FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD[_ZERO2]) is read too. `mixed_precision` under
+FSDP is the plugin's mixed precision policy, weights gathered and gradients reduced in that type
+(utils/dataclasses.py `FullyShardedDataParallelPlugin.set_mixed_precision`); under DDP it is
+native autocast over fp32 parameters, whose fp32 gradients DDP all-reduces.
 
 The newer dimensions (same sources; `parallelism_config` and `fp8_config` are what `accelerate
 config` writes, src/accelerate/commands/config/cluster.py):
@@ -155,4 +158,7 @@ def parse(text: str, source: str = "accelerate.yaml") -> EngineLayout:
         local_batch_size=mbs * m if mbs else None,
         recompute="full" if fsdp.get("fsdp_activation_checkpointing") else "none", split=Split("even"),
         dtype={"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}.get(precision, "float32"), notes=tuple(notes),
+        # FSDP: the plugin's MixedPrecision(Policy)(param_dtype=dtype, reduce_dtype=dtype), all 16-bit; DDP:
+        # native AMP, autocast over fp32 parameters, so fp32 gradients are all-reduced.
+        param_dtype="float32" if kind != "FSDP" else None,
         gather_copy_out=kind != "FSDP" or int(fsdp.get("fsdp_version", 1)) == 2)  # FSDP1: flat parameters, no copy-out

@@ -86,13 +86,20 @@ class EngineLayout:
     `Environment.pipeline_buffers`): "per-microbatch" (torch.distributed.pipelining: torchtitan)
     or "in-flight" (Megatron-LM, DeepSpeed)."""
     dp_collectives: str = "per-unit"
+    """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
+    `Environment.dp_collectives`): "per-unit" (FSDP2: torchtitan) or "bucketed" (Megatron-LM's
+    distributed optimizer, DeepSpeed)."""
     gather_copy_out: bool = True
     """ZeRO 3's gathers copied out of their flat buffers on the compute stream: FSDP2 (torchtitan,
     Accelerate's fsdp_version 2); False where parameters are views of the gathered buffer (FSDP1's
     flat parameters, DeepSpeed's ZeRO 3). planner/solver/search.py `Environment.gather_copy_out`."""
-    """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
-    `Environment.dp_collectives`): "per-unit" (FSDP2: torchtitan) or "bucketed" (Megatron-LM's
-    distributed optimizer, DeepSpeed)."""
+    param_dtype: str | None = None
+    """The weights' dtype as the forward reads them and ZeRO gathers them, read from the engine's
+    file (planner/cost/memory.py `Precision`); None: `dtype`."""
+    grad_dtype: str | None = None
+    """The gradients' dtype as held before their reduction; None: `param_dtype`'s."""
+    reduce_dtype: str | None = None
+    """The dtype the data-parallel reduction moves; None: `grad_dtype`'s."""
     cp_algorithm: str = "all-gather"
     """How CP attention reaches the other ranks' K/V (planner/plan.py `Layout.cp_algorithm`):
     "all-gather" or "ring"; read only where cp_degree > 1."""

@@ -20,6 +20,8 @@ https://www.deepspeed.ai/docs/config-json/):
                                         partition still over all ranks) and is read as a note. Stages 1/2
                                         have no replica groups: hybrid sharding becomes sharding over all.
     bf16.enabled / fp16.enabled; gradient_clipping
+    communication_data_type             the gradients' dtype on the wire (fp32, fp16, bf16); unset, the
+                                        model's (engine.py `communication_data_type`)
     tensor_parallel.autotp_size         AutoTP training (Linear layers column/row sharded; no sequence parallelism)
     pipeline.stages, pipeline.partition, pipeline.activation_checkpoint_interval
                                         what `PipelineModule(num_stages=, partition_method=,
@@ -137,6 +139,10 @@ def render(mapped: EngineLayout, plan: Plan, names: list[str], seq_len: int | No
     return json.dumps(config, indent=2) + "\n"
 
 
+COMMUNICATION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "bfp16": "bfloat16"}
+"""DeepSpeed's `communication_data_type` values (deepspeed/runtime/config.py) as dtype names."""
+
+
 def _enabled(section) -> bool | None:
     value = section.get("enabled") if isinstance(section, dict) else None
     return None if value == "auto" else bool(value)
@@ -180,6 +186,8 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
         recompute="full" if pipe.get("activation_checkpoint_interval", 0) else "none",
         split=Split("uniform" if partition == "uniform" else "parameters"),
         dtype="bfloat16" if bf16 else "float16" if fp16 else None if auto_dtype else "float32",
+        # deepspeed/runtime/engine.py `communication_data_type`: the config's, else the model's dtype.
+        reduce_dtype=COMMUNICATION_DTYPES.get(str(config.get("communication_data_type")).lower()),
         grad_clip=config.get("gradient_clipping") or None, notes=tuple(notes),
         shard_degree=mics if stage == 3 and mics > 0 else None, offload=offload,
         fused_optimizer=_fused_adam(config),

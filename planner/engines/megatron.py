@@ -20,6 +20,10 @@ their config dataclasses):
     --use-torch-fsdp2 [--torch-fsdp2-no-reshard-after-forward]
                                         ZeRO-3 [ZeRO-2: "Set to enable FSDP ZeRO-2"]
     --micro-batch-size, --global-batch-size, --seq-length, --num-layers, --bf16/--fp16, --clip-grad
+    --grad-reduce-in-bf16, --accumulate-allreduce-grads-in-fp32
+                                        the gradient buffer's dtype, which the data-parallel reduction
+                                        moves: fp32 in a bf16 run unless the first is given
+                                        (`gradient_dtype`)
 
 The newer dimensions (same file and commit unless named):
     --expert-model-parallel-size        EP; Megatron-Core's rank order tp-cp-ep-dp-pp puts the ep ranks
@@ -76,7 +80,8 @@ from planner.plan import Plan
 FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
          "--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward", "--recompute-activations", "--bf16", "--fp16",
          "--use-custom-fsdp", "--use-megatron-fsdp", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
-         "--overlap-cpu-optimizer-d2h-h2d", "--fp8-param-gather", "--first-last-layers-bf16"}
+         "--overlap-cpu-optimizer-d2h-h2d", "--fp8-param-gather", "--first-last-layers-bf16", "--grad-reduce-in-bf16",
+         "--accumulate-allreduce-grads-in-fp32"}
 
 
 def _new_dimensions(mapped: EngineLayout, changes: list[str]) -> EngineLayout:
@@ -278,6 +283,18 @@ def _cp_algorithm(comm_type: str, notes: list[str]) -> str:
     return "ring"
 
 
+def gradient_dtype(dtype: str, grad_reduce_in_bf16: bool = False, accumulate_in_fp32: bool = False) -> str | None:
+    """The dtype of Megatron-LM's gradient buffer, which its data-parallel reduction moves
+    (planner/cost/memory.py `Precision`): float32 in a bf16 run (megatron/training/arguments.py
+    sets `accumulate_allreduce_grads_in_fp32` for bf16 unless `--grad-reduce-in-bf16`, and
+    param_and_grad_buffer.py then makes the buffer fp32) or where
+    `--accumulate-allreduce-grads-in-fp32` is given; else None, the parameters' dtype (an fp16
+    run's 16-bit gradients, as SC21's runs reduced them)."""
+    if dtype == "bfloat16" and not grad_reduce_in_bf16 or accumulate_in_fp32 and dtype != "float32":
+        return "float32"
+    return None
+
+
 MEMORY_HABITS: dict[str, Any] = dict(fused_optimizer=True, pipeline_buffers="in-flight", dp_collectives="bucketed")
 """How Megatron-LM holds memory where the planner's runtime holds more (planner/solver/search.py
 `Environment`): its optimizer (megatron/core/optimizer: apex's or Transformer Engine's FusedAdam)
@@ -354,6 +371,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
     if float8 and (recipe, args["--fp8-format"]) != ("tensorwise", "hybrid"):
         notes.append(f"--fp8-format {args['--fp8-format']} --fp8-recipe {recipe} priced as torchao tensorwise dynamic "
                      "scaling (e4m3 forward, e5m2 gradients)")
+    dtype = "bfloat16" if args.get("--bf16") else "float16" if args.get("--fp16") else "float32"
     return EngineLayout(
         recompute_modes=("none", "selective", "full"),  # what it can run (planner price's best plan uses only these)
         # megatron/core/tensor_parallel/cross_entropy.py: the saved softmax becomes the gradient in place
@@ -362,7 +380,8 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,
         global_batch_size=glob, local_batch_size=mbs, recompute=recompute, layer_recompute=some_layers, split=split,
-        dtype="bfloat16" if args.get("--bf16") else "float16" if args.get("--fp16") else "float32",
+        dtype=dtype, grad_dtype=gradient_dtype(dtype, bool(args.get("--grad-reduce-in-bf16")),
+                                               bool(args.get("--accumulate-allreduce-grads-in-fp32"))),
         grad_clip=clip or None, notes=tuple(notes), ep_degree=num("--expert-model-parallel-size", 1),
         expert_tp_degree=num("--expert-tensor-parallel-size", 1),
         cp_degree=num("--context-parallel-size", 1), cp_algorithm=cp_algorithm, replicate_degree=instances if instances > 1 and zero == 1 else None,

@@ -105,7 +105,8 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
                 ep=layout.ep_degree, shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree,
                 expert_tp=layout.expert_tp_degree, fused_loss=layout.fused_loss, fused_optimizer=layout.fused_optimizer,
                 pipeline_buffers=layout.pipeline_buffers, dp_collectives=layout.dp_collectives,
-                gather_copy_out=layout.gather_copy_out)
+                gather_copy_out=layout.gather_copy_out, param_dtype=layout.param_dtype or dtype,
+                grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype)
     check_pins(pins, cluster, batch, len(profile.units))
     check_model_pins(pins, profile)
     bounds = stage_bounds(layout, profile)

@@ -28,7 +28,8 @@ Option names and meanings are torchtitan's `torchtitan/config/job_config.py` (co
     [activation_checkpoint] mode = "none" | "selective" | "full"; selective_ac_option = "op"
                   (per-op SAC) or an integer k (full AC on every k-th layer)
     [training]    local_batch_size (per DP rank and step), global_batch_size, seq_len, max_norm,
-                  mixed_precision_param ("bfloat16" | "float32"), enable_cpu_offload ("CPU offloading of
+                  mixed_precision_param ("bfloat16" | "float32"), mixed_precision_reduce (FSDP's
+                  reduce_dtype, "float32" by default: the gradients' bytes on the wire), enable_cpu_offload ("CPU offloading of
                   parameters, gradients, and optimizer states in FSDP": FSDP2's CPUOffloadPolicy, the
                   plan's training.offload = "cpu")
     [model]       converters = ["float8"]: torchao Float8Linear swap (the plan's training.float8)
@@ -241,6 +242,7 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         layers = ("every", int(option)) if int(option) > 1 else None
     elif mode == "selective":
         mode = "op"  # op-level selective checkpointing, priced as such (planner/solver/costs.py)
+    dtype = "float32" if train.get("mixed_precision_param") == "float32" else "bfloat16"
     local = int(train.get("local_batch_size", 8))
     mbs = int(par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
     glob = train.get("global_batch_size", -1)
@@ -249,7 +251,11 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         pp_degree=pp, tp_degree=int(par.get("tensor_parallel_degree", 1)), dp_degree=dp, zero_stage=zero,
         sequence_parallel=int(par.get("tensor_parallel_degree", 1)) > 1, schedule=names[sched] if pp > 1 else "1f1b",
         virtual_stages=v, micro_batch_size=mbs, global_batch_size=None if glob in (-1, None) else int(glob), local_batch_size=local,
-        recompute=mode, layer_recompute=layers, split=split, dtype="float32" if train.get("mixed_precision_param") == "float32" else "bfloat16",
+        recompute=mode, layer_recompute=layers, split=split, dtype=dtype,
+        # FSDP2's MixedPrecisionPolicy(param_dtype=mixed_precision_param, reduce_dtype=mixed_precision_reduce,
+        # "float32" by default); without FSDP torchtitan trains fp32 parameters (under autocast where
+        # it can: maybe_enable_amp), so its DDP all-reduces fp32 gradients.
+        param_dtype="float32" if zero == 0 else dtype, reduce_dtype=str(train.get("mixed_precision_reduce", "float32")),
         grad_clip=train.get("max_norm"), notes=tuple(notes), ep_degree=int(par.get("expert_parallel_degree", 1)),
         expert_tp_degree=int(par.get("expert_tensor_parallel_degree", 1)) if int(par.get("expert_parallel_degree", 1)) > 1 else 1,
         cp_degree=cp, shard_degree=shard * cp if hsdp and shard != -1 else None,

@@ -647,7 +647,7 @@ def _tail_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> tuple[f
     bytes, with N at least the model's parameters / bucket (1 when not overlapped)."""
     experts = 0.0 if table.expert_parameters is None else float(table.expert_parameters.sum())
     reductions, gathers = tail_collectives(cfg, env, float(table.trained_dense_parameters().sum()), experts,
-                                           float(gathered_dense(table, env.dtype_bytes).sum()))
+                                           float(gathered_dense(table, env.precision.param_bytes).sum()))
     bucket = bucket_parameters(cfg)
 
     def least(collectives: list, bucketed: bool) -> float:
@@ -843,5 +843,5 @@ def model_states_bytes(table: UnitCostTable, cfg: Config, env: Environment) -> f
     dense, frozen, experts = parameter_sums(table)
     states = gpu_state_bytes(dense, cfg, env, frozen)
     if experts is not None:
-        states += model_state_bytes(experts, env.dtype, cfg.zero_stage, cfg.expert_dp).total
+        states += model_state_bytes(experts, env.precision, cfg.zero_stage, cfg.expert_dp).total
     return states

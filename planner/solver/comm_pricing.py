@@ -63,12 +63,13 @@ def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:
     nothing = np.zeros(num_units)
     if cfg.zero_stage < 2 or cfg.dp == 1:
         return {r: (nothing, nothing) for r in env.allowed_recompute}
-    grad_bytes = 4 if env.dtype == "float32" else 2
+    grad_bytes = env.precision.reduce_bytes
     scatter = _over_dp(env.dp_reduce_scatter_s, table, cfg, grad_bytes) + _across_replicas(table, cfg, env, grad_bytes)
-    gather = nothing if cfg.zero_stage < 3 else _over_dp(env.dp_all_gather_s, table, cfg, env.dtype_bytes, gather=True)
+    gather = nothing if cfg.zero_stage < 3 else _over_dp(env.dp_all_gather_s, table, cfg, env.precision.param_bytes, gather=True)
     hide_gather, hide_scatter = env.overlap.param_gather, env.overlap.grad_reduce
     previous = lambda a: np.concatenate([[0.0], a[:-1]])  # noqa: E731
-    copy = 2 * gathered_dense(table, env.dtype_bytes) * env.dtype_bytes * env.copy_s_per_byte \
+    weight = env.precision.param_bytes
+    copy = 2 * gathered_dense(table, weight) * weight * env.copy_s_per_byte \
         if cfg.zero_stage == 3 and env.gather_copy_out else nothing
     forward = np.maximum(gather - previous(table.forward_s), 0.0) if hide_gather else gather
     hidden = (scatter if hide_scatter else 0.0) + (previous(gather) if hide_gather else 0.0)
@@ -147,7 +148,7 @@ def tail_collectives(cfg: Config, env: Environment, trained: float, experts: flo
     the whole model."""
     if cfg.dp == 1 or cfg.zero_stage == 3:
         return [], []
-    grad_bytes = 4 if env.dtype == "float32" else 2
+    grad_bytes = env.precision.reduce_bytes
     dense_dp = cfg.zero_dp if cfg.zero_stage >= 1 else cfg.dp
     reductions, gathers = [], []
     if cfg.zero_stage <= 1:
@@ -158,9 +159,9 @@ def tail_collectives(cfg: Config, env: Environment, trained: float, experts: flo
         if cfg.replicas > 1:
             reductions.append((env.dp_all_reduce_s, trained / cfg.zero_dp, grad_bytes, cfg.replicas, cfg.tp * cfg.zero_dp))
     if cfg.zero_stage in (1, 2):
-        gathers.append((env.dp_all_gather_s, gathered, env.dtype_bytes, dense_dp, cfg.tp))
+        gathers.append((env.dp_all_gather_s, gathered, env.precision.param_bytes, dense_dp, cfg.tp))
         if experts:
-            gathers.append((env.dp_all_gather_s, experts, env.dtype_bytes, cfg.expert_dp, cfg.expert_dp_stride))
+            gathers.append((env.dp_all_gather_s, experts, env.precision.param_bytes, cfg.expert_dp, cfg.expert_dp_stride))
     return reductions, gathers
 
 
@@ -214,7 +215,8 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     per_unit = cfg.zero_stage in (1, 2) and env.dp_collectives == "per-unit"
     rank_units = by_rank((table.parameters > 0).astype(float)) if per_unit else None
     for rank in range(cfg.pp):
-        gathered = rank_dense[rank] - rank_fp8[rank] * (env.dtype_bytes - 1) / env.dtype_bytes
+        weight = env.precision.param_bytes
+        gathered = rank_dense[rank] - rank_fp8[rank] * (weight - 1) / weight
         reductions, gathers = tail_collectives(cfg, env, rank_trained[rank], rank_experts[rank], gathered)
         buckets = max(1, math.ceil(rank_params[rank] / bucket_parameters(cfg)))
         # Serial: one flat buffer after the backward (the runtime's ZeRO 0, Megatron-LM 2021), or a unit at a time.

@@ -21,7 +21,7 @@ from planner.cost.compute import (
 )
 from planner.cost.cp import attention_share, cp_unit_s, gathered_kv_bytes, kv_bytes, saved_kv_bytes
 from planner.cost.fp8 import price_fp8_unit, skipped_units
-from planner.cost.memory import op_activation_bytes, unit_activation_bytes
+from planner.cost.memory import DTYPE_SIZES, op_activation_bytes, unit_activation_bytes
 from planner.cost.moe import (
     ALL_TO_ALLS_PER_STEP,
     COUNT_BYTES,
@@ -48,7 +48,7 @@ KEEPS_OUTPUT = ("none", "selective")
 """Modes in which a unit keeps what it saved of its own output: full recomputation keeps the
 unit's input only, and op-level keeps the saved ops' outputs and the input (planner/cost/memory.py
 `op_activation_bytes`)."""
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = DTYPE_SIZES
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,9 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s, strict=False)],
         breakdown_s=best.breakdown_s,
         overlap=list(best.overlap),
+        state_bytes=None if best.precision is None else {
+            "weights": best.precision.param_bytes, "gradients": best.precision.grad_bytes,
+            "reduction": best.precision.reduce_bytes, "optimizer": best.precision.optimizer_bytes},
     )
     alternatives = [_alternative(e, best) for e in result.ranked[1:top_k]]
     return Plan(

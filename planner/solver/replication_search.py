@@ -85,7 +85,7 @@ def replication_problem(table: UnitCostTable, env: Environment, num_gpus: int, n
                  num_microbatches=num_microbatches, schedule="1f1b", virtual_stages=1, zero_stage=0)
     frozen = table.frozen_parameters
     trained = np.asarray(table.parameters - (frozen if frozen is not None else 0.0), dtype=float)
-    grad_bytes = 4 if env.dtype == "float32" else 2
+    grad_bytes = env.precision.reduce_bytes
     same_node = num_gpus <= env.gpus_per_node
     return ReplicationProblem(
         compute_s=np.asarray(table.forward_s + table.backward_s, dtype=float),
@@ -149,7 +149,7 @@ def tie_terms(table: UnitCostTable, env: Environment, stages: ReplicatedStages, 
                  num_microbatches=num_microbatches, schedule="1f1b", virtual_stages=1, zero_stage=0)
     starts, ends = np.array(stages.bounds).T
     copies = [float(x) for x in gpu_state_bytes(table.copy_parameters(starts, ends), cfg, env)]
-    grad_bytes = 4 if env.dtype == "float32" else 2
+    grad_bytes = env.precision.reduce_bytes
     seconds = 0.0
     for tie in table.tied:
         holding = [k for k, (i, j) in enumerate(stages.bounds) if any(i <= u < j for u in tie.units)]

@@ -68,6 +68,7 @@ import numpy as np
 
 from planner.cost.memory import (
     ModelStateBytes,
+    Precision,
     accumulation_bytes,
     batch_bytes,
     gathered_bytes,
@@ -181,6 +182,8 @@ class Evaluation:
     """Activations cross the cuts as TP slices (`scatter_gather`)."""
     overlap: tuple[str, ...] = ()
     """Communication the price assumes hidden behind compute (planner/cost/overlap.py names)."""
+    precision: Precision | None = None
+    """How the price holds and moves weights and gradients (`Environment.precision`)."""
     memory_terms: Sequence[dict[str, float]] = ()
     """Per stage, `peak_memory_bytes` by term ({name: bytes}, `memory_terms`): they sum to it."""
     flushed_by: str | None = None
@@ -210,6 +213,7 @@ class Environment:
     """(nbytes, pp ranks holding a copy, ranks per pipeline rank = dp x tp) -> s: the all-reduce of a
     tied weight's gradient among its copies (None: free)."""
     overlap: Overlap = Overlap()
+    """Which communication hides behind compute (planner/cost/overlap.py)."""
     device: str = "gpu"
     """"cpu" where the cluster's devices are CPUs: AdamW steps tensor by tensor there
     (planner/cost/memory.py `optimizer_transient_bytes`)."""
@@ -237,7 +241,11 @@ class Environment:
     copy_s_per_byte: float = 0.0
     """Seconds per byte a device-memory copy reads or writes (planner/cost/compute.py: the GPU's
     achievable bandwidth, with the node's contention)."""
-    """Which communication hides behind compute (planner/cost/overlap.py)."""
+    stack_precision: Precision | None = None
+    """How the stack holds and moves weights and gradients (planner/cost/memory.py `Precision`):
+    the model states' split, the bytes ZeRO gathers and the data-parallel reduction moves. None:
+    `dtype`'s default (16-bit weights, gradients and reduction, or fp32 throughout); read it as
+    `precision`."""
     cut_allowed: tuple[bool, ...] | None = None
     """Whether a stage may end after unit c (planner/solver/inter_op.py `allowed_cuts`: runs of
     units the profile says no cut may split); None: anywhere."""
@@ -245,6 +253,11 @@ class Environment:
     """Results a search asks for again and again under this environment (`stage_arrays` per
     table and data-parallel setting, `_range_max_at`'s tables per table), each key led by its kind. Not an init field, so `dataclasses.replace` starts a new one: the answers depend on
     the environment."""
+
+    @property
+    def precision(self) -> Precision:
+        """`stack_precision`, or the dtype's default."""
+        return self.stack_precision or Precision.of(self.dtype)
 
 
 def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
@@ -262,8 +275,8 @@ def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
 
             trained = table.trained_dense_parameters()
             experts = 0.0 if table.expert_parameters is None else \
-                stashed_weight_bytes(table.expert_parameters, env.dtype, cfg.zero_stage, cfg.expert_dp)
-            states = states + stashed_weight_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp) + experts
+                stashed_weight_bytes(table.expert_parameters, env.precision, cfg.zero_stage, cfg.expert_dp)
+            states = states + stashed_weight_bytes(trained, env.precision, cfg.zero_stage, cfg.zero_dp) + experts
         held = env.memo[key] = (table, (times, first, states, zero))  # the table held: its id stays its own
     return held[1]
 
@@ -289,7 +302,7 @@ def state_parts(table: UnitCostTable, cfg: Config, env: Environment) -> ModelSta
     states = gpu_state_parts(table.dense_parameters(), cfg, env, table.frozen_parameters)
     if table.expert_parameters is None:
         return states
-    return _add(states, model_state_bytes(table.expert_parameters, env.dtype, cfg.zero_stage, cfg.expert_dp))
+    return _add(states, model_state_bytes(table.expert_parameters, env.precision, cfg.zero_stage, cfg.expert_dp))
 
 
 def gpu_state_bytes(num_parameters, cfg: Config, env: Environment, frozen=None):
@@ -301,14 +314,14 @@ def gpu_state_bytes(num_parameters, cfg: Config, env: Environment, frozen=None):
 def gpu_state_parts(num_parameters, cfg: Config, env: Environment, frozen=None) -> ModelStateBytes:
     """`gpu_state_bytes` by kind (weights, gradients, optimizer state)."""
     trained = num_parameters if frozen is None else num_parameters - frozen
-    states = model_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp)
+    states = model_state_bytes(trained, env.precision, cfg.zero_stage, cfg.zero_dp)
     if frozen is not None:
-        states = _add(states, _weights_only(model_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp)))
+        states = _add(states, _weights_only(model_state_bytes(frozen, env.precision, cfg.zero_stage, cfg.zero_dp)))
     if not cfg.offload:
         return states
-    states = _add(states, offloaded_state_bytes(trained, env.dtype, cfg.zero_stage, cfg.zero_dp), -1.0)
+    states = _add(states, offloaded_state_bytes(trained, env.precision, cfg.zero_stage, cfg.zero_dp), -1.0)
     if frozen is not None:
-        states = _add(states, _weights_only(offloaded_state_bytes(frozen, env.dtype, cfg.zero_stage, cfg.zero_dp)), -1.0)
+        states = _add(states, _weights_only(offloaded_state_bytes(frozen, env.precision, cfg.zero_stage, cfg.zero_dp)), -1.0)
     return states
 
 
@@ -533,6 +546,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     evaluation.p2p_scatter_gather = sliced
     evaluation.flushed_by = blocker
     evaluation.overlap = tuple(env.overlap.names())
+    evaluation.precision = env.precision
     return evaluation
 
 
@@ -1010,11 +1024,11 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
             before = np.where(grouped & tied[n - 2], 0.0, outer[n - 2]) if n > 1 else 0.0
             last_pair = np.where(end - start > 1, before + np.where(held_alone, params[n - 1], 0.0), 0.0) + apart
             at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, last + apart, last_pair,
-                                     env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
+                                     env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
         else:
             largest_unit = largest_pair = zeros
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
-                                  env.dtype, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
+                                  env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
         gathered_with_loss = np.where(end == n, np.minimum(at_loss, gathered), gathered) if cfg.zero_stage >= 3 \
             else gathered
     per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
@@ -1035,7 +1049,7 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
     accumulation = zeros
     if table.largest_parameter is not None and cfg.zero_stage <= 1:
         largest = _range_max_at(table, env, "largest_trained", np.minimum(table.largest_parameter, trained), start, end)
-        accumulation = accumulation_bytes(largest, env.dtype)
+        accumulation = accumulation_bytes(largest, env.precision)
     batch = batch_bytes(m, table.input_bytes, table.target_bytes, start == 0, end == n)
     wgrad = zeros
     if cfg.schedule == "zero-bubble" and table.weight_gradient_inputs is not None:
@@ -1228,7 +1242,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
             chunks = bounds[rank::cfg.pp]
             rank_held = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in chunks)
             rank_trained = sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * cfg.zero_dp  # before ZeRO
-            cost = offload_step_cost(rank_held, env.dtype, cfg.zero_stage, cfg.zero_dp,
+            cost = offload_step_cost(rank_held, env.precision, cfg.zero_stage, cfg.zero_dp,
                                      *fsdp_collective_counts(cfg.zero_stage, m), gpus_per_host=env.gpus_per_node)
             share = rank_trained / rank_held if rank_held else 0.0  # frozen weights are copied in, never stepped or reduced
             opt_s.append(cost.cpu_optimizer_s * share)
@@ -1315,7 +1329,7 @@ def _tie_all_reduce_s(table, cfg: Config, env: Environment, bounds) -> list[floa
     out = [0.0] * cfg.pp
     if env.tie_all_reduce_s is None:
         return out
-    grad_bytes = 4 if env.dtype == "float32" else 2
+    grad_bytes = env.precision.reduce_bytes
     starts = [i for i, _ in bounds]  # the stages cut the units in order: unit u is in the last stage starting at or before it
     for tie in table.tied:
         ranks = sorted({(bisect.bisect_right(starts, u) - 1) % cfg.pp for u in tie.units})

@@ -27,7 +27,7 @@ from planner.cluster import Cluster
 from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
 from planner.cost.cp import CP_METHODS, CpCollectives, cp_degrees, cp_refusal
-from planner.cost.memory import model_state_bytes
+from planner.cost.memory import Precision, model_state_bytes
 from planner.errors import PlannerError
 from planner.plan import (
     RECOMPUTE,
@@ -107,11 +107,19 @@ class Pins:
     """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
     `Environment.pipeline_buffers`): "per-microbatch" as the planner's runtime, or "in-flight"."""
     dp_collectives: str = "per-unit"
+    """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
+    `Environment.dp_collectives`): "per-unit" as the planner's runtime (FSDP2), or "bucketed"."""
     gather_copy_out: bool = True
     """ZeRO 3's gathers copied out of their flat buffers on the compute stream (planner/solver/search.py
     `Environment.gather_copy_out`): FSDP2, as the planner's runtime; False for FSDP1 and DeepSpeed."""
-    """How the engine's ZeRO 1-2 collectives go once per step (planner/solver/search.py
-    `Environment.dp_collectives`): "per-unit" as the planner's runtime (FSDP2), or "bucketed"."""
+    param_dtype: str | None = None
+    """The dtype of the weights the forward reads and ZeRO gathers (planner/cost/memory.py
+    `Precision`). None: as the planner's runtime holds them, float32 under a profile that computes
+    as autocast (fp32 parameters, runtime/train.py `_autocast`), else the run's dtype."""
+    grad_dtype: str | None = None
+    """The dtype gradients are held in before their reduction; None: `param_dtype`'s."""
+    reduce_dtype: str | None = None
+    """The dtype the data-parallel reduction moves; None: `grad_dtype`'s."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -470,6 +478,16 @@ def _cut_allowed(profile: Profile) -> tuple[bool, ...] | None:
     return tuple(allowed_cuts(len(profile.units), runs).tolist()) if runs else None
 
 
+def stack_precision(profile: Profile, dtype: str, pins: Pins) -> Precision:
+    """How the stack priced holds and moves the model (`Pins.param_dtype`, `grad_dtype`,
+    `reduce_dtype`). Unpinned, as the planner's runtime: a 16-bit run under autocast keeps fp32
+    parameters, so its gradients, their reduction and ZeRO's gathers are fp32 too; a profile
+    that computes in 16 bits end to end (precision pure) is priced as a converted model."""
+    runtime_fp32 = dtype != "float32" and profile.computes_as() == "autocast"
+    param = pins.param_dtype or ("float32" if runtime_fp32 else dtype)
+    return Precision.of(dtype, param, pins.grad_dtype, pins.reduce_dtype)
+
+
 def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
     from planner.cost.overlap import SERIAL, Overlap
 
@@ -503,6 +521,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         pipeline_buffers=pins.pipeline_buffers,
         dp_collectives=pins.dp_collectives,
         gather_copy_out=pins.gather_copy_out,
+        stack_precision=stack_precision(compute.profile, dtype, pins),
         copy_s_per_byte=compute.slowdown / compute.gpu.achievable_bandwidth,
         device="cpu" if cluster.gpu.name == "cpu" else "gpu",
     )
@@ -853,7 +872,8 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
 
 def _states_fit(profile: Profile, dtype: str, usable_bytes: float):
     """(zero, pp, tp, shard) -> whether the whole model's states over pp x tp, ZeRO-sharded over
-    `shard` ranks, fit a GPU's usable memory (a necessary condition, as the memory bound's)."""
+    `shard` ranks, fit a GPU's usable memory (a necessary condition, as the memory bound's: the
+    dtype's default `Precision` holds the least any stack's does, at every ZeRO stage)."""
     @lru_cache(maxsize=None)
     def fit(zero_stage: int, pp: int, tp: int, shard: int) -> bool:
         states = model_state_bytes(profile.model.num_parameters / (pp * tp), dtype, zero_stage, shard).total
