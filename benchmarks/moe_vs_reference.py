@@ -34,6 +34,7 @@ import pandas as pd
 
 from planner.cluster import make_cluster
 from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY
+from planner.engines.megatron import gradient_dtype
 from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.plan_builder import why_lost
@@ -103,8 +104,9 @@ def main() -> pd.DataFrame:
     tick = time.perf_counter()
     # Megatron-Core's vocab-parallel cross-entropy is fused (planner/cost/memory.py `loss_bytes`), its
     # FusedAdam steps in place and its pipeline receives one micro-batch at a time (planner/solver/
-    # search.py `Environment`).
-    theirs = price_config(prof, cluster, published_config(row), Pins(fused_loss=True, **MEGATRON_MEMORY))
+    # search.py `Environment`); in bf16 it accumulates and reduces gradients in fp32 (`gradient_dtype`).
+    theirs = price_config(prof, cluster, published_config(row),
+                          Pins(fused_loss=True, grad_dtype=gradient_dtype("bfloat16"), **MEGATRON_MEMORY))  # the row: bf16
     rows = [record("published layout", theirs, published, time.perf_counter() - tick, "")]
     for name, pins in ((f"best with EP {row.ep}", Pins(ep=int(row.ep))), ("free choice", Pins())):
         tick = time.perf_counter()
