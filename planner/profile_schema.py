@@ -65,6 +65,19 @@ class UnitCosts(_Model):
     it was recorded (read as 0)."""
     peak_memory_bytes: int | None = None
     """Peak allocated memory above the baseline during forward+backward (CUDA only)."""
+    backward_working_bytes: int | None = None
+    """The most bytes the unit's backward holds at once beyond what it saved and the output
+    gradient it is handed: the gradients flowing through it, their temporaries and its
+    parameters' gradients as it makes them (planner/profiler/counters.py `LiveBytes`; on meta
+    tensors, what the same code allocates on the target device). The memory model holds it at a
+    stage's backward moment (planner/solver/search.py). For the last unit, its backward starts
+    from the loss. Counted with no gradient held before (a step's first backward). None in
+    profiles written before it was recorded (read as 0)."""
+    backward_working_held_bytes: int | None = None
+    """The same where the parameters' gradients are already held (a later micro-batch's backward,
+    which adds into them): the peak without the new gradients' storages, which can come at
+    another moment (`LiveBytes.peak_without`). None: not recorded (read as
+    `backward_working_bytes`)."""
     fp8_saved_bytes: int | None = None
     """`saved_bytes` when the unit's linears run in FP8 as the runtime runs them (torchao's
     Float8Linear, compiled): each keeps its input in FP8, 1 byte per element, and no 16-bit copy

@@ -91,6 +91,10 @@ def predict(model: str, args: dict, world: int, pins: Pins):
                                           j == len(profile.units))),
             accumulation=accumulation_bytes(float(table.largest_parameter[i:j].max()), profile.dtype)
             if cfg.zero_stage <= 1 else 0.0,
+            # a unit's backward working set; under ZeRO 3 its new gradients are FSDP's gathered ones
+            backward_working=float((table.backward_working_held if cfg.zero_stage >= 3 and cfg.dp > 1
+                                    else table.backward_working)[i:j].max()),
+            backward_working_held=float(table.backward_working_held[i:j].max()),
             device="cpu")
         loss = loss_bytes(output_bytes, 4 if profile.dtype == "float32" else 2,
                           loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches)) if k == len(best.bounds) - 1 else 0.0

@@ -5,7 +5,10 @@ per parameter, 2 bytes of 16-bit weights, 2 bytes of 16-bit gradients and 12 byt
 optimizer state (fp32 master weight, momentum, variance): 16 bytes. Plain float32 Adam keeps
 4 + 4 + 8 = 16 bytes as well. ZeRO stage 1 divides the optimizer state by the data-parallel
 degree, stage 2 also the gradients, stage 3 (FSDP) also the weights. Tensor parallelism
-divides the states of the parameters it shards by the TP degree.
+divides the states of the parameters it shards by the TP degree. Which bytes are which depends
+on the stack (`Precision`): the planner's runtime trains a 16-bit plan under autocast over
+fp32 parameters (4 + 4 + 8), Megatron-LM in bf16 keeps an fp32 gradient buffer (2 + 4 + 12);
+so ZeRO shards different amounts, and gathers and reductions move different bytes.
 
 Activations of one unit for one micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", section 4). Their GPT layer keeps
@@ -35,7 +38,14 @@ the model states plus one of two phases, whichever is larger:
                        + in-flight micro-batches x stored activations (less what is a view of
                          the batch: the first unit's saved inputs, `batch_views`)
                        + transient (full recomputation rebuilding one unit; with gradients
-                         held, accumulation's fresh copy of the largest one, `accumulation_bytes`)
+                         held, accumulation's fresh copy of the largest one, `accumulation_bytes`;
+                         and the backward working set of the stage's largest: the gradients
+                         flowing through a unit, their temporaries and its fresh parameter
+                         gradients, measured per unit as the profile's
+                         `backward_working_bytes`; its moment, a unit's backward, comes after
+                         the loss is freed, so the stage holding the loss holds the larger of
+                         the two; without it a pipeline's first stage was 4-10% under its
+                         measured peak on CPU, the peak coming in a block's backward)
                        + communication (the pipeline's receive buffers, one per micro-batch
                          for the input activations and for the output gradients, as torch's
                          PipelineStage allocates them once and keeps them;
@@ -346,7 +356,8 @@ def stage_memory(num_parameters: float, dtype: str | Precision, zero_stage: int,
                  forwards_first: bool = False, batch_bytes: float = 0.0, batch_views: float = 0.0,
                  accumulation: float = 0.0, pending_weight_gradients: float = 0.0,
                  last_unit_parameters: float | None = None, last_unit_pair_parameters: float = 0.0,
-                 tied_parameters: float = 0.0) -> StageMemory:
+                 tied_parameters: float = 0.0, backward_working: float = 0.0,
+                 backward_working_held: float | None = None) -> StageMemory:
     """Peak memory of one stage on one GPU (module docstring), every term named.
 
     `num_parameters`: per GPU after TP (tied copies included); `activation_bytes`: stored bytes
@@ -381,23 +392,31 @@ def stage_memory(num_parameters: float, dtype: str | Precision, zero_stage: int,
     the loss is held FSDP has gathered those only, and by the time it gathers the stage's largest
     pair the loss is freed, so the two are not summed (the larger moment is the peak);
     `tied_parameters`: under ZeRO 3, the stage's parameters of units sharing a weight, one FSDP
-    group held through the backward (`gathered_bytes`; the other arguments then leave them out).
+    group held through the backward (`gathered_bytes`; the other arguments then leave them out);
+    `backward_working`: the largest backward working set of the stage's units, one micro-batch
+    (`UnitCosts.backward_working_bytes`), counted as transient at a unit's backward, a moment
+    apart from the loss's (the larger moment is the peak, as for ZeRO 3's gathered pairs);
+    `backward_working_held`: the same where gradients are held (`backward_working_held_bytes`;
+    None: `backward_working`).
     """
     states = model_state_bytes(num_parameters, dtype, zero_stage, dp_degree)
     gathered = gathered_bytes(num_parameters, largest_unit_parameters, largest_unit_pair_parameters, dtype, zero_stage,
                               dp_degree, tied_parameters=tied_parameters)
-    if loss and zero_stage >= 3 and last_unit_parameters is not None:
-        with_loss = min(gathered_bytes(num_parameters, last_unit_parameters, last_unit_pair_parameters, dtype, zero_stage,
-                                       dp_degree, tied_parameters=tied_parameters), gathered)
-        if loss + with_loss >= gathered:
-            gathered = with_loss
-        else:  # the peak comes at the largest pair, the loss freed
+    working = backward_working if forwards_first or backward_working_held is None else backward_working_held
+    if loss:
+        with_loss = gathered
+        if zero_stage >= 3 and last_unit_parameters is not None:
+            with_loss = min(gathered_bytes(num_parameters, last_unit_parameters, last_unit_pair_parameters, dtype,
+                                           zero_stage, dp_degree, tied_parameters=tied_parameters), gathered)
+        if loss + with_loss >= gathered + working:
+            gathered, working = with_loss, 0.0
+        else:  # the peak comes at a unit's backward, with the largest pair, the loss freed
             loss = 0.0
     bucket = gradient_bucket_bytes(states.gradients, zero_stage, dp_degree)
     grads_at_peak = 0.0 if forwards_first else states.gradients
     communication = p2p_bytes + gathered + kept_output_bytes
     in_flight_bytes = in_flight * activation_bytes - batch_views + pending_weight_gradients
-    transient_bytes = transient_bytes + (0.0 if forwards_first else accumulation)
+    transient_bytes = transient_bytes + (0.0 if forwards_first else accumulation) + working
     forward_backward = grads_at_peak + in_flight_bytes + transient_bytes + communication + loss
     # The bucket is copied back and freed before the optimizer runs: the larger of the two.
     shards = dp_degree if zero_stage >= 1 else 1

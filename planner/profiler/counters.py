@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -312,6 +313,80 @@ class SavedBytes:
     def hooks(self):
         with torch.autograd.graph.saved_tensors_hooks(self.pack, (lambda t: t) if self.keep else (lambda h: h[0])):
             yield self
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes a piece of code holds above what was held when it began: run around
+    a unit's backward, its working set (the gradients flowing through it, their temporaries and
+    the parameters' fresh gradients, less the saved activations it has released by then),
+    beyond the activations it saved and the output gradient it was handed (planner/cost/
+    memory.py's "backward working set"). A storage counts from the op that first returns it to
+    its release (a weak reference to torch's storage object, which torch keeps one of per
+    storage), so a view or an in-place result counts once, and an op's inputs are never new;
+    storages made before count only where `watch`ed (the saved activations), by their release.
+    `peak_without` replays the same allocations and releases leaving some storages out (the
+    parameters' gradients, which a later micro-batch's backward adds into the ones held).
+    Device-independent: on meta tensors it counts what the same code allocates on a GPU, as
+    torch's own MemTracker (torch/distributed/_tools/mem_tracker.py) tracks storages."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self._seen = {t.untyped_storage()._cdata for t in exclude}
+        self._made: dict[int, int] = {}
+        """Storages made here and still alive: key -> serial number."""
+        self._events: list[tuple[int, int]] = []
+        """(serial, +bytes) at a storage's making, (serial, -bytes) at its release; serial -1 for
+        a watched storage's release."""
+
+    def watch(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage's release (a saved activation, made before the counted code)."""
+        self._count(t.untyped_storage(), made=False, released=True)
+
+    @property
+    def peak(self) -> int:
+        return self.peak_without(())
+
+    def peak_without(self, tensors) -> int:
+        """The peak, replayed without the storages of `tensors` (alive now, made here)."""
+        left_out = {self._made[k] for k in {t.untyped_storage()._cdata for t in tensors} if k in self._made}
+        live = peak = 0
+        for serial, delta in self._events:
+            if serial not in left_out:
+                live += delta
+                peak = max(peak, live)
+        return peak
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # An op's inputs were there before it: a view of one (a transposed gradient handed to the
+        # backward) or an in-place result is not a new storage.
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage(), made=False, released=False)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._count(t.untyped_storage(), made=True, released=True)
+        return out
+
+    def _count(self, storage, made: bool, released: bool) -> None:
+        """Note a storage once: `made` here (counted from now), and whether its release counts."""
+        key = storage._cdata
+        if key in self._seen:
+            return
+        size = storage.nbytes() if released else 0
+        self._seen.add(key)
+        serial = -1
+        if made:
+            serial = len(self._events)
+            self._made[key] = serial
+            self._events.append((serial, size))
+        weakref.finalize(storage, self._release, key, serial, size)
+
+    def _release(self, key: int, serial: int, size: int) -> None:
+        self._seen.discard(key)
+        self._made.pop(key, None)
+        if size:
+            self._events.append((serial, -size))
 
 
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):

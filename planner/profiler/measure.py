@@ -36,6 +36,7 @@ from planner.cost.fp8 import FP8_ALIGNMENT
 from planner.hardware import GPUSpec
 from planner.profile_schema import UnitCosts
 from planner.profiler.counters import (
+    LiveBytes,
     MetaAttentionMode,
     OpCostMode,
     SavedBytes,
@@ -162,14 +163,21 @@ def unit_costs(
     backward are counted with the unit's (time, FLOPs, traffic; backward starts from the loss),
     its saved tensors are not (the memory model prices the loss's own: planner/cost/memory.py
     `loss_bytes`). `fp8`: when the unit has linears torchao converts, one more forward counts what
-    it saves with them in FP8 (`Float8Saves`, `UnitCosts.fp8_saved_bytes`)."""
+    it saves with them in FP8 (`Float8Saves`, `UnitCosts.fp8_saved_bytes`). The backward runs
+    under `LiveBytes`, whose peak is the unit's backward working set (`UnitCosts.backward_working_bytes`)."""
     params = list(module.parameters())
     meta = analytic_gpu is not None
     attention_mode = MetaAttentionMode(gpu_kernels=analytic_gpu.name != "cpu") if analytic_gpu is not None else nullcontext()
 
     a, kw = _fresh_inputs(args, kwargs)
     fwd_ops, fwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
-    saved = SavedBytes(exclude=params, on_save=fwd_ops.note_saved)
+    working = LiveBytes(exclude=params)  # the backward's working set; the saved tensors' releases count
+
+    def note_saved(t: torch.Tensor) -> None:
+        fwd_ops.note_saved(t)
+        working.watch(t)
+
+    saved = SavedBytes(exclude=params, on_save=note_saved)
     with attention_mode, fwd_flops, fwd_ops, precision():
         with saved.hooks():
             out = module(*a, **kw)
@@ -179,8 +187,11 @@ def unit_costs(
     outs, grads = ([value], [None]) if value is not None else _grad_targets(out)
     bwd_ops, bwd_flops = OpCostMode(analytic_gpu, dtype, fusion), flop_counter()
     if outs:
-        with bwd_flops, bwd_ops:
+        with bwd_flops, bwd_ops, working:
             torch.autograd.backward(outs, grads)
+    # With the gradients already held (a later micro-batch), the backward adds into them: its
+    # working set is then the rest (accumulation's temporary is the memory model's own term).
+    working_held = working.peak_without([p.grad for p in params if p.grad is not None])
     for p in params:
         p.grad = None
     fp8_saved = None
@@ -204,6 +215,8 @@ def unit_costs(
         saved_input_bytes=saved_inputs,
         saved_output_bytes=saved_outputs,
         fp8_saved_bytes=fp8_saved,
+        backward_working_bytes=max(working.peak, 0),
+        backward_working_held_bytes=max(working_held, 0),
         forward_attention_flops=fwd_ops.totals.attention_flops,
         backward_attention_flops=bwd_ops.totals.attention_flops,
     )

@@ -110,6 +110,12 @@ class UnitCostTable:
     weight_gradient_share: np.ndarray | None = None
     """Per unit, the share of its backward its weight GEMMs take (planner/cost/compute.py
     `weight_gradient_share`): zero bubble's W. None: not known (the common split)."""
+    backward_working: np.ndarray | None = None
+    """Per unit, the bytes its backward holds at once beyond its saved activations, one
+    micro-batch, per GPU, with no gradient held before (`UnitCosts.backward_working_bytes`, split
+    over TP as its activations). 0 where the profile did not record it; None: not known."""
+    backward_working_held: np.ndarray | None = None
+    """The same where the gradients are held already (`UnitCosts.backward_working_held_bytes`)."""
     boundary_saved: np.ndarray | None = None
     """Per unit, the bytes of one micro-batch it keeps of its own output where the next unit keeps
     that tensor as its input (`UnitCosts.saved_output_bytes`, `saved_input_bytes`: an in-place
@@ -548,6 +554,13 @@ class UnitCosts:
         for mode in ("none", "selective", "full"):
             a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded, split_share=share)
             row[("act", mode)], row[("transient", mode)] = a.stored, a.transient
+        if all(v.backward_working_bytes is not None for v in c.values()):
+            # The backward's working set, split over the TP ranks as what the unit saves is.
+            for name, field in (("working", "backward_working_bytes"), ("working_held", "backward_working_held_bytes")):
+                working = interpolate({k: float(getattr(v, field) if getattr(v, field) is not None
+                                                else v.backward_working_bytes or 0) for k, v in c.items()}, b)
+                row[name] = unit_activation_bytes(working, out_b, in_b, 0.0, t, sp, "none", sharded=is_sharded,
+                                                  split_share=share).stored
         # Op-level selective checkpointing (runtime/recompute.py `op_policy`, torchtitan's "op"):
         # saved outputs of attention and every other linear; the rest of the forward replayed.
         outputs, share = op_checkpoint_terms(u, scale, self.dtype_bytes, t, sol.strategies if sol else {})
@@ -583,7 +596,7 @@ class UnitCosts:
         n = len(units)
         arrays: dict[str | tuple[str, str], np.ndarray] = {
             name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
-                                           "fp8_flops", "wgrad_inputs", "wgrad_share")}
+                                           "fp8_flops", "wgrad_inputs", "wgrad_share", "working", "working_held")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
         feeds: list[dict[str, list[str]]] = [{} for _ in range(n)]
@@ -621,7 +634,8 @@ class UnitCosts:
                               input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
                               batch_saved=self._batch_saved(b), boundary_saved=boundary, tp_feeds=feeds,
-                              weight_gradient_share=arrays["wgrad_share"])
+                              weight_gradient_share=arrays["wgrad_share"], backward_working=arrays["working"],
+                              backward_working_held=arrays["working_held"])
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -420,7 +420,7 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     row_of_stage = np.array([groups.index(g) for g in stage_rows])
     buffers = stage_buffers(table, cfg, env, start, end)
     states_held = p_states[end] - p_states[start] + copy_states
-    fixed = states_held + buffers.forward_backward + buffers.loss  # the loss, on the last stage
+    fixed = states_held + buffers.forward_backward + buffers.loss_or_working  # the loss, on the last stage
     floor = states_held + buffers.step  # the optimizer step's phase, which no recomputation shrinks
     transient = _range_max_at(table, env, "transient", table.transient["full"], start, end)
     width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
@@ -918,16 +918,37 @@ class StageBuffers:
     gathered_with_loss: np.ndarray
     """FSDP's gathered bytes while the loss is held (ZeRO 3: the last unit's, with the group it
     prefetches), at most `gathered`: the two peak at different moments of the backward."""
+    working: np.ndarray | float = 0.0
+    """The largest backward working set of the range's units, one micro-batch, with no gradient
+    held before (`UnitCostTable.backward_working`): held on top of the in-flight activations
+    while that unit's backward runs, a moment apart from the loss's (the loss is freed by then;
+    the last unit's, which starts from the loss, competes with it)."""
+    working_held: np.ndarray | float = 0.0
+    """The same at a state that holds the gradients (`UnitCostTable.backward_working_held`: the
+    new gradients add into the held ones; accumulation's temporary is `accumulation`)."""
 
     @property
-    def loss_apart(self) -> np.ndarray:
-        """What holding the loss and `gathered` at once overstates: loss + gathered less the larger
-        of the two moments (the loss with `gathered_with_loss`, or `gathered` without the loss)."""
-        return self.loss + self.gathered - np.maximum(self.gathered, self.loss + self.gathered_with_loss)
+    def loss_or_working(self) -> np.ndarray:
+        """What the forward/backward phase's fixed bytes hold for the two moments: the larger of the
+        loss and the working set; `state_bytes` takes back what a state does not hold."""
+        return np.maximum(self.loss, self.working)
 
-    def loss_moment(self) -> np.ndarray:
-        """Whether a state holding the loss peaks while it is held (else: at FSDP's largest pair, freed)."""
-        return self.loss + self.gathered_with_loss >= self.gathered
+    def working_at(self, gradients: bool) -> np.ndarray | float:
+        """The working set at a state that holds the gradients or not."""
+        return self.working_held if gradients else self.working
+
+    def loss_apart(self, gradients: bool = True) -> np.ndarray:
+        """What holding the loss or the working set together with `gathered` overstates, for a
+        state that holds the loss: their larger one + gathered, less the larger of the moments
+        (the loss with `gathered_with_loss`; the state's working set with `gathered`, FSDP's
+        largest pair at a unit's backward)."""
+        return self.loss_or_working + self.gathered \
+            - np.maximum(self.gathered + self.working_at(gradients), self.loss + self.gathered_with_loss)
+
+    def loss_moment(self, gradients: bool = True) -> np.ndarray:
+        """Whether a state holding the loss peaks while it is held (else: at a unit's backward, the
+        loss freed, with FSDP's largest pair and the working set)."""
+        return self.loss + self.gathered_with_loss >= self.gathered + self.working_at(gradients)
 
     def state_bytes(self, state: PeakState, num_microbatches: int) -> np.ndarray:
         """What the forward/backward phase holds beyond its states, buffers, loss and in-flight
@@ -939,7 +960,9 @@ class StageBuffers:
                - self.batch_views(state.in_flight, num_microbatches))
         if not state.gradients:
             out = out - self.gradients - self.accumulation
-        return out - self.loss_apart if state.loss else out - self.loss
+        if state.loss:
+            return out - self.loss_apart(state.gradients)
+        return out - self.loss_or_working + self.working_at(state.gradients)
 
     def batch_views(self, in_flight, num_microbatches: int) -> np.ndarray:
         """The in-flight activations that are views of the batch (`batch_saved`)."""
@@ -1057,13 +1080,21 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
         # whole backward as the W (PipelineStage.backward_one_chunk), keeping nothing between.
         wgrad = np.where(start > 0, prefix(table.weight_gradient_inputs)[end] - prefix(table.weight_gradient_inputs)[start],
                          0.0)
+    working = working_held = zeros
+    if table.backward_working is not None and table.backward_working_held is not None:
+        working_held = _range_max_at(table, env, "backward_working_held", table.backward_working_held, start, end)
+        # ZeRO 3: a unit's new, unsharded gradients are `gathered`'s (FSDP2 reduce-scatters them
+        # at the unit's end), whether or not the sharded ones are held.
+        working = working_held if cfg.zero_stage >= 3 and cfg.zero_dp > 1 else \
+            _range_max_at(table, env, "backward_working", table.backward_working, start, end)
     return StageBuffers(receive=receive, gathered=gathered, step_transient=step_transient, bucket=bucket, batch=batch,
                         accumulation=accumulation, weight_gradient_inputs=wgrad,
                         boundary_back=zeros if table.boundary_saved is None else table.boundary_saved[end - 1],
                         batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
                         loss=np.where(end == n, stage_loss_bytes(table, env, cfg), 0.0),
-                        gathered_with_loss=gathered_with_loss)
+                        gathered_with_loss=gathered_with_loss,
+                        working=working, working_held=working_held)
 
 
 def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.ndarray, start: np.ndarray,
@@ -1135,14 +1166,18 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
                "optimizer_state": optimizer + copy.optimizer,
                "activations": np.where(stepping, 0.0, activations - buffers.batch_views(in_flight, cfg.num_microbatches)
                                        + pending * buffers.weight_gradient_inputs + in_flight * buffers.boundary_back),
-               "transient": np.where(stepping, step_transient, transient + np.where(made, buffers.accumulation, 0.0)),
+               "transient": np.where(stepping, step_transient, transient + np.where(made, buffers.accumulation, 0.0)
+                                     + np.where(made, buffers.working_held, buffers.working)),
                "communication": np.where(stepping, step_communication, buffers.communication),
                "loss": np.where(stepping | ~np.array([state.loss for state in peak]), 0.0, loss), "batch": buffers.batch}
     # A state holding the loss: at the loss's moment FSDP holds `gathered_with_loss`; else the loss is gone.
     with_loss = ~stepping & np.array([state.loss for state in peak])
-    columns["communication"] = np.where(with_loss & buffers.loss_moment(), buffers.receive + buffers.gathered_with_loss,
-                                        columns["communication"])
-    columns["loss"] = np.where(with_loss & ~buffers.loss_moment(), 0.0, columns["loss"])
+    at_loss = with_loss & np.where(made, buffers.loss_moment(True), buffers.loss_moment(False))
+    columns["communication"] = np.where(at_loss, buffers.receive + buffers.gathered_with_loss, columns["communication"])
+    columns["loss"] = np.where(with_loss & ~at_loss, 0.0, columns["loss"])
+    # At the loss's moment no unit's backward working set is held.
+    columns["transient"] = np.where(at_loss, columns["transient"] - np.where(made, buffers.working_held, buffers.working),
+                                    columns["transient"])
     if cfg.schedule == "pipedream-2bw":
         columns["stashed_weights"] = held - (weights + gradients + optimizer)
     return StageTerms(tuple(columns), np.stack([np.broadcast_to(np.asarray(c, dtype=float), (len(starts),))
@@ -1209,7 +1244,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
                   for state in stage_groups[k]] for k in range(len(bounds))]
     peak = [stage_groups[k][int(np.argmax(values))] for k, values in enumerate(at_states)]
     in_flight = np.array([state.in_flight for state in peak])
-    forward_backward = held + copy_states + transient + buffers.forward_backward + loss \
+    forward_backward = held + copy_states + transient + buffers.forward_backward + buffers.loss_or_working \
         + np.array([max(values) for values in at_states])
     stepping = held + copy_states + buffers.step
     memory = np.maximum(forward_backward, stepping)
