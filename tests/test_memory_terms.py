@@ -374,3 +374,22 @@ def test_zero_bubble_bounds_hold_for_stages_run_whole():
     assert _rank_in_flight("zero-bubble", 2, 4, 2)[1] <= min(
         s.in_flight for s in __import__("planner.cost.schedules", fromlist=["peak_states"]).peak_states(
             "zero-bubble", 2, 4, 1, 2, frozenset({1, 3})))
+
+
+def test_gpipe_peaks_after_its_first_backward_where_gradients_outweigh_a_micro_batch():
+    # All forwards before the first backward: the in-flight peak holds no gradient, but right
+    # after the first backward the stage holds them all with one micro-batch fewer, the larger
+    # moment at 8 tokens a micro-batch (planner/cost/schedules.py `peak_states`).
+    from planner.profiler import profile_model
+
+    args = dict(n_layers=4, d_model=256, n_heads=4, d_ff=1024, vocab_size=128, seq_len=8)
+    profile = profile_model(str(EXAMPLES / "gpt.py"), args, [1], device="meta", gpu="cpu", dtype="float32")
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 8, Pins(pp=2, dp=1, tp=1, micro_batch_size=1, schedule="gpipe",
+                                                               recompute="none"))
+    first = plan.prediction.memory_terms_bytes[0]
+    assert first["gradients"] == first["parameters"] > 0  # fp32: as many gradient bytes as weight bytes
+    wide = profile_model(str(EXAMPLES / "gpt.py"), {**args, "seq_len": 512, "d_model": 64, "d_ff": 256}, [1],
+                         device="meta", gpu="cpu", dtype="float32")
+    long = solve(wide, make_cluster(2, gpu="cpu"), 8, Pins(pp=2, dp=1, tp=1, micro_batch_size=1, schedule="gpipe",
+                                                            recompute="none"))
+    assert long.prediction.memory_terms_bytes[0]["gradients"] == 0  # long sequences: the in-flight peak

@@ -236,8 +236,11 @@ def test_zero_bubble_peak_states():
     assert peak_states("zero-bubble", 2, 2, 1) == (S(2.0, 2.0, False), S(2.0, 2.0, True, loss=False))
     assert peak_states("zero-bubble", 2, 2, 0) == (S(2.0, 0.0, False), S(1.0, 0.0, True))
     # The other schedules: one state, the gradients held unless every forward comes first.
-    assert peak_states("1f1b", 4, 3, 0) == (S(3.0, 0.0, False),) and peak_states("1f1b", 4, 8, 0) == (S(4.0, 0.0, True),)
-    assert peak_states("gpipe", 4, 8, 2) == (S(8.0, 0.0, False),)
+    # Forwards first: the peak of micro-batches, and right after the first backward one fewer with
+    # the gradients it made.
+    assert peak_states("1f1b", 4, 3, 0) == (S(3.0, 0.0, False), S(2.0, 0.0, True))
+    assert peak_states("1f1b", 4, 8, 0) == (S(4.0, 0.0, True),)
+    assert peak_states("gpipe", 4, 8, 2) == (S(8.0, 0.0, False), S(7.0, 0.0, True))
     assert peak_states("interleaved-1f1b", 4, 8, 0, 2) == (S(5.5, 0.0, True),)
 
 

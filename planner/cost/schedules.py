@@ -291,8 +291,9 @@ def peak_states(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
     """The moments of pipeline rank `rank`'s step one of which is its activations' peak, whichever
     sizes its terms have: the memory model takes the largest (planner/solver/search.py).
 
-    One for every schedule but zero bubble: `in_flight_microbatches` held, with the gradients
-    unless every forward of that peak precedes the rank's first backward (`forwards_first`).
+    For every schedule but zero bubble: `in_flight_microbatches` held, with the gradients unless
+    every forward of that peak precedes the rank's first backward (`forwards_first`), and then
+    also the moment after that backward, one micro-batch fewer with the gradients.
 
     Zero bubble (torch's ScheduleInterleavedZeroBubble, `schedule_actions`), played action by
     action: a forward holds one more micro-batch; an input-gradient pass (B) makes its
@@ -309,7 +310,13 @@ def peak_states(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
     other covers (`PeakState.covers`) are kept."""
     if schedule != "zero-bubble":
         level = in_flight_microbatches(schedule, num_ranks, num_microbatches, rank, virtual_stages)
-        return (PeakState(level, 0.0, not bool(forwards_first(schedule, num_ranks, num_microbatches, level))),)
+        if not forwards_first(schedule, num_ranks, num_microbatches, level):
+            return (PeakState(level, 0.0, True),)
+        # Every forward of the peak precedes the first backward, which then makes the gradients
+        # as it frees its micro-batch: right after it, one micro-batch fewer and the gradients,
+        # the larger moment where a stage's gradients outweigh a micro-batch's activations
+        # (short sequences, large layers: GPipe at micro-batch 1 and 512 tokens).
+        return (PeakState(level, 0.0, False), PeakState(max(level - 1, 0), 0.0, True))
     return _zero_bubble_states(num_ranks, num_microbatches, virtual_stages, whole_chunks)[rank]
 
 
