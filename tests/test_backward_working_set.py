@@ -88,3 +88,17 @@ def test_a_pipeline_stage_holds_the_working_set_at_its_backward():
     assert plan.prediction.peak_memory_bytes[0] - older.prediction.peak_memory_bytes[0] == pytest.approx(
         first["transient"] - older.prediction.memory_terms_bytes[0]["transient"])
     assert plan.prediction.peak_memory_bytes[0] > older.prediction.peak_memory_bytes[0]
+
+
+def test_a_sparse_gradient_and_a_storage_less_tensor_are_counted_or_passed_over():
+    # nn.Embedding(sparse=True) makes a sparse COO gradient, which has no storage of its own: its
+    # indices and values are counted. A profile of such a model must not fail.
+    embedding = nn.Embedding(100, 16, sparse=True)
+    x = torch.randint(0, 100, (4, 8))
+    counter = LiveBytes(exclude=list(embedding.parameters()))
+    y = embedding(x)
+    grad = torch.ones_like(y)
+    with counter:
+        y.backward(grad)
+    assert counter.peak >= 4 * 8 * 16 * 4  # the gradient's values, one row per looked-up index
+    assert counter.peak_without([embedding.weight.grad]) < counter.peak

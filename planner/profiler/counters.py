@@ -340,7 +340,8 @@ class LiveBytes(TorchDispatchMode):
 
     def watch(self, t: torch.Tensor) -> None:
         """Count `t`'s storage's release (a saved activation, made before the counted code)."""
-        self._count(t.untyped_storage(), made=False, released=True)
+        for storage in _storages(t):
+            self._count(storage, made=False, released=True)
 
     @property
     def peak(self) -> int:
@@ -348,7 +349,8 @@ class LiveBytes(TorchDispatchMode):
 
     def peak_without(self, tensors) -> int:
         """The peak, replayed without the storages of `tensors` (alive now, made here)."""
-        left_out = {self._made[k] for k in {t.untyped_storage()._cdata for t in tensors} if k in self._made}
+        keys = {storage._cdata for t in tensors for storage in _storages(t)}
+        left_out = {self._made[k] for k in keys if k in self._made}
         live = peak = 0
         for serial, delta in self._events:
             if serial not in left_out:
@@ -360,12 +362,12 @@ class LiveBytes(TorchDispatchMode):
         # An op's inputs were there before it: a view of one (a transposed gradient handed to the
         # backward) or an in-place result is not a new storage.
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor):
-                self._count(t.untyped_storage(), made=False, released=False)
+            for storage in _storages(t):
+                self._count(storage, made=False, released=False)
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._count(t.untyped_storage(), made=True, released=True)
+            for storage in _storages(t):
+                self._count(storage, made=True, released=True)
         return out
 
     def _count(self, storage, made: bool, released: bool) -> None:
@@ -387,6 +389,20 @@ class LiveBytes(TorchDispatchMode):
         self._made.pop(key, None)
         if size:
             self._events.append((serial, -size))
+
+
+def _storages(t) -> list:
+    """The storages holding a tensor's data: its own, a sparse COO tensor's indices' and values'
+    (an `nn.Embedding(sparse=True)`'s gradient), none for a tensor without one (a wrapper
+    subclass: what it wraps is counted where an op makes it)."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if t.layout == torch.sparse_coo:
+        return _storages(t._indices()) + _storages(t._values())
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):
+        return []
 
 
 def _flash_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
