@@ -55,6 +55,9 @@ def test_the_runtime_s_autocast_moves_fp32_and_a_pure_profile_16_bits(profiles):
     # Pinned dtypes override the runtime's (an engine's, read from its file).
     pinned = solve(profiles["autocast"], cluster, 16, replace(pins, param_dtype="bfloat16", reduce_dtype="float32"))
     assert pinned.prediction.state_bytes == {"weights": 2, "gradients": 2, "reduction": 4, "optimizer": 12}
+    # A float32 profile solved as bf16: the runtime still trains fp32 parameters under autocast.
+    fp32 = profile_model(str(EXAMPLES / "gpt.py"), GPT, [1], device="meta", gpu="a100-80gb", dtype="float32")
+    assert solve(fp32, cluster, 16, pins, dtype="bfloat16").prediction.state_bytes["reduction"] == 4
     # fp32 weights whole under ZeRO 1 hold more than 16-bit ones.
     assert autocast.prediction.memory_terms_bytes[0]["parameters"] == 2 * pure.prediction.memory_terms_bytes[0]["parameters"]
 

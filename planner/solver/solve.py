@@ -481,9 +481,10 @@ def _cut_allowed(profile: Profile) -> tuple[bool, ...] | None:
 def stack_precision(profile: Profile, dtype: str, pins: Pins) -> Precision:
     """How the stack priced holds and moves the model (`Pins.param_dtype`, `grad_dtype`,
     `reduce_dtype`). Unpinned, as the planner's runtime: a 16-bit run under autocast keeps fp32
-    parameters, so its gradients, their reduction and ZeRO's gathers are fp32 too; a profile
-    that computes in 16 bits end to end (precision pure) is priced as a converted model."""
-    runtime_fp32 = dtype != "float32" and profile.computes_as() == "autocast"
+    parameters, so its gradients, their reduction and ZeRO's gathers are fp32 too (also for a
+    float32 profile solved with a 16-bit --dtype, which the runtime trains so); a profile that
+    computes in 16 bits end to end (precision pure) is priced as a converted model."""
+    runtime_fp32 = dtype != "float32" and profile.computes_as() != "pure"
     param = pins.param_dtype or ("float32" if runtime_fp32 else dtype)
     return Precision.of(dtype, param, pins.grad_dtype, pins.reduce_dtype)
 
