@@ -933,9 +933,9 @@ class StageBuffers:
         loss and the working set; `state_bytes` takes back what a state does not hold."""
         return np.maximum(self.loss, self.working)
 
-    def working_at(self, gradients: bool) -> np.ndarray | float:
-        """The working set at a state that holds the gradients or not."""
-        return self.working_held if gradients else self.working
+    def working_at(self, gradients) -> np.ndarray:
+        """The working set at a state that holds the gradients or not (a bool, or one per range)."""
+        return np.where(gradients, self.working_held, self.working)
 
     def loss_apart(self, gradients: bool = True) -> np.ndarray:
         """What holding the loss or the working set together with `gathered` overstates, for a
@@ -945,7 +945,7 @@ class StageBuffers:
         return self.loss_or_working + self.gathered \
             - np.maximum(self.gathered + self.working_at(gradients), self.loss + self.gathered_with_loss)
 
-    def loss_moment(self, gradients: bool = True) -> np.ndarray:
+    def loss_moment(self, gradients=True) -> np.ndarray:
         """Whether a state holding the loss peaks while it is held (else: at a unit's backward, the
         loss freed, with FSDP's largest pair and the working set)."""
         return self.loss + self.gathered_with_loss >= self.gathered + self.working_at(gradients)
@@ -1167,17 +1167,16 @@ def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np
                "activations": np.where(stepping, 0.0, activations - buffers.batch_views(in_flight, cfg.num_microbatches)
                                        + pending * buffers.weight_gradient_inputs + in_flight * buffers.boundary_back),
                "transient": np.where(stepping, step_transient, transient + np.where(made, buffers.accumulation, 0.0)
-                                     + np.where(made, buffers.working_held, buffers.working)),
+                                     + buffers.working_at(made)),
                "communication": np.where(stepping, step_communication, buffers.communication),
                "loss": np.where(stepping | ~np.array([state.loss for state in peak]), 0.0, loss), "batch": buffers.batch}
     # A state holding the loss: at the loss's moment FSDP holds `gathered_with_loss`; else the loss is gone.
     with_loss = ~stepping & np.array([state.loss for state in peak])
-    at_loss = with_loss & np.where(made, buffers.loss_moment(True), buffers.loss_moment(False))
+    at_loss = with_loss & buffers.loss_moment(made)
     columns["communication"] = np.where(at_loss, buffers.receive + buffers.gathered_with_loss, columns["communication"])
     columns["loss"] = np.where(with_loss & ~at_loss, 0.0, columns["loss"])
     # At the loss's moment no unit's backward working set is held.
-    columns["transient"] = np.where(at_loss, columns["transient"] - np.where(made, buffers.working_held, buffers.working),
-                                    columns["transient"])
+    columns["transient"] = np.where(at_loss, columns["transient"] - buffers.working_at(made), columns["transient"])
     if cfg.schedule == "pipedream-2bw":
         columns["stashed_weights"] = held - (weights + gradients + optimizer)
     return StageTerms(tuple(columns), np.stack([np.broadcast_to(np.asarray(c, dtype=float), (len(starts),))

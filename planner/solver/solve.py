@@ -114,8 +114,8 @@ class Pins:
     `Environment.gather_copy_out`): FSDP2, as the planner's runtime; False for FSDP1 and DeepSpeed."""
     param_dtype: str | None = None
     """The dtype of the weights the forward reads and ZeRO gathers (planner/cost/memory.py
-    `Precision`). None: as the planner's runtime holds them, float32 under a profile that computes
-    as autocast (fp32 parameters, runtime/train.py `_autocast`), else the run's dtype."""
+    `Precision`). None: as the planner's runtime holds them (`stack_precision`): float32 (fp32
+    parameters under autocast, runtime/train.py `_autocast`) unless the profile computes pure."""
     grad_dtype: str | None = None
     """The dtype gradients are held in before their reduction; None: `param_dtype`'s."""
     reduce_dtype: str | None = None
