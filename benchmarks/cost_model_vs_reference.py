@@ -26,7 +26,8 @@ software, not a fitted constant:
     (`allreduce_gradients` of its local DDP, called from `train_step`) and pipeline sends were
     waited on at once (`p2p_communication`), so every collective is in series (`SERIAL`).
   * Megatron-Core 2024: all four (`--overlap-grad-reduce --overlap-param-gather
-    --tp-comm-overlap`, pipeline p2p overlap by default: the row's notes).
+    --tp-comm-overlap`, pipeline p2p overlap by default: the row's notes), the p2p overlap in
+    the interleaved schedule only, as Megatron-LM runs it (planner/engines/megatron.py `overlap`).
   * FSDP (llm-foundry): gradient reduce-scatter and prefetched parameter all-gathers
     (FSDP's backward prefetch); no TP, no pipeline.
 
@@ -61,6 +62,7 @@ from planner.cluster import make_cluster
 from planner.cost.overlap import SERIAL, Overlap
 from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY
 from planner.engines.megatron import gradient_dtype
+from planner.engines.megatron import overlap as megatron_overlap
 from planner.errors import PlannerError
 from planner.profiler import profile_model
 from planner.solver.solve import Pins, even_block_cuts, solve
@@ -72,14 +74,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 @dataclass(frozen=True)
 class StackPins(Pins):
-    """Pins plus the overlaps and the loss kernel of the stack a row ran (read by
-    planner/solver/solve.py `_environment`). Every stack here fuses its cross-entropy
+    """Pins with the loss kernel of the stacks here (the overlaps each row ran are Pins.overlap).
+    Every stack here fuses its cross-entropy
     (planner/cost/memory.py `loss_bytes`): Megatron-LM's `vocab_parallel_cross_entropy`
     (megatron/core/tensor_parallel/cross_entropy.py: the saved softmax becomes the gradient in
     place) and llm-foundry's `fused_crossentropy` (flash-attn's kernel, in-place backward; its
     MPT benchmark configs)."""
 
-    overlap: Overlap = Overlap()
     fused_loss: bool = True  # (Pins' field, True for these stacks)
 
 
@@ -125,7 +126,7 @@ def modern_case(row) -> dict:
         tflops = float(row.throughput_tflops_per_gpu)
         return dict(source="Megatron-Core H100 (2024)", stack="Megatron-Core", model=row.model, gpu="h100-80gb",
                     dtype="bfloat16", args=args, gpus=gpus, gpus_per_node=int(row.gpus_per_node), global_batch=batch,
-                    pins=StackPins(pp=pp, tp=tp, dp=dp, cp=1, zero_stage=1, overlap=Overlap(tp_comm=True),
+                    pins=StackPins(pp=pp, tp=tp, dp=dp, cp=1, zero_stage=1,  # overlaps per schedule: `predict`
                                    recompute_modes=("none", "selective", "full"),  # Megatron-LM's: no op-level mode
                                    grad_dtype=gradient_dtype("bfloat16"),  # its fp32 gradient buffer in bf16
                                    **MEGATRON_MEMORY),
@@ -157,8 +158,10 @@ def predict(case: dict) -> dict:
         try:
             # Megatron stacks split the layers evenly over the chunks (the run's own stages, not the DP's cuts).
             cuts = even_block_cuts(prof) if case["stack"].startswith("Megatron") else None
-            plans.append(solve(prof, cluster, case["global_batch"], replace(p, schedule=schedule), top_k=1, dtype=case["dtype"],
-                               cuts=cuts))
+            pins = replace(p, schedule=schedule)
+            if case["stack"] == "Megatron-Core":  # the row's flags; p2p overlapped in the interleaved schedule only
+                pins = replace(pins, overlap=megatron_overlap(1, schedule == "interleaved-1f1b", tp_comm=True))
+            plans.append(solve(prof, cluster, case["global_batch"], pins, top_k=1, dtype=case["dtype"], cuts=cuts))
         except PlannerError as error:
             errors.append(str(error).split(":")[0])
     if not plans:
@@ -172,7 +175,7 @@ def predict(case: dict) -> dict:
         "predicted_iteration_s": pred.iteration_time_s, "error": pred.iteration_time_s / case["published_s"] - 1,
         "predicted_hw_tflops_per_gpu": pred.hw_tflops_per_gpu, "predicted_model_tflops_per_gpu": pred.tflops_per_gpu,
         **{f"{k}_s": v_ for k, v_ in pred.breakdown_s.items()},
-        "overlap": ",".join(p.overlap.names()) or "none",
+        "overlap": ",".join(plan.prediction.overlap or []) or "none",
         "profile_s": profiled, "solve_s": plan.search.solve_time_s, "note": "",
     }
 

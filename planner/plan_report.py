@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from planner.cost.overlap import OVERLAP_NAMES
 from planner.plan import RECOMPUTE, Plan, SearchReport, Stage, flush_free_blocker
 from planner.report import format_bytes, format_time, memory_terms_table
 
@@ -136,6 +137,10 @@ def print_plan(plan: Plan, console: Console | None = None, all_stages: bool = Fa
     for term, value in pred.breakdown_s.items():
         breakdown.add_row(term, format_time(value), f"{value / total:.1%}")
     console.print(breakdown)
+    if pred.overlap is not None:  # what the stack priced hides (planner/cost/overlap.py), the terms above being the rest
+        serial = [name for name in OVERLAP_NAMES if name not in pred.overlap]
+        console.print(f"communication overlapped with compute: {', '.join(pred.overlap) or 'none'}; "
+                      f"in series: {', '.join(serial) or 'none'}")
     search = plan.search
     if search is not None and search.alternatives:
         alt = Table(title=f"Alternatives (solved in {search.solve_time_s:.2f} s, {search.candidates_evaluated} configurations priced)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from planner.cluster import make_cluster
-from planner.engines import ENGINES, export_plan, megatron, read_config
+from planner.engines import ENGINES, deepspeed, export_plan, megatron, read_config
 from planner.engines.common import EngineLayout, Split, plan_layout, stage_bounds
 from planner.engines.pricing import compare, price
 from planner.profiler import profile_model
@@ -35,8 +35,9 @@ PINS = {
     "torchtitan": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="interleaved-1f1b", virtual_stages=2,
                        recompute="op", zero_stage=2, sequence_parallel=True),
     "megatron": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="1f1b", recompute="full", zero_stage=1,
-                     sequence_parallel=True),
-    "deepspeed": Pins(pp=2, tp=1, dp=4, micro_batch_size=2, schedule="1f1b", recompute="full", zero_stage=1),
+                     sequence_parallel=True, overlap=megatron.overlap(1, interleaved=False)),
+    "deepspeed": Pins(pp=2, tp=1, dp=4, micro_batch_size=2, schedule="1f1b", recompute="full", zero_stage=1,
+                      overlap=deepspeed.overlap(1, pp=2)),
     "accelerate": Pins(pp=1, tp=1, dp=8, micro_batch_size=1, recompute="full", zero_stage=3),
 }
 FIELDS = ("pp_degree", "tp_degree", "dp_degree", "zero_stage", "sequence_parallel", "schedule", "virtual_stages",
@@ -116,21 +117,24 @@ def test_non_uniform_cuts_warn_with_their_price(gpt):
     assert stage_bounds(exported.mapped, gpt) == ((0, 5), (5, 9))
 
 
+MEGATRON_1F1B = dict(overlap=megatron.overlap(1, interleaved=False))  # plans priced as Megatron-LM runs 1F1B
+
+
 def test_megatron_non_uniform_cuts(gpt):
     # First/last stage sizes: Megatron's own flags, no warning.
-    plan = _plan_with_cuts(gpt, [UNITS[:2], UNITS[2:5], UNITS[5:8] + ["head"]])  # blocks 1, 3, 2
+    plan = _plan_with_cuts(gpt, [UNITS[:2], UNITS[2:5], UNITS[5:8] + ["head"]], **MEGATRON_1F1B)  # blocks 1, 3, 2
     exported = export_plan(plan, "megatron", gpt)
     assert exported.warnings == []
     assert "--decoder-first-pipeline-num-layers 1" in exported.text and "--decoder-last-pipeline-num-layers 2" in exported.text
     assert stage_bounds(megatron.parse(exported.text), gpt) == ((0, 2), (2, 5), (5, 9))
     # Any other cuts: the pipeline layout string, read back exactly.
-    plan = _plan_with_cuts(gpt, [UNITS[:2], UNITS[2:3], UNITS[3:5], UNITS[5:]])  # blocks 1, 1, 2, 2
+    plan = _plan_with_cuts(gpt, [UNITS[:2], UNITS[2:3], UNITS[3:5], UNITS[5:]], **MEGATRON_1F1B)  # blocks 1, 1, 2, 2
     exported = export_plan(plan, "megatron", gpt)
     assert "--pipeline-model-parallel-layout 'Et|t|t*2|t*2L'" in exported.text
     assert stage_bounds(megatron.parse(exported.text), gpt) == ((0, 2), (2, 3), (3, 5), (5, 9))
     # The head cut off from the last block's stage: Megatron puts the output layer on the last stage
     # with the final norm, so the norm moves; the warning says so and prices it.
-    plan = _plan_with_cuts(gpt, [UNITS[:4], UNITS[4:7] + ["norm"], ["head"]])
+    plan = _plan_with_cuts(gpt, [UNITS[:4], UNITS[4:7] + ["norm"], ["head"]], **MEGATRON_1F1B)
     exported = export_plan(plan, "megatron", gpt)
     assert len(exported.warnings) == 1 and "['norm'] moved" in exported.warnings[0] and "by the cost model" in exported.warnings[0]
 
@@ -244,7 +248,8 @@ NEW_EXPECTED = {
     ("torchtitan", "hsdp"): (["data_parallel_replicate_degree = 4", "data_parallel_shard_degree = 2"], True),
     ("torchtitan", "offload"): (["data_parallel_shard_degree = 1"], False),  # one rank: no FSDP, no offload
     ("torchtitan", "fp8"): (['converters = ["float8"]', 'recipe_name = "tensorwise"'], False),  # ZeRO 1 -> 2
-    ("deepspeed", "ep"): (['"stage": 1'], True),  # MoE(ep_size=4) is model code: a note, not a change
+    # MoE(ep_size=4) is model code: a note, not a change; ZeRO 1 gathers the parameters inside its step
+    ("deepspeed", "ep"): (['"stage": 1'], False),
     ("deepspeed", "hsdp"): (['"mics_shard_size": 2', '"stage": 3'], True),
     ("deepspeed", "offload"): (['"offload_optimizer"', '"offload_param"'], True),
     ("deepspeed", "fp8"): (['"autotp_size": 2'], False),  # sequence parallelism off; FP8 conversion is a note
@@ -289,8 +294,10 @@ def test_new_dimensions_round_trip(engine, dimension, new_plans):
 def test_deepspeed_says_what_the_model_code_sets(new_plans):
     profile, cluster, plan = new_plans["ep"]
     exported = export_plan(plan, "deepspeed", profile, cluster)
-    assert exported.warnings == ["expert parallelism: build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size=4) "
-                                 "(the JSON has no key for it)"]
+    notes = [w for w in exported.warnings if "cannot express" not in w]  # (the step's gather in series is priced)
+    assert notes == ["expert parallelism: build the MoE layers with deepspeed.moe.layer.MoE(..., ep_size=4) "
+                     "(the JSON has no key for it)"]
+    assert not any("expert" in w for w in exported.warnings if "cannot express" in w)
     assert "ep_size" not in exported.text  # no invented config key
     assert ENGINES["deepspeed"].parse(exported.text).ep_degree == 1  # the JSON alone cannot say it
 

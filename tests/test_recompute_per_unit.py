@@ -185,10 +185,14 @@ ENGINE_GPT = dict(n_layers=6, d_model=256, n_heads=8, d_ff=1024, vocab_size=1024
 
 @pytest.fixture(scope="module")
 def engine_plan():
-    """A 2-stage plan of embed, blocks.0-5, norm, head (the DP cuts it 1F1B, no recomputation pinned)."""
+    """A 2-stage plan of embed, blocks.0-5, norm, head (the DP cuts it 1F1B, no recomputation pinned),
+    its sends in series as Megatron-LM's non-interleaved 1F1B runs them."""
+    from planner.engines import megatron
+
     profile = profile_model("examples/gpt.py", ENGINE_GPT, [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
     return solve(profile, make_cluster(2, 2, "a100-80gb"), 8,
-                 Pins(pp=2, tp=1, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero_stage=0, cp=1))
+                 Pins(pp=2, tp=1, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero_stage=0, cp=1,
+                      overlap=megatron.overlap(0, interleaved=False)))
 
 
 def _with_full(plan, units: set[str]):

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from planner.cluster import Cluster, make_cluster
+from planner.cost.overlap import Overlap
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE, Plan, Prediction
 from planner.profile_schema import Profile
@@ -119,6 +120,10 @@ class EngineLayout:
     ("every", N), each pipeline rank's N-th, 2N-th, ... layer counted over its chunks in order
     (torchtitan's `selective_ac_option = "N"`); ("first", k), each stage chunk's first k layers
     (Megatron-LM's `--recompute-method block --recompute-num-layers k`). None: `recompute` on every unit."""
+    overlap: Overlap | None = None
+    """The communication the engine hides behind compute, as its file asks (planner/cost/overlap.py;
+    Pins.overlap): Megatron-LM's --overlap-* flags, DeepSpeed's overlap_comm and its pipeline
+    engine's blocking sends. None: the planner's runtime's (every overlap but async TP)."""
 
     # The sizes of a resolved layout (`plan_layout`, or pricing.py `resolve` for a read one),
     # where the engines' files are written and configurations priced.
@@ -311,6 +316,19 @@ def plan_layout(plan: Plan) -> EngineLayout:
         split=Split("units", tuple(tuple(s.units) for s in plan.stages)), dtype=plan.training.dtype,
         grad_clip=plan.training.grad_clip, ep_degree=lay.ep_degree, expert_tp_degree=lay.expert_tp_degree, cp_degree=lay.cp_degree, shard_degree=lay.shard_degree,
         cp_algorithm=lay.cp_algorithm, offload=plan.training.offload == "cpu", float8=plan.training.float8)
+
+
+def lost_overlaps(plan: Plan, mapped: EngineLayout, changes: list[str], why: dict[str, str]) -> None:
+    """Notes in `changes` each overlap the plan's prediction assumes (planner/plan.py
+    `Prediction.overlap`) that the engine, as `mapped` runs it (`EngineLayout.overlap`), keeps in
+    series, where the layout has that communication at all; `why[name]` says the engine's rule."""
+    if plan.prediction is None or plan.prediction.overlap is None or mapped.overlap is None:
+        return
+    present = {"grad_reduce": mapped.dp > 1, "param_gather": mapped.dp > 1 and mapped.zero_stage > 0,
+               "pipeline_p2p": mapped.pp_degree > 1, "tp_comm": mapped.tp_degree > 1}
+    for name in plan.prediction.overlap:
+        if present.get(name) and name not in mapped.overlap.names():
+            changes.append(f"{name} overlap -> in series ({why[name]})")
 
 
 def strongest_recompute(plan: Plan) -> str:

@@ -48,10 +48,12 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from planner.cost.overlap import Overlap
 from planner.engines.common import (
     EngineLayout,
     Split,
     ds_uniform,
+    lost_overlaps,
     plan_layout,
     strongest_recompute,
 )
@@ -86,6 +88,14 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
         mapped = replace(mapped, split=Split("uniform"))
     else:
         mapped = replace(mapped, schedule="1f1b")
+    # `render` turns overlap_comm on wherever there is more than one data-parallel rank.
+    mapped = replace(mapped, overlap=overlap(mapped.zero_stage, mapped.pp_degree, mapped.dp > 1))
+    lost_overlaps(plan, mapped, changes, {
+        "pipeline_p2p": "DeepSpeed's pipeline engine blocks on each send and receive",
+        "grad_reduce": "DeepSpeed's pipeline engine reduces the gradients after the last micro-batch" if mapped.pp_degree > 1
+        else "DeepSpeed without ZeRO all-reduces the gradients after the backward",
+        "param_gather": f"DeepSpeed's ZeRO {mapped.zero_stage} gathers the updated parameters inside the optimizer step",
+        "tp_comm": "AutoTP waits for each linear's collective"})
     return _new_dimensions(mapped, changes), changes
 
 
@@ -193,7 +203,24 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
         fused_optimizer=_fused_adam(config),
         pipeline_buffers="in-flight",  # deepspeed/runtime/pipe/engine.py: buffers per micro-batch in flight
         dp_collectives="bucketed",  # deepspeed/runtime/zero/stage_1_and_2.py: reduce_bucket_size, allgather_bucket_size
-        gather_copy_out=False)  # ZeRO 3's parameters point into the gathered buffer (partition_parameters.py)
+        gather_copy_out=False,  # ZeRO 3's parameters point into the gathered buffer (partition_parameters.py)
+        overlap=overlap(stage, pp, zero.get("overlap_comm"), int(zero.get("stage3_prefetch_bucket_size", 1)) > 0))
+
+
+def overlap(zero: int, pp: int, overlap_comm: bool | None = None, prefetch: bool = True) -> Overlap:
+    """The communication DeepSpeed hides behind compute (planner/cost/overlap.py). Its pipeline
+    engine (pp > 1) hides none: sends and receives block (deepspeed/runtime/pipe/p2p.py `send`,
+    `recv`: "Doesn't support async_op true"), and its TrainSchedule reduces the gradients after the
+    last micro-batch's backward (pipe/schedule.py `ReduceGrads`, engine.py `_exec_reduce_grads`).
+    Without a pipeline, ZeRO 1-3 reduce in buckets under the backward with `overlap_comm`
+    (zero/config.py: unset, on for stage 3 only); stage 0 all-reduces after the backward
+    (engine.py `allreduce_gradients`). ZeRO 3 prefetches the next parameters
+    (`stage3_prefetch_bucket_size`, default 5e7; 0 turns it off); ZeRO 1-2 gather the updated
+    parameters inside the step. AutoTP's collectives wait for each linear."""
+    if pp > 1:
+        return Overlap(grad_reduce=False, param_gather=False, pipeline_p2p=False, tp_comm=False)
+    hidden = zero == 3 if overlap_comm is None else overlap_comm
+    return Overlap(grad_reduce=zero > 0 and hidden, param_gather=zero == 3 and prefetch, pipeline_p2p=False, tp_comm=False)
 
 
 def _fused_adam(config: dict) -> bool:

@@ -66,10 +66,12 @@ import shlex
 from dataclasses import replace
 from typing import Any
 
+from planner.cost.overlap import Overlap
 from planner.engines.common import (
     EngineLayout,
     Split,
     blocks_per_stage,
+    lost_overlaps,
     model_parts,
     one_recompute_mode,
     plan_layout,
@@ -81,7 +83,7 @@ FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-r
          "--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward", "--recompute-activations", "--bf16", "--fp16",
          "--use-custom-fsdp", "--use-megatron-fsdp", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
          "--overlap-cpu-optimizer-d2h-h2d", "--fp8-param-gather", "--first-last-layers-bf16", "--grad-reduce-in-bf16",
-         "--accumulate-allreduce-grads-in-fp32"}
+         "--accumulate-allreduce-grads-in-fp32", "--tp-comm-overlap", "--no-overlap-p2p-communication"}
 
 
 def _new_dimensions(mapped: EngineLayout, changes: list[str]) -> EngineLayout:
@@ -130,6 +132,10 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
                        "the final norm and output layer with the last)")
     mapped = replace(mapped, split=Split("blocks", blocks=tuple(counts)))
     mapped = _new_dimensions(mapped, changes)
+    # `render` asks for every overlap Megatron-LM has but async TP; p2p overlaps only when interleaved.
+    mapped = replace(mapped, overlap=overlap(mapped.zero_stage, mapped.virtual_stages > 1, fsdp=mapped.zero_stage >= 2))
+    lost_overlaps(plan, mapped, changes, {"pipeline_p2p": "Megatron-LM's non-interleaved 1F1B waits for each send and receive",
+                                          "tp_comm": "the planner writes no --tp-comm-overlap"})
     replicated = sorted({name for s in plan.stages for name, style in s.tp_plan.items() if style == "replicate"})
     if replicated:
         changes.append(f"TP layout: Megatron-LM shards every attention and MLP linear, the plan leaves {replicated[:4]} "
@@ -295,6 +301,22 @@ def gradient_dtype(dtype: str, grad_reduce_in_bf16: bool = False, accumulate_in_
     return None
 
 
+def overlap(zero: int, interleaved: bool, grad_reduce: bool = True, param_gather: bool = True, p2p: bool = True,
+            tp_comm: bool = False, fsdp: bool = False) -> Overlap:
+    """The communication Megatron-LM hides behind compute (planner/cost/overlap.py), from its flags
+    (megatron/training/arguments.py, commit d98e8a6): the data-parallel gradient reduction under
+    the backward with `--overlap-grad-reduce` (default off: `finalize_model_grads` reduces after
+    the last micro-batch's backward); the distributed optimizer's parameter all-gather under the
+    next forward with `--overlap-param-gather` (default off: gathered after the step); pipeline
+    sends beside compute only in the interleaved schedule, unless `--no-overlap-p2p-communication`
+    ("non-interleaved schedule does not support overlapping p2p communication", validate_args);
+    TP collectives with `--tp-comm-overlap` (Transformer Engine's userbuffers). Under torch FSDP2
+    (`fsdp`: --use-torch-fsdp2) the reduction and the gathers are FSDP2's own, overlapped per
+    unit."""
+    return Overlap(grad_reduce=grad_reduce or fsdp, param_gather=param_gather or fsdp,
+                   pipeline_p2p=interleaved and p2p, tp_comm=tp_comm)
+
+
 MEMORY_HABITS: dict[str, Any] = dict(fused_optimizer=True, pipeline_buffers="in-flight", dp_collectives="bucketed")
 """How Megatron-LM holds memory where the planner's runtime holds more (planner/solver/search.py
 `Environment`): its optimizer (megatron/core/optimizer: apex's or Transformer Engine's FusedAdam)
@@ -385,4 +407,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         grad_clip=clip or None, notes=tuple(notes), ep_degree=num("--expert-model-parallel-size", 1),
         expert_tp_degree=num("--expert-tensor-parallel-size", 1),
         cp_degree=num("--context-parallel-size", 1), cp_algorithm=cp_algorithm, replicate_degree=instances if instances > 1 and zero == 1 else None,
-        offload=offload, float8=float8)
+        offload=offload, float8=float8,
+        overlap=overlap(zero, v > 1, bool(args.get("--overlap-grad-reduce")), bool(args.get("--overlap-param-gather")),
+                        not args.get("--no-overlap-p2p-communication"), bool(args.get("--tp-comm-overlap")),
+                        fsdp=bool(args.get("--use-torch-fsdp2"))))

@@ -106,7 +106,7 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
                 expert_tp=layout.expert_tp_degree, fused_loss=layout.fused_loss, fused_optimizer=layout.fused_optimizer,
                 pipeline_buffers=layout.pipeline_buffers, dp_collectives=layout.dp_collectives,
                 gather_copy_out=layout.gather_copy_out, param_dtype=layout.param_dtype or dtype,
-                grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype)
+                grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype, overlap=layout.overlap)
     check_pins(pins, cluster, batch, len(profile.units))
     check_model_pins(pins, profile)
     bounds = stage_bounds(layout, profile)
@@ -164,8 +164,10 @@ def compare(profile: Profile, cluster: Cluster, layout: EngineLayout, global_bat
     usable = cluster.gpu.memory_bytes * MEMORY_FRACTION
     try:
         # The same numerics (FP8 is the user's choice, not searched); offload offered where theirs uses it.
-        # Recomputation as the engine runs it (Megatron-LM has no op-level mode, DeepSpeed no selective one).
-        best = solve(profile, cluster, theirs.batch.global_batch_size, Pins(recompute_modes=layout.recompute_modes),
+        # Recomputation as the engine runs it (Megatron-LM has no op-level mode, DeepSpeed no selective one),
+        # and the communication it overlaps as the configuration asks.
+        best = solve(profile, cluster, theirs.batch.global_batch_size,
+                     Pins(recompute_modes=layout.recompute_modes, overlap=layout.overlap),
                      dtype=theirs.training.dtype, profile_path=profile_path,
                      float8=theirs.training.float8, allow_offload=theirs.training.offload == "cpu")
     except PlannerError:

@@ -47,6 +47,7 @@ from dataclasses import replace
 
 import tomllib
 
+from planner.cost.overlap import Overlap
 from planner.engines.common import EngineLayout, Split, one_recompute_mode
 from planner.errors import PlannerError
 from planner.plan import Plan
@@ -246,6 +247,13 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     local = int(train.get("local_batch_size", 8))
     mbs = int(par.get("pipeline_parallel_microbatch_size", 1)) if pp > 1 else local
     glob = train.get("global_batch_size", -1)
+    # Async TP ("currently only effective when compile is enabled": job_config.py), the one overlap
+    # torchtitan asks for; FSDP2's prefetch and reduce-scatter, DDP's buckets and the pipelining
+    # schedules' sends are the planner runtime's own.
+    compiled = bool(data.get("compile", {}).get("enable", train.get("compile", False)))
+    async_tp = bool(par.get("enable_async_tensor_parallel", False))
+    if async_tp and not compiled:
+        notes.append("enable_async_tensor_parallel without compile: priced with TP collectives in series")
     return EngineLayout(
         recompute_modes=("none", "op", "full"),  # what it can run (planner price's best plan uses only these)
         pp_degree=pp, tp_degree=int(par.get("tensor_parallel_degree", 1)), dp_degree=dp, zero_stage=zero,
@@ -262,7 +270,7 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         cp_algorithm={v: k for k, v in ROTATE_METHOD.items()}.get(str(par.get("context_parallel_rotate_method", "allgather")),
                                                                    "all-gather"),
         replicate_degree=replicate if hsdp and shard == -1 else None, offload=bool(train.get("enable_cpu_offload", False)),
-        float8=float8,
+        float8=float8, overlap=Overlap(tp_comm=True) if async_tp and compiled else None,
         # torchtitan/config/job_config.py: Optimizer.implementation, "fused" unless the file says otherwise
         fused_optimizer=data.get("optimizer", {}).get("implementation", "fused") == "fused")
 

@@ -28,6 +28,7 @@ from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
 from planner.cost.cp import CP_METHODS, CpCollectives, cp_degrees, cp_refusal
 from planner.cost.memory import Precision, model_state_bytes
+from planner.cost.overlap import SERIAL, Overlap
 from planner.errors import PlannerError
 from planner.plan import (
     RECOMPUTE,
@@ -120,6 +121,11 @@ class Pins:
     """The dtype gradients are held in before their reduction; None: `param_dtype`'s."""
     reduce_dtype: str | None = None
     """The dtype the data-parallel reduction moves; None: `grad_dtype`'s."""
+    overlap: Overlap | None = None
+    """The communication the stack hides behind compute (planner/cost/overlap.py): an engine's,
+    as its file asks for it (`EngineLayout.overlap`). None: the planner's runtime's, every overlap
+    but async TP on GPUs (NCCL runs on streams of its own), none on CPUs (gloo's collectives run
+    on the cores that compute)."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -490,8 +496,6 @@ def stack_precision(profile: Profile, dtype: str, pins: Pins) -> Precision:
 
 
 def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins, memory_fraction: float) -> Environment:
-    from planner.cost.overlap import SERIAL, Overlap
-
     coll = CollectiveModel(cluster)
     place = lru_cache(maxsize=None)(lambda dp, tp: group_placement(cluster, dp, tp))  # DP ranks are tp apart
     # Identical units ask the same questions thousands of times in one search: memoise.
@@ -512,11 +516,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         # A tied weight's copies: one rank per pipeline rank holding one, dp x tp ranks apart (pp is outermost).
         tie_all_reduce_s=cached(lambda nbytes, pp_ranks, stride: coll.all_reduce_s(
             nbytes, Group(len(pp_ranks), len({(r * stride) // cluster.gpus_per_node for r in pp_ranks})))),
-        # The overlaps the stack being planned for runs (planner/cost/overlap.py); a pins object
-        # may name them (`overlap`), else the runtime's: on GPUs DDP/FSDP2-style buckets and
-        # prefetch and async p2p (NCCL runs on its own streams); on CPUs none, since gloo's
-        # collectives run on the same cores as the compute.
-        overlap=getattr(pins, "overlap", None) or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),
+        overlap=pins.overlap or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),  # `Pins.overlap`
         fused_loss=pins.fused_loss,
         fused_optimizer=pins.fused_optimizer,
         pipeline_buffers=pins.pipeline_buffers,

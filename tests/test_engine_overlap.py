@@ -1,0 +1,100 @@
+"""Each engine's file says which communication it hides behind compute, and `planner price` prices
+exactly that (planner/engines/*.py `overlap`, planner/cost/overlap.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planner.cluster import make_cluster
+from planner.cost.overlap import SERIAL, Overlap
+from planner.engines import deepspeed, megatron, torchtitan
+from planner.engines.common import EngineLayout
+from planner.engines.pricing import price
+from planner.plan_report import print_plan
+from planner.profiler import profile_model
+from tests.conftest import EXAMPLES
+
+MEGATRON = "--tensor-model-parallel-size 1\n--pipeline-model-parallel-size {pp}\n--num-layers 4\n--micro-batch-size 1\n" \
+           "--global-batch-size 16\n--bf16\n"
+
+
+@pytest.mark.parametrize("extra, pp, expected", [
+    ("", 1, SERIAL),  # Megatron-LM's defaults: every --overlap-* flag off
+    ("--overlap-grad-reduce\n", 1, Overlap(True, False, False, False)),
+    ("--use-distributed-optimizer\n--overlap-grad-reduce\n--overlap-param-gather\n--tp-comm-overlap\n", 1,
+     Overlap(True, True, False, True)),
+    ("", 2, SERIAL),  # non-interleaved 1F1B: no p2p overlap (validate_args turns it off)
+    ("--num-layers-per-virtual-pipeline-stage 1\n", 2, Overlap(False, False, True, False)),  # interleaved: on by default
+    ("--num-layers-per-virtual-pipeline-stage 1\n--no-overlap-p2p-communication\n", 2, SERIAL),
+    ("--use-torch-fsdp2\n", 1, Overlap(True, True, False, False)),  # FSDP2's own per-unit overlap
+])
+def test_megatron_reads_its_overlap_flags(extra, pp, expected):
+    assert megatron.parse(MEGATRON.format(pp=pp) + extra).overlap == expected
+
+
+def _ds(zero: dict, pipeline: dict | None = None) -> str:
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
+              "zero_optimization": zero, "bf16": {"enabled": True}}
+    if pipeline:
+        config["pipeline"] = pipeline
+    return json.dumps(config)
+
+
+@pytest.mark.parametrize("text, expected", [
+    # The pipeline engine: blocking sends, gradients reduced after the last micro-batch, whatever overlap_comm says.
+    (_ds({"stage": 1, "overlap_comm": True}, {"stages": 2}), SERIAL),
+    (_ds({"stage": 0}), SERIAL),  # the engine's all-reduce after the backward
+    (_ds({"stage": 2}), SERIAL),  # overlap_comm unset: off below stage 3
+    (_ds({"stage": 2, "overlap_comm": True}), Overlap(True, False, False, False)),  # ZeRO 2 gathers inside the step
+    (_ds({"stage": 3}), Overlap(True, True, False, False)),  # stage 3: overlap_comm and prefetch on
+    (_ds({"stage": 3, "overlap_comm": False, "stage3_prefetch_bucket_size": 0}), SERIAL),
+])
+def test_deepspeed_reads_its_overlap(text, expected):
+    assert deepspeed.parse(text).overlap == expected
+
+
+def test_torchtitan_async_tp_needs_compile():
+    base = "[parallelism]\ntensor_parallel_degree = 2\nenable_async_tensor_parallel = true\n"
+    assert torchtitan.parse(base + "[compile]\nenable = true\n").overlap == Overlap(tp_comm=True)
+    uncompiled = torchtitan.parse(base)
+    assert uncompiled.overlap is None and any("without compile" in n for n in uncompiled.notes)
+    assert torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = -1\n").overlap is None  # FSDP2's: the runtime's
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return profile_model(EXAMPLES / "gpt.py", {"n_layers": 4, "d_model": 1024, "n_heads": 16, "vocab_size": 8192,
+                                               "seq_len": 512}, [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
+
+
+def _layout(pp: int, overlap: Overlap | None) -> EngineLayout:
+    return EngineLayout(pp_degree=pp, tp_degree=1, zero_stage=1, micro_batch_size=1, global_batch_size=16,
+                        dtype="bfloat16", overlap=overlap)
+
+
+def test_price_charges_what_the_engine_leaves_in_series(gpt):
+    cluster = make_cluster(16, 8, "a100-80gb")  # two nodes: the gradient all-reduce crosses the network
+    hidden, serial = (price(gpt, cluster, _layout(1, o)) for o in (Overlap(), SERIAL))
+    assert hidden.prediction.overlap == ["grad_reduce", "param_gather", "pipeline_p2p"]
+    assert serial.prediction.overlap == []
+    # Everything but the data-parallel collectives is the same step.
+    rest = [p.prediction.iteration_time_s - p.prediction.breakdown_s["dp_comm"] for p in (hidden, serial)]
+    assert rest[0] == pytest.approx(rest[1], rel=1e-9)
+    assert serial.prediction.breakdown_s["dp_comm"] > hidden.prediction.breakdown_s["dp_comm"] > 0
+    # A pipeline whose sends block pays them on every micro-batch (in the sending stage's time), not
+    # only in the fill and drain.
+    async_p2p, blocking = (price(gpt, cluster, _layout(2, o)) for o in (Overlap(), deepspeed.overlap(1, pp=2)))
+    assert blocking.prediction.stage_time_s[0] > async_p2p.prediction.stage_time_s[0]
+    assert blocking.prediction.stage_time_s[1] == pytest.approx(async_p2p.prediction.stage_time_s[1], rel=1e-9)
+    assert blocking.prediction.iteration_time_s > async_p2p.prediction.iteration_time_s
+
+
+def test_show_says_what_was_overlapped(gpt, capsys):
+    from rich.console import Console
+
+    plan = price(gpt, make_cluster(8, 8, "a100-80gb"), _layout(2, deepspeed.overlap(1, pp=2)))
+    print_plan(plan, Console(width=200))
+    out = capsys.readouterr().out
+    assert "communication overlapped with compute: none; in series: grad_reduce, param_gather, pipeline_p2p, tp_comm" in out
