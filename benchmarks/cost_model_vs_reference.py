@@ -41,7 +41,10 @@ RoCE), that row is +13.7% (6.6 s of ZeRO 3 communication exposed), MPT-70B x128 
 13B and 7B rows +0.6% to +2.7%; at 1/4 nothing is exposed anywhere and x64 stays -28%. So the five
 rows agree with a network that delivered about 1/7 of its stated rate to FSDP's collectives;
 the source does not say so (nor give a measured NCCL rate), so the preset keeps the stated one
-and the row stays a miss (2026-11-27). The same table's nine other checkpointed FSDP runs, priced
+and the row stays a miss (2026-11-27). The same README has a control that argues against the
+slow network (2026-11-29): MPT-70B on 32 A100-80GB, micro-batch 2 x 16 accumulations, does per
+micro-batch exactly this row's step (tokens per GPU, ZeRO 3 traffic) on a network stated alike,
+and is -7.1% at the stated rate (llm_foundry_a100_40gb.py's control rows). The same table's nine other checkpointed FSDP runs, priced
 alike (benchmarks/llm_foundry_a100_40gb.py), land within 3.1% except 13B on one node with 16
 accumulations (-13.6%, the fullest memory of them: 31.5 GiB predicted of 40). Writes
 benchmarks/results/cost_model_vs_reference.{csv,png}.

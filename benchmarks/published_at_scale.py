@@ -19,7 +19,8 @@ Each row is priced as its stack runs, with the overlaps each stack's source show
 - Megatron-LM 2021: every collective in series (as Table 1, benchmarks/cost_model_vs_reference.py).
 - DeepSpeed ZeRO-3: bucketed reduction under the backward and prefetched gathers (`overlap_comm`
   and `stage3_prefetch_bucket_size` on by default for stage 3), fp16 weights gathered into the
-  parameters' own storage, its pipeline absent.
+  parameters' own storage submodule by submodule within its default bounds (planner/cost/memory.py
+  `LiveParameters`), its pipeline absent.
 - DeepSpeed's pipeline engine (MT-NLG): sends block and the gradients are reduced after the
   last micro-batch; ZeRO 1 (the pipeline engine takes 0 or 1), bf16.
 Published iteration time: the paper's FLOPs (eq. 3, vocabulary 51200) over TFLOP/s x GPUs, or
@@ -43,6 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from cost_model_vs_reference import StackPins, predict, write_out_of_sample  # noqa: E402
 
+from planner.cost.memory import LiveParameters  # noqa: E402
 from planner.cost.overlap import SERIAL  # noqa: E402
 from planner.engines import deepspeed  # noqa: E402
 from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY  # noqa: E402
@@ -86,7 +88,7 @@ def table2_case(scheme: str, model: str, batch: int, gpus: int, mbs: int | None,
         return dict(**common, source="SC21 Table 2 (ZeRO-3)", stack="DeepSpeed ZeRO-3", profile_mbs=[mbs],
                     pins=StackPins(pp=1, tp=1, dp=gpus, cp=1, micro_batch_size=mbs, recompute="full", zero_stage=3,
                                    sequence_parallel=False, overlap=deepspeed.overlap(3, 1), fused_loss=False,
-                                   param_dtype="float16", **DEEPSPEED_HABITS))
+                                   param_dtype="float16", zero3_live=LiveParameters(), **DEEPSPEED_HABITS))
     return dict(**common, source="SC21 Table 2 (PTD-P)", stack="Megatron-LM 2021", profile_mbs=[1, 2],
                 schedules=["1f1b", "interleaved-1f1b"],
                 pins=StackPins(pp=pp, tp=tp, dp=gpus // (tp * pp), cp=1, recompute="full", zero_stage=0,

@@ -4,6 +4,7 @@ exactly that (planner/engines/*.py `overlap`, planner/cost/overlap.py)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -98,3 +99,39 @@ def test_show_says_what_was_overlapped(gpt, capsys):
     print_plan(plan, Console(width=200))
     out = capsys.readouterr().out
     assert "communication overlapped with compute: none; in series: grad_reduce, param_gather, pipeline_p2p, tp_comm" in out
+
+
+def test_deepspeed_zero3_holds_submodules_not_units():
+    """DeepSpeed's ZeRO 3 gathers a submodule's parameters at a time and reduces through a bucket
+    (planner/cost/memory.py `LiveParameters`): a model whose layers are far larger than its
+    bounds is held at the bounds, one whose layers are smaller as FSDP holds them."""
+    from planner.cost.memory import LiveParameters, gathered_bytes
+
+    layer, pair, tensor = 5e9, 1e10, 1.7e9  # a 530B model's layer, two of them, its largest matrix
+    fsdp = gathered_bytes(1e11, layer, pair, "float16", 3, 64, copy_out=False)
+    assert fsdp == 2 * pair + 2 * layer
+    live = LiveParameters()
+    ds = gathered_bytes(1e11, layer, pair, "float16", 3, 64, copy_out=False, live=live, largest_parameter=tensor)
+    assert ds == 2 * (tensor + live.prefetch) + 2 * (tensor + live.reduce_bucket)
+    small = gathered_bytes(1e9, 1e7, 2e7, "float16", 3, 64, copy_out=False, live=live, largest_parameter=4e6)
+    assert small == gathered_bytes(1e9, 1e7, 2e7, "float16", 3, 64, copy_out=False)
+    # FSDP2 copies a unit out of its all-gather buffer: two copies of a unit where that is more than a pair.
+    assert gathered_bytes(1e9, 1e7, 1.5e7, "float16", 3, 64) == 2 * 2e7 + 2 * 1e7
+    # Read from the config, DeepSpeed's defaults where it is silent.
+    assert deepspeed.parse(_ds({"stage": 3})).zero3_live == live
+    assert deepspeed.parse(_ds({"stage": 3, "stage3_max_live_parameters": 3e8})).zero3_live.max_live == 3e8
+    assert deepspeed.parse(_ds({"stage": 2})).zero3_live is None
+
+
+def test_a_deepspeed_zero3_config_is_priced_with_less_gathered_than_fsdp():
+    # Layers far larger than the bounds, a small vocabulary (its tied embedding is held whole by both).
+    gpt = profile_model(EXAMPLES / "gpt.py", {"n_layers": 2, "d_model": 2048, "n_heads": 16, "vocab_size": 1024,
+                                              "seq_len": 256}, [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    cluster = make_cluster(8, 8, "a100-80gb")
+    text = _ds({"stage": 3, "stage3_max_live_parameters": 1e6, "stage3_prefetch_bucket_size": 1e5,
+                "reduce_bucket_size": 1e6})
+    ds = price(gpt, cluster, deepspeed.parse(text))
+    fsdp = price(gpt, cluster, replace(deepspeed.parse(text), zero3_live=None))
+    terms = [p.prediction.memory_terms_bytes[0]["communication"] for p in (ds, fsdp)]
+    assert terms[0] < terms[1]
+    assert ds.prediction.iteration_time_s == pytest.approx(fsdp.prediction.iteration_time_s, rel=1e-9)

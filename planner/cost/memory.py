@@ -439,9 +439,27 @@ def stage_memory(num_parameters: float, dtype: str | Precision, zero_stage: int,
                        stashed_weights=stashed, loss=loss, batch=batch_bytes)
 
 
+@dataclass(frozen=True)
+class LiveParameters:
+    """What DeepSpeed's ZeRO 3 holds gathered, in elements per GPU (deepspeed/runtime/zero/
+    config.py, defaults; partitioned_param_coordinator.py). It gathers each submodule's own
+    parameters as the submodule runs, prefetching the next ones up to `prefetch`
+    (stage3_prefetch_bucket_size), and releases them after use unless fewer than `max_live`
+    (stage3_max_live_parameters) are resident; gradients are copied into a reduce bucket of
+    `reduce_bucket` elements (reduce_bucket_size) and reduce-scattered when it fills. So it never
+    holds two whole units as FSDP does: at least the largest parameter (its submodule runs with it
+    whole) and the prefetch, at most `max_live` beyond that, and the largest parameter's gradient
+    beside the bucket."""
+
+    max_live: float = 1e9
+    prefetch: float = 5e7
+    reduce_bucket: float = 5e8
+
+
 def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, largest_unit_pair_parameters: Amount,
                    dtype: str | Precision, zero_stage: int, dp_degree: int, offload: bool = False,
-                   tied_parameters: Amount | float = 0.0) -> Amount:
+                   tied_parameters: Amount | float = 0.0, copy_out: bool = True,
+                   live: LiveParameters | None = None, largest_parameter: Amount | float = 0.0) -> Amount:
     """FSDP2's gathered parameters beside a stage's sharded model states, per GPU, held through
     forward and backward (the runtime runs ZeRO 1-3 as FSDP2 when dp > 1; elementwise, so the
     search passes arrays of stage ranges):
@@ -462,7 +480,10 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
       parameters in the stage, copies included) are held whole throughout, beside the pairs, and
       twice while FSDP copies the group out of its all-gather buffer (measured on BERT, whose
       tied embeddings and MLM head stay gathered through its encoder's backward). A tie split
-      over stages leaves each unit a group of its own.
+      over stages leaves each unit a group of its own. Where the gathered parameters are views
+      of the all-gather's buffer (`copy_out` False: FSDP1's flat parameters, DeepSpeed) there is
+      no second copy of a unit. DeepSpeed's ZeRO 3 (`live`) holds what `LiveParameters` says,
+      never more than the above: `largest_parameter` is the range's largest parameter tensor.
     - ZeRO 1-2: the gathered parameters are `parameters` (runtime/train.py reshards after the
       last backward); FSDP2 keeps the sharded copy beside them, 1/dp of the weights. With
       offload that copy is on the host.
@@ -472,9 +493,14 @@ def gathered_bytes(num_parameters: Amount, largest_unit_parameters: Amount, larg
     if zero_stage == 0 or dp_degree <= 1:
         return 0.0 * num_parameters
     if zero_stage >= 3:
-        return weight_bytes * np.maximum(np.maximum(largest_unit_pair_parameters, 2 * largest_unit_parameters)
-                                         + tied_parameters, 2 * tied_parameters) \
-            + grad_bytes * (largest_unit_parameters + tied_parameters)
+        copies = 2 if copy_out else 1
+        weights = np.maximum(np.maximum(largest_unit_pair_parameters, copies * largest_unit_parameters) + tied_parameters,
+                             copies * tied_parameters)
+        grads = largest_unit_parameters + tied_parameters
+        if live is not None:
+            weights = np.minimum(weights, np.maximum(largest_parameter + live.prefetch, live.max_live))
+            grads = np.minimum(grads, largest_parameter + live.reduce_bucket)
+        return weight_bytes * weights + grad_bytes * grads
     return 0.0 * num_parameters if offload else weight_bytes * num_parameters / dp_degree
 
 

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from planner.cluster import Cluster, make_cluster
+from planner.cost.memory import LiveParameters
 from planner.cost.overlap import Overlap
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE, Plan, Prediction
@@ -120,6 +121,9 @@ class EngineLayout:
     ("every", N), each pipeline rank's N-th, 2N-th, ... layer counted over its chunks in order
     (torchtitan's `selective_ac_option = "N"`); ("first", k), each stage chunk's first k layers
     (Megatron-LM's `--recompute-method block --recompute-num-layers k`). None: `recompute` on every unit."""
+    zero3_live: LiveParameters | None = None
+    """ZeRO 3 gathering submodule by submodule within DeepSpeed's bounds (planner/cost/memory.py
+    `LiveParameters`, read from the config); None: FSDP's units."""
     overlap: Overlap | None = None
     """The communication the engine hides behind compute, as its file asks (planner/cost/overlap.py;
     Pins.overlap): Megatron-LM's --overlap-* flags, DeepSpeed's overlap_comm and its pipeline

@@ -48,6 +48,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from planner.cost.memory import LiveParameters
 from planner.cost.overlap import Overlap
 from planner.engines.common import (
     EngineLayout,
@@ -89,7 +90,8 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     else:
         mapped = replace(mapped, schedule="1f1b")
     # `render` turns overlap_comm on wherever there is more than one data-parallel rank.
-    mapped = replace(mapped, overlap=overlap(mapped.zero_stage, mapped.pp_degree, mapped.dp > 1))
+    mapped = replace(mapped, overlap=overlap(mapped.zero_stage, mapped.pp_degree, mapped.dp > 1),
+                     zero3_live=LiveParameters() if mapped.zero_stage == 3 else None)  # `render` keeps the defaults
     lost_overlaps(plan, mapped, changes, {
         "pipeline_p2p": "DeepSpeed's pipeline engine blocks on each send and receive",
         "grad_reduce": "DeepSpeed's pipeline engine reduces the gradients after the last micro-batch" if mapped.pp_degree > 1
@@ -204,7 +206,17 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
         pipeline_buffers="in-flight",  # deepspeed/runtime/pipe/engine.py: buffers per micro-batch in flight
         dp_collectives="bucketed",  # deepspeed/runtime/zero/stage_1_and_2.py: reduce_bucket_size, allgather_bucket_size
         gather_copy_out=False,  # ZeRO 3's parameters point into the gathered buffer (partition_parameters.py)
-        overlap=overlap(stage, pp, zero.get("overlap_comm"), int(zero.get("stage3_prefetch_bucket_size", 1)) > 0))
+        overlap=overlap(stage, pp, zero.get("overlap_comm"), int(zero.get("stage3_prefetch_bucket_size", 1)) > 0),
+        zero3_live=live_parameters(zero) if stage == 3 else None)
+
+
+def live_parameters(zero: dict) -> LiveParameters:
+    """ZeRO 3's bounds on what it holds gathered (planner/cost/memory.py `LiveParameters`), from
+    the config's zero_optimization section, DeepSpeed's defaults where it is silent."""
+    default = LiveParameters()
+    return LiveParameters(max_live=float(zero.get("stage3_max_live_parameters", default.max_live)),
+                          prefetch=float(zero.get("stage3_prefetch_bucket_size", default.prefetch)),
+                          reduce_bucket=float(zero.get("reduce_bucket_size", default.reduce_bucket)))
 
 
 def overlap(zero: int, pp: int, overlap_comm: bool | None = None, prefetch: bool = True) -> Overlap:

@@ -106,7 +106,8 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
                 expert_tp=layout.expert_tp_degree, fused_loss=layout.fused_loss, fused_optimizer=layout.fused_optimizer,
                 pipeline_buffers=layout.pipeline_buffers, dp_collectives=layout.dp_collectives,
                 gather_copy_out=layout.gather_copy_out, param_dtype=layout.param_dtype or dtype,
-                grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype, overlap=layout.overlap)
+                grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype, overlap=layout.overlap,
+                zero3_live=layout.zero3_live)
     check_pins(pins, cluster, batch, len(profile.units))
     check_model_pins(pins, profile)
     bounds = stage_bounds(layout, profile)

@@ -71,6 +71,7 @@ from planner.cost.memory import (
     Precision,
     accumulation_bytes,
     batch_bytes,
+    LiveParameters,
     gathered_bytes,
     gradient_bucket_bytes,
     kept_output_bytes,
@@ -238,6 +239,9 @@ class Environment:
     """ZeRO 3: each unit's all-gather is copied out of its flat buffer into the parameters on the
     compute stream (FSDP2's `foreach_all_gather_copy_out`: the planner's runtime, torchtitan);
     False where parameters are views of the gathered buffer (FSDP1's flat parameters, DeepSpeed)."""
+    zero3_live: LiveParameters | None = None
+    """ZeRO 3 as DeepSpeed runs it, gathering each submodule's parameters and reducing in a bucket
+    (planner/cost/memory.py `LiveParameters`); None: FSDP's units, two gathered at a time."""
     copy_s_per_byte: float = 0.0
     """Seconds per byte a device-memory copy reads or writes (planner/cost/compute.py: the GPU's
     achievable bandwidth, with the node's contention)."""
@@ -1046,12 +1050,17 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
             last = np.where(held_alone, groups[n - 1], 0.0)
             before = np.where(grouped & tied[n - 2], 0.0, outer[n - 2]) if n > 1 else 0.0
             last_pair = np.where(end - start > 1, before + np.where(held_alone, params[n - 1], 0.0), 0.0) + apart
+            # DeepSpeed gathers submodule by submodule (`Environment.zero3_live`): the range's largest tensor bounds it.
+            largest_tensor = zeros if env.zero3_live is None or table.largest_parameter is None else \
+                _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end)
+            scope = dict(copy_out=env.gather_copy_out, live=env.zero3_live, largest_parameter=largest_tensor)
             at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, last + apart, last_pair,
-                                     env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
+                                     env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held, **scope)
         else:
             largest_unit = largest_pair = zeros
+            scope = {}
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
-                                  env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held)
+                                  env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held, **scope)
         gathered_with_loss = np.where(end == n, np.minimum(at_loss, gathered), gathered) if cfg.zero_stage >= 3 \
             else gathered
     per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))

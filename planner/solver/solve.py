@@ -27,7 +27,7 @@ from planner.cluster import Cluster
 from planner.cost.collectives import CollectiveModel, Group, group_placement
 from planner.cost.compute import ComputeModel
 from planner.cost.cp import CP_METHODS, CpCollectives, cp_degrees, cp_refusal
-from planner.cost.memory import Precision, model_state_bytes
+from planner.cost.memory import LiveParameters, Precision, model_state_bytes
 from planner.cost.overlap import SERIAL, Overlap
 from planner.errors import PlannerError
 from planner.plan import (
@@ -121,6 +121,9 @@ class Pins:
     """The dtype gradients are held in before their reduction; None: `param_dtype`'s."""
     reduce_dtype: str | None = None
     """The dtype the data-parallel reduction moves; None: `grad_dtype`'s."""
+    zero3_live: LiveParameters | None = None
+    """ZeRO 3 as DeepSpeed runs it (planner/cost/memory.py `LiveParameters`: submodule by submodule,
+    gradients through a reduce bucket); None: as FSDP runs it, unit by unit."""
     overlap: Overlap | None = None
     """The communication the stack hides behind compute (planner/cost/overlap.py): an engine's,
     as its file asks for it (`EngineLayout.overlap`). None: the planner's runtime's, every overlap
@@ -522,6 +525,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         pipeline_buffers=pins.pipeline_buffers,
         dp_collectives=pins.dp_collectives,
         gather_copy_out=pins.gather_copy_out,
+        zero3_live=pins.zero3_live,
         stack_precision=stack_precision(compute.profile, dtype, pins),
         copy_s_per_byte=compute.slowdown / compute.gpu.achievable_bandwidth,
         device="cpu" if cluster.gpu.name == "cpu" else "gpu",
