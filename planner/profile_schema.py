@@ -53,7 +53,14 @@ class UnitCosts(_Model):
     output_bytes: int
     """Bytes of the activations the unit returns."""
     saved_bytes: int
-    """Bytes the forward keeps for backward (saved-tensor hooks; parameters excluded)."""
+    """Bytes the forward keeps for backward (saved-tensor hooks; parameters excluded), its inputs
+    requiring grad as in the model's own forward (planner/profiler/measure.py `_fresh_inputs`)."""
+    stage_start_saved_bytes: int | None = None
+    """`saved_bytes` where every floating input requires grad, as the first unit of a pipeline
+    stage receives them (runtime/pp_p2p.py and torch's PipelineStage mark each so): more where an
+    input made without grad (Hugging Face's rotary cos and sin) is then multiplied with one that
+    has it. None: the same as `saved_bytes` (every floating input requires grad in the model too),
+    or a profile written before it was recorded, whose `saved_bytes` were counted so."""
     saved_input_bytes: int | None = None
     """Of `saved_bytes`, the unit's own inputs (a convolution or an embedding keeps the tensor it
     was given): when the unit takes the batch, the batch already holds them (planner/solver/search.py

@@ -56,10 +56,10 @@ def test_units_of_the_papers_models():
 def test_in_place_op_on_a_unit_input_is_counted_and_timed():
     """A unit that overwrites its input (ReLU(inplace=True) cut out of ResNet's stem) runs alone
     on inputs that are not autograd leaves, as inside the model."""
-    relu, x = nn.ReLU(inplace=True), torch.randn(2, 4, 8, 8)
+    relu, x = nn.ReLU(inplace=True), torch.randn(2, 4, 8, 8, requires_grad=True) * 1  # an activation, as in the model
     costs = unit_costs(relu, (x,), {}, analytic_gpu=None, dtype="float32")
     assert costs.saved_bytes == x.numel() * 4  # ReLU saves its output for backward
-    job = UnitJob(relu, (x.clone(),), {})
+    job = UnitJob(relu, (x.detach().clone().requires_grad_(True) * 1,), {})
     job.run(keep=True)
     assert len(job.forward_s) == 1
     captured = torch.tensor([-1.0, 2.0])

@@ -72,7 +72,9 @@ def predict(model: str, args: dict, world: int, pins: Pins):
             dtype=profile.dtype, zero_stage=cfg.zero_stage, dp_degree=cfg.dp,
             # the last unit's kept output, which the table counts with the next (another stage's) unit
             activation_bytes=float(table.activations[r][i:j].sum())
-            + (float(table.boundary_saved[j - 1]) if table.boundary_saved is not None else 0.0),
+            + (float(table.boundary_saved[j - 1]) if table.boundary_saved is not None else 0.0)
+            # a later stage's first unit receives every floating input requiring grad: it keeps more
+            + (float(table.stage_start_saved[i]) if table.stage_start_saved is not None and i > 0 else 0.0),
             transient_bytes=float(table.transient[r][i:j].max()) if r == "full" else 0.0,
             p2p_bytes=p2p_buffer_bytes(cfg.num_microbatches, float(table.cut_bytes[i - 1]) if i > 0 else 0.0,
                                        float(table.cut_bytes[j - 1])) if cfg.pp > 1 else 0.0,

@@ -124,7 +124,8 @@ def _as_tuple(inputs) -> tuple:
 
 def _signature(module_fp: str, args, kwargs) -> tuple:
     leaves = tree_flatten((args, kwargs))[0]
-    return (module_fp,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    return (module_fp,) + tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
+                                for x in leaves)
 
 
 def _trace(mf: ModelFile, model, inputs, where: str, values: KnownValues | None = None, precision=nullcontext) -> UnitTrace:

@@ -47,11 +47,15 @@ from planner.profiler.counters import (
 from planner.units import copy_state
 
 
-def _fresh_inputs(args, kwargs):
-    """Detached copies of the captured inputs; floating ones require grad.
+def _fresh_inputs(args, kwargs, every_float: bool = False):
+    """Detached copies of the captured inputs; those that required grad in the model's own
+    forward require grad (hidden states do; Hugging Face's rotary cos and sin, made under
+    no_grad from buffers, and the batch do not), or with `every_float` every floating one, as a
+    pipeline stage's first unit receives them (runtime/pp_p2p.py and torch's PipelineStage mark
+    each received floating tensor so).
 
-    A floating input is a clone of a leaf that requires grad, not the leaf itself: inside the
-    model every activation is the output of an op, and a unit may modify its input in place
+    A floating input is a clone (of a leaf that requires grad, where it does), not the leaf
+    itself: inside the model every activation is the output of an op, and a unit may modify its input in place
     (torchvision's ResNet cuts a unit `relu = nn.ReLU(inplace=True)` out of its stem), which
     autograd refuses on a leaf. The clone also keeps the captured inputs unchanged from one
     run to the next, as a fresh copy of an object the forward updates does (a key/value cache:
@@ -59,13 +63,21 @@ def _fresh_inputs(args, kwargs):
 
     def fresh(x):
         if isinstance(x, torch.Tensor):
+            wanted = x.is_floating_point() and (every_float or x.requires_grad)
             x = x.detach()
             if x.is_floating_point():
-                x = x.requires_grad_(True).clone()
+                x = (x.requires_grad_(True) if wanted else x).clone()
             return x
         return copy_state(x)
 
     return tree_map(fresh, (args, kwargs))
+
+
+def _all_floats_need_grad(args, kwargs) -> bool:
+    """Whether every floating input already required grad in the model (then a stage's first
+    unit saves what the unit does inside a stage)."""
+    return all(t.requires_grad for t in tree_flatten((args, kwargs))[0]
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def _grad_targets(output):
@@ -194,6 +206,14 @@ def unit_costs(
     working_held = working.peak_without([p.grad for p in params if p.grad is not None])
     for p in params:
         p.grad = None
+    stage_start_saved = None
+    if not _all_floats_need_grad(args, kwargs):  # as a stage's first unit: every received float requires grad
+        a, kw = _fresh_inputs(args, kwargs, every_float=True)
+        counted = SavedBytes(exclude=params, keep=False)
+        with attention_mode, precision(), counted.hooks():
+            module(*a, **kw)
+        counted.release()
+        stage_start_saved = counted.bytes
     fp8_saved = None
     if fp8 and has_fp8_linears(module):
         a, kw = _fresh_inputs(args, kwargs)
@@ -215,6 +235,7 @@ def unit_costs(
         saved_input_bytes=saved_inputs,
         saved_output_bytes=saved_outputs,
         fp8_saved_bytes=fp8_saved,
+        stage_start_saved_bytes=stage_start_saved,
         backward_working_bytes=max(working.peak, 0),
         backward_working_held_bytes=max(working_held, 0),
         forward_attention_flops=fwd_ops.totals.attention_flops,

@@ -150,11 +150,13 @@ def _copies(args, kwargs) -> tuple:
 
 def _balanced_inputs(call: ExpertsCall, width: int, values: KnownValues | None) -> tuple:
     """(hidden_states, balanced top_k_index, weights 1/k) for the experts alone; on meta the
-    index is bound to its value so data-dependent code follows it."""
-    hidden = call.hidden_states.detach()
+    index is bound to its value so data-dependent code follows it. The hidden states and the
+    weights require grad, as in the model (the router's weights train)."""
+    hidden = call.hidden_states.detach().requires_grad_(True)
     index = balanced_routing(call.tokens, call.top_k, width).view(call.top_k_index.shape).to(call.top_k_index.dtype)
     index = values.to_meta(index) if values is not None else index.to(hidden.device)
-    weights = torch.full(call.top_k_weights.shape, 1.0 / call.top_k, dtype=call.top_k_weights.dtype, device=hidden.device)
+    weights = torch.full(call.top_k_weights.shape, 1.0 / call.top_k, dtype=call.top_k_weights.dtype, device=hidden.device,
+                         requires_grad=True)
     return hidden, index, weights
 
 

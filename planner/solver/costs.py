@@ -124,6 +124,12 @@ class UnitCostTable:
     unit's (planner/solver/search.py `StageBuffers.boundary_back`), whose next unit is another
     stage's, whatever that unit's mode (where it recomputes fully, counted twice: the safe side).
     None: none known."""
+    stage_start_saved: np.ndarray | None = None
+    """Per unit, what it keeps beyond `activations` of one micro-batch when it starts a pipeline
+    stage, whose received floating inputs all require grad (`UnitCosts.stage_start_saved_bytes`
+    less `saved_bytes`, split over TP as its activations are): a stage range beginning there
+    adds it (planner/solver/search.py `StageBuffers.boundary_back`), whatever the unit's mode
+    (the safe side under full recomputation). None: no unit keeps more."""
     batch_saved: float = 0.0
     """Of the first unit's stored activations of one micro-batch, the inputs it saves when it takes
     the batch as given (`UnitCosts.saved_input_bytes`): views of the batch, which `input_bytes`
@@ -554,6 +560,11 @@ class UnitCosts:
         for mode in ("none", "selective", "full"):
             a = unit_activation_bytes(saved, out_b, in_b, scores, t, sp, mode, sharded=is_sharded, split_share=share)
             row[("act", mode)], row[("transient", mode)] = a.stored, a.transient
+        if any(v.stage_start_saved_bytes is not None for v in c.values()):
+            # As a stage's first unit: what it keeps then beyond `saved`, split over TP as the rest is.
+            start = interpolate({k: float(v.stage_start_saved_bytes if v.stage_start_saved_bytes is not None
+                                          else v.saved_bytes) for k, v in c.items()}, b)
+            row["start_saved"] = max(start - saved, 0.0) * (row[("act", "none")] / saved if saved > 0 else 1.0)
         if all(v.backward_working_bytes is not None for v in c.values()):
             # The backward's working set, split over the TP ranks as what the unit saves is.
             for name, field in (("working", "backward_working_bytes"), ("working_held", "backward_working_held_bytes")):
@@ -596,7 +607,8 @@ class UnitCosts:
         n = len(units)
         arrays: dict[str | tuple[str, str], np.ndarray] = {
             name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
-                                           "fp8_flops", "wgrad_inputs", "wgrad_share", "working", "working_held")}
+                                           "fp8_flops", "wgrad_inputs", "wgrad_share", "working", "working_held",
+                                           "start_saved")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
         feeds: list[dict[str, list[str]]] = [{} for _ in range(n)]
@@ -635,7 +647,8 @@ class UnitCosts:
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),
                               batch_saved=self._batch_saved(b), boundary_saved=boundary, tp_feeds=feeds,
                               weight_gradient_share=arrays["wgrad_share"], backward_working=arrays["working"],
-                              backward_working_held=arrays["working_held"])
+                              backward_working_held=arrays["working_held"],
+                              stage_start_saved=arrays["start_saved"] if arrays["start_saved"].any() else None)
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -906,7 +906,9 @@ class StageBuffers:
     (`UnitCostTable.weight_gradient_inputs` over the range): zero bubble's (`state_bytes`)."""
     boundary_back: np.ndarray
     """The range's last unit's kept output (`UnitCostTable.boundary_saved`), which the table counts
-    with the next unit: another stage's, so each micro-batch in flight holds it here (`state_bytes`)."""
+    with the next unit: another stage's, so each micro-batch in flight holds it here (`state_bytes`);
+    and, where the range starts a stage after the first, what its first unit keeps more as a
+    stage's first unit (`UnitCostTable.stage_start_saved`), also per micro-batch in flight."""
     batch_saved: np.ndarray
     """Of one micro-batch's stored activations, the bytes that are views of the batch (the first
     stage's `UnitCostTable.batch_saved`): counted in `batch`, so each micro-batch in flight gives
@@ -1098,7 +1100,9 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
             _range_max_at(table, env, "backward_working", table.backward_working, start, end)
     return StageBuffers(receive=receive, gathered=gathered, step_transient=step_transient, bucket=bucket, batch=batch,
                         accumulation=accumulation, weight_gradient_inputs=wgrad,
-                        boundary_back=zeros if table.boundary_saved is None else table.boundary_saved[end - 1],
+                        boundary_back=(zeros if table.boundary_saved is None else table.boundary_saved[end - 1])
+                        + (zeros if table.stage_start_saved is None else
+                           np.where(start > 0, table.stage_start_saved[np.minimum(start, n - 1)], 0.0)),
                         batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
                         loss=np.where(end == n, stage_loss_bytes(table, env, cfg), 0.0),
