@@ -152,6 +152,8 @@ def predict(case: dict) -> dict:
                          dtype=case["dtype"], fusion="elementwise", precision="pure")
     profiled = time.perf_counter() - started
     cluster = make_cluster(case["gpus"], case["gpus_per_node"], case["gpu"])
+    if "inter_node" in case:  # a network other than the GPU preset's (planner/cluster.py Link, per GPU)
+        cluster = replace(cluster, inter_node=case["inter_node"])
     out = {k: case[k] for k in ("source", "stack", "model", "gpu", "gpus")}
     p = case["pins"]
     out.update(tp=p.tp, pp=p.pp, dp=p.dp, published_iteration_s=case["published_s"], derived_from=case["derived_from"],
@@ -181,6 +183,12 @@ def predict(case: dict) -> dict:
         "overlap": ",".join(plan.prediction.overlap or []) or "none",
         "profile_s": profiled, "solve_s": plan.search.solve_time_s, "note": "",
     }
+
+
+def print_row(result: dict, label: str) -> None:
+    """One out-of-sample row's line as it is priced: `label`, then published, predicted and error."""
+    print(f"{label} published {result['published_iteration_s']:7.2f} s predicted {result['predicted_iteration_s']:7.2f} s  "
+          f"error {result['error']:+.1%} {result['note']}", flush=True)
 
 
 def write_out_of_sample(rows: list[dict], stem: str) -> pd.DataFrame:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cost_model_vs_reference import modern_case, predict, write_out_of_sample  # noqa: E402
+from cost_model_vs_reference import modern_case, predict, print_row, write_out_of_sample  # noqa: E402
 
 SHAPES = {"7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
 # model, GPUs, micro-batch, gradient accumulation, global batch, tokens/s per GPU (the README's rows)
@@ -61,8 +61,7 @@ def main() -> pd.DataFrame:
         result.update(gradient_accumulation=accumulation, in_modern_stacks=gpu == "a100-40gb" and (model, gpus) in
                       {("70b", 128), ("70b", 64), ("30b", 128), ("13b", 128), ("7b", 128)})
         out.append(result)
-        print(f"{result['model']:>14} mbs {mbs:2d} x{accumulation:<2d} published {result['published_iteration_s']:7.2f} s "
-              f"predicted {result['predicted_iteration_s']:7.2f} s  error {result['error']:+.1%} {result['note']}", flush=True)
+        print_row(result, f"{result['model']:>14} mbs {mbs:2d} x{accumulation:<2d}")
     return write_out_of_sample(out, "llm_foundry_a100_40gb")
 
 

@@ -13,6 +13,15 @@ Sources:
   2201.11990, section 2.4): MT-NLG 530B (105 x 20480, 128 heads) with DeepSpeed's pipeline (PP 35)
   and Megatron's TP 8 on 280, 350 and 420 DGX A100 nodes of Selene, batch 1920, sequence 2048:
   60.1, 50.2 and 44.4 s per iteration (126, 121, 113 TFLOP/s per GPU). Micro-batch not stated.
+- BigScience's BLOOM 176B (bigscience-workshop/bigscience train/tr11-176B-ml/README.md: 70 layers
+  x 14336, 112 heads, vocabulary 250880, sequence 2048; 384 A100-80GB in 48 nodes, TP 4 x PP 12 x
+  DP 8, micro-batch 2, global batch 2048, bf16, ZeRO 1, full recomputation; "training throughput:
+  about 150 TFLOPs", BigScience's model page, counted by Megatron-DeepSpeed with the recomputed
+  forward, i.e. eq. 3) on Jean Zay, whose nodes have four 100 Gb/s Omni-Path links (the BLOOM
+  paper, arXiv 2211.05100, section 3.4): priced with 50 GB/s per node shared by its 8 GPUs, at
+  the presets' share of a line rate (planner/cluster.py `NETWORK_EFFICIENCY`). Megatron-DeepSpeed's pipeline splits the layers
+  with the embeddings counted as layers (`partition_method type:transformer|embedding`), not
+  evenly (70 over 12 does not divide): the solver's cuts stand in for it.
 
 Each row is priced as its stack runs, with the overlaps each stack's source shows
 (planner/engines/megatron.py and deepspeed.py `overlap`), never a per-row constant:
@@ -42,8 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cost_model_vs_reference import StackPins, predict, write_out_of_sample  # noqa: E402
+from cost_model_vs_reference import StackPins, predict, print_row, write_out_of_sample  # noqa: E402
 
+from planner.cluster import NETWORK_EFFICIENCY, NETWORK_LATENCY_S, Link  # noqa: E402
 from planner.cost.memory import LiveParameters  # noqa: E402
 from planner.cost.overlap import SERIAL  # noqa: E402
 from planner.engines import deepspeed  # noqa: E402
@@ -63,6 +73,9 @@ TABLE2 = [
     ("PTD-P", "GPT 529.6B", 2240, 2240, None, 8, 35, 159),
 ]
 MTNLG = [(2240, 60.1), (2800, 50.2), (3360, 44.4)]  # GPUs, seconds per iteration (batch 1920)
+BLOOM = dict(layers=70, hidden=14336, heads=112, vocab=250880, gpus=384, tp=4, pp=12, mbs=2, batch=2048, tflops=150.0)
+OMNI_PATH = Link(4 * 100e9 / 8 / 8 * NETWORK_EFFICIENCY, NETWORK_LATENCY_S)
+"""Jean Zay's network per GPU: four 100 Gb/s links per node of 8 GPUs, as the presets take a NIC (planner/cluster.py)."""
 DEEPSPEED_HABITS = dict(pipeline_buffers="in-flight", dp_collectives="bucketed", gather_copy_out=False)
 """How DeepSpeed holds and moves what planner/engines/deepspeed.py `parse` says it does."""
 
@@ -106,13 +119,27 @@ def mtnlg_case(gpus: int, seconds: float) -> dict:
                                param_dtype="bfloat16", **DEEPSPEED_HABITS))
 
 
+def bloom_case() -> dict:
+    b = BLOOM
+    flops = 96 * b["batch"] * SEQ * b["layers"] * b["hidden"] ** 2 * (
+        1 + SEQ / (6 * b["hidden"]) + b["vocab"] / (16 * b["layers"] * b["hidden"]))
+    return dict(source="BLOOM (BigScience 2022)", stack="DeepSpeed pipeline", model="BLOOM 176B x384", gpu="a100-80gb",
+                dtype="bfloat16", args=dict(n_layers=b["layers"], d_model=b["hidden"], n_heads=b["heads"], d_ff=4 * b["hidden"],
+                                            vocab_size=b["vocab"], seq_len=SEQ, attention="math", dropout=0.0),
+                gpus=b["gpus"], gpus_per_node=8, global_batch=b["batch"], inter_node=OMNI_PATH,
+                published_s=flops / (b["tflops"] * 1e12 * b["gpus"]), derived_from="eq. 3 / TFLOP/s (about 150)",
+                published_tflops=b["tflops"], profile_mbs=[b["mbs"]], schedules=["1f1b"],
+                pins=StackPins(pp=b["pp"], tp=b["tp"], dp=b["gpus"] // (b["tp"] * b["pp"]), cp=1, micro_batch_size=b["mbs"],
+                               recompute="full", zero_stage=1, sequence_parallel=False, overlap=deepspeed.overlap(1, b["pp"]),
+                               fused_loss=False, param_dtype="bfloat16", **DEEPSPEED_HABITS))
+
+
 def main() -> pd.DataFrame:
     out = []
-    for case in [table2_case(*row) for row in TABLE2] + [mtnlg_case(*row) for row in MTNLG]:
+    for case in [table2_case(*row) for row in TABLE2] + [mtnlg_case(*row) for row in MTNLG] + [bloom_case()]:
         result = predict(case)
         out.append(result)
-        print(f"{result['model']:>28} published {result['published_iteration_s']:7.2f} s predicted "
-              f"{result['predicted_iteration_s']:7.2f} s  error {result['error']:+.1%} {result['note']}", flush=True)
+        print_row(result, f"{result['model']:>28}")
     return write_out_of_sample(out, "published_at_scale")
 
 
