@@ -132,6 +132,7 @@ def modern_case(row) -> dict:
                     pins=StackPins(pp=pp, tp=tp, dp=dp, cp=1, zero_stage=1,  # overlaps per schedule: `predict`
                                    recompute_modes=("none", "selective", "full"),  # Megatron-LM's: no op-level mode
                                    grad_dtype=gradient_dtype("bfloat16"),  # its fp32 gradient buffer in bf16
+                                   grad_accumulation="fused",  # Megatron-Core's gradient-accumulation fusion (default)
                                    **MEGATRON_MEMORY),
                     schedules=["1f1b", "interleaved-1f1b"] if pp > 1 else [None], profile_mbs=[1, 2],
                     published_s=megatron_core_flops(batch, s, l, h, ffn, vocab) / (tflops * 1e12 * gpus),

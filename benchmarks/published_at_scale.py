@@ -30,8 +30,11 @@ Each row is priced as its stack runs, with the overlaps each stack's source show
   and `stage3_prefetch_bucket_size` on by default for stage 3), fp16 weights gathered into the
   parameters' own storage submodule by submodule within its default bounds (planner/cost/memory.py
   `LiveParameters`), its pipeline absent.
-- DeepSpeed's pipeline engine (MT-NLG): sends block and the gradients are reduced after the
-  last micro-batch; ZeRO 1 (the pipeline engine takes 0 or 1), bf16.
+- DeepSpeed's pipeline engine (MT-NLG, BLOOM): sends block and the gradients are reduced after
+  the last micro-batch; ZeRO 1 (the pipeline engine takes 0 or 1), bf16 with its BF16_Optimizer's
+  fp32 gradients, added into after every micro-batch.
+- Megatron-LM 2021 accumulated in autograd's .grad (fp16, no contiguous buffers); every stack's
+  accumulation pass is priced (planner/cost/memory.py `accumulation_pass_bytes`).
 Published iteration time: the paper's FLOPs (eq. 3, vocabulary 51200) over TFLOP/s x GPUs, or
 the published seconds (MT-NLG).
 
@@ -78,6 +81,10 @@ OMNI_PATH = Link(4 * 100e9 / 8 / 8 * NETWORK_EFFICIENCY, NETWORK_LATENCY_S)
 """Jean Zay's network per GPU: four 100 Gb/s links per node of 8 GPUs, as the presets take a NIC (planner/cluster.py)."""
 DEEPSPEED_HABITS = dict(pipeline_buffers="in-flight", dp_collectives="bucketed", gather_copy_out=False)
 """How DeepSpeed holds and moves what planner/engines/deepspeed.py `parse` says it does."""
+BF16_OPTIMIZER = dict(grad_dtype="float32", reduce_dtype="bfloat16", grad_accumulation="buffer")
+"""DeepSpeed's bf16 at ZeRO 0-1 with its pipeline (BF16_Optimizer, "PP+BF16 work for ZeRO Stage 1":
+pipe/engine.py): fp32 gradients added into after each micro-batch (`update_hp_grads`), reduced in
+bf16 (engine.py `communication_data_type`)."""
 
 
 def eq3_flops(batch: int, layers: int, hidden: int) -> float:
@@ -116,7 +123,7 @@ def mtnlg_case(gpus: int, seconds: float) -> dict:
                 profile_mbs=[1, 2], schedules=["1f1b"],  # DeepSpeed's TrainSchedule
                 pins=StackPins(pp=pp, tp=tp, dp=gpus // (tp * pp), cp=1, recompute="full", zero_stage=1,
                                sequence_parallel=False, overlap=deepspeed.overlap(1, pp), fused_loss=False,
-                               param_dtype="bfloat16", **DEEPSPEED_HABITS))
+                               param_dtype="bfloat16", **BF16_OPTIMIZER, **DEEPSPEED_HABITS))
 
 
 def bloom_case() -> dict:
@@ -131,7 +138,7 @@ def bloom_case() -> dict:
                 published_tflops=b["tflops"], profile_mbs=[b["mbs"]], schedules=["1f1b"],
                 pins=StackPins(pp=b["pp"], tp=b["tp"], dp=b["gpus"] // (b["tp"] * b["pp"]), cp=1, micro_batch_size=b["mbs"],
                                recompute="full", zero_stage=1, sequence_parallel=False, overlap=deepspeed.overlap(1, b["pp"]),
-                               fused_loss=False, param_dtype="bfloat16", **DEEPSPEED_HABITS))
+                               fused_loss=False, param_dtype="bfloat16", **BF16_OPTIMIZER, **DEEPSPEED_HABITS))
 
 
 def main() -> pd.DataFrame:

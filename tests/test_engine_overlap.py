@@ -135,3 +135,39 @@ def test_a_deepspeed_zero3_config_is_priced_with_less_gathered_than_fsdp():
     terms = [p.prediction.memory_terms_bytes[0]["communication"] for p in (ds, fsdp)]
     assert terms[0] < terms[1]
     assert ds.prediction.iteration_time_s == pytest.approx(fsdp.prediction.iteration_time_s, rel=1e-9)
+
+
+def test_accumulation_pass_bytes_per_stack():
+    """Adding a micro-batch's gradients to the step's (planner/cost/memory.py `accumulation_pass_bytes`)."""
+    from planner.cost.memory import Precision, accumulation_pass_bytes
+
+    fp32, megatron_bf16 = Precision.of("float32"), Precision.of("bfloat16", grad="float32")
+    assert accumulation_pass_bytes("autograd", fp32, 1) == 0.0  # one micro-batch: the gradient stays as made
+    assert accumulation_pass_bytes("autograd", fp32, 4) == 3 * 4 * 3 / 4  # later ones added in place
+    assert accumulation_pass_bytes("buffer", megatron_bf16, 1) == 2 + 2 * 4  # bf16 read, fp32 buffer read and written
+    assert accumulation_pass_bytes("fused", megatron_bf16, 8) == 0.0
+    with pytest.raises(ValueError):
+        accumulation_pass_bytes("unknown", fp32, 2)
+
+
+def test_engines_say_how_they_accumulate():
+    assert megatron.parse(MEGATRON.format(pp=1)).grad_accumulation == "fused"  # Megatron-Core's default
+    assert megatron.parse(MEGATRON.format(pp=1) + "--no-gradient-accumulation-fusion\n").grad_accumulation == "buffer"
+    bf16_fp32 = json.loads(_ds({"stage": 1}))
+    bf16_fp32["data_types"] = {"grad_accum_dtype": "fp32"}
+    layout = deepspeed.parse(json.dumps(bf16_fp32))  # BF16_Optimizer: fp32 gradients, reduced in bf16
+    assert (layout.grad_accumulation, layout.grad_dtype, layout.reduce_dtype) == ("buffer", "float32", "bfloat16")
+    assert deepspeed.parse(_ds({"stage": 1})).grad_accumulation is None  # autograd's .grad, as the runtime
+
+
+def test_the_accumulation_pass_is_charged_once_per_micro_batch(gpt):
+    cluster = make_cluster(8, 8, "a100-80gb")
+    layout = EngineLayout(pp_degree=1, tp_degree=1, zero_stage=0, micro_batch_size=1, global_batch_size=32,
+                          dtype="bfloat16", param_dtype="float32")  # fp32 weights and gradients, as the runtime's
+    autograd, fused = (price(gpt, cluster, replace(layout, grad_accumulation=mode)) for mode in ("autograd", "fused"))
+    m = 32 // 8
+    trained = sum(u.num_parameters for u in gpt.units)
+    expected = (m - 1) * 3 * 4 * trained / cluster.gpu.achievable_bandwidth
+    assert autograd.prediction.breakdown_s["grad_accumulation"] == pytest.approx(expected, rel=1e-6)
+    assert fused.prediction.breakdown_s["grad_accumulation"] == 0.0
+    assert autograd.prediction.iteration_time_s - fused.prediction.iteration_time_s == pytest.approx(expected, rel=1e-6)

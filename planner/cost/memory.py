@@ -174,6 +174,37 @@ class Precision:
         return cls(param_bytes, grad_bytes, DTYPE_SIZES[reduce] if reduce else grad_bytes)
 
 
+GRAD_ACCUMULATION = ("autograd", "buffer", "fused")
+"""How a stack adds one micro-batch's gradients to the step's (`accumulation_pass_bytes`)."""
+
+
+def accumulation_pass_bytes(mode: str, precision: Precision, num_microbatches: int) -> float:
+    """Bytes per trainable parameter (as the GPU holds it) that adding one micro-batch's gradients
+    into the step's moves at memory bandwidth, averaged over the step's micro-batches: a pass on
+    the compute stream that the profiled backward (each unit run from no gradient) does not hold.
+
+    - "autograd": torch's AccumulateGrad keeps the first micro-batch's gradient as made and adds
+      each later one in place (read the new, read and write the held: 3 x `grad_bytes`), so
+      (m - 1) / m of a pass per micro-batch. The planner's runtime (DDP's and FSDP2's
+      no-sync accumulation), Megatron-LM 2021's local DDP without contiguous buffers
+      (megatron/model/distributed.py at SC21: `param.main_grad = param.grad`), DeepSpeed's
+      fp16 and fp32 engines.
+    - "buffer": a separate accumulator every micro-batch, the new gradient read in the weights'
+      dtype, the buffer read and written in `grad_bytes`: Megatron-LM's `main_grad.add_(grad)`
+      hook (param_and_grad_buffer.py; before 2022 megatron/model/distributed.py
+      `_make_param_hook`) without gradient-accumulation fusion, DeepSpeed's BF16_Optimizer
+      (bf16_optimizer.py `update_hp_grads` after each micro-batch's backward).
+    - "fused": the weight-gradient GEMM accumulates into the buffer itself (Megatron-Core's
+      `--gradient-accumulation-fusion`, on by default): no pass."""
+    if mode not in GRAD_ACCUMULATION:
+        raise ValueError(f"unknown gradient accumulation {mode!r}; use one of {', '.join(GRAD_ACCUMULATION)}")
+    if mode == "fused" or num_microbatches < 1:
+        return 0.0
+    if mode == "buffer":
+        return float(precision.param_bytes + 2 * precision.grad_bytes)
+    return 3.0 * precision.grad_bytes * (num_microbatches - 1) / num_microbatches
+
+
 # Bytes of model state per parameter for Adam: (weights, gradients, optimizer state).
 STATE_BYTES = {
     "mixed": Precision.of("bfloat16").state,  # 16-bit weights and grads; fp32 master, m, v

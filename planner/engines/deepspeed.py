@@ -22,6 +22,8 @@ https://www.deepspeed.ai/docs/config-json/):
     bf16.enabled / fp16.enabled; gradient_clipping
     communication_data_type             the gradients' dtype on the wire (fp32, fp16, bf16); unset, the
                                         model's (engine.py `communication_data_type`)
+    data_types.grad_accum_dtype = "fp32" with bf16 at ZeRO 0-1: BF16_Optimizer, fp32 gradients
+                                        added into after every micro-batch
     tensor_parallel.autotp_size         AutoTP training (Linear layers column/row sharded; no sequence parallelism)
     pipeline.stages, pipeline.partition, pipeline.activation_checkpoint_interval
                                         what `PipelineModule(num_stages=, partition_method=,
@@ -189,6 +191,12 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
     if mbs is None and total and gas:
         raise PlannerError(f"{source}: train_micro_batch_size_per_gpu missing.", "Add it (the planner prices micro-batches).")
     bf16, fp16 = _enabled(config.get("bf16")), _enabled(config.get("fp16"))
+    # bf16 weights with fp32 gradient accumulation at ZeRO 0-1 run BF16_Optimizer (engine.py
+    # `_configure_optimizer`): fp32 gradients beside the bf16 ones, added into after every
+    # micro-batch (bf16_optimizer.py `update_hp_grads`), reduced in communication_data_type.
+    fp32_accumulation = bool(bf16) and stage <= 1 and \
+        str(config.get("data_types", {}).get("grad_accum_dtype", "")).lower() in ("fp32", "float32")
+    reduce_dtype = COMMUNICATION_DTYPES.get(str(config.get("communication_data_type")).lower())
     auto_dtype = any(isinstance(config.get(k), dict) and config[k].get("enabled") == "auto" for k in ("bf16", "fp16"))
     return EngineLayout(
         recompute_modes=("none", "full"),  # what it can run (planner price's best plan uses only these)
@@ -199,7 +207,9 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
         split=Split("uniform" if partition == "uniform" else "parameters"),
         dtype="bfloat16" if bf16 else "float16" if fp16 else None if auto_dtype else "float32",
         # deepspeed/runtime/engine.py `communication_data_type`: the config's, else the model's dtype.
-        reduce_dtype=COMMUNICATION_DTYPES.get(str(config.get("communication_data_type")).lower()),
+        reduce_dtype=reduce_dtype or ("bfloat16" if fp32_accumulation else None),
+        grad_dtype="float32" if fp32_accumulation else None,
+        grad_accumulation="buffer" if fp32_accumulation else None,
         grad_clip=config.get("gradient_clipping") or None, notes=tuple(notes),
         shard_degree=mics if stage == 3 and mics > 0 else None, offload=offload,
         fused_optimizer=_fused_adam(config),

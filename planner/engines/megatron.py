@@ -83,7 +83,8 @@ FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-r
          "--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward", "--recompute-activations", "--bf16", "--fp16",
          "--use-custom-fsdp", "--use-megatron-fsdp", "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
          "--overlap-cpu-optimizer-d2h-h2d", "--fp8-param-gather", "--first-last-layers-bf16", "--grad-reduce-in-bf16",
-         "--accumulate-allreduce-grads-in-fp32", "--tp-comm-overlap", "--no-overlap-p2p-communication"}
+         "--accumulate-allreduce-grads-in-fp32", "--tp-comm-overlap", "--no-overlap-p2p-communication",
+         "--no-gradient-accumulation-fusion"}
 
 
 def _new_dimensions(mapped: EngineLayout, changes: list[str]) -> EngineLayout:
@@ -133,7 +134,8 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     mapped = replace(mapped, split=Split("blocks", blocks=tuple(counts)))
     mapped = _new_dimensions(mapped, changes)
     # `render` asks for every overlap Megatron-LM has but async TP; p2p overlaps only when interleaved.
-    mapped = replace(mapped, overlap=overlap(mapped.zero_stage, mapped.virtual_stages > 1, fsdp=mapped.zero_stage >= 2))
+    mapped = replace(mapped, overlap=overlap(mapped.zero_stage, mapped.virtual_stages > 1, fsdp=mapped.zero_stage >= 2),
+                     grad_accumulation="fused")  # Megatron-Core's default, which `render` keeps
     lost_overlaps(plan, mapped, changes, {"pipeline_p2p": "Megatron-LM's non-interleaved 1F1B waits for each send and receive",
                                           "tp_comm": "the planner writes no --tp-comm-overlap"})
     replicated = sorted({name for s in plan.stages for name, style in s.tp_plan.items() if style == "replicate"})
@@ -410,4 +412,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         offload=offload, float8=float8,
         overlap=overlap(zero, v > 1, bool(args.get("--overlap-grad-reduce")), bool(args.get("--overlap-param-gather")),
                         not args.get("--no-overlap-p2p-communication"), bool(args.get("--tp-comm-overlap")),
-                        fsdp=bool(args.get("--use-torch-fsdp2"))))
+                        fsdp=bool(args.get("--use-torch-fsdp2"))),
+        # Megatron-Core fuses the accumulation into the weight-gradient GEMM unless told not to
+        # (arguments.py --no-gradient-accumulation-fusion), then main_grad.add_ per micro-batch.
+        grad_accumulation="buffer" if args.get("--no-gradient-accumulation-fusion") else "fused")

@@ -107,7 +107,7 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
                 pipeline_buffers=layout.pipeline_buffers, dp_collectives=layout.dp_collectives,
                 gather_copy_out=layout.gather_copy_out, param_dtype=layout.param_dtype or dtype,
                 grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype, overlap=layout.overlap,
-                zero3_live=layout.zero3_live)
+                zero3_live=layout.zero3_live, grad_accumulation=layout.grad_accumulation)
     check_pins(pins, cluster, batch, len(profile.units))
     check_model_pins(pins, profile)
     bounds = stage_bounds(layout, profile)
@@ -168,7 +168,8 @@ def compare(profile: Profile, cluster: Cluster, layout: EngineLayout, global_bat
         # Recomputation as the engine runs it (Megatron-LM has no op-level mode, DeepSpeed no selective one),
         # and the communication it overlaps as the configuration asks.
         best = solve(profile, cluster, theirs.batch.global_batch_size,
-                     Pins(recompute_modes=layout.recompute_modes, overlap=layout.overlap),
+                     Pins(recompute_modes=layout.recompute_modes, overlap=layout.overlap,
+                          grad_accumulation=layout.grad_accumulation),
                      dtype=theirs.training.dtype, profile_path=profile_path,
                      float8=theirs.training.float8, allow_offload=theirs.training.offload == "cpu")
     except PlannerError:

@@ -106,6 +106,9 @@ class ReplicationProblem:
     """Usable bytes per GPU."""
     optimizer_s: np.ndarray | None = None
     """Optimizer-step seconds of each unit's parameters (once per step, on every replica); None: 0."""
+    accumulation_s: np.ndarray | None = None
+    """Seconds of adding each unit's gradients over the step's micro-batches, for one replica that
+    ran them all (planner/solver/search.py `accumulation_s` x M); r replicas share them; None: 0."""
     step_bytes: np.ndarray | None = None
     """What each unit's parameters add in the optimizer step's phase, summed over a stage's units
     (torch's foreach AdamW on a GPU: a 4-byte temporary per parameter it steps; planner/cost/memory.py
@@ -145,6 +148,7 @@ class _Tables:
         self._compute, self._grad = prefix(problem.compute_s), prefix(problem.grad_bytes)
         self._states, self._act = prefix(problem.state_bytes), prefix(problem.activation_bytes)
         self._opt = prefix(problem.optimizer_s if problem.optimizer_s is not None else np.zeros(problem.num_units))
+        self._acc = prefix(problem.accumulation_s if problem.accumulation_s is not None else np.zeros(problem.num_units))
         self._step = prefix(problem.step_bytes if problem.step_bytes is not None else np.zeros(problem.num_units))
 
     def comm_s(self, end: int) -> float:
@@ -156,9 +160,11 @@ class _Tables:
         return float(self._compute[end] - self._compute[start])
 
     def tail_s(self, start: int, end: int, replicas: int) -> float:
-        """Once per step: the stage's gradient all-reduce over its replicas and its optimizer step."""
+        """Once per step: the stage's gradient all-reduce over its replicas and its optimizer step,
+        and the passes adding its micro-batches' gradients (a replica runs 1/r of them)."""
         grad = float(self._grad[end] - self._grad[start])
-        return self.p.all_reduce_s(grad, replicas) + float(self._opt[end] - self._opt[start])
+        return self.p.all_reduce_s(grad, replicas) + float(self._opt[end] - self._opt[start]) \
+            + float(self._acc[end] - self._acc[start]) / replicas
 
     def memory_bytes(self, start: int, end: int, replicas: int, gpus_from_here: int) -> float:
         """The larger of the forward/backward phase (states, activations in flight, the cut's

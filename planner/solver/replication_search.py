@@ -40,7 +40,7 @@ from planner.solver.replication import (
     replica_memory_bytes,
     step_time_s,
 )
-from planner.solver.search import Config, Environment, gpu_state_bytes
+from planner.solver.search import Config, Environment, accumulation_s, gpu_state_bytes
 
 MAX_DP_WORK = 2_000_000
 """Largest U^2 G^2 (units squared x GPUs squared, the DP's Python steps) the search tries: above
@@ -98,6 +98,7 @@ def replication_problem(table: UnitCostTable, env: Environment, num_gpus: int, n
         p2p_s=lambda nbytes: env.p2p_s(nbytes, same_node) if nbytes > 0 else 0.0,
         memory_limit_bytes=env.usable_memory_bytes,
         optimizer_s=np.asarray(trained * env.optimizer_s_per_param, dtype=float),
+        accumulation_s=num_microbatches * accumulation_s(table, cfg, env),
         # AdamW's temporaries (planner/cost/memory.py `optimizer_transient_bytes`): the runtime's
         # make_optimizer, foreach on GPUs (per parameter, summed), tensor by tensor on CPUs (its
         # largest parameter's, the stage's largest); none for a fused one.

@@ -72,6 +72,7 @@ from planner.cost.memory import (
     accumulation_bytes,
     batch_bytes,
     LiveParameters,
+    accumulation_pass_bytes,
     gathered_bytes,
     gradient_bucket_bytes,
     kept_output_bytes,
@@ -239,6 +240,9 @@ class Environment:
     """ZeRO 3: each unit's all-gather is copied out of its flat buffer into the parameters on the
     compute stream (FSDP2's `foreach_all_gather_copy_out`: the planner's runtime, torchtitan);
     False where parameters are views of the gathered buffer (FSDP1's flat parameters, DeepSpeed)."""
+    grad_accumulation: str = "autograd"
+    """How the stack adds each micro-batch's gradients to the step's (planner/cost/memory.py
+    `accumulation_pass_bytes`): "autograd" as the planner's runtime, "buffer", or "fused"."""
     zero3_live: LiveParameters | None = None
     """ZeRO 3 as DeepSpeed runs it, gathering each submodule's parameters and reducing in a bucket
     (planner/cost/memory.py `LiveParameters`); None: FSDP's units, two gathered at a time."""
@@ -283,6 +287,23 @@ def stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
             states = states + stashed_weight_bytes(trained, env.precision, cfg.zero_stage, cfg.zero_dp) + experts
         held = env.memo[key] = (table, (times, first, states, zero))  # the table held: its id stays its own
     return held[1]
+
+
+def accumulation_s(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
+    """Per unit, seconds per micro-batch of adding its gradients into the step's on the compute
+    stream (planner/cost/memory.py `accumulation_pass_bytes`, by `Environment.grad_accumulation`)
+    at the GPU's copy bandwidth: every trained parameter it holds, its gradients whole under ZeRO
+    0-1, the shards under ZeRO 2-3 (reduce-scattered each micro-batch, the shards accumulate).
+    `_price` charges a rank m times its units' sum once per step, as it does the optimizer step:
+    in a pipeline the passes lengthen each micro-batch's backward, which over m >> p micro-batches
+    costs the bottleneck rank about as much."""
+    per_param = accumulation_pass_bytes(env.grad_accumulation, env.precision, cfg.num_microbatches)
+    if per_param == 0.0:
+        return np.zeros(len(table.parameters))
+    held = table.trained_dense_parameters() / (1 if cfg.zero_stage <= 1 else cfg.zero_dp)
+    if table.expert_parameters is not None:
+        held = held + table.expert_parameters / (1 if cfg.zero_stage <= 1 else cfg.expert_dp)
+    return held * per_param * env.copy_s_per_byte
 
 
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):
@@ -1297,7 +1318,9 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         else:
             opt_s.append(sum(updated[rank::cfg.pp]) * env.optimizer_s_per_param)
             pcie_s.append(0.0)
-    tails = [float(d + g + t + o + c) for d, g, t, o, c in zip(grad_s, gather_s, tie_s, opt_s, pcie_s, strict=True)]
+    stage_acc = sums(accumulation_s(table, cfg, env))
+    acc_s = [m * float(stage_acc[rank::cfg.pp].sum()) for rank in range(cfg.pp)]
+    tails = [float(d + g + t + o + c + a) for d, g, t, o, c, a in zip(grad_s, gather_s, tie_s, opt_s, pcie_s, acc_s, strict=True)]
     tail = max(tails)
     slowest = int(np.argmax(tails))
     busiest = int(np.argmax(rank_work))
@@ -1341,6 +1364,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
             **token_comm,
             "p2p": p2p_total,
             "bubble": bubble,
+            "grad_accumulation": acc_s[slowest],
             "dp_comm": grad_s[slowest] + gather_s[slowest] + zero_total,
             "tie_comm": tie_s[slowest],
             "optimizer": opt_s[slowest],
