@@ -104,9 +104,11 @@ def main() -> pd.DataFrame:
     tick = time.perf_counter()
     # Megatron-Core's vocab-parallel cross-entropy is fused (planner/cost/memory.py `loss_bytes`), its
     # FusedAdam steps in place and its pipeline receives one micro-batch at a time (planner/solver/
-    # search.py `Environment`); in bf16 it accumulates and reduces gradients in fp32 (`gradient_dtype`).
+    # search.py `Environment`); in bf16 it accumulates and reduces gradients in fp32 (`gradient_dtype`),
+    # the accumulation fused into the weight-gradient GEMMs (--gradient-accumulation-fusion, its default).
     theirs = price_config(prof, cluster, published_config(row),
-                          Pins(fused_loss=True, grad_dtype=gradient_dtype("bfloat16"), **MEGATRON_MEMORY))  # the row: bf16
+                          Pins(fused_loss=True, grad_dtype=gradient_dtype("bfloat16"), grad_accumulation="fused",
+                               **MEGATRON_MEMORY))  # the row: bf16
     rows = [record("published layout", theirs, published, time.perf_counter() - tick, "")]
     for name, pins in ((f"best with EP {row.ep}", Pins(ep=int(row.ep))), ("free choice", Pins())):
         tick = time.perf_counter()
