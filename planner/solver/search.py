@@ -67,12 +67,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from planner.cost.memory import (
+    LiveParameters,
     ModelStateBytes,
     Precision,
     accumulation_bytes,
-    batch_bytes,
-    LiveParameters,
     accumulation_pass_bytes,
+    batch_bytes,
     gathered_bytes,
     gradient_bucket_bytes,
     kept_output_bytes,
@@ -1033,7 +1033,7 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
     # A tied weight's copy, which a stage holding another of its units keeps (`copy_parameters`),
     # counts with the stage's parameters, and under ZeRO 3 with whichever unit FSDP gathers it in.
     copies = np.asarray(table.copy_parameters(start, end), dtype=float) * np.ones(len(start))
-    gathered = gathered_with_loss = zeros
+    gathered = gathered_with_loss = largest_tensor = zeros
     if cfg.zero_stage >= 1 and cfg.zero_dp > 1:
         tied_held = zeros
         if cfg.zero_stage >= 3:
@@ -1074,16 +1074,16 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
             before = np.where(grouped & tied[n - 2], 0.0, outer[n - 2]) if n > 1 else 0.0
             last_pair = np.where(end - start > 1, before + np.where(held_alone, params[n - 1], 0.0), 0.0) + apart
             # DeepSpeed gathers submodule by submodule (`Environment.zero3_live`): the range's largest tensor bounds it.
-            largest_tensor = zeros if env.zero3_live is None or table.largest_parameter is None else \
-                _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end)
-            scope = dict(copy_out=env.gather_copy_out, live=env.zero3_live, largest_parameter=largest_tensor)
+            if env.zero3_live is not None and table.largest_parameter is not None:
+                largest_tensor = _range_max_at(table, env, "largest_parameter", table.largest_parameter, start, end)
             at_loss = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, last + apart, last_pair,
-                                     env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held, **scope)
+                                     env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held,
+                                     env.gather_copy_out, env.zero3_live, largest_tensor)
         else:
             largest_unit = largest_pair = zeros
-            scope = {}
         gathered = gathered_bytes(prefix(params)[end] - prefix(params)[start] + copies, largest_unit, largest_pair,
-                                  env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held, **scope)
+                                  env.precision, cfg.zero_stage, cfg.zero_dp, cfg.offload, tied_held,
+                                  env.gather_copy_out, env.zero3_live, largest_tensor)
         gathered_with_loss = np.where(end == n, np.minimum(at_loss, gathered), gathered) if cfg.zero_stage >= 3 \
             else gathered
     per_unit = prefix(state_parts(table, cfg, env).gradients * np.ones(n))
