@@ -25,6 +25,9 @@ https://www.deepspeed.ai/docs/config-json/):
     data_types.grad_accum_dtype = "fp32" with bf16 at ZeRO 0-1: BF16_Optimizer, fp32 gradients
                                         added into after every micro-batch
     tensor_parallel.autotp_size         AutoTP training (Linear layers column/row sharded; no sequence parallelism)
+    zero_optimization.overlap_comm, stage3_prefetch_bucket_size, stage3_max_live_parameters,
+    reduce_bucket_size                  what is overlapped (`overlap`; its pipeline engine overlaps
+                                        nothing) and what ZeRO 3 holds gathered (`live_parameters`)
     pipeline.stages, pipeline.partition, pipeline.activation_checkpoint_interval
                                         what `PipelineModule(num_stages=, partition_method=,
                                         activation_checkpoint_interval=)` takes in code; DeepSpeed's

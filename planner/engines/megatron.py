@@ -24,6 +24,12 @@ their config dataclasses):
                                         the gradient buffer's dtype, which the data-parallel reduction
                                         moves: fp32 in a bf16 run unless the first is given
                                         (`gradient_dtype`)
+    --overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap, --no-overlap-p2p-communication
+                                        the communication hidden behind compute (`overlap`): all off
+                                        by default but p2p, which only the interleaved schedule overlaps
+    --no-gradient-accumulation-fusion   each micro-batch's gradients added to the fp32 buffer in a pass
+                                        of their own; by default the weight-gradient GEMM accumulates
+                                        (planner/cost/memory.py `accumulation_pass_bytes`)
 
 The newer dimensions (same file and commit unless named):
     --expert-model-parallel-size        EP; Megatron-Core's rank order tp-cp-ep-dp-pp puts the ep ranks
