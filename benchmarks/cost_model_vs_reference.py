@@ -166,7 +166,7 @@ def predict(case: dict) -> dict:
             cuts = even_block_cuts(prof) if case["stack"].startswith("Megatron") else None
             pins = replace(p, schedule=schedule)
             if case["stack"] == "Megatron-Core":  # the row's flags; p2p overlapped in the interleaved schedule only
-                pins = replace(pins, overlap=megatron_overlap(1, schedule == "interleaved-1f1b", tp_comm=True))
+                pins = replace(pins, overlap=megatron_overlap(schedule == "interleaved-1f1b", tp_comm=True))
             plans.append(solve(prof, cluster, case["global_batch"], pins, top_k=1, dtype=case["dtype"], cuts=cuts))
         except PlannerError as error:
             errors.append(str(error).split(":")[0])

@@ -157,7 +157,7 @@ def test_engines_say_how_they_accumulate():
     bf16_fp32["data_types"] = {"grad_accum_dtype": "fp32"}
     layout = deepspeed.parse(json.dumps(bf16_fp32))  # BF16_Optimizer: fp32 gradients, reduced in bf16
     assert (layout.grad_accumulation, layout.grad_dtype, layout.reduce_dtype) == ("buffer", "float32", "bfloat16")
-    assert deepspeed.parse(_ds({"stage": 1})).grad_accumulation is None  # autograd's .grad, as the runtime
+    assert deepspeed.parse(_ds({"stage": 1})).grad_accumulation == "autograd"  # its .grad, as the runtime
 
 
 def test_the_accumulation_pass_is_charged_once_per_micro_batch(gpt):

@@ -35,7 +35,7 @@ PINS = {
     "torchtitan": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="interleaved-1f1b", virtual_stages=2,
                        recompute="op", zero_stage=2, sequence_parallel=True),
     "megatron": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="1f1b", recompute="full", zero_stage=1,
-                     sequence_parallel=True, overlap=megatron.overlap(1, interleaved=False)),
+                     sequence_parallel=True, overlap=megatron.overlap(interleaved=False)),
     "deepspeed": Pins(pp=2, tp=1, dp=4, micro_batch_size=2, schedule="1f1b", recompute="full", zero_stage=1,
                       overlap=deepspeed.overlap(1, pp=2)),
     "accelerate": Pins(pp=1, tp=1, dp=8, micro_batch_size=1, recompute="full", zero_stage=3),
@@ -121,7 +121,7 @@ def test_non_uniform_cuts_warn_with_their_price(gpt):
     assert stage_bounds(exported.mapped, gpt) == ((0, 5), (5, 9))
 
 
-MEGATRON_1F1B = dict(overlap=megatron.overlap(1, interleaved=False))  # plans priced as Megatron-LM runs 1F1B
+MEGATRON_1F1B = dict(overlap=megatron.overlap(interleaved=False))  # plans priced as Megatron-LM runs 1F1B
 
 
 def test_megatron_non_uniform_cuts(gpt):

@@ -192,7 +192,7 @@ def engine_plan():
     profile = profile_model("examples/gpt.py", ENGINE_GPT, [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
     return solve(profile, make_cluster(2, 2, "a100-80gb"), 8,
                  Pins(pp=2, tp=1, dp=1, micro_batch_size=1, schedule="1f1b", recompute="none", zero_stage=0, cp=1,
-                      overlap=megatron.overlap(0, interleaved=False)))
+                      overlap=megatron.overlap(interleaved=False)))
 
 
 def _with_full(plan, units: set[str]):

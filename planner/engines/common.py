@@ -121,9 +121,9 @@ class EngineLayout:
     ("every", N), each pipeline rank's N-th, 2N-th, ... layer counted over its chunks in order
     (torchtitan's `selective_ac_option = "N"`); ("first", k), each stage chunk's first k layers
     (Megatron-LM's `--recompute-method block --recompute-num-layers k`). None: `recompute` on every unit."""
-    grad_accumulation: str | None = None
+    grad_accumulation: str = "autograd"
     """How the engine adds each micro-batch's gradients to the step's (planner/cost/memory.py
-    `accumulation_pass_bytes`); None: as the planner's runtime (autograd)."""
+    `accumulation_pass_bytes`); "autograd" as the planner's runtime."""
     zero3_live: LiveParameters | None = None
     """ZeRO 3 gathering submodule by submodule within DeepSpeed's bounds (planner/cost/memory.py
     `LiveParameters`, read from the config); None: FSDP's units."""

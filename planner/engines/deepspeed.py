@@ -54,7 +54,7 @@ import json
 from dataclasses import replace
 
 from planner.cost.memory import LiveParameters
-from planner.cost.overlap import Overlap
+from planner.cost.overlap import SERIAL, Overlap
 from planner.engines.common import (
     EngineLayout,
     Split,
@@ -212,7 +212,7 @@ def parse(text: str, source: str = "ds_config.json") -> EngineLayout:
         # deepspeed/runtime/engine.py `communication_data_type`: the config's, else the model's dtype.
         reduce_dtype=reduce_dtype or ("bfloat16" if fp32_accumulation else None),
         grad_dtype="float32" if fp32_accumulation else None,
-        grad_accumulation="buffer" if fp32_accumulation else None,
+        grad_accumulation="buffer" if fp32_accumulation else "autograd",
         grad_clip=config.get("gradient_clipping") or None, notes=tuple(notes),
         shard_degree=mics if stage == 3 and mics > 0 else None, offload=offload,
         fused_optimizer=_fused_adam(config),
@@ -243,7 +243,7 @@ def overlap(zero: int, pp: int, overlap_comm: bool | None = None, prefetch: bool
     (`stage3_prefetch_bucket_size`, default 5e7; 0 turns it off); ZeRO 1-2 gather the updated
     parameters inside the step. AutoTP's collectives wait for each linear."""
     if pp > 1:
-        return Overlap(grad_reduce=False, param_gather=False, pipeline_p2p=False, tp_comm=False)
+        return SERIAL
     hidden = zero == 3 if overlap_comm is None else overlap_comm
     return Overlap(grad_reduce=zero > 0 and hidden, param_gather=zero == 3 and prefetch, pipeline_p2p=False, tp_comm=False)
 

@@ -140,7 +140,7 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     mapped = replace(mapped, split=Split("blocks", blocks=tuple(counts)))
     mapped = _new_dimensions(mapped, changes)
     # `render` asks for every overlap Megatron-LM has but async TP; p2p overlaps only when interleaved.
-    mapped = replace(mapped, overlap=overlap(mapped.zero_stage, mapped.virtual_stages > 1, fsdp=mapped.zero_stage >= 2),
+    mapped = replace(mapped, overlap=overlap(mapped.virtual_stages > 1, fsdp=mapped.zero_stage >= 2),
                      grad_accumulation="fused")  # Megatron-Core's default, which `render` keeps
     lost_overlaps(plan, mapped, changes, {"pipeline_p2p": "Megatron-LM's non-interleaved 1F1B waits for each send and receive",
                                           "tp_comm": "the planner writes no --tp-comm-overlap"})
@@ -309,7 +309,7 @@ def gradient_dtype(dtype: str, grad_reduce_in_bf16: bool = False, accumulate_in_
     return None
 
 
-def overlap(zero: int, interleaved: bool, grad_reduce: bool = True, param_gather: bool = True, p2p: bool = True,
+def overlap(interleaved: bool, grad_reduce: bool = True, param_gather: bool = True, p2p: bool = True,
             tp_comm: bool = False, fsdp: bool = False) -> Overlap:
     """The communication Megatron-LM hides behind compute (planner/cost/overlap.py), from its flags
     (megatron/training/arguments.py, commit d98e8a6): the data-parallel gradient reduction under
@@ -416,7 +416,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
         expert_tp_degree=num("--expert-tensor-parallel-size", 1),
         cp_degree=num("--context-parallel-size", 1), cp_algorithm=cp_algorithm, replicate_degree=instances if instances > 1 and zero == 1 else None,
         offload=offload, float8=float8,
-        overlap=overlap(zero, v > 1, bool(args.get("--overlap-grad-reduce")), bool(args.get("--overlap-param-gather")),
+        overlap=overlap(v > 1, bool(args.get("--overlap-grad-reduce")), bool(args.get("--overlap-param-gather")),
                         not args.get("--no-overlap-p2p-communication"), bool(args.get("--tp-comm-overlap")),
                         fsdp=bool(args.get("--use-torch-fsdp2"))),
         # Megatron-Core fuses the accumulation into the weight-gradient GEMM unless told not to

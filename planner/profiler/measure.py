@@ -206,22 +206,21 @@ def unit_costs(
     working_held = working.peak_without([p.grad for p in params if p.grad is not None])
     for p in params:
         p.grad = None
-    stage_start_saved = None
-    if not _all_floats_need_grad(args, kwargs):  # as a stage's first unit: every received float requires grad
-        a, kw = _fresh_inputs(args, kwargs, every_float=True)
+
+    def saved_by_a_forward(inputs, mode=nullcontext()) -> int:
+        """What one more forward on `inputs` keeps, under `mode`: counted, never run backward."""
+        a, kw = inputs
         counted = SavedBytes(exclude=params, keep=False)
-        with attention_mode, precision(), counted.hooks():
+        with attention_mode, precision(), mode, counted.hooks():
             module(*a, **kw)
         counted.release()
-        stage_start_saved = counted.bytes
-    fp8_saved = None
-    if fp8 and has_fp8_linears(module):
-        a, kw = _fresh_inputs(args, kwargs)
-        counted = SavedBytes(exclude=params, keep=False)  # counted, never run backward
-        with attention_mode, precision(), Float8Saves(), counted.hooks():
-            module(*a, **kw)
-        counted.release()
-        fp8_saved = counted.bytes
+        return counted.bytes
+
+    # As a stage's first unit, every received floating input requires grad.
+    stage_start_saved = None if _all_floats_need_grad(args, kwargs) else \
+        saved_by_a_forward(_fresh_inputs(args, kwargs, every_float=True))
+    fp8_saved = saved_by_a_forward(_fresh_inputs(args, kwargs), Float8Saves()) \
+        if fp8 and has_fp8_linears(module) else None
     return UnitCosts(
         forward_time_s=fwd_ops.totals.roofline_time_s if meta else 0.0,
         backward_time_s=bwd_ops.totals.roofline_time_s if meta else 0.0,

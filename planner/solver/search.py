@@ -1123,7 +1123,7 @@ def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np
                         accumulation=accumulation, weight_gradient_inputs=wgrad,
                         boundary_back=(zeros if table.boundary_saved is None else table.boundary_saved[end - 1])
                         + (zeros if table.stage_start_saved is None else
-                           np.where(start > 0, table.stage_start_saved[np.minimum(start, n - 1)], 0.0)),
+                           np.where(start > 0, table.stage_start_saved[start], 0.0)),
                         batch_saved=np.where(start == 0, table.batch_saved, 0.0),
                         gradients=np.broadcast_to(np.asarray(gradients, dtype=float), (len(start),)),
                         loss=np.where(end == n, stage_loss_bytes(table, env, cfg), 0.0),

@@ -121,9 +121,9 @@ class Pins:
     """The dtype gradients are held in before their reduction; None: `param_dtype`'s."""
     reduce_dtype: str | None = None
     """The dtype the data-parallel reduction moves; None: `grad_dtype`'s."""
-    grad_accumulation: str | None = None
+    grad_accumulation: str = "autograd"
     """How the stack adds each micro-batch's gradients to the step's (planner/cost/memory.py
-    `accumulation_pass_bytes`: "autograd", "buffer", "fused"); None: as the planner's runtime, autograd."""
+    `accumulation_pass_bytes`: "autograd", as the planner's runtime, "buffer" or "fused")."""
     zero3_live: LiveParameters | None = None
     """ZeRO 3 as DeepSpeed runs it (planner/cost/memory.py `LiveParameters`: submodule by submodule,
     gradients through a reduce bucket); None: as FSDP runs it, unit by unit."""
@@ -529,7 +529,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         dp_collectives=pins.dp_collectives,
         gather_copy_out=pins.gather_copy_out,
         zero3_live=pins.zero3_live,
-        grad_accumulation=pins.grad_accumulation or "autograd",
+        grad_accumulation=pins.grad_accumulation,
         stack_precision=stack_precision(compute.profile, dtype, pins),
         copy_s_per_byte=compute.slowdown / compute.gpu.achievable_bandwidth,
         device="cpu" if cluster.gpu.name == "cpu" else "gpu",
