@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -155,6 +156,37 @@ def test_table_and_ilp_agree(request, block, tp, bandwidth, flops, sp, pinned, m
         assert table.parameter_bytes <= limit
     if pinned:
         assert {"colwise", "rowwise"} & set(table.strategies.values())
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("tp", [2, 8])
+def test_pinned_tp_shards_the_token_embedding_not_only_the_positions(gpt_block, tp, sp, monkeypatch):
+    """Under TP the unit's largest weight is sharded: GPT's token embedding (vocabulary x d_model),
+    which the all-reduce or all-gather of its output makes dearer to shard than to keep whole.
+    Sharding only the small position table would satisfy "some weight sharded" and leave the
+    full vocabulary on every rank, which no TP runtime does (Megatron-LM's
+    VocabParallelEmbedding). The table and the ILP agree."""
+    import planner.solver.intra_op as intra_op
+
+    monkeypatch.setenv(intra_op.CACHE_ENV, "")
+    _, prof = gpt_block
+    embed = prof.units[0]
+    shapes = {op.name: op.weight_shape for op in embed.ops}
+    assert shapes == {"tok": [GPT_BIG["vocab_size"], GPT_BIG["d_model"]], "pos": [GPT_BIG["seq_len"], GPT_BIG["d_model"]]}
+    free_problem = _problem(tuple(embed.ops), tp, sequence_parallel=sp)
+    assert solve_intra_op(free_problem).strategies["tok"] == "replicate"  # unpinned, the collective is not worth it
+    problem = dataclasses.replace(free_problem, require_sharding=True)
+    graph = _build_graph(problem)
+    free = {v: st for v, st in graph.nodes.items() if "fixed" not in st}
+    for chosen in (intra_op._by_table(problem, graph, free).strategies, intra_op._solve_ilp(problem, graph, free)):
+        assert chosen["tok"] in ("colwise", "rowwise")
+    whole = evaluate(problem, {**_replicated(free), "tok": "replicate"}).parameter_bytes
+    assert solve_intra_op(problem).parameter_bytes < whole / tp + 2 * GPT_BIG["seq_len"] * GPT_BIG["d_model"]
+
+
+def _replicated(free: dict) -> dict[str, str]:
+    """Every free node replicated (R for the merges)."""
+    return {v: ("R" if v.startswith("merge") else "replicate") for v in free}
 
 
 def test_table_refuses_what_the_ilp_refuses(gpt_block, monkeypatch):

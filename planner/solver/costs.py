@@ -334,8 +334,8 @@ class UnitCosts:
             collectives=self.tp_collectives(t),
             activation_scale=b / self.base_mbs,
             sequence_parallel=sp,
-            # Under TP every unit shards a weight where it can (constraint `pinned_tp`): a TP group
-            # that replicates a unit whole runs it t times over, which no runtime's TP does.
+            # Under TP every unit shards its largest weight where it can (constraint `pinned_tp`):
+            # a TP group that replicates it runs or holds it t times over, which no runtime's TP does.
             require_sharding=t > 1,
         )
 

@@ -133,9 +133,12 @@ class IntraOpProblem:
     parameter_bytes_limit: float | None = None
     """Upper bound on this unit's parameter bytes per GPU (None: unbounded)."""
     require_sharding: bool = False
-    """The user pinned the TP degree: shard at least one weight of the unit where any can be
-    (constraint `pinned_tp`), rather than replicate everything when collectives cost more than
-    the compute they split."""
+    """The TP degree is given: shard the unit's largest weight where it can be (constraint
+    `pinned_tp`: one of the shardable ops of the most elements), rather than replicate it when
+    collectives cost more than the compute they split. The TP runtimes shard every large weight
+    whatever that costs (Megatron-LM's `VocabParallelEmbedding`, torchtitan's rowwise
+    `tok_embeddings`): a token embedding the ILP kept whole for the all-reduce it saves would
+    hold its full vocabulary on every rank of the group."""
     replicated_ops: frozenset[str] = frozenset()
     """Ops kept replicated whatever the cost (a MoE layer's router and experts: planner/solver/costs.py)."""
     moe_blocks: frozenset[str] = frozenset()
@@ -716,11 +719,10 @@ def _by_table(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolu
     allowed = np.ones(shape, dtype=bool)
     if problem.parameter_bytes_limit is not None:
         allowed &= np.broadcast_to(params, shape) <= problem.parameter_bytes_limit
-    shardable = [v for v in nodes if v in by_name and by_name[v].weight_shape
-                 and any(s in ("colwise", "rowwise") for s in free[v])]
-    if problem.require_sharding and shardable:
+    must = _largest_shardable(free, by_name) if problem.require_sharding else []
+    if must:
         sharded = np.zeros(shape, dtype=bool)
-        for v in shardable:
+        for v in must:
             sharded = sharded | (along(v, [s in ("colwise", "rowwise") for s in free[v]]) > 0)
         allowed &= sharded
     if not allowed.any():
@@ -801,7 +803,7 @@ def _solve_ilp(problem: IntraOpProblem, graph: _Graph, free: dict) -> dict[str, 
     objective += _add_conversions(model, x, graph, problem.collectives)
     _add_parameter_memory(model, x, node_costs, problem.parameter_bytes_limit)
     if problem.require_sharding:
-        _add_pinned_tp(model, x, by_name)
+        _add_pinned_tp(model, x, _largest_shardable(free, by_name))
     # Objective in microseconds: CBC's absolute tolerances (1e-6..1e-9) are too coarse for seconds.
     model += 1e6 * pulp.lpSum(objective)
     status = model.solve(pulp.PULP_CBC_CMD(msg=0, timeLimit=ILP_TIME_LIMIT_S))
@@ -891,10 +893,19 @@ def _is_zero(expr) -> bool:
     return isinstance(expr, int) and expr == 0
 
 
-def _add_pinned_tp(model, x, by_name) -> None:
+def _largest_shardable(free: dict, by_name: dict) -> list[str]:
+    """The free ops with a weight the ILP may shard (colwise or rowwise offered) and, of those,
+    the most elements (ties all listed): `pinned_tp` shards one of them."""
+    shardable = {v: math.prod(by_name[v].weight_shape) for v in free if v in by_name and by_name[v].weight_shape
+                 and any(s in ("colwise", "rowwise") for s in free[v])}
+    most = max(shardable.values(), default=0)
+    return [v for v, numel in shardable.items() if numel == most]
+
+
+def _add_pinned_tp(model, x, must: list[str]) -> None:
     import pulp
-    # [Constraint] pinned_tp: with the TP degree pinned, at least one weight is sharded (where any can be).
-    sharded = [var for (v, s), var in x.items() if v in by_name and by_name[v].weight_shape and s in ("colwise", "rowwise")]
+    # [Constraint] pinned_tp: one of the unit's largest shardable weights is sharded (where any can be).
+    sharded = [var for (v, s), var in x.items() if v in must and s in ("colwise", "rowwise")]
     if sharded:
         model += pulp.lpSum(sharded) >= 1, "pinned_tp"
 
