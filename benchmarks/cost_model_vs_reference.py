@@ -163,7 +163,7 @@ def predict(case: dict) -> dict:
     for schedule in case.get("schedules", [p.schedule]):  # the stack's schedules; the solver picks within each
         try:
             # Megatron stacks split the layers evenly over the chunks (the run's own stages, not the DP's cuts).
-            cuts = even_block_cuts(prof) if case["stack"].startswith("Megatron") else None
+            cuts = case["cuts"](prof) if "cuts" in case else even_block_cuts(prof) if case["stack"].startswith("Megatron") else None
             pins = replace(p, schedule=schedule)
             if case["stack"] == "Megatron-Core":  # the row's flags; p2p overlapped in the interleaved schedule only
                 pins = replace(pins, overlap=megatron_overlap(schedule == "interleaved-1f1b", tp_comm=True))

@@ -19,9 +19,12 @@ Sources:
   about 150 TFLOPs", BigScience's model page, counted by Megatron-DeepSpeed with the recomputed
   forward, i.e. eq. 3) on Jean Zay, whose nodes have four 100 Gb/s Omni-Path links (the BLOOM
   paper, arXiv 2211.05100, section 3.4): priced with 50 GB/s per node shared by its 8 GPUs, at
-  the presets' share of a line rate (planner/cluster.py `NETWORK_EFFICIENCY`). Megatron-DeepSpeed's pipeline splits the layers
-  with the embeddings counted as layers (`partition_method type:transformer|embedding`), not
-  evenly (70 over 12 does not divide): the solver's cuts stand in for it.
+  the presets' share of a line rate (planner/cluster.py `NETWORK_EFFICIENCY`). Its stage cuts
+  are Megatron-DeepSpeed's (`partition_method type:transformer|embedding`, tr11's launch
+  script): DeepSpeed's `partition_balanced` over layers weighing 1 where their class matches,
+  the 70 transformer layers and the two embedding layers (input, and the tied output), 0
+  otherwise (the final norm): 72 over 12 is 6 a stage, the embedding and 5 layers on the first,
+  5 layers and the output on the last (`bloom_cuts`).
 
 Each row is priced as its stack runs, with the overlaps each stack's source shows
 (planner/engines/megatron.py and deepspeed.py `overlap`), never a per-row constant:
@@ -126,6 +129,22 @@ def mtnlg_case(gpus: int, seconds: float) -> dict:
                                param_dtype="bfloat16", **BF16_OPTIMIZER, **DEEPSPEED_HABITS))
 
 
+def bloom_cuts(profile):
+    """Megatron-DeepSpeed's `type:transformer|embedding` partition (module docstring) as the
+    solver's `cuts`: the units before the blocks (the embedding) and the last unit (the output
+    layer) weigh one layer, each block one, the rest (the final norm) nothing."""
+    from planner.engines.common import balanced, model_parts
+
+    names = profile.unit_names()
+    before, blocks, _ = model_parts(names)
+    weights = [1.0 if name in before or name in blocks or i == len(names) - 1 else 0.0 for i, name in enumerate(names)]
+
+    def cuts(chunks: int):
+        edges = balanced(weights, chunks)
+        return tuple(zip(edges[:-1], edges[1:], strict=True))
+    return cuts
+
+
 def bloom_case() -> dict:
     b = BLOOM
     flops = 96 * b["batch"] * SEQ * b["layers"] * b["hidden"] ** 2 * (
@@ -135,7 +154,7 @@ def bloom_case() -> dict:
                                             vocab_size=b["vocab"], seq_len=SEQ, attention="math", dropout=0.0),
                 gpus=b["gpus"], gpus_per_node=8, global_batch=b["batch"], inter_node=OMNI_PATH,
                 published_s=flops / (b["tflops"] * 1e12 * b["gpus"]), derived_from="eq. 3 / TFLOP/s (about 150)",
-                published_tflops=b["tflops"], profile_mbs=[b["mbs"]], schedules=["1f1b"],
+                published_tflops=b["tflops"], profile_mbs=[b["mbs"]], schedules=["1f1b"], cuts=bloom_cuts,
                 pins=StackPins(pp=b["pp"], tp=b["tp"], dp=b["gpus"] // (b["tp"] * b["pp"]), cp=1, micro_batch_size=b["mbs"],
                                recompute="full", zero_stage=1, sequence_parallel=False, overlap=deepspeed.overlap(1, b["pp"]),
                                fused_loss=False, param_dtype="bfloat16", **BF16_OPTIMIZER, **DEEPSPEED_HABITS))

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from planner.units import tied_units
 
@@ -176,14 +177,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
+def _placed_as_parameter(p: nn.Parameter) -> torch.Tensor:
+    """`p.grad`, made a DTensor placed as `p` where it is one placed otherwise: DTensor's
+    embedding backward leaves a row-sharded (vocabulary-parallel) weight a replicated gradient,
+    whose local tensor is the whole weight's; slicing it to the parameter's shard costs no
+    communication."""
+    grad = p.grad
+    if grad is not None and isinstance(p, DTensor) and isinstance(grad, DTensor) and grad.placements != p.placements:
+        p.grad = grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
 def sum_tied_gradients(copies: list[list[nn.Parameter]], groups: list) -> None:
     """Megatron-LM's embedding all-reduce: per weight tied across stages, the sum of its copies'
     gradients (this rank's copies, then the pipeline ranks in `groups`, None: none other) in
     every copy, so that all copies take the same optimizer step and stay equal. After the
     last backward and the dp reduction, before clipping. Every copy of one weight is placed
-    alike on its mesh (same dp shard, tied units are not TP-sharded), so local shards add."""
+    alike on its mesh (the same dp shard; TP shards every copy along the vocabulary:
+    planner/solver/costs.py `tie_pins`), so local shards add once each gradient is placed as
+    its parameter (`_placed_as_parameter`)."""
     for params, group in zip(copies, groups, strict=True):
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [_local(_placed_as_parameter(p)) for p in params if p.grad is not None]
         if not params or (not grads and group is None) or not params[0].requires_grad:
             continue  # a frozen tied weight (every copy on every stage alike) takes no step
         total = torch.zeros_like(_local(params[0]).detach()) if not grads else grads[0].clone()

@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 from planner.errors import PlannerError
 from planner.plan import Plan
 from planner.profiler.opgraph import linear_weight_orientation
+from runtime.build import tied_groups
 
 SEQUENCE_DIM = 1  # (batch, sequence, features) activations, as every example model has
 
@@ -136,7 +137,9 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
     moe_local = _moe_block_parameters(module, region, tp_plan, pairs) if region else []
     if region:
         styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
+    tied = tied_groups(module)
     parallelize_module(module, tp_mesh, styles)
+    retie_sharded(module, tied)
     sharded = [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))]
     if any(getattr(m, "inplace", False) is True for m in module.modules()):
         _copy_local_outputs(present, sharded)  # an in-place module may follow any of them
@@ -155,6 +158,56 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
             present[block].register_forward_pre_hook(_first_input_hook(_to_local), with_kwargs=True)
         module._sp_moe_blocks = local_blocks  # type: ignore[assignment]  # read by runtime/apply_ep.py
         _mark_region_boundaries(present, [u for u in units or () if u in present], set(region), tp_mesh)
+
+
+def retie_sharded(module: nn.Module, groups: list[list[str]]) -> None:
+    """Tie again the parameters `parallelize_module` untied. Each style registers a DTensor of
+    its own in place of its module's weight, so a tied input embedding and output head would
+    train as two weights. The plan shards every holder of a tied weight alike (planner/solver/costs.py
+    `tie_pins`: along the vocabulary, an embedding rowwise and a linear head colwise, as
+    Megatron-LM's `VocabParallelEmbedding` with its column-parallel output layer), so the first
+    holder's DTensor serves all; holders placed otherwise are refused (`check_tp_plan` does so
+    before launch)."""
+    for first, *others in groups:
+        shared = module.get_parameter(first)
+        for name in others:
+            copy = module.get_parameter(name)
+            if copy is shared:
+                continue
+            if getattr(copy, "placements", None) != getattr(shared, "placements", None):
+                raise PlannerError(f"tp_plan shards the tied parameters {first} and {name} differently.",
+                                   "Shard every holder of a tied weight along the same dim (an embedding rowwise "
+                                   "with a linear head colwise), or none; re-solve the plan.")
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, attr, shared)
+
+
+def _sharded_weight_dim(module: nn.Module, style: str | None) -> int | None:
+    """The dim of `module.weight` a style shards (None: kept whole): colwise the output features,
+    rowwise the input features, of an embedding its rows (rowwise) or columns (colwise)."""
+    if style not in ("colwise", "rowwise"):
+        return None
+    if isinstance(module, nn.Embedding):
+        return 0 if style == "rowwise" else 1
+    out = 0 if isinstance(module, nn.Linear) else _out_dim(module)
+    return out if style == "colwise" else 1 - out
+
+
+def _tie_problems(plan: Plan, model: nn.Module) -> list[str]:
+    """The tied weights whose holders the plan shards along different dims (`retie_sharded`)."""
+    styles = {name: style for stage in plan.stages for name, style in stage.tp_plan.items()}
+    modules = dict(model.named_modules())
+    problems = []
+    for group in tied_groups(model):
+        dims = {}
+        for name in group:
+            owner, _, attr = name.rpartition(".")
+            if owner in modules and attr == "weight":
+                dims[name] = _sharded_weight_dim(modules[owner], styles.get(owner))
+        if len(set(dims.values())) > 1:
+            problems.append("the tied weights " + ", ".join(f"{n} ({'whole' if d is None else f'dim {d} sharded'})"
+                                                            for n, d in dims.items()) + " are sharded differently")
+    return problems
 
 
 def _copy_local_outputs(present: dict, names: list[str]) -> None:
@@ -257,6 +310,8 @@ def check_tp_plan(plan: Plan, model: nn.Module) -> None:
                     and linear_weight_orientation(modules[name]) is None:
                 problems.append(f"stage {k}: {name!r} is a {type(modules[name]).__name__}; {style} shards nn.Linear, "
                                 "nn.Embedding and modules that multiply their input by their own 2-D weight only")
+    if not problems:
+        problems = _tie_problems(plan, model)
     if problems:
         raise PlannerError("The plan's tp_plan does not fit the model: " + "; ".join(problems[:5])
                            + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "") + ".",

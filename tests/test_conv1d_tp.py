@@ -468,8 +468,10 @@ def test_a_unit_whose_hand_written_attention_reads_an_unshardable_projection_sta
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_plan_says_what_tensor_parallelism_leaves_whole(gpt2_meta_profile, sequence_parallel):
     """GPT-2 under tp 2 keeps its fused q|k|v (and, beside it, the attention's output projection)
-    whole on every rank, and its tied embedding; the plan's note gives the share of weights split,
-    counted from the plan's own TP plan, and names the whole modules by pattern with why."""
+    whole on every rank, and shards its tied embedding along the vocabulary in both holders; the
+    plan's note gives the share of weights split, counted from the plan's own TP plan, and names
+    the whole modules by pattern with why. GPT-2's own vocabulary (50257, odd) keeps the tied
+    pair whole, and the note says why."""
     import math
     import re
 
@@ -482,7 +484,12 @@ def test_plan_says_what_tensor_parallelism_leaves_whole(gpt2_meta_profile, seque
     split = sum(size for name, size in sizes.items() if styles.get(name, "replicate") != "replicate")
     assert f"splits {split / sum(sizes.values()):.0%} of the weights" in note
     assert "transformer.h.*.attn.c_attn x2 (its output holds q, k and v together" in note
-    assert "transformer.wte (tied to lm_head" in note
+    assert (styles["transformer.wte"], styles["lm_head"]) == ("rowwise", "colwise") and "wte" not in note
+    odd = profile_model(hf.__file__, {**GPT2, "vocab_size": 257}, [1], device="meta")
+    plan = solve(odd, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, pp=1, sequence_parallel=sequence_parallel))
+    note = next(n for n in plan.search.notes if n.startswith("tensor parallelism"))
+    assert "transformer.wte (tied to lm_head: a tied weight is sharded only where every holder can split its first dim 2 ways)" \
+        in note, note
     if sequence_parallel:  # the fused projection keeps each block whole under SP, MLP included
         assert re.search(r"mlp.c_fc x2 \(sequence parallelism keeps its unit whole", note), note
     else:

@@ -54,13 +54,17 @@ def run(plan_path, out_dir, world_size: int, reference: bool = False, extra=()):
     return metrics, params
 
 
-def check_parity(plan, tmp_path):
+def check_parity(plan, tmp_path, noise_only: tuple[str, ...] = ()):
+    """The plan's losses and trained parameters against the one-process reference's. `noise_only`:
+    name suffixes of parameters whose gradient is zero in exact arithmetic (attention's key bias:
+    softmax ignores a constant added to one query's scores), which Adam moves by rounding noise
+    alone (its first steps are about lr x sign(g)), so they are checked to exist but not compared."""
     path = plan.save(tmp_path / "plan.json")
     ref_metrics, ref_params = run(path, tmp_path, 1, reference=True)
     par_metrics, par_params = run(path, tmp_path, plan.world_size)
     assert par_metrics["losses"] == pytest.approx(ref_metrics["losses"], rel=LOSS_RTOL)
     assert set(par_params) == set(ref_params), set(ref_params) ^ set(par_params)
-    worst = max((par_params[k] - ref_params[k]).abs().max().item() for k in ref_params)
+    worst = max((par_params[k] - ref_params[k]).abs().max().item() for k in ref_params if not k.endswith(noise_only))
     assert worst < PARAM_ATOL, worst
     moved = max((ref_params[k] - v0).abs().max().item() for k, v0 in _initial(path, tmp_path).items())
     assert moved > 10 * PARAM_ATOL  # training changed the parameters far more than the tolerance

@@ -164,7 +164,14 @@ def test_pinned_pipeline_across_a_tie_solves(write_model):
     plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(pp=2))
     assert plan.layout.pp_degree == 2
     assert "embed" in plan.stages[0].units and "head" in plan.stages[-1].units  # every cut splits this tie
-    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(tp=2))  # no TP of the tied pair
+    # TP shards the tied pair along the vocabulary, both alike (planner/solver/costs.py `tie_pins`).
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(tp=2))
+    styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
+    assert styles["embed"] == "rowwise" and styles["head"] == "colwise"
+    # A vocabulary that tp does not divide keeps the pair whole, both alike.
+    profile = profile_model(str(path), {"tie_head": True, "tie_blocks": False, "vocab": 63}, [1], device="meta",
+                            gpu="a100-80gb")
+    plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 4, Pins(tp=2))
     assert not {"embed", "head"} & {k for s in plan.stages for k in s.tp_plan}
 
 

@@ -15,7 +15,7 @@ from planner.cluster import make_cluster
 from planner.profiler import profile_model
 from planner.solver.solve import Pins, search, solve
 from tests.conftest import EXAMPLES
-from tests.runtime_plans import GPT_ARGS, GPT_UNITS, make_plan
+from tests.runtime_plans import GPT_ARGS, GPT_TP, GPT_UNITS, make_plan
 
 # examples/gpt.py with its output head tied to the token embedding (Press & Wolf 2017).
 TIED_GPT = f'''
@@ -277,3 +277,44 @@ def _tied_setup(profile, pp: int, dp: int, zero_stage: int):
     cfg = Config(tp=1, sequence_parallel=False, pp=pp, dp=dp, micro_batch_size=1, num_microbatches=4, schedule="1f1b",
                  virtual_stages=1, zero_stage=zero_stage)
     return result.costs.table(1, False, 1), env, cfg
+
+
+# --- tensor parallelism of a tied weight: sharded along the vocabulary by every holder ----------
+
+TIED_GPT_TP = {**GPT_TP, "embed.tok": "rowwise"}  # the head is colwise: both shard the [vocab, d] weight on dim 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"pp": 1, "tp": 2}, {"pp": 2, "tp": 2, "m": 2}], ids=["tp2", "pp2xtp2"])
+def test_tied_head_sharded_along_the_vocabulary_parity(layout, write_model, tmp_path):
+    # One stage: the embedding and the head share one DTensor (runtime/apply_tp.py `retie_sharded`),
+    # whose gradient sums both uses. Two stages: each holds a sharded copy; the copies' local
+    # shards are summed over the pipeline ranks of one tp coordinate.
+    from tests.test_runtime_parity import check_parity
+
+    plan = _tied_plan(write_model, tp_plan=TIED_GPT_TP, **layout)
+    styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
+    assert styles["embed.tok"] == "rowwise" and styles["head"] == "colwise"
+    check_parity(plan, tmp_path, noise_only=("attn.wk.bias",))  # 1e-4 off by noise in this model (check_parity)
+
+
+@pytest.mark.slow
+def test_solved_hugging_face_gpt2_tp2_shards_its_tied_embedding_parity(tmp_path):
+    pytest.importorskip("transformers")
+    from tests.test_runtime_parity import check_parity
+
+    profile = profile_model(_hf_file(), HF_GPT2, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2))
+    styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
+    assert styles["transformer.wte"] == "rowwise" and styles["lm_head"] == "colwise", styles
+    check_parity(plan, tmp_path)
+
+
+def test_tied_holders_sharded_differently_are_refused_before_launch(write_model, tmp_path):
+    from planner.errors import PlannerError
+    from runtime.launch import precheck
+
+    plan = _tied_plan(write_model, pp=1, tp=2, tp_plan={**GPT_TP, "embed.tok": "colwise"})  # dim 1 vs the head's 0
+    with pytest.raises(PlannerError, match="tp_plan does not fit the model") as info:
+        precheck(str(plan.save(tmp_path / "plan.json")), None)
+    assert "embed.tok.weight (dim 1 sharded), head.weight (dim 0 sharded) are sharded differently" in str(info.value)

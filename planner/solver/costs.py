@@ -58,7 +58,7 @@ class TiedWeight:
     units: tuple[int, ...]
     """Indices of the units using it, ascending; the first owns it in the profile."""
     num_parameters: float
-    """Its size (elements); tied units are never TP-sharded, so this is per GPU too."""
+    """Its size per GPU (elements): 1/t of it where TP shards it (`UnitCosts.tie_pins`)."""
 
 
 @dataclass(frozen=True)
@@ -312,6 +312,7 @@ class UnitCosts:
         self._layer_seconds: dict[tuple, dict[int, list[tuple[float, float]]]] = {}  # per (t, sp, b), from `_build`
         self._built: dict[tuple[int, bool, float], UnitCostTable] = {}  # `_plain`
         self._groups: list[tuple[Unit, np.ndarray]] | None = None  # `_content_groups`
+        self._tie_pins: dict[tuple[int, bool], dict[int, tuple[tuple[str, str], ...]]] = {}  # `tie_pins`
         self.base_mbs = min(profile.micro_batch_sizes)
 
     @staticmethod
@@ -323,7 +324,7 @@ class UnitCosts:
         return frozenset(op.name for op in unit.ops if op.module is not None and any(
             op.module == m or op.module.startswith(m + ".") for m in modules))
 
-    def _problem(self, unit: Unit, t: int, sp: bool, b: float) -> IntraOpProblem:
+    def _problem(self, unit: Unit, t: int, sp: bool, b: float, pinned: tuple[tuple[str, str], ...] = ()) -> IntraOpProblem:
         return IntraOpProblem(
             ops=tuple(unit.ops),
             replicated_ops=self.moe_ops(unit),
@@ -337,21 +338,52 @@ class UnitCosts:
             # Under TP every unit shards its largest weight where it can (constraint `pinned_tp`):
             # a TP group that replicates it runs or holds it t times over, which no runtime's TP does.
             require_sharding=t > 1,
+            pinned_ops=pinned,
         )
 
-    def tp_solution(self, unit: Unit, t: int, sp: bool, b: float) -> IntraOpSolution:
+    def tp_solution(self, unit: Unit, t: int, sp: bool, b: float,
+                    pinned: tuple[tuple[str, str], ...] = ()) -> IntraOpSolution:
         """The ILP's answer at the smallest profiled micro-batch, re-priced at b (cached per structure)."""
-        key = (unit.fingerprint, t, sp)
+        key = (unit.fingerprint, t, sp, pinned)
         if key not in self._ilp:
-            self._ilp[key] = solve_intra_op(self._problem(unit, t, sp, self.base_mbs))
+            self._ilp[key] = solve_intra_op(self._problem(unit, t, sp, self.base_mbs, pinned))
         if b == self.base_mbs:
             return self._ilp[key]
         if (*key, b) not in self._ilp:
             # The ops the solver kept replicated stay offered so (under SP they may not be otherwise).
             chosen = self._ilp[key].strategies
             kept = frozenset(n for n, s in chosen.items() if s == "replicate")
-            self._ilp[(*key, b)] = evaluate(replace(self._problem(unit, t, sp, b), replicated_ops=kept), chosen)
+            self._ilp[(*key, b)] = evaluate(replace(self._problem(unit, t, sp, b, pinned), replicated_ops=kept), chosen)
         return self._ilp[(*key, b)]
+
+    def tie_pins(self, t: int, sp: bool) -> dict[int, tuple[tuple[str, str], ...]]:
+        """Per unit of a weight tied across units that TP shards at (t, sp): its op holding the
+        shared weight with the strategy that shards the weight along its first dimension, the
+        vocabulary (an embedding's `rowwise`, a linear head's `colwise`), as Megatron-LM shards a
+        tied input embedding and output layer (`VocabParallelEmbedding` and a column-parallel
+        output reading its weight). DTensor gives each holder a copy of its own, which the runtime
+        ties again (runtime/apply_tp.py `retie_sharded`), so every holder must place it alike.
+        A tie stays replicated (its units absent here) where a unit holds it other than as one
+        embedding or linear, or where a holder cannot shard it so: t does not divide the
+        vocabulary, or the ILP's runnable answer (`solve_intra_op`) replicates it."""
+        if (t, sp) not in self._tie_pins:
+            pins: dict[int, tuple[tuple[str, str], ...]] = {}
+            for tie in tied_weights(self.profile) if t > 1 else ():
+                holders = {}
+                for i in tie.units:
+                    ops = [op for op in self.profile.units[i].ops
+                           if op.weight_shape and math.prod(op.weight_shape) == tie.num_parameters]
+                    if len(ops) != 1 or ops[0].kind not in ("embedding", "linear"):
+                        break
+                    vocab = "rowwise" if ops[0].kind == "embedding" or ops[0].weight_in_out else "colwise"
+                    holders[i] = ((ops[0].name, vocab),)
+                else:
+                    solved = {i: self.tp_solution(self.profile.units[i], t, sp, self.base_mbs, pin).strategies
+                              for i, pin in holders.items()}
+                    if all(solved[i].get(name) == vocab for i, pin in holders.items() for name, vocab in pin):
+                        pins.update(holders)
+            self._tie_pins[(t, sp)] = pins
+        return self._tie_pins[(t, sp)]
 
     def table(self, t: int, sp: bool, b: int, ep: int = 1, cp: int = 1, cp_algorithm: str = "all-gather") -> UnitCostTable:
         key = (t, sp, b, ep, cp) if cp == 1 else (t, sp, b, ep, cp, cp_algorithm)
@@ -495,7 +527,8 @@ class UnitCosts:
         indices of its group): the blocks of an analytic profile are one group, so a table costs
         a few unit evaluations, not one per layer (issue #17). A unit's name and index are left
         out, except with FP8, whose filter and TP plan name modules by FQN; and tied units stay
-        apart (they are never TP-sharded), so the key holds whether a unit is tied."""
+        apart (TP shards them only with every holder of the tie: `tie_pins`), so the key holds
+        whether a unit is tied."""
         if self._groups is None:
             tied = tied_unit_indices(self.profile)
             by_key: dict[tuple, list[int]] = {}
@@ -510,9 +543,10 @@ class UnitCosts:
         """One unit's entries of the table at (t, sp, b): `_build`'s arrays by name, and its TP
         plan and MoE layers' (fwd, bwd) seconds."""
         scale = b / self.base_mbs
-        # Units sharing a weight stay replicated: DTensor would shard each module's copy of it
-        # on its own and untie them (an embedding and an output head also shard it on different dims).
-        sol = self.tp_solution(u, t, sp, b) if (t > 1 and u.ops and not tied) else None
+        # Units sharing a weight shard it along the vocabulary, all alike, or stay replicated (`tie_pins`).
+        pins = self.tie_pins(t, sp) if tied else {}
+        sharded = t > 1 and bool(u.ops) and (not tied or u.index in pins)
+        sol = self.tp_solution(u, t, sp, b, pins.get(u.index, ())) if sharded else None
         sharded_ops = {name for name, s in sol.strategies.items() if s in SHARDED} if sol else set()
         is_sharded = bool(sharded_ops)
         row: dict = {}
@@ -602,6 +636,12 @@ class UnitCosts:
             return 0.0
         return _at(first, "saved_input_bytes", b)
 
+    def _ties(self, t: int, sp: bool) -> tuple[TiedWeight, ...]:
+        """The profile's tied weights at (t, sp), each per GPU: 1/t of those TP shards (`tie_pins`)."""
+        pins = self.tie_pins(t, sp)
+        return tuple(replace(tie, num_parameters=tie.num_parameters / t) if tie.units[0] in pins else tie
+                     for tie in tied_weights(self.profile))
+
     def _build(self, t: int, sp: bool, b: float) -> UnitCostTable:
         units = self.profile.units
         n = len(units)
@@ -641,7 +681,7 @@ class UnitCosts:
             boundary = None
         table = UnitCostTable(fwd, bwd, arrays["comm"], by_mode("rec"), arrays["rec_comm"], params, by_mode("act"),
                               by_mode("transient"), cut, arrays["flops"], by_mode("rec_flops"), plans, output_bytes=output,
-                              output_element_bytes=self.dtype_bytes, tied=tied_weights(self.profile),
+                              output_element_bytes=self.dtype_bytes, tied=self._ties(t, sp),
                               largest_parameter=arrays["largest"], weight_gradient_inputs=arrays["wgrad_inputs"],
                               input_bytes=b * (self.profile.model.input_bytes_per_sample or 0.0),
                               target_bytes=b * (self.profile.model.target_bytes_per_sample or 0.0),

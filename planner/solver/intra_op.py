@@ -141,6 +141,9 @@ class IntraOpProblem:
     hold its full vocabulary on every rank of the group."""
     replicated_ops: frozenset[str] = frozenset()
     """Ops kept replicated whatever the cost (a MoE layer's router and experts: planner/solver/costs.py)."""
+    pinned_ops: tuple[tuple[str, str], ...] = ()
+    """(op, strategy) pairs held to that strategy where it is offered: the holders of a weight tied
+    to another unit's, which every holder must shard alike (planner/solver/costs.py `tie_pins`)."""
     moe_blocks: frozenset[str] = frozenset()
     """Module paths (relative to the unit) of its MoE blocks, the parents of its experts modules,
     which the runtime runs on each rank's own tokens under SP (`_sequence_parallel_blocked`)."""
@@ -403,8 +406,11 @@ def _build_graph(problem: IntraOpProblem) -> _Graph:
     nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}
     nbytes: dict[str, float] = {INPUT: 0.0}
     sources: dict[str, str] = {}
+    pinned = dict(problem.pinned_ops)
     for op in ops:
         nodes[op.name] = _op_strategies(op, tp, heads_of, problem.sequence_parallel, replicated)
+        if pinned.get(op.name) in nodes[op.name]:
+            nodes[op.name] = {pinned[op.name]: nodes[op.name][pinned[op.name]]}
         nbytes[op.name] = _numel(op.output_shape) * problem.dtype_bytes * scale
         act_bytes = _numel(op.input_shape) * problem.dtype_bytes * scale
         if op.kind == "embedding":

@@ -217,7 +217,9 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
                 "without which a column-sharded projection can train to other losses with no error; re-profile "
                 "the model with this planner (`planner profile`) to allow tensor parallelism")
     obstacles, shardable, seen = [], False, set()
-    tied = tied_unit_indices(profile)  # replicated (planner/solver/costs.py)
+    # Tied units are left out: they shard only where every holder can (planner/solver/costs.py
+    # `tie_pins`), else stay whole, which neither blocks a degree nor makes one worth running.
+    tied = tied_unit_indices(profile)
     for unit in profile.units:
         if unit.fingerprint in seen or unit.index in tied:
             continue
@@ -231,7 +233,7 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
         dims = sorted({d for u in profile.units for op in u.ops if op.weight_shape for d in op.weight_shape})
         return (f"no Linear or Embedding weight of the model has a dimension that splits {tp} ways "
                 f"(weight dims {dims[:8] or 'none'}"
-                + (", tied weights stay replicated" if tied else "") + "), so nothing would be sharded")
+                + (", tied weights not counted" if tied else "") + "), so nothing would be sharded")
     return None
 
 
