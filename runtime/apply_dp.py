@@ -178,12 +178,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _placed_as_parameter(p: nn.Parameter) -> torch.Tensor:
-    """`p.grad`, made a DTensor placed as `p` where it is one placed otherwise: DTensor's
-    embedding backward leaves a row-sharded (vocabulary-parallel) weight a replicated gradient,
-    whose local tensor is the whole weight's; slicing it to the parameter's shard costs no
-    communication."""
+    """`p.grad` (there is one), made a DTensor placed as `p` where it is one placed otherwise:
+    DTensor's embedding backward leaves a row-sharded (vocabulary-parallel) weight a replicated
+    gradient, whose local tensor is the whole weight's; slicing it to the parameter's shard
+    costs no communication."""
     grad = p.grad
-    if grad is not None and isinstance(p, DTensor) and isinstance(grad, DTensor) and grad.placements != p.placements:
+    assert grad is not None, "called on parameters with a gradient"
+    if isinstance(p, DTensor) and isinstance(grad, DTensor) and grad.placements != p.placements:
         p.grad = grad = grad.redistribute(p.device_mesh, p.placements)
     return grad
 
