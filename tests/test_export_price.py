@@ -33,7 +33,7 @@ def cluster():
 # warning for them is tested below, the round trip holds either way).
 PINS = {
     "torchtitan": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="interleaved-1f1b", virtual_stages=2,
-                       recompute="op", zero_stage=2, sequence_parallel=True),
+                       recompute="op", zero_stage=1, sequence_parallel=True),  # ZeRO 2 in a pipeline runs as 1
     "megatron": Pins(pp=2, tp=2, dp=2, micro_batch_size=1, schedule="1f1b", recompute="full", zero_stage=1,
                      sequence_parallel=True, overlap=megatron.overlap(interleaved=False)),
     "deepspeed": Pins(pp=2, tp=1, dp=4, micro_batch_size=2, schedule="1f1b", recompute="full", zero_stage=1,
@@ -251,7 +251,8 @@ NEW_EXPECTED = {
     ("torchtitan", "ep"): (["expert_parallel_degree = 4", "data_parallel_shard_degree = 8"], False),  # ZeRO 1 -> 2
     ("torchtitan", "hsdp"): (["data_parallel_replicate_degree = 4", "data_parallel_shard_degree = 2"], True),
     ("torchtitan", "offload"): (["data_parallel_shard_degree = 1"], False),  # one rank: no FSDP, no offload
-    ("torchtitan", "fp8"): (['converters = ["float8"]', 'recipe_name = "tensorwise"'], False),  # ZeRO 1 -> 2
+    # pp 2 x ZeRO 1: FSDP2 unresharded, which a pipeline runs as ZeRO 1 (solve.py `PIPELINE_ZERO`)
+    ("torchtitan", "fp8"): (['converters = ["float8"]', 'recipe_name = "tensorwise"'], True),
     # MoE(ep_size=4) is model code: a note, not a change; ZeRO 1 gathers the parameters inside its step
     ("deepspeed", "ep"): (['"stage": 1'], False),
     ("deepspeed", "hsdp"): (['"mics_shard_size": 2', '"stage": 3'], True),

@@ -139,6 +139,9 @@ CASES = {
     "gpt-tp2": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=1, tp=2, micro_batch_size=2, zero_stage=0, recompute="none",
                                           sequence_parallel=False)),
     "gpt-zero3": ("gpt", GPT_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=3, recompute="none")),
+    # A pipeline's ZeRO (planner/solver/solve.py `PIPELINE_ZERO`): gradients whole until the step's end.
+    "gpt-pp2xdp2-zero1": ("gpt", GPT_SMALL, 4, Pins(pp=2, dp=2, tp=1, micro_batch_size=2, schedule="1f1b", zero_stage=1,
+                                                   recompute="none")),
     "llama-dp2": ("llama", LLAMA_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),
     "llama-pp2-1f1b": ("llama", LLAMA_SMALL, 2, Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="1f1b", recompute="none")),
     "cnn-dp2": ("cnn", CNN_SMALL, 2, Pins(pp=1, dp=2, tp=1, micro_batch_size=2, zero_stage=0, recompute="none")),

@@ -417,7 +417,7 @@ def test_split_blocks_deals_every_block_once_and_keeps_families_whole(profiles):
     from planner.solver.solve import candidate_blocks, split_blocks
 
     profile = profiles[1]
-    blocks = list(candidate_blocks(Pins(), make_cluster(64, 8, "a100-80gb"), 256, len(profile.units),
+    blocks = list(candidate_blocks(Pins(), make_cluster(64, 8, "a100-80gb"), 1024, len(profile.units),
                                    profile.micro_batch_sizes))
     parts = split_blocks(blocks, 2)
     assert len(parts) == 2 and split_blocks(blocks, 2) == parts  # deterministic

@@ -81,6 +81,8 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     from planner.solver.plan_builder import build_plan
     from planner.solver.search import Config, evaluate_config
     from planner.solver.solve import (
+        PIPELINE_ZERO,
+        PIPELINE_ZERO_WHY,
         Pins,
         SearchResult,
         _cut_allowed,
@@ -93,6 +95,9 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     )
 
     layout, batch = resolve(layout, cluster, global_batch_size)
+    deferred = layout.pp_degree > 1 and layout.zero_stage > PIPELINE_ZERO
+    if deferred:  # a pipeline's ZeRO 2-3 runs as ZeRO 1 (solve.py `PIPELINE_ZERO`): priced so, and noted
+        layout = replace(layout, zero_stage=PIPELINE_ZERO)
     dtype = layout.dtype or profile.dtype
     if layout.recompute not in RECOMPUTE:
         raise PlannerError(f"Recompute {layout.recompute!r} is not one mode for all stages.", f"Give one of {', '.join(RECOMPUTE)}.")
@@ -131,6 +136,8 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     result = SearchResult([evaluation], 1, 0, math.inf, 0.0, costs)
     plan = build_plan(profile, cluster, batch, result, 1, dtype, profile_path)
     plan.training.grad_clip = layout.grad_clip
+    if deferred and plan.search is not None:
+        plan.search.notes.append(f"ZeRO 2-3 with pp {layout.pp_degree} priced as ZeRO 1: {PIPELINE_ZERO_WHY}")
     return plan
 
 

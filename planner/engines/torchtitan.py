@@ -6,7 +6,8 @@ Option names and meanings are torchtitan's `torchtitan/config/job_config.py` (co
     [parallelism] data_parallel_replicate_degree   DDP degree (ZeRO 0)
                   data_parallel_shard_degree       FSDP2 degree; -1 = the ranks left over
                   fsdp_reshard_after_forward       "always" = ZeRO-3, "never" = FSDP2 keeping the
-                                                   gathered parameters = the planner's ZeRO 1/2
+                                                   gathered parameters = the planner's ZeRO 2, ZeRO 1
+                                                   under PP (its schedules reduce once a step)
                   tensor_parallel_degree           TP; torchtitan's llama TP plans always shard norms
                                                    along the sequence (sequence parallelism)
                   pipeline_parallel_degree, pipeline_parallel_schedule (torch's class names),
@@ -71,7 +72,10 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
     if lay.tp_degree > 1 and not lay.sequence_parallel:
         changes.append("sequence parallelism off -> on (torchtitan's TP plans shard norms along the sequence)")
         mapped = replace(mapped, sequence_parallel=True)
-    if lay.zero_stage == 1 and lay.dp_degree > 1:
+    # FSDP2 without resharding: ZeRO 2, but ZeRO 1 in a pipeline, whose schedules reduce the
+    # gradients once, at the step's end (planner/solver/solve.py `PIPELINE_ZERO`).
+    unresharded = 2 if lay.pp_degree == 1 else 1
+    if lay.zero_stage == 1 and lay.dp_degree > 1 and unresharded == 2:
         changes.append("ZeRO 1 -> 2 (FSDP2 without resharding shards gradients too)")
         mapped = replace(mapped, zero_stage=2)
     if mapped.dp == 1 and mapped.zero_stage >= 1:
@@ -81,8 +85,8 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
                           if mapped.offload else ""))
         mapped = replace(mapped, zero_stage=0, offload=False)
     if mapped.ep_degree > 1 and not (mapped.zero_stage >= 1 and mapped.dp > 1):
-        changes.append("ZeRO 0 -> 2 (torchtitan's expert parallelism borrows FSDP's data_parallel_shard_degree)")
-        mapped = replace(mapped, zero_stage=2)
+        changes.append(f"ZeRO 0 -> {unresharded} (torchtitan's expert parallelism borrows FSDP's data_parallel_shard_degree)")
+        mapped = replace(mapped, zero_stage=unresharded)
     if mapped.schedule == "pipedream-2bw":
         changes.append("schedule pipedream-2bw -> 1f1b (torchtitan has no asynchronous schedule: synchronous updates, "
                        "with the 1F1B bubble the asynchronous one avoids)")
@@ -218,8 +222,9 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     float8 = _parse_float8(data, notes)
     reshard = par.get("fsdp_reshard_after_forward", "default")
     pp = int(par.get("pipeline_parallel_degree", 1))
-    # "default" reshards after forward except under pipeline parallelism (torchtitan's parallelize_llama).
-    zero = 0 if shard == 1 else (3 if reshard == "always" or (reshard == "default" and pp == 1) else 2)
+    # "default" reshards after forward except under pipeline parallelism (torchtitan's parallelize_llama);
+    # unresharded FSDP is ZeRO 2, and ZeRO 1 in a pipeline (planner/solver/solve.py `PIPELINE_ZERO`).
+    zero = 0 if shard == 1 else (3 if reshard == "always" or (reshard == "default" and pp == 1) else 2 if pp == 1 else 1)
     dp = None if shard == -1 else replicate * shard * cp
     names = {v: k for k, v in SCHEDULES.items()}
     sched = par.get("pipeline_parallel_schedule", "1F1B")

@@ -47,14 +47,14 @@ Data-parallel communication per ZeRO stage (the runtime runs 1-3 as FSDP2):
   buckets under the last micro-batch's backward (DDP, Megatron's DDP).
 - 1: as 0 with a reduce-scatter (Megatron-LM's distributed optimizer), then the updated
   parameters are all-gathered once per step, prefetched under the first forward
-  (`--overlap-param-gather`). The runtime's FSDP2 (reshard_after_forward=False) reduce-
-  scatters every micro-batch instead, which this price does not follow (FSDP2's
-  `set_requires_gradient_sync(False)` on all but the last micro-batch would match it, and
-  the memory model already keeps ZeRO 1's gradients whole).
+  (`--overlap-param-gather`). The runtime's FSDP2 (reshard_after_forward=False) syncs the
+  gradients on the last micro-batch only (`set_requires_gradient_sync`, runtime/train.py).
 - 2: gradients are sharded, so reduce-scattered every micro-batch (in the stage times);
   parameters gathered once per step as in 1.
 - 3: parameters all-gathered before each unit's forward and again before its backward,
   gradients reduce-scattered after it, every micro-batch (in the stage times).
+A pipeline runs ZeRO 0-1 only (planner/solver/solve.py `PIPELINE_ZERO`: torch's schedules
+reduce once a step whatever the stage).
 """
 
 from __future__ import annotations
