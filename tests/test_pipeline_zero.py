@@ -52,3 +52,29 @@ def test_an_engine_pipeline_with_zero_3_is_priced_as_zero_1_and_says_so(gpt):
     assert priced.layout.zero_stage == 1
     assert priced.prediction.iteration_time_s == as_one.prediction.iteration_time_s
     assert any(n.startswith("ZeRO 2-3 with pp 2 priced as ZeRO 1: a pipeline defers") for n in priced.search.notes)
+
+
+def test_a_pipeline_s_fsdp_reduction_waits_for_the_chunk_s_last_backward(gpt):
+    # torch's schedules reduce-scatter a chunk's gradients after its last backward: on the first
+    # pipeline rank (no drain after it) nothing of its one chunk's backward hides them, where
+    # bucketed hooks (Megatron-LM's --overlap-grad-reduce) hide all but the last bucket.
+    from dataclasses import replace
+
+    from planner.cost.overlap import SERIAL
+    from planner.solver.comm_pricing import dp_tail_s
+    from planner.solver.solve import _environment
+
+    cluster = make_cluster(8, 8, "a100-80gb")
+    result = search(gpt, cluster, 32, Pins(pp=2, dp=4, zero_stage=1, micro_batch_size=1, schedule="1f1b"), keep=1)
+    best = result.ranked[0]
+    cfg = best.config
+    assert (cfg.pp, cfg.zero_stage, cfg.virtual_stages) == (2, 1, 1)
+    table = result.costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+    fsdp = _environment(cluster, result.costs.compute, "bfloat16", Pins(), 0.9)
+    recompute = table.recompute_s["none"]
+    deferred, _ = dp_tail_s(table, cfg, fsdp, best.bounds, recompute)
+    in_series, _ = dp_tail_s(table, cfg, replace(fsdp, overlap=SERIAL), best.bounds, recompute)
+    bucketed, _ = dp_tail_s(table, cfg, replace(fsdp, dp_collectives="bucketed"), best.bounds, recompute)
+    assert deferred[0] > 0 and deferred[0] == pytest.approx(in_series[0])  # rank 0: nothing hides them
+    assert deferred[1] < in_series[1]  # rank 1: rank 0's last backward (the drain) runs after its own
+    assert bucketed[0] < deferred[0]

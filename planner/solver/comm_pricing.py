@@ -180,6 +180,12 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     model: about 15 ms a step of gloo on the project's CPU, against 2.2 ms priced as two).
     `unit_recompute_s`: each unit's recomputation seconds under its own mode (modes are chosen
     per unit), part of the backward window.
+
+    In a pipeline, FSDP2's reduction (ZeRO 1 there: planner/solver/solve.py `PIPELINE_ZERO`) is
+    not bucketed under the last backward: torch's schedules run every micro-batch without
+    gradient sync and reduce-scatter a chunk's gradients after its last backward
+    (`PipelineStage.perform_reduce_grad`). So its window is the last backward of the rank's
+    chunks that run after that chunk's (interleaving: all but its first chunk), plus the drain.
     """
     grad_s, gather_s = [0.0] * cfg.pp, [0.0] * cfg.pp
     if cfg.dp == 1 or cfg.zero_stage == 3:
@@ -201,6 +207,9 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     backward_chunks = chunks_of(table.backward_s + unit_recompute_s)
     slack = drain_slack_s(cfg.schedule, backward_chunks.tolist(), cfg.pp)
     windows = per_rank(backward_chunks)
+    per_unit = cfg.zero_stage in (1, 2) and env.dp_collectives == "per-unit"
+    if per_unit and cfg.pp > 1:  # deferred to after each chunk's last backward: rank r's chunk r finishes last
+        windows = [w - float(backward_chunks[rank]) for rank, w in enumerate(windows)]
     copies = table.copy_parameters(starts, ends)  # tied weights' copies: dense, trained
     rank_params, rank_dense = by_rank(table.parameters, copies), by_rank(table.dense_parameters(), copies)
     rank_trained, rank_experts = by_rank(table.trained_dense_parameters(), copies), by_rank(table.expert_parameters)
@@ -212,7 +221,6 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
 
     # FSDP2 (ZeRO 1-2 in the planner's runtime) reduces and gathers each unit on its own: one
     # collective per unit holding parameters, each paying its latency (`Environment.dp_collectives`).
-    per_unit = cfg.zero_stage in (1, 2) and env.dp_collectives == "per-unit"
     rank_units = by_rank((table.parameters > 0).astype(float)) if per_unit else None
     for rank in range(cfg.pp):
         weight = env.precision.param_bytes
