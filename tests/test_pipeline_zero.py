@@ -78,3 +78,24 @@ def test_a_pipeline_s_fsdp_reduction_waits_for_the_chunk_s_last_backward(gpt):
     assert deferred[0] > 0 and deferred[0] == pytest.approx(in_series[0])  # rank 0: nothing hides them
     assert deferred[1] < in_series[1]  # rank 1: rank 0's last backward (the drain) runs after its own
     assert bucketed[0] < deferred[0]
+
+
+def test_zero_bubble_weight_gradients_reach_no_gradient_hook():
+    # Why a zero-bubble step's ZeRO 0 reduction is priced with no window (planner/solver/
+    # comm_pricing.py `dp_tail_s`): torch's weight pass adds the gradients by hand, so the
+    # post-accumulate-grad hooks the runtime's buckets launch from never fire.
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    layer = torch.nn.Linear(4, 4)
+    fired = []
+    for p in layer.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    x = torch.randn(2, 4, requires_grad=True)
+    loss = layer(x).square().sum()
+    _, groups = stage_backward_input([loss], None, [x], layer.parameters())
+    stage_backward_weight(layer.parameters(), groups)
+    assert layer.weight.grad is not None and x.grad is not None and not fired
+    layer.zero_grad()
+    layer(x).square().sum().backward()  # a whole backward: every parameter's hook fires
+    assert len(fired) == 2

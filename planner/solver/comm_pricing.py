@@ -186,6 +186,7 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     gradient sync and reduce-scatter a chunk's gradients after its last backward
     (`PipelineStage.perform_reduce_grad`). So its window is the last backward of the rank's
     chunks that run after that chunk's (interleaving: all but its first chunk), plus the drain.
+    Zero bubble's ZeRO 0 reduction has no window at all (its weight gradients reach no hook).
     """
     grad_s, gather_s = [0.0] * cfg.pp, [0.0] * cfg.pp
     if cfg.dp == 1 or cfg.zero_stage == 3:
@@ -210,6 +211,11 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     per_unit = cfg.zero_stage in (1, 2) and env.dp_collectives == "per-unit"
     if per_unit and cfg.pp > 1:  # deferred to after each chunk's last backward: rank r's chunk r finishes last
         windows = [w - float(backward_chunks[rank]) for rank, w in enumerate(windows)]
+    if cfg.zero_stage == 0 and cfg.schedule == "zero-bubble":
+        # Zero bubble's weight step adds each gradient by hand (torch's `stage_backward_weight`),
+        # which no gradient hook sees: the runtime's buckets (runtime/apply_dp.py
+        # `GradientReducer.finish`) all go after the step's last weight step, nothing hides them.
+        windows = [0.0] * cfg.pp
     copies = table.copy_parameters(starts, ends)  # tied weights' copies: dense, trained
     rank_params, rank_dense = by_rank(table.parameters, copies), by_rank(table.dense_parameters(), copies)
     rank_trained, rank_experts = by_rank(table.trained_dense_parameters(), copies), by_rank(table.expert_parameters)
