@@ -180,8 +180,8 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
     if pins.offload and pins.zero_stage == 0:
         problems.append("--offload needs ZeRO >= 1 (FSDP2's CPUOffloadPolicy)")
     if (pins.pp or 1) > 1 and (pins.zero_stage or 0) > PIPELINE_ZERO:
-        problems.append(f"--zero {pins.zero_stage} with --pp {pins.pp}: {PIPELINE_ZERO_WHY}; pin --zero 1, which runs "
-                        "the same with less memory")
+        problems.append(f"--zero {pins.zero_stage} with --pp {pins.pp}: {PIPELINE_ZERO_WHY}; pin --zero 1 (ZeRO 2 "
+                        "runs exactly as it, ZeRO 3 with more memory and traffic)")
     if (pins.shard_degree or pins.offload) and pins.ep and pins.ep > 1:
         problems.append("--shard-degree/--offload with --ep: expert parallelism folds its own groups onto dp")
     if pins.cp and pins.cp > 1 and (pins.ep or 1) > 1:
