@@ -165,17 +165,19 @@ def retie_sharded(module: nn.Module, groups: list[list[str]]) -> None:
     its own in place of its module's weight, so a tied input embedding and output head would
     train as two weights. The plan shards every holder of a tied weight alike (planner/solver/costs.py
     `tie_pins`: along the vocabulary, an embedding rowwise and a linear head colwise, as
-    Megatron-LM's `VocabParallelEmbedding` with its column-parallel output layer), so the first
-    holder's DTensor serves all; holders placed otherwise are refused (`check_tp_plan` does so
-    before launch)."""
-    for first, *others in groups:
-        shared = module.get_parameter(first)
-        for name in others:
-            copy = module.get_parameter(name)
+    Megatron-LM's `VocabParallelEmbedding` with its column-parallel output layer), so one
+    holder's DTensor serves all: the first sharded one, which a holder the forward never calls
+    and the plan does not style takes too (T5's `shared`, reached through the tied
+    `embed_tokens`). Sharded holders placed otherwise are refused (`check_tp_plan` refuses
+    them, and unstyled holders the forward calls, before launch)."""
+    for group in groups:
+        params = {name: module.get_parameter(name) for name in group}
+        shared = next((p for p in params.values() if isinstance(p, DTensor)), params[group[0]])
+        for name, copy in params.items():
             if copy is shared:
                 continue
-            if getattr(copy, "placements", None) != getattr(shared, "placements", None):
-                raise PlannerError(f"tp_plan shards the tied parameters {first} and {name} differently.",
+            if isinstance(copy, DTensor) and copy.placements != getattr(shared, "placements", None):
+                raise PlannerError(f"tp_plan shards the tied parameters {group[0]} and {name} differently.",
                                    "Shard every holder of a tied weight along the same dim (an embedding rowwise "
                                    "with a linear head colwise), or none; re-solve the plan.")
             owner, _, attr = name.rpartition(".")
@@ -194,15 +196,17 @@ def _sharded_weight_dim(module: nn.Module, style: str | None) -> int | None:
 
 
 def _tie_problems(plan: Plan, model: nn.Module) -> list[str]:
-    """The tied weights whose holders the plan shards along different dims (`retie_sharded`)."""
+    """The tied weights whose holders the plan shards along different dims (`retie_sharded`);
+    holders outside every unit, which the forward never calls, are left out."""
     styles = {name: style for stage in plan.stages for name, style in stage.tp_plan.items()}
+    units = [u for stage in plan.stages for u in stage.units]
     modules = dict(model.named_modules())
     problems = []
     for group in tied_groups(model):
         dims = {}
         for name in group:
             owner, _, attr = name.rpartition(".")
-            if owner in modules and attr == "weight":
+            if owner in modules and attr == "weight" and any(_in_unit(owner, u) for u in units):
                 dims[name] = _sharded_weight_dim(modules[owner], styles.get(owner))
         if len(set(dims.values())) > 1:
             problems.append("the tied weights " + ", ".join(f"{n} ({'whole' if d is None else f'dim {d} sharded'})"

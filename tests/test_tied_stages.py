@@ -300,6 +300,24 @@ def test_tied_head_sharded_along_the_vocabulary_parity(layout, sp, write_model, 
     check_parity(plan, tmp_path, noise_only=("attn.wk.bias",))  # 1e-4 off by noise in this model (check_parity)
 
 
+# The tied GPT with a third holder the forward never calls, as T5's `shared` beside its tied
+# `encoder.embed_tokens`, `decoder.embed_tokens` and `lm_head`.
+UNCALLED_HOLDER = TIED_GPT.replace("    model.head.weight = model.embed.tok.weight\n",
+                                   "    model.head.weight = model.embed.tok.weight\n"
+                                   "    model.shared = torch.nn.Embedding(*model.embed.tok.weight.shape)\n"
+                                   "    model.shared.weight = model.embed.tok.weight\n")
+
+
+@pytest.mark.slow
+def test_a_tied_holder_the_forward_never_calls_takes_the_sharded_weight_parity(write_model, tmp_path):
+    from tests.test_runtime_parity import check_parity
+
+    assert "model.shared.weight" in UNCALLED_HOLDER
+    plan = _tied_plan(write_model, pp=1, tp=2, tp_plan=TIED_GPT_TP)
+    plan.model.file = str(write_model("import torch\n" + UNCALLED_HOLDER, "uncalled_holder.py"))
+    check_parity(plan, tmp_path, noise_only=("attn.wk.bias",))
+
+
 @pytest.mark.slow
 def test_solved_hugging_face_gpt2_tp2_shards_its_tied_embedding_parity(tmp_path):
     pytest.importorskip("transformers")
