@@ -92,6 +92,27 @@ def test_offload_is_never_chosen_when_it_is_not_needed(gpt_meta):
     assert not free.config.offload  # it only adds host work when the states fit the GPU
 
 
+def test_zero1_offload_keeps_accumulated_gradients_on_the_gpu(gpt_meta):
+    # ZeRO 1 reduce-scatters on the step's last backward only: with several micro-batches (or a
+    # pipeline) FSDP2 holds the whole gradients on the GPU until then, so offload moves only the
+    # optimizer state; with one micro-batch each unit's gradient is reduced as the backward goes.
+    from planner.cost.compute import ComputeModel
+    from planner.solver.search import gpu_state_parts
+    from planner.solver.solve import _environment
+
+    cluster = make_cluster(32, 8, "h100-80gb")
+    env = _environment(cluster, ComputeModel(gpt_meta, cluster.gpu, "bfloat16"), "bfloat16", Pins(), 0.9)
+    n = float(gpt_meta.model.num_parameters)
+    whole = model_state_bytes(n, env.precision, 1, 32)
+    one, accumulated, piped = (gpu_state_parts(n, _cfg(zero_stage=1, offload=True, **kw), env)
+                               for kw in ({}, {"num_microbatches": 2}, {"pp": 2, "dp": 16}))
+    assert one.gradients == 0 and one.optimizer == 0
+    assert accumulated.gradients == pytest.approx(whole.gradients) and accumulated.optimizer == 0
+    assert piped.gradients == pytest.approx(whole.gradients)
+    zero2 = gpu_state_parts(n, _cfg(zero_stage=2, offload=True, num_microbatches=2), env)
+    assert zero2.gradients == 0  # sharded every micro-batch, the shards accumulate on the host
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("pins,offload", [(Pins(dp=4, pp=1, tp=1, zero_stage=3, shard_degree=2), False),
