@@ -340,3 +340,21 @@ def test_tied_holders_sharded_differently_are_refused_before_launch(write_model,
     with pytest.raises(PlannerError, match="tp_plan does not fit the model") as info:
         precheck(str(plan.save(tmp_path / "plan.json")), None)
     assert "embed.tok.weight (dim 1 sharded), head.weight (dim 0 sharded) are sharded differently" in str(info.value)
+
+
+@pytest.mark.slow
+def test_solved_tied_qwen3_tp2_sp_parity(tmp_path):
+    # Qwen3's small models (and Llama 3.2's) tie the embedding and the head: under tp2 with sequence
+    # parallelism both shard the vocabulary, solved from the public config, trained like one process.
+    pytest.importorskip("transformers")
+    from tests.test_runtime_parity import check_parity
+
+    args = {"config": str(EXAMPLES / "hf" / "qwen3-8b.json"), "seq_len": 16, "num_hidden_layers": 2, "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "vocab_size": 256, "tie_word_embeddings": True}
+    profile = profile_model(_hf_file(), args, [1, 2], device="cpu", repeats=1, warmup=0)
+    assert profile.model.tied_parameters == [["model.embed_tokens", "lm_head"]]
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=True))
+    styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
+    assert (styles["model.embed_tokens"], styles["lm_head"]) == ("rowwise", "colwise")
+    check_parity(plan, tmp_path)
