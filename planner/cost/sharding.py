@@ -86,13 +86,21 @@ def fsdp_collective_counts(zero_stage: int, num_microbatches: int) -> tuple[int,
     return reductions, gathers
 
 
-def offloaded_state_bytes(num_parameters: float, dtype: str | Precision, zero_stage: int, shard_degree: int) -> ModelStateBytes:
+def offloaded_state_bytes(num_parameters: float, dtype: str | Precision, zero_stage: int, shard_degree: int,
+                          accumulating: bool = False) -> ModelStateBytes:
     """The model states per GPU that CPU offload keeps in host memory. ZeRO-3: all of them (the
     GPU holds gathered parameters and unreduced gradients only transiently, planner/cost/memory.py's
     communication term). ZeRO 1-2: gradients and optimizer state; the weights stay, since this
-    runtime keeps them gathered on the GPU from the first forward to the last backward."""
+    runtime keeps them gathered on the GPU from the first forward to the last backward.
+    `accumulating` (several micro-batches, or a pipeline): ZeRO 1 syncs on the step's last
+    backward only (runtime/train.py; a pipeline's schedules likewise), so FSDP2 accumulates the
+    whole gradients on the GPU until that reduce-scatter and only the optimizer state lives on
+    the host."""
     held = model_state_bytes(num_parameters, dtype, zero_stage, shard_degree)
-    return held if zero_stage >= 3 else ModelStateBytes(weights=0.0, gradients=held.gradients, optimizer=held.optimizer)
+    if zero_stage >= 3:
+        return held
+    gradients = 0.0 if zero_stage == 1 and accumulating else held.gradients
+    return ModelStateBytes(weights=0.0, gradients=gradients, optimizer=held.optimizer)
 
 
 def offload_step_cost(num_parameters: float, dtype: str | Precision, zero_stage: int, shard_degree: int,

@@ -62,7 +62,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -344,13 +344,8 @@ def gpu_state_parts(num_parameters, cfg: Config, env: Environment, frozen=None) 
         states = _add(states, _weights_only(model_state_bytes(frozen, env.precision, cfg.zero_stage, cfg.zero_dp)))
     if not cfg.offload:
         return states
-    offloaded = offloaded_state_bytes(trained, env.precision, cfg.zero_stage, cfg.zero_dp)
-    if cfg.zero_stage == 1 and (cfg.num_microbatches > 1 or cfg.pp > 1):
-        # ZeRO 1 syncs on the step's last backward only (runtime/train.py; a pipeline's schedules
-        # likewise), so FSDP2 accumulates the whole gradients on the GPU, beside the unsharded
-        # parameters, until that reduce-scatter: only the shards it makes go to the host.
-        offloaded = replace(offloaded, gradients=0.0)
-    states = _add(states, offloaded, -1.0)
+    accumulating = cfg.num_microbatches > 1 or cfg.pp > 1
+    states = _add(states, offloaded_state_bytes(trained, env.precision, cfg.zero_stage, cfg.zero_dp, accumulating), -1.0)
     if frozen is not None:
         states = _add(states, _weights_only(offloaded_state_bytes(frozen, env.precision, cfg.zero_stage, cfg.zero_dp)), -1.0)
     return states
