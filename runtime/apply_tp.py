@@ -55,7 +55,7 @@ from torch.distributed.tensor.parallel import (
 from planner.errors import PlannerError
 from planner.plan import Plan
 from planner.profiler.opgraph import linear_weight_orientation
-from runtime.build import tied_groups
+from runtime.build import retie, tied_groups
 
 SEQUENCE_DIM = 1  # (batch, sequence, features) activations, as every example model has
 
@@ -139,7 +139,7 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
         styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
     tied = tied_groups(module)
     parallelize_module(module, tp_mesh, styles)
-    retie_sharded(module, tied)
+    retie(module, tied)  # each style registered a DTensor of its own: one again (runtime/build.py)
     sharded = [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))]
     if any(getattr(m, "inplace", False) is True for m in module.modules()):
         _copy_local_outputs(present, sharded)  # an in-place module may follow any of them
@@ -160,30 +160,6 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
         _mark_region_boundaries(present, [u for u in units or () if u in present], set(region), tp_mesh)
 
 
-def retie_sharded(module: nn.Module, groups: list[list[str]]) -> None:
-    """Tie again the parameters `parallelize_module` untied. Each style registers a DTensor of
-    its own in place of its module's weight, so a tied input embedding and output head would
-    train as two weights. The plan shards every holder of a tied weight alike (planner/solver/costs.py
-    `tie_pins`: along the vocabulary, an embedding rowwise and a linear head colwise, as
-    Megatron-LM's `VocabParallelEmbedding` with its column-parallel output layer), so one
-    holder's DTensor serves all: the first sharded one, which a holder the forward never calls
-    and the plan does not style takes too (T5's `shared`, reached through the tied
-    `embed_tokens`). Sharded holders placed otherwise are refused (`check_tp_plan` refuses
-    them, and unstyled holders the forward calls, before launch)."""
-    for group in groups:
-        params = {name: module.get_parameter(name) for name in group}
-        shared = next((p for p in params.values() if isinstance(p, DTensor)), params[group[0]])
-        for name, copy in params.items():
-            if copy is shared:
-                continue
-            if isinstance(copy, DTensor) and copy.placements != getattr(shared, "placements", None):
-                raise PlannerError(f"tp_plan shards the tied parameters {group[0]} and {name} differently.",
-                                   "Shard every holder of a tied weight along the same dim (an embedding rowwise "
-                                   "with a linear head colwise), or none; re-solve the plan.")
-            owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner) if owner else module, attr, shared)
-
-
 def _sharded_weight_dim(module: nn.Module, style: str | None) -> int | None:
     """The dim of `module.weight` a style shards (None: kept whole): colwise the output features,
     rowwise the input features, of an embedding its rows (rowwise) or columns (colwise)."""
@@ -196,7 +172,7 @@ def _sharded_weight_dim(module: nn.Module, style: str | None) -> int | None:
 
 
 def _tie_problems(plan: Plan, model: nn.Module) -> list[str]:
-    """The tied weights whose holders the plan shards along different dims (`retie_sharded`);
+    """The tied weights whose holders the plan shards along different dims (runtime/build.py `retie`);
     holders outside every unit, which the forward never calls, are left out."""
     styles = {name: style for stage in plan.stages for name, style in stage.tp_plan.items()}
     units = [u for stage in plan.stages for u in stage.units]

@@ -31,6 +31,7 @@ import zlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from planner.errors import PlannerError
 from planner.model_file import ModelFile
@@ -98,10 +99,26 @@ def tied_groups(model: nn.Module) -> list[list[str]]:
 
 def retie(model: nn.Module, groups: list[list[str]]) -> None:
     """Make each group one parameter object again. `to_empty` (off the meta device) gives every
-    module a new tensor of its own, so tied weights would silently train as two."""
-    for first, *others in groups:
-        shared = model.get_parameter(first)
-        for name in others:
+    module a new tensor of its own, and so does each TP style (`parallelize_module` registers a
+    DTensor per module), so tied weights would silently train as two.
+
+    The object kept is the group's first DTensor, else its first parameter. The plan shards every
+    holder of a tied weight alike (planner/solver/costs.py `tie_pins`: along the vocabulary, an
+    embedding rowwise and a linear head colwise, as Megatron-LM's `VocabParallelEmbedding` with
+    its column-parallel output layer); a holder the forward never calls and the plan does not
+    style takes the sharded one too (T5's `shared`, reached through the tied `embed_tokens`).
+    Holders sharded otherwise are refused (runtime/apply_tp.py `check_tp_plan` refuses them, and
+    unstyled holders the forward calls, before launch)."""
+    for group in groups:
+        params = {name: model.get_parameter(name) for name in group}
+        shared = next((p for p in params.values() if isinstance(p, DTensor)), params[group[0]])
+        for name, held in params.items():
+            if held is shared:
+                continue
+            if isinstance(held, DTensor) and held.placements != getattr(shared, "placements", None):
+                raise PlannerError(f"tp_plan shards the tied parameters {group[0]} and {name} differently.",
+                                   "Shard every holder of a tied weight along the same dim (an embedding rowwise "
+                                   "with a linear head colwise), or none; re-solve the plan.")
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner) if owner else model, attr, shared)
 

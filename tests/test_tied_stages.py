@@ -289,7 +289,7 @@ TIED_GPT_TP = {**GPT_TP, "embed.tok": "rowwise"}  # the head is colwise: both sh
                                             ({"pp": 2, "tp": 2, "m": 2}, False, 0.05)],
                          ids=["tp2", "tp2-sp", "pp2xtp2-clip"])
 def test_tied_head_sharded_along_the_vocabulary_parity(layout, sp, clip, write_model, tmp_path):
-    # One stage: the embedding and the head share one DTensor (runtime/apply_tp.py `retie_sharded`),
+    # One stage: the embedding and the head share one DTensor (runtime/build.py `retie`),
     # whose gradient sums both uses. Two stages: each holds a sharded copy; the copies' local
     # shards are summed over the pipeline ranks of one tp coordinate, before clipping (every step).
     from tests.test_runtime_parity import check_parity

@@ -362,7 +362,7 @@ class UnitCosts:
         vocabulary (an embedding's `rowwise`, a linear head's `colwise`), as Megatron-LM shards a
         tied input embedding and output layer (`VocabParallelEmbedding` and a column-parallel
         output reading its weight). DTensor gives each holder a copy of its own, which the runtime
-        ties again (runtime/apply_tp.py `retie_sharded`), so every holder must place it alike.
+        ties again (runtime/build.py `retie`), so every holder must place it alike.
         A tie stays replicated (its units absent here) where a unit holds it other than as one
         embedding or linear, or where a holder cannot shard it so: t does not divide the
         vocabulary, or the ILP's runnable answer (`solve_intra_op`) replicates it."""
