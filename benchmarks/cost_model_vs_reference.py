@@ -150,7 +150,7 @@ def modern_case(row) -> dict:
 def predict(case: dict) -> dict:
     started = time.perf_counter()
     prof = profile_model("examples/gpt.py", case["args"], case["profile_mbs"], device="meta", gpu=case["gpu"],
-                         dtype=case["dtype"], fusion="elementwise", precision="pure")
+                         dtype=case["dtype"], fusion="elementwise", precision=case.get("precision", "pure"))
     profiled = time.perf_counter() - started
     cluster = make_cluster(case["gpus"], case["gpus_per_node"], case["gpu"])
     if "inter_node" in case:  # a network other than the GPU preset's (planner/cluster.py Link, per GPU)
