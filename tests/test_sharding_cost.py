@@ -31,20 +31,20 @@ def test_collective_counts_follow_the_runtime():
 def test_offload_by_hand():
     # 13B parameters on one GPU (shard 1), ZeRO-3, one micro-batch: 2 gathers, 1 reduction of fp32 shards.
     n = 13e9
-    cost = offload_step_cost(n, "bfloat16", zero_stage=3, shard_degree=1, num_reductions=1, num_gathers=2)
+    cost = offload_step_cost(n, shard_degree=1, num_reductions=1, num_gathers=2)
     gen4 = PCIE_X16_EFFECTIVE_BYTES_PER_S["gen4"]
     assert cost.host_to_device_bytes == 2 * 4 * n and cost.device_to_host_bytes == 4 * n
     assert cost.host_to_device_s == pytest.approx(8 * n / gen4)  # 4.16 s at 25 GB/s
     assert cost.device_to_host_s == pytest.approx(4 * n / gen4)
     assert cost.pcie_s == pytest.approx(12 * n / gen4)
     assert cost.cpu_optimizer_s == pytest.approx(n * CPU_ADAM_S_PER_PARAMETER)  # ~2.9 s
-    assert cost.gpu_bytes_saved.total == 16 * n  # every model state leaves the GPU
+    assert offloaded_state_bytes(n, "bfloat16", zero_stage=3, shard_degree=1).total == 16 * n  # every state leaves
 
 
 def test_offload_shares_the_host_and_shrinks_with_the_shard():
     # 8 GPUs per host, each with a 1/8 shard: same CPU time per GPU as one GPU with all of it.
-    one = offload_step_cost(8e9, "float32", 3, shard_degree=1, num_reductions=1, num_gathers=2)
-    eight = offload_step_cost(8e9, "float32", 3, shard_degree=8, num_reductions=1, num_gathers=2, gpus_per_host=8,
+    one = offload_step_cost(8e9, shard_degree=1, num_reductions=1, num_gathers=2)
+    eight = offload_step_cost(8e9, shard_degree=8, num_reductions=1, num_gathers=2, gpus_per_host=8,
                               pcie_bytes_per_s=PCIE_X16_EFFECTIVE_BYTES_PER_S["gen5"])
     assert eight.cpu_optimizer_s == pytest.approx(one.cpu_optimizer_s)
     assert eight.host_to_device_s == pytest.approx(one.host_to_device_s / 8 / 2)  # 1/8 of the bytes, twice the rate

@@ -63,9 +63,8 @@ class OffloadStepCost:
     device_to_host_s: float
     """`device_to_host_bytes` over the PCIe rate (the other direction of the full-duplex link)."""
     cpu_optimizer_s: float
-    """The AdamW step over this GPU's parameter shard on its share of the host CPU."""
-    gpu_bytes_saved: ModelStateBytes
-    """Model-state bytes per GPU that live in host memory instead (`offloaded_state_bytes`)."""
+    """The AdamW step over this GPU's parameter shard on its share of the host CPU. (What offload
+    takes off the GPU's memory is `offloaded_state_bytes`, which the memory model subtracts.)"""
 
     @property
     def pcie_s(self) -> float:
@@ -103,8 +102,8 @@ def offloaded_state_bytes(num_parameters: float, dtype: str | Precision, zero_st
     return ModelStateBytes(weights=0.0, gradients=gradients, optimizer=held.optimizer)
 
 
-def offload_step_cost(num_parameters: float, dtype: str | Precision, zero_stage: int, shard_degree: int,
-                      num_reductions: int, num_gathers: int, transfer_bytes_per_parameter: float = 4.0,
+def offload_step_cost(num_parameters: float, shard_degree: int, num_reductions: int, num_gathers: int,
+                      transfer_bytes_per_parameter: float = 4.0,
                       pcie_bytes_per_s: float = PCIE_X16_EFFECTIVE_BYTES_PER_S["gen4"],
                       cpu_adam_s_per_parameter: float = CPU_ADAM_S_PER_PARAMETER,
                       gpus_per_host: int = 1) -> OffloadStepCost:
@@ -124,5 +123,4 @@ def offload_step_cost(num_parameters: float, dtype: str | Precision, zero_stage:
         host_to_device_s=h2d / pcie_bytes_per_s,
         device_to_host_s=d2h / pcie_bytes_per_s,
         cpu_optimizer_s=num_parameters / shard_degree * cpu_adam_s_per_parameter * gpus_per_host,
-        gpu_bytes_saved=offloaded_state_bytes(num_parameters, dtype, zero_stage, shard_degree),
     )

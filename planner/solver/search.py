@@ -1311,8 +1311,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
             chunks = bounds[rank::cfg.pp]
             rank_held = sum(float(table.parameters[i:j].sum() + table.copy_parameters(i, j)[0]) for i, j in chunks)
             rank_trained = sum(updated_parameters(table, cfg, i, j) for i, j in chunks) * cfg.zero_dp  # before ZeRO
-            cost = offload_step_cost(rank_held, env.precision, cfg.zero_stage, cfg.zero_dp,
-                                     *fsdp_collective_counts(cfg.zero_stage, m), gpus_per_host=env.gpus_per_node)
+            cost = offload_step_cost(rank_held, cfg.zero_dp, *fsdp_collective_counts(cfg.zero_stage, m), gpus_per_host=env.gpus_per_node)
             share = rank_trained / rank_held if rank_held else 0.0  # frozen weights are copied in, never stepped or reduced
             opt_s.append(cost.cpu_optimizer_s * share)
             pcie_s.append(cost.host_to_device_s + cost.device_to_host_s * share)
