@@ -341,6 +341,16 @@ class SearchReport(BaseModel):
     weight GEMMs' share, or 0 where the runtime runs the stage's whole backward at B
     (planner/solver/search.py `zero_bubble_split`). None: other schedules, or plans from before
     it was recorded (planner/cost/schedules.py `BACKWARD_WEIGHT_FRACTION` for every stage)."""
+    rank_grad_reduce_s: list[float] | None = None
+    """Per pipeline rank, the seconds of its once-per-step gradient reduction where it overlaps
+    compute on a communication stream (all of it, hidden or not; the Gantt chart's communication
+    lane). None: no overlapped reduction, or plans from before it was recorded."""
+    grad_reduce_buckets: list[int] | None = None
+    """Per pipeline rank, how many pieces that reduction runs in."""
+    grad_reduce_ready: Literal["backward", "chunk", "step"] | None = None
+    """When its pieces are ready (planner/cost/simulator.py `GRAD_READY`): during the last
+    backward, as gradient hooks fire; after each stage's last backward (FSDP2 in a pipeline);
+    after the rank's last action (zero bubble's ZeRO 0)."""
     alternatives: list[Alternative] = []
     """The next best configurations, fastest first."""
     notes: list[str] = []
@@ -475,6 +485,12 @@ def check_plan_consistency(plan: Plan) -> None:
     if split is not None and (len(split) != num_stages or not all(0.0 <= w <= 1.0 for w in split)):
         problems.append(f"search.stage_weight_fraction {split} must give one share in [0, 1] per stage ({num_stages}); "
                         "remove it to use the default split")
+    search = plan.search
+    for name in ("rank_grad_reduce_s", "grad_reduce_buckets"):
+        values = getattr(search, name) if search else None
+        if values is not None and (len(values) != lay.pp_degree or min(values, default=0) < (name == "grad_reduce_buckets")):
+            problems.append(f"search.{name} {values} must give one {'count >= 1' if 'buckets' in name else 'time >= 0'} per "
+                            f"pipeline rank ({lay.pp_degree}); remove it to draw no communication lane")
     seen: set[str] = set()
     for stage in plan.stages:
         for unit in stage.units:

@@ -8,6 +8,8 @@ timings are asserted (benchmarks/gantt_speed.py measures those).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from matplotlib.figure import Figure
 
@@ -154,3 +156,58 @@ def test_long_stage_lists_are_elided_in_the_middle_unless_asked():
     short, full = printed(), printed(all_stages=True)
     assert "24 of 48 stages elided: planner show PLAN --all-stages" in short and "elided" not in full
     assert "│    47 │" in short and "│    30 │" not in short and "│    30 │" in full
+
+
+def test_the_overlapped_reduction_runs_on_a_communication_lane(drawn):
+    # Zero bubble's ZeRO 0 reduces after each rank's last weight pass (grad_ready "step"), all of
+    # it exposed: the lane runs past the schedule by the reduction, and dp_comm has nothing left
+    # to draw after it, so the optimizer still ends at the predicted iteration time.
+    reduce_s = 0.05
+    plan = make_plan(pp=2, m=4)
+    makespan = plan.prediction.iteration_time_s - DP_COMM_S - OPTIMIZER_S
+    plan.prediction.breakdown_s["dp_comm"] = reduce_s
+    plan.prediction.iteration_time_s = makespan + reduce_s + OPTIMIZER_S
+    plan.search.rank_grad_reduce_s, plan.search.grad_reduce_buckets = [reduce_s] * 2, [4, 4]
+    plan.search.grad_reduce_ready = "step"
+    fig = drawn(plan)
+    ax = fig.axes[0]
+    lane = [c for c in ax.collections if tuple(c.get_facecolor()[0][:3]) == _rgb(gantt.COMM_COLOR)]
+    buckets = [_span(p) for c in lane for p in c.get_paths()]
+    assert len(buckets) == 8  # 4 buckets on each rank's stream
+    assert min(x0 for x0, _ in buckets) >= makespan - 0.03 - 1e-12  # none before a rank's last action
+    assert max(x0 + w for x0, w in buckets) == pytest.approx(makespan + reduce_s, rel=1e-12)
+    right = max(x0 + w for c in ax.collections for p in c.get_paths() for x0, w in [_span(p)])
+    assert right == pytest.approx(plan.prediction.iteration_time_s, rel=1e-12)
+    text = legend_text(fig)
+    assert gantt.COMM_LABEL in text and "dp_comm (rest) 0 ms" in text
+
+
+def test_a_solved_plan_records_its_reduction_stream_and_its_gantt_adds_up():
+    # One stage, data parallel over two nodes: the bucketed reduction under the backward is what
+    # the closed form prices (tests/test_overlap.py), so the lane's tail is the dp_comm term.
+    from planner.cluster import make_cluster
+    from planner.cost.overlap import SERIAL
+    from planner.plan_report import after_schedule_terms, simulated_timeline
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+
+    prof = profile_model("examples/gpt.py", dict(n_layers=4, d_model=1024, n_heads=16, d_ff=4096, vocab_size=32000,
+                                                 seq_len=1024), [2], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    pins = Pins(pp=1, tp=1, dp=16, micro_batch_size=2, zero_stage=0, recompute="none")
+    plan = solve(prof, make_cluster(16, 8, "a100-80gb"), 32, pins, top_k=1, dtype="bfloat16")
+    search = plan.search
+    assert search.grad_reduce_ready == "backward" and search.grad_reduce_buckets[0] > 1
+    timeline = simulated_timeline(plan)
+    assert sum(e.end_s - e.start_s for e in timeline.comm_events) == pytest.approx(search.rank_grad_reduce_s[0])
+    lane_s = timeline.step_s - timeline.makespan_s
+    assert lane_s == pytest.approx(plan.prediction.breakdown_s["dp_comm"], rel=1e-9)
+    after = dict(after_schedule_terms(plan, timeline.makespan_s, lane_s))
+    assert after["dp_comm (rest)"] == 0.0
+    serial = solve(prof, make_cluster(16, 8, "a100-80gb"), 32, replace(pins, overlap=SERIAL), top_k=1, dtype="bfloat16")
+    assert serial.search.rank_grad_reduce_s is None and simulated_timeline(serial).comm_events == ()
+
+
+def _rgb(color: str) -> tuple[float, float, float]:
+    from matplotlib.colors import to_rgb
+
+    return to_rgb(color)

@@ -71,6 +71,35 @@ def test_interleaved_closed_form_bounds_the_simulator(comm_s, buckets):
     assert closed <= simulated * 1.15  # loose: an estimate, not exact
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 4), (4, 8), (4, 3)])
+@pytest.mark.parametrize("comm_s", [0.5, 2.0, 9.0])
+@pytest.mark.parametrize("buckets", [1, 4])
+def test_reductions_after_each_chunk_match_the_closed_form(schedule, p, m, comm_s, buckets):
+    # FSDP2 in a pipeline reduces a stage's gradients after its last backward (grad_ready "chunk"):
+    # no window, only the drain of the ranks before it hides them (comm_pricing.py `dp_tail_s`).
+    timeline = simulate(schedule, [1.0] * p, [2.0] * p, m, grad_sync_s=[comm_s] * p, num_buckets=buckets, grad_ready="chunk")
+    pipeline = iteration_time_s(schedule, [1.0] * p, [2.0] * p, m)
+    closed = pipeline + grad_reduce_tail_s([comm_s] * p, [0.0] * p, drain_slack_s(schedule, [2.0] * p, p), buckets)
+    assert timeline.step_s == pytest.approx(closed, rel=1e-12)
+    last_backward = {e.rank: e.end_s for e in timeline.events if e.kind == "BW" and e.microbatch == m - 1}
+    assert all(e.start_s >= last_backward[e.rank] - 1e-12 for e in timeline.comm_events)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
+@pytest.mark.parametrize("comm_s", [0.5, 3.0])
+def test_zero_bubble_reductions_after_the_step_are_all_exposed(p, m, comm_s):
+    # Zero bubble's ZeRO 0: the weight pass sets gradients by hand, the runtime reduces after the
+    # step's last one (grad_ready "step"): the whole reduction is exposed, as dp_tail_s prices it.
+    after = simulate("zero-bubble", [1.0] * p, [2.0] * p, m, grad_sync_s=[comm_s] * p, num_buckets=4, grad_ready="step")
+    assert after.step_s == pytest.approx(after.makespan_s + comm_s, rel=1e-12)
+    assert after.step_s == pytest.approx(iteration_time_s("zero-bubble", [1.0] * p, [2.0] * p, m) + comm_s, rel=1e-12)
+    hooked = simulate("zero-bubble", [1.0] * p, [2.0] * p, m, grad_sync_s=[comm_s] * p, num_buckets=4)
+    assert hooked.step_s < after.step_s  # buckets fired during the last weight pass would hide some
+    with pytest.raises(ValueError, match="grad_ready"):
+        simulate("1f1b", [1.0] * p, [2.0] * p, m, grad_sync_s=[comm_s] * p, grad_ready="later")
+
+
 def test_without_gradient_sync_the_step_is_the_pipeline():
     timeline = simulate("1f1b", [1.0] * 4, [2.0] * 4, 8)
     assert timeline.comm_events == () and timeline.step_s == timeline.makespan_s

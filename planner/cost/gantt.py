@@ -14,6 +14,10 @@ one text per action took over a minute and drew a smear. So:
     wider than a pixel interrupts, labelled with their count. The time axis stays linear,
     so idle time stays visible; the legend says what was merged.
 
+A timeline with communication streams (`Timeline.comm_events`: the data-parallel gradient
+reduction, planner/cost/simulator.py) draws them as a thin lane at the foot of each rank's row,
+under its compute boxes, so what the backward hides and what runs past it can be read off.
+
 A panel can carry `after`: once-per-step terms of a prediction (gradient reduction,
 optimizer step) drawn as labelled segments across its rows, ending at `end_s` (the
 predicted iteration time), so the axis covers the whole step.
@@ -32,6 +36,10 @@ COLORS = {"F": "#4C72B0", "BW": "#DD8452", "B": "#C44E52", "W": "#55A868"}
 """Box colour per action kind."""
 LABELS = {"F": "forward", "BW": "backward", "B": "backward (input grad)", "W": "backward (weight grad)"}
 """Legend text per action kind."""
+COMM_COLOR = "#17BECF"
+"""Colour of the communication lane's reduction buckets."""
+COMM_LABEL = "gradient reduction (communication stream)"
+"""Legend text of the communication lane."""
 MERGED_COLOR = "#8C8C8C"
 """Colour of a bar standing for a run of merged actions."""
 AFTER_COLORS = ("#8172B3", "#937860", "#DA8BC3", "#CCB974", "#64B5CD")
@@ -93,7 +101,7 @@ def draw_gantts(panels: list[Panel | tuple[Timeline, str]], path: str | Path) ->
     from matplotlib.patches import Patch
 
     shown = [p if isinstance(p, Panel) else Panel(*p) for p in panels]
-    end = max(max(p.end_s, p.timeline.makespan_s) for p in shown) or 1.0
+    end = max(max(p.end_s, p.timeline.step_s) for p in shown) or 1.0
     rows = [_layout_rows(p.timeline, end) for p in shown]
     # Rows, then room for the axis and a title of several lines (a one-row plan must still fit them).
     heights = [0.32 * p.timeline.num_ranks + 1.1 + 0.2 * ((p.title or " ").count("\n") + 1) for p in shown]
@@ -106,6 +114,8 @@ def draw_gantts(panels: list[Panel | tuple[Timeline, str]], path: str | Path) ->
 
     kinds = [k for k in COLORS if any(k in row.boxes for panel_rows in rows for row in panel_rows)]
     handles = [Patch(color=COLORS[k], label=LABELS[k]) for k in kinds]
+    if any(p.timeline.comm_events for p in shown):
+        handles.append(Patch(color=COMM_COLOR, label=COMM_LABEL))
     if any(row.merged for panel_rows in rows for row in panel_rows):
         handles.append(Patch(color=MERGED_COLOR, label=f"micro-batches after the first and before the last {EDGE_MICROBATCHES} "
                                                        "aggregated: one bar per run without visible idle time"))
@@ -165,16 +175,24 @@ def _layout_row(events: list[Event], num_ranks: int, microbatches: int, interlea
 def _draw_panel(ax, panel: Panel, rows: list[_Row], end_s: float) -> None:
     timeline = panel.timeline
     narrow = PIXEL_SHARE * 4 * end_s  # boxes narrower than ~4 px get no edge: edges alone would fill them
+    lane = 0.2 if timeline.comm_events else 0.0  # the foot of each row: the communication stream
+    comm: list[list[tuple[float, float]]] = [[] for _ in rows]
+    for e in timeline.comm_events:
+        comm[e.rank].append((e.start_s, e.end_s - e.start_s))
     for r, row in enumerate(rows):
         for kind, boxes in row.boxes.items():
             wide = min(w for _, w in boxes) > narrow
-            ax.broken_barh(boxes, (r - 0.4, 0.8), facecolors=COLORS[kind],
+            ax.broken_barh(boxes, (r - 0.4, 0.8 - lane), facecolors=COLORS[kind],
                            edgecolors="black" if wide else "none", linewidth=0.4)
         if row.merged:
-            ax.broken_barh([(s, w) for s, w, _ in row.merged], (r - 0.4, 0.8), facecolors=MERGED_COLOR, edgecolors="none")
+            ax.broken_barh([(s, w) for s, w, _ in row.merged], (r - 0.4, 0.8 - lane), facecolors=MERGED_COLOR,
+                           edgecolors="none")
+        if comm[r]:
+            ax.broken_barh(comm[r], (r + 0.4 - lane, lane), facecolors=COMM_COLOR,
+                           edgecolors="black" if min(w for _, w in comm[r]) > narrow else "none", linewidth=0.3)
         for x, text in row.texts:
-            ax.text(x, r, text, ha="center", va="center", fontsize=6, color="white")
-    start = timeline.makespan_s if not panel.end_s else panel.end_s - sum(s for _, s in panel.after)
+            ax.text(x, r - lane / 2, text, ha="center", va="center", fontsize=6, color="white")
+    start = timeline.step_s if not panel.end_s else panel.end_s - sum(s for _, s in panel.after)
     for (term, seconds), color in zip(panel.after, AFTER_COLORS, strict=False):
         if seconds > 0:
             ax.broken_barh([(start, seconds)], (-0.5, timeline.num_ranks), facecolors=color, edgecolors="none", alpha=0.8)

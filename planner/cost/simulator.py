@@ -25,7 +25,13 @@ are complete after its last weight-gradient action (BW, or W in zero bubble, of 
 micro-batch); they are cut into `num_buckets` buckets per rank, bucket i of a chunk ready
 i/k of the way through that action (k: the chunk's share of the buckets), and the stream
 reduces ready buckets one at a time in the order they become ready. The step ends when both
-streams of every rank are done (`Timeline.step_s`).
+streams of every rank are done (`Timeline.step_s`). When the buckets are ready
+(`grad_ready`, as planner/solver/comm_pricing.py `dp_tail_s` prices the same runtimes):
+"backward", during that last action, as gradient hooks fire (DDP, Megatron-LM); "chunk", all
+of a chunk's at the end of its last backward (FSDP2 in a pipeline: torch's schedules reduce a
+stage's gradients after its last backward); "step", all of a rank's at the end of its last
+action (zero bubble's ZeRO 0: the weight pass sets gradients by hand, no hook sees them, and
+the runtime reduces after the step's last one).
 
 PipeDream-2BW: `simulate` plays one batch alone, 1F1B's timeline, which is what the runtime
 runs where it flushes between steps (planner/plan.py `flush_free_blocker` gives a reason):
@@ -180,13 +186,15 @@ def _looped(rank: int, p: int, m: int, v: int, warmup: int, zero_bubble: bool) -
 def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list[float], num_microbatches: int,
              virtual_stages: int = 1, p2p_s: float = 0.0,
              backward_weight_fraction: float | Sequence[float] = BACKWARD_WEIGHT_FRACTION,
-             grad_sync_s: list[float] | None = None, num_buckets: int = 1) -> Timeline:
+             grad_sync_s: list[float] | None = None, num_buckets: int | Sequence[int] = 1,
+             grad_ready: str = "backward") -> Timeline:
     """Play `schedule_actions` on per-chunk forward / backward times (lists in chunk order).
 
     In zero-bubble the backward b of chunk c splits into B = (1 - w_c) b and W = w_c b with
     w = backward_weight_fraction, one for all chunks or one per chunk (planner/cost/schedules.py
     module docstring). `grad_sync_s` (per rank, seconds) adds each rank's gradient reduction on
-    its communication stream, in `num_buckets` buckets (module docstring).
+    its communication stream, in `num_buckets` buckets (one count, or one per rank), ready as
+    `grad_ready` says (module docstring).
     """
     num_chunks = check_stage_lists(stage_forward_s, stage_backward_s, virtual_stages)
     w = chunk_weight_fractions(backward_weight_fraction, num_chunks)
@@ -231,7 +239,7 @@ def simulate(schedule: str, stage_forward_s: list[float], stage_backward_s: list
         stuck = {r: pointer[r] for r in range(p) if pointer[r] < len(plans[r])}
         raise ValueError(f"schedule {schedule!r} deadlocks: no rank can run its next action [bracketed]\n"
                          + format_actions(plans, stuck))
-    comm = _gradient_buckets(events, p, num_microbatches, grad_sync_s, num_buckets) if grad_sync_s else ()
+    comm = _gradient_buckets(events, p, num_microbatches, grad_sync_s, num_buckets, grad_ready) if grad_sync_s else ()
     return Timeline(schedule, p, tuple(events), max(free_s), tuple(peak_in_flight(a) for a in plans), comm)
 
 
@@ -274,23 +282,34 @@ def flush_free_step_s(stage_forward_s: list[float], stage_backward_s: list[float
     return step
 
 
+GRAD_READY = ("backward", "chunk", "step")
+"""When a rank's gradient buckets are ready for its communication stream (module docstring)."""
+
+
 def _gradient_buckets(events: list[Event], num_ranks: int, num_microbatches: int, grad_sync_s: list[float],
-                      num_buckets: int) -> tuple[Event, ...]:
-    """Each rank's reduction buckets, ready during its chunks' last weight-gradient actions,
-    played one at a time on its communication stream (module docstring)."""
+                      num_buckets: int | Sequence[int], grad_ready: str) -> tuple[Event, ...]:
+    """Each rank's reduction buckets, ready during (or after) its chunks' last weight-gradient
+    actions as `grad_ready` says, played one at a time on its communication stream (module docstring)."""
     if len(grad_sync_s) != num_ranks or min(grad_sync_s) < 0:
         raise ValueError(f"grad_sync_s needs one non-negative time per pipeline rank ({num_ranks}), got {grad_sync_s}")
-    if num_buckets < 1:
-        raise ValueError(f"num_buckets must be at least 1, got {num_buckets}")
+    counts = [num_buckets] * num_ranks if isinstance(num_buckets, int) else list(num_buckets)
+    if len(counts) != num_ranks or min(counts) < 1:
+        raise ValueError(f"num_buckets must be at least 1, one count or one per pipeline rank ({num_ranks}), got {num_buckets}")
+    if grad_ready not in GRAD_READY:
+        raise ValueError(f"grad_ready must be one of {GRAD_READY}, got {grad_ready!r}")
     out: list[Event] = []
     for rank in range(num_ranks):
         last = [e for e in events if e.rank == rank and e.kind in ("BW", "W") and e.microbatch == num_microbatches - 1]
         work = sum(e.end_s - e.start_s for e in last)
+        rank_end = max((e.end_s for e in events if e.rank == rank), default=0.0)
         ready = []  # (ready time, chunk) per bucket; a chunk gets buckets in proportion to its work
         for e in last:
             share = (e.end_s - e.start_s) / work if work > 0 else 1 / len(last)
-            count = max(1, round(num_buckets * share))
-            ready += [(e.start_s + (i + 1) / count * (e.end_s - e.start_s), e.chunk) for i in range(count)]
+            count = max(1, round(counts[rank] * share))
+            if grad_ready == "backward":
+                ready += [(e.start_s + (i + 1) / count * (e.end_s - e.start_s), e.chunk) for i in range(count)]
+            else:
+                ready += [(e.end_s if grad_ready == "chunk" else rank_end, e.chunk)] * count
         seconds = grad_sync_s[rank] / len(ready)
         free = 0.0
         for when, chunk in sorted(ready):

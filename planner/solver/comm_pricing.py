@@ -7,6 +7,7 @@ data-parallel gradient reduction and parameter gather after the pipeline (`dp_ta
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -165,6 +166,30 @@ def tail_collectives(cfg: Config, env: Environment, trained: float, experts: flo
     return reductions, gathers
 
 
+@dataclass(frozen=True)
+class ReductionStream:
+    """Per pipeline rank, the once-per-step gradient reduction as its communication stream runs
+    it when overlapped (`dp_tail_s`): what the event simulator plays as that stream
+    (planner/cost/simulator.py `simulate`, `grad_sync_s` / `num_buckets` / `grad_ready`) and a
+    plan's Gantt chart draws."""
+
+    seconds: list[float]
+    """All of the rank's reduction collectives, in series on the stream."""
+    buckets: list[int]
+    """How many pieces the stream runs them in."""
+    windows: list[float]
+    """The compute that can hide them (the rank's last backward, or less: `dp_tail_s`)."""
+    slack: list[float]
+    """How long the pipeline goes on after the rank's last backward (`drain_slack_s`)."""
+    ready: str
+    """When the buckets are ready, in the simulator's terms (`GRAD_READY`): "backward", "chunk", "step"."""
+
+    def exposed_s(self) -> list[float]:
+        """Per rank, what the step waits for after the pipeline (`grad_reduce_tail_s`)."""
+        return [grad_reduce_tail_s([c], [w], [s], n) for c, w, s, n in
+                zip(self.seconds, self.windows, self.slack, self.buckets, strict=True)]
+
+
 def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np.ndarray) -> tuple[list[float], list[float]]:
     """Per pipeline rank, once per step: the exposed gradient reduction and parameter gather
     (`tail_collectives`).
@@ -188,9 +213,18 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     chunks that run after that chunk's (interleaving: all but its first chunk), plus the drain.
     Zero bubble's ZeRO 0 reduction has no window at all (its weight gradients reach no hook).
     """
+    grad_s, gather_s, _ = dp_tail(table, cfg, env, bounds, unit_recompute_s)
+    return grad_s, gather_s
+
+
+def dp_tail(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np.ndarray
+            ) -> tuple[list[float], list[float], ReductionStream | None]:
+    """`dp_tail_s`'s two lists, and the overlapped reduction they came from (`ReductionStream`):
+    None where there is none to overlap (dp 1, ZeRO 3's per-micro-batch traffic, or a reduction
+    run in series after the backward)."""
     grad_s, gather_s = [0.0] * cfg.pp, [0.0] * cfg.pp
     if cfg.dp == 1 or cfg.zero_stage == 3:
-        return grad_s, gather_s
+        return grad_s, gather_s, None
     overlap = env.overlap
     starts, ends = np.array(bounds).T
     zeros = np.zeros(len(bounds), dtype=int)
@@ -209,13 +243,16 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     slack = drain_slack_s(cfg.schedule, backward_chunks.tolist(), cfg.pp)
     windows = per_rank(backward_chunks)
     per_unit = cfg.zero_stage in (1, 2) and env.dp_collectives == "per-unit"
+    ready = "backward"
     if per_unit and cfg.pp > 1:  # deferred to after each chunk's last backward: rank r's chunk r finishes last
         windows = [w - float(backward_chunks[rank]) for rank, w in enumerate(windows)]
+        ready = "chunk"
     if cfg.zero_stage == 0 and cfg.schedule == "zero-bubble":
         # Zero bubble's weight step adds each gradient by hand (torch's `stage_backward_weight`),
         # which no gradient hook sees: the runtime's buckets (runtime/apply_dp.py
         # `GradientReducer.finish`) all go after the step's last weight step, nothing hides them.
         windows = [0.0] * cfg.pp
+        ready = "step"
     copies = table.copy_parameters(starts, ends)  # tied weights' copies: dense, trained
     rank_params, rank_dense = by_rank(table.parameters, copies), by_rank(table.dense_parameters(), copies)
     rank_trained, rank_experts = by_rank(table.trained_dense_parameters(), copies), by_rank(table.expert_parameters)
@@ -228,6 +265,7 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
     # FSDP2 (ZeRO 1-2 in the planner's runtime) reduces and gathers each unit on its own: one
     # collective per unit holding parameters, each paying its latency (`Environment.dp_collectives`).
     rank_units = by_rank((table.parameters > 0).astype(float)) if per_unit else None
+    stream = ReductionStream([0.0] * cfg.pp, [1] * cfg.pp, windows, slack, ready)
     for rank in range(cfg.pp):
         weight = env.precision.param_bytes
         gathered = rank_dense[rank] - rank_fp8[rank] * (weight - 1) / weight
@@ -239,10 +277,12 @@ def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np
             buckets = serial = max(1, round(rank_units[rank]))
         if reductions:
             if overlap.grad_reduce:
-                grad_s[rank] = grad_reduce_tail_s([seconds(reductions, buckets)], [windows[rank]], [slack[rank]], buckets)
+                stream.seconds[rank], stream.buckets[rank] = seconds(reductions, buckets), buckets
+                grad_s[rank] = grad_reduce_tail_s([stream.seconds[rank]], [windows[rank]], [slack[rank]], buckets)
             else:
                 grad_s[rank] = seconds(reductions, serial)
         if gathers:
             gather_s[rank] = exposed_s(seconds(gathers, buckets), rank_forward[rank], buckets) if overlap.param_gather \
                 else seconds(gathers, serial)
-    return grad_s, gather_s
+    overlapped = overlap.grad_reduce and any(stream.seconds)
+    return grad_s, gather_s, stream if overlapped else None

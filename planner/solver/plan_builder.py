@@ -21,6 +21,7 @@ from planner.plan import (
     stage_ranks,
 )
 from planner.profile_schema import Profile
+from planner.solver.comm_pricing import ReductionStream
 from planner.solver.search import Evaluation
 
 
@@ -124,6 +125,15 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
     listed = "; ".join(f"{pattern}{f' x{count}' if count > 1 else ''} ({why})" for (pattern, why), (count, _) in ranked[:shown])
     more = f"; and {len(ranked) - shown} more" if len(ranked) > shown else ""
     return f"{text}; every TP rank holds whole: {listed}{more}"
+
+
+def reduction_lane(stream: ReductionStream | None) -> dict:
+    """The plan's record of its overlapped gradient reduction (`SearchReport.rank_grad_reduce_s`,
+    `grad_reduce_buckets`, `grad_reduce_ready`), which its Gantt chart plays on a communication lane."""
+    if stream is None:
+        return {}
+    return dict(rank_grad_reduce_s=list(stream.seconds), grad_reduce_buckets=list(stream.buckets),
+                grad_reduce_ready=stream.ready)
 
 
 def _alternative(e: Evaluation, winner: Evaluation) -> Alternative:
@@ -241,6 +251,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
             stage_forward_s=list(best.stage_forward_s),
             stage_backward_s=list(best.stage_backward_s),
             stage_weight_fraction=list(best.stage_weight_fraction) or None,
+            **reduction_lane(best.reduction_stream),
             alternatives=alternatives,
             notes=[tp_coverage_note(profile, table.tp_plans, cfg.tp, cfg.sequence_parallel)] if cfg.tp > 1 else [],
         ),

@@ -89,7 +89,7 @@ from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, PeakState, iteratio
 from planner.cost.sharding import fsdp_collective_counts, offload_step_cost, offloaded_state_bytes
 from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
-from planner.solver.comm_pricing import dp_tail_s, range_sums, tp_comm_s, zero_unit_s
+from planner.solver.comm_pricing import ReductionStream, dp_tail, range_sums, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
 from planner.solver.inter_op import SharedRows, least_bottleneck, level_ranks, range_allowed, solve_cuts
 from planner.solver.unit_recompute import UnitChoices, fastest_fitting, pareto
@@ -191,6 +191,9 @@ class Evaluation:
     flushed_by: str | None = None
     """pipedream-2bw only: why the runtime runs it flushed, so it was priced with 1F1B's time
     (`flush_blocker`); None when it runs flush-free, and for synchronous schedules."""
+    reduction_stream: ReductionStream | None = None
+    """The overlapped gradient reduction per pipeline rank as its communication stream runs it
+    (planner/solver/comm_pricing.py `dp_tail`); None where none is overlapped."""
 
 
 @dataclass(frozen=True)
@@ -1302,7 +1305,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     rank_work = [sum(fwd[k] + bwd[k] for k in range(rank, len(fwd), cfg.pp)) for rank in range(cfg.pp)]
     # Once per step: the gradient reduction the backward does not hide, the tied weights'
     # all-reduce and the optimizer step, per pipeline rank.
-    grad_s, gather_s = dp_tail_s(table, cfg, env, bounds, unit_recompute_s)
+    grad_s, gather_s, stream = dp_tail(table, cfg, env, bounds, unit_recompute_s)
     tie_s = _tie_all_reduce_s(table, cfg, env, bounds)
     opt_s, pcie_s = [], []
     updated = _updated_per_stage(table, cfg, starts, ends, copies)
@@ -1358,6 +1361,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         stage_weight_fraction=tuple(split),
         peak_memory_bytes=tuple(mem),
         memory_terms=terms,
+        reduction_stream=stream,
         breakdown_s={
             "compute": compute,
             "tp_comm": tp_comm,
