@@ -358,3 +358,22 @@ def test_solved_tied_qwen3_tp2_sp_parity(tmp_path):
     styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
     assert (styles["model.embed_tokens"], styles["lm_head"]) == ("rowwise", "colwise")
     check_parity(plan, tmp_path)
+
+
+TIED_RESUMES = {
+    "tp2-to-dp2": (dict(pp=1, tp=2, tp_plan=TIED_GPT_TP), dict(pp=1, dp=2, m=2)),
+    "dp2-to-tp2": (dict(pp=1, dp=2, m=2), dict(pp=1, tp=2, tp_plan=TIED_GPT_TP)),
+    "pp2xtp2-to-tp2": (dict(pp=2, tp=2, tp_plan=TIED_GPT_TP), dict(pp=1, tp=2, tp_plan=TIED_GPT_TP)),  # a copy per stage -> one weight
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", TIED_RESUMES)
+def test_resume_of_a_vocabulary_sharded_tie_under_another_plan(case, write_model, tmp_path):
+    # DCP saves the tied weight (one DTensor sharded along the vocabulary, or a sharded copy per
+    # stage) and its Adam state by name, and reshards them for a plan that holds them whole or
+    # sharded otherwise: the same losses as an uninterrupted run.
+    from tests.test_runtime_checkpoint import check_resume_matches_reference
+
+    a, b = TIED_RESUMES[case]
+    check_resume_matches_reference(_tied_plan(write_model, **a), _tied_plan(write_model, **b), tmp_path)
