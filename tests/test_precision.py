@@ -109,6 +109,12 @@ def test_torchtitan_deepspeed_and_accelerate_say_theirs():
     ddp = torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 1\ndata_parallel_replicate_degree = 8\n"
                            "[training]\nlocal_batch_size = 1\n")
     assert ddp.zero_stage == 0 and ddp.param_dtype == "float32"  # no FSDP: fp32 parameters (maybe_enable_amp)
+    assert fsdp.grad_dtype is None  # synced every micro-batch: its bf16 gradients are reduce-scattered as made
+    # Under a pipeline FSDP2 syncs on the last micro-batch only and accumulates until then in
+    # reduce_dtype (FSDPParam.to_accumulated_grad_if_needed): the gradients held are fp32.
+    pipelined = torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 2\npipeline_parallel_degree = 4\n"
+                                 "[training]\nlocal_batch_size = 8\n")
+    assert (pipelined.zero_stage, pipelined.grad_dtype, pipelined.reduce_dtype) == (1, "float32", "float32")
     config = '{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, ' \
              '"bf16": {"enabled": true}, "zero_optimization": {"stage": 2}%s}'
     assert deepspeed.parse(config % "").reduce_dtype is None  # the model's dtype

@@ -259,6 +259,7 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     async_tp = bool(par.get("enable_async_tensor_parallel", False))
     if async_tp and not compiled:
         notes.append("enable_async_tensor_parallel without compile: priced with TP collectives in series")
+    reduce = str(train.get("mixed_precision_reduce", "float32"))
     return EngineLayout(
         recompute_modes=("none", "op", "full"),  # what it can run (planner price's best plan uses only these)
         pp_degree=pp, tp_degree=int(par.get("tensor_parallel_degree", 1)), dp_degree=dp, zero_stage=zero,
@@ -268,7 +269,10 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         # FSDP2's MixedPrecisionPolicy(param_dtype=mixed_precision_param, reduce_dtype=mixed_precision_reduce,
         # "float32" by default); without FSDP torchtitan trains fp32 parameters (under autocast where
         # it can: maybe_enable_amp), so its DDP all-reduces fp32 gradients.
-        param_dtype="float32" if zero == 0 else dtype, reduce_dtype=str(train.get("mixed_precision_reduce", "float32")),
+        param_dtype="float32" if zero == 0 else dtype, reduce_dtype=reduce,
+        # Under a pipeline FSDP2 syncs gradients on the last micro-batch only, and until then holds
+        # them unsharded in reduce_dtype (FSDPParam.to_accumulated_grad_if_needed upcasts them).
+        grad_dtype=reduce if pp > 1 and zero > 0 else None,
         grad_clip=train.get("max_norm"), notes=tuple(notes), ep_degree=int(par.get("expert_parallel_degree", 1)),
         expert_tp_degree=int(par.get("expert_tensor_parallel_degree", 1)) if int(par.get("expert_parallel_degree", 1)) > 1 else 1,
         cp_degree=cp, shard_degree=shard * cp if hsdp and shard != -1 else None,
