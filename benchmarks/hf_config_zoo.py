@@ -1,0 +1,114 @@
+"""Causal LMs of transformers the planner was never shown, from a config alone, as a user runs them.
+
+For each model type: `AutoConfig.for_model(type)` shrunk to two layers of width 64 (vocabulary
+256, special tokens moved inside it, every `*dropout*` field 0 so that layouts can be held to
+one another), then the CLI end to end on CPU: `planner profile --hf-config` (measured, 32 tokens),
+`planner solve` for one process and for two (free, `--tp 2`, `--pp 2`), `planner run` for two
+steps each. Recorded: whether each stage ran, the layout the solver chose, how many modules the
+tp2 plan shards, and whether each layout's losses match the one-process run's (float32; 1e-4).
+None of these model types is in tests/ or examples/hf/ (Llama, Qwen3, Mistral, Falcon, Phi-3,
+OLMo 2, OPT, GPT-2, DeepSeek-V3, Mixtral, GPT-NeoX, BERT, T5, ViT, Whisper are).
+
+    OMP_NUM_THREADS=1 python benchmarks/hf_config_zoo.py [MODEL_TYPE ...]
+
+Writes benchmarks/results/hf_config_zoo.csv.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TYPES = ["gemma3_text", "smollm3", "granite", "glm4", "cohere2", "qwen2_moe", "ernie4_5", "exaone4", "seed_oss",
+         "apertus", "olmo3", "hunyuan_v1_dense", "minimax", "arcee", "lfm2"]
+SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=256, max_position_embeddings=128)
+LAYOUTS = {"one": ["--gpus", "1"], "free": ["--gpus", "2"], "tp2": ["--gpus", "2", "--tp", "2"],
+           "pp2": ["--gpus", "2", "--pp", "2"]}
+TIMEOUT_S = 300
+
+
+def small_config(model_type: str, path: Path) -> Path:
+    """The model type's default config at SMALL sizes, its special tokens inside the vocabulary, no dropout."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **SMALL).to_dict()
+    for key, value in list(config.items()):
+        if key.endswith("token_id") and isinstance(value, int) and value >= SMALL["vocab_size"]:
+            config[key] = 0
+        elif key.endswith("token_id") and isinstance(value, list):
+            config[key] = [v if v < SMALL["vocab_size"] else 0 for v in value]
+        elif "dropout" in key and isinstance(value, float):
+            config[key] = 0.0
+    path.write_text(json.dumps(config))
+    return path
+
+
+def planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    return lines[-1][:200] if lines else f"exit {done.returncode}"
+
+
+def try_type(model_type: str, work: Path) -> dict:
+    row: dict = {"model_type": model_type}
+    config = small_config(model_type, work / f"{model_type}.json")
+    done = planner("profile", "--hf-config", str(config), "--seq-len", "32", "--micro-batch-sizes", "1,2",
+                   "-o", str(work / "profile.json"), cwd=ROOT)
+    row["profiled"] = done.returncode == 0
+    if not row["profiled"]:
+        return {**row, "note": _last_line(done)}
+    losses = {}
+    for name, args in LAYOUTS.items():
+        plan = work / f"plan-{name}.json"
+        done = planner("solve", "-p", str(work / "profile.json"), "--gpu", "cpu", "-b", "4", *args, "-o", str(plan), cwd=ROOT)
+        if done.returncode == 0:
+            done = planner("run", str(plan), "--steps", "2", "-o", str(work / f"metrics-{name}.json"), cwd=ROOT)
+        row[f"{name}_ran"] = done.returncode == 0
+        if done.returncode:
+            row["note"] = f"{name}: {_last_line(done)}"
+            continue
+        losses[name] = json.loads((work / f"metrics-{name}.json").read_text())["losses"]
+        written = json.loads(plan.read_text())
+        lay = written["layout"]
+        if name == "free":
+            row["free_layout"] = f"pp{lay['pp_degree']} dp{lay['dp_degree']} tp{lay['tp_degree']} zero{lay['zero_stage']}"
+        if name == "tp2":
+            row["tp2_sharded_modules"] = sum(len(s.get("tp_plan") or {}) for s in written["stages"])
+    reference = losses.get("one")
+    for name in ("free", "tp2", "pp2"):
+        if reference and name in losses:
+            row[f"{name}_losses_match"] = all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses[name], reference, strict=True))
+    return row
+
+
+def main(types: list[str]) -> pd.DataFrame:
+    rows = []
+    for model_type in types or TYPES:
+        with tempfile.TemporaryDirectory() as work:
+            row = try_type(model_type, Path(work))
+        rows.append(row)
+        print(row, flush=True)
+    frame = pd.DataFrame(rows)
+    path = RESULTS / "hf_config_zoo.csv"
+    if types and path.exists():  # a subset: replace its rows, keep the others
+        old = pd.read_csv(path)
+        frame = pd.concat([old[~old["model_type"].isin(frame["model_type"])], frame], ignore_index=True)
+    frame.to_csv(path, index=False)
+    return frame
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
