@@ -130,6 +130,25 @@ def test_a_pinned_layout_that_cannot_fit_reports_what_its_stage_needs():
     assert reported == pytest.approx(needed / GIB, abs=0.01)
 
 
+def test_an_interleaved_layout_that_cannot_fit_reports_what_a_rank_holds():
+    """With v chunks a rank, each holding its own receive buffers and states, the need reported is
+    the rank's: more than the GPU offers (it does not fit) and no more than the plan that fit on a
+    roomier GPU holds. It was once one chunk's, less than the GPU offered: 256 micro-batches'
+    receive buffers are most of what each chunk holds."""
+    profile = profile_model("examples/gpt.py", dict(n_layers=8, d_model=1024, n_heads=16, d_ff=4096, vocab_size=32000,
+                                                    seq_len=2048), [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    cluster = make_cluster(2, 2, "a100-80gb")
+    pins = Pins(pp=2, tp=1, dp=1, cp=1, micro_batch_size=1, virtual_stages=4, schedule="interleaved-1f1b", zero_stage=0,
+                recompute="none")
+    chunks = solve(profile, cluster, 256, pins).prediction.peak_memory_bytes  # per stage: rank r holds r, r + 2, ...
+    needed = max(sum(chunks[rank::2]) for rank in range(2))
+    small = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=int(needed / 2)))
+    with pytest.raises(PlannerError, match="does not fit") as refused:
+        solve(profile, small, 256, pins)
+    reported = float(re.search(r"needs is ([0-9.]+) GiB", str(refused.value)).group(1)) * GIB
+    assert 0.9 * small.gpu.memory_bytes < reported <= needed * 1.001
+
+
 @pytest.mark.parametrize("pins,needle", [
     (Pins(pp=3), "do not divide"),
     (Pins(tp=16), "exceeds the 8 GPUs of a node"),

@@ -167,6 +167,19 @@ def least_bottleneck(cost: np.ndarray | SharedRows) -> float:
     return float(worst[-1])
 
 
+def least_total(cost: np.ndarray | SharedRows) -> float:
+    """The smallest sum over stages any cuts achieve (inf if none fit): `least_bottleneck`'s DP
+    with + for max, `total[k + 1, j] = min_i total[k, i] + cost[k, i, j]`. Over a rank's v chunks'
+    bytes it bounds what the fullest of p ranks holds from below: at least the total over p."""
+    num_stages, size, _ = cost.shape
+    width = size - num_stages  # U - S + 1
+    total = np.full(width, np.inf)  # total[j - k]: units [0, j) in k stages
+    total[0] = 0.0
+    for k in range(num_stages):
+        total = (total[:, None] + _stage_row(cost, k)[k:k + width, k + 1:k + 1 + width]).min(axis=0)
+    return float(total[-1])
+
+
 def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed: np.ndarray | None = None,
                candidates: np.ndarray | None = None, bottleneck_floor: float | None = None,
                flush_free: bool = False) -> StageCuts:

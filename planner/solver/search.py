@@ -91,7 +91,7 @@ from planner.errors import PlannerError
 from planner.plan import RECOMPUTE
 from planner.solver.comm_pricing import ReductionStream, dp_tail, range_sums, tp_comm_s, zero_unit_s
 from planner.solver.costs import UnitCostTable
-from planner.solver.inter_op import SharedRows, least_bottleneck, level_ranks, range_allowed, solve_cuts
+from planner.solver.inter_op import SharedRows, least_bottleneck, least_total, level_ranks, range_allowed, solve_cuts
 from planner.solver.unit_recompute import UnitChoices, fastest_fitting, pareto
 
 
@@ -464,15 +464,20 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     min_needed = float(least_bytes.min())  # the least any one range holds: each of a rank's other chunks holds that
 
     def least_stage_bytes(bounds: tuple | None = None) -> float:
-        """The least bytes the fullest stage holds, on `bounds` or under any cuts (a min-max DP
+        """The least bytes the fullest rank holds, on `bounds` or under any cuts (a min-max DP
         over each range's least bytes): what this configuration needs per GPU, for the message
         when nothing fits (the least of any one range understates it: with one stage, that
-        stage holds the whole model)."""
+        stage holds the whole model). A rank holds its v chunks together: on `bounds` their sum;
+        under any cuts at least the fullest chunk and at least the least total over p ranks
+        (`least_total`: each chunk's own buffers count v times a rank)."""
         nbytes = np.full((len(groups), size, size), np.inf)
         nbytes[:, start, end] = least_bytes
         if bounds is not None:
-            return max(float(nbytes[row_of_stage[k], i, j]) for k, (i, j) in enumerate(bounds))
-        return least_bottleneck(SharedRows(nbytes, row_of_stage))
+            chunk = [float(nbytes[row_of_stage[k], i, j]) for k, (i, j) in enumerate(bounds)]
+            return max(sum(chunk[rank::cfg.pp]) for rank in range(cfg.pp))
+        rows = SharedRows(nbytes, row_of_stage)
+        fullest = least_bottleneck(rows)
+        return fullest if cfg.virtual_stages == 1 else max(fullest, least_total(rows) / cfg.pp)
 
     def stage_costs(limit: float):
         """cost[k, i, j] (inf where the range does not fit `limit`), the recompute choice's
