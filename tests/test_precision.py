@@ -115,6 +115,9 @@ def test_torchtitan_deepspeed_and_accelerate_say_theirs():
     pipelined = torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 2\npipeline_parallel_degree = 4\n"
                                  "[training]\nlocal_batch_size = 8\n")
     assert (pipelined.zero_stage, pipelined.grad_dtype, pipelined.reduce_dtype) == (1, "float32", "float32")
+    unresharded = torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 8\nfsdp_reshard_after_forward = \"never\"\n"
+                                   "[training]\nlocal_batch_size = 1\n")
+    assert (unresharded.zero_stage, unresharded.grad_dtype) == (2, "float32")  # the fp32 shards' .grad
     config = '{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, ' \
              '"bf16": {"enabled": true}, "zero_optimization": {"stage": 2}%s}'
     assert deepspeed.parse(config % "").reduce_dtype is None  # the model's dtype

@@ -270,9 +270,12 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         # "float32" by default); without FSDP torchtitan trains fp32 parameters (under autocast where
         # it can: maybe_enable_amp), so its DDP all-reduces fp32 gradients.
         param_dtype="float32" if zero == 0 else dtype, reduce_dtype=reduce,
-        # Under a pipeline FSDP2 syncs gradients on the last micro-batch only, and until then holds
-        # them unsharded in reduce_dtype (FSDPParam.to_accumulated_grad_if_needed upcasts them).
-        grad_dtype=reduce if pp > 1 and zero > 0 else None,
+        # Gradients held in reduce_dtype: under a pipeline FSDP2 syncs on the last micro-batch only
+        # and until then keeps them unsharded in it (FSDPParam.to_accumulated_grad_if_needed
+        # upcasts them); without resharding (ZeRO 2) the reduce-scatter's shards land on the fp32
+        # sharded parameters' .grad. (ZeRO 3 holds those too, but no 16-bit weight shard: priced
+        # at 2 + 2 bytes where it holds 0 + 4, the same total.)
+        grad_dtype=reduce if zero > 0 and (pp > 1 or zero == 2) else None,
         grad_clip=train.get("max_norm"), notes=tuple(notes), ep_degree=int(par.get("expert_parallel_degree", 1)),
         expert_tp_degree=int(par.get("expert_tensor_parallel_degree", 1)) if int(par.get("expert_parallel_degree", 1)) > 1 else 1,
         cp_degree=cp, shard_degree=shard * cp if hsdp and shard != -1 else None,
