@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.errors import PlannerError
-from planner.solver.inter_op import SharedRows, brute_force_cuts, level_ranks, solve_cuts
+from planner.solver.inter_op import SharedRows, brute_force_cuts, least_bottleneck, least_total, level_ranks, solve_cuts
 
 
 def _cost_table(unit_times, num_stages, p2p, memory, stage_limit):
@@ -44,6 +44,24 @@ def test_dp_equals_brute_force(data, num_units, num_stages, num_microbatches, me
     limit = (sum(memory) * 1.5 if memory_bound else np.inf)
     cost = _cost_table(times, num_stages, p2p, memory, limit)
     _matches_brute_force(cost, cost, num_microbatches, num_units)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), num_units=st.integers(2, 9), num_stages=st.integers(1, 4), memory_bound=st.booleans())
+def test_least_bottleneck_and_least_total_equal_brute_force(data, num_units, num_stages, memory_bound):
+    # The min-max and min-sum over every way to cut the units into num_stages contiguous ranges
+    # (inf where a range does not fit): the bounds the "does not fit" message reports.
+    num_stages = min(num_stages, num_units)
+    times = data.draw(st.lists(st.floats(0.1, 10.0), min_size=num_units, max_size=num_units))
+    memory = data.draw(st.lists(st.floats(1.0, 10.0), min_size=num_units, max_size=num_units))
+    cost = _cost_table(times, num_stages, [0.0] * num_units, memory, sum(memory) * 1.5 if memory_bound else np.inf)
+    worst, total = np.inf, np.inf
+    for inner in itertools.combinations(range(1, num_units), num_stages - 1):
+        edges = (0, *inner, num_units)
+        values = [cost[k, edges[k], edges[k + 1]] for k in range(num_stages)]
+        worst, total = min(worst, max(values)), min(total, sum(values))
+    assert least_bottleneck(cost) == pytest.approx(worst)
+    assert least_total(cost) == pytest.approx(total)
 
 
 def test_heavy_layer_gives_non_uniform_cuts():
