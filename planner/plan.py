@@ -485,12 +485,11 @@ def check_plan_consistency(plan: Plan) -> None:
     if split is not None and (len(split) != num_stages or not all(0.0 <= w <= 1.0 for w in split)):
         problems.append(f"search.stage_weight_fraction {split} must give one share in [0, 1] per stage ({num_stages}); "
                         "remove it to use the default split")
-    search = plan.search
-    for name in ("rank_grad_reduce_s", "grad_reduce_buckets"):
-        values = getattr(search, name) if search else None
-        if values is not None and (len(values) != lay.pp_degree or min(values, default=0) < (name == "grad_reduce_buckets")):
-            problems.append(f"search.{name} {values} must give one {'count >= 1' if 'buckets' in name else 'time >= 0'} per "
-                            f"pipeline rank ({lay.pp_degree}); remove it to draw no communication lane")
+    for name, least, what in (("rank_grad_reduce_s", 0, "time >= 0"), ("grad_reduce_buckets", 1, "count >= 1")):
+        values = getattr(plan.search, name) if plan.search else None
+        if values is not None and (len(values) != lay.pp_degree or any(v < least for v in values)):
+            problems.append(f"search.{name} {values} must give one {what} per pipeline rank ({lay.pp_degree}); "
+                            "remove it to draw no communication lane")
     seen: set[str] = set()
     for stage in plan.stages:
         for unit in stage.units:

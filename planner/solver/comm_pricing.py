@@ -177,17 +177,8 @@ class ReductionStream:
     """All of the rank's reduction collectives, in series on the stream."""
     buckets: list[int]
     """How many pieces the stream runs them in."""
-    windows: list[float]
-    """The compute that can hide them (the rank's last backward, or less: `dp_tail_s`)."""
-    slack: list[float]
-    """How long the pipeline goes on after the rank's last backward (`drain_slack_s`)."""
     ready: str
     """When the buckets are ready, in the simulator's terms (`GRAD_READY`): "backward", "chunk", "step"."""
-
-    def exposed_s(self) -> list[float]:
-        """Per rank, what the step waits for after the pipeline (`grad_reduce_tail_s`)."""
-        return [grad_reduce_tail_s([c], [w], [s], n) for c, w, s, n in
-                zip(self.seconds, self.windows, self.slack, self.buckets, strict=True)]
 
 
 def dp_tail_s(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np.ndarray) -> tuple[list[float], list[float]]:
@@ -265,7 +256,7 @@ def dp_tail(table, cfg: Config, env: Environment, bounds, unit_recompute_s: np.n
     # FSDP2 (ZeRO 1-2 in the planner's runtime) reduces and gathers each unit on its own: one
     # collective per unit holding parameters, each paying its latency (`Environment.dp_collectives`).
     rank_units = by_rank((table.parameters > 0).astype(float)) if per_unit else None
-    stream = ReductionStream([0.0] * cfg.pp, [1] * cfg.pp, windows, slack, ready)
+    stream = ReductionStream([0.0] * cfg.pp, [1] * cfg.pp, ready)
     for rank in range(cfg.pp):
         weight = env.precision.param_bytes
         gathered = rank_dense[rank] - rank_fp8[rank] * (weight - 1) / weight
