@@ -156,28 +156,27 @@ def _stage_row(cost: np.ndarray | SharedRows, stage: int) -> np.ndarray:
 
 def least_bottleneck(cost: np.ndarray | SharedRows) -> float:
     """The smallest t_max any cuts achieve (inf if none fit): a min-max DP,
-    `worst[k + 1, j] = min_i max(worst[k, i], cost[k, i, j])` over stages k, held along the band
-    only (`_band`: stage k's starts are stage k-1's ends, so one vector of width U - S + 1 carries it)."""
-    num_stages, size, _ = cost.shape
-    width = size - num_stages  # U - S + 1
-    worst = np.full(width, np.inf)  # worst[j - k]: units [0, j) in k stages
-    worst[0] = 0.0
-    for k in range(num_stages):
-        worst = np.maximum(worst[:, None], _stage_row(cost, k)[k:k + width, k + 1:k + 1 + width]).min(axis=0)
-    return float(worst[-1])
+    `worst[k + 1, j] = min_i max(worst[k, i], cost[k, i, j])` over stages k (`_least_over_cuts`)."""
+    return _least_over_cuts(cost, np.maximum)
 
 
 def least_total(cost: np.ndarray | SharedRows) -> float:
     """The smallest sum over stages any cuts achieve (inf if none fit): `least_bottleneck`'s DP
-    with + for max, `total[k + 1, j] = min_i total[k, i] + cost[k, i, j]`. Over a rank's v chunks'
-    bytes it bounds what the fullest of p ranks holds from below: at least the total over p."""
+    with + for max. Over a rank's v chunks' bytes it bounds what the fullest of p ranks holds
+    from below: at least the total over p."""
+    return _least_over_cuts(cost, np.add)
+
+
+def _least_over_cuts(cost: np.ndarray | SharedRows, combine) -> float:
+    """min over cuts of the stages' costs folded by `combine` (max or +), held along the band only
+    (`_band`: stage k's starts are stage k-1's ends, so one vector of width U - S + 1 carries it)."""
     num_stages, size, _ = cost.shape
     width = size - num_stages  # U - S + 1
-    total = np.full(width, np.inf)  # total[j - k]: units [0, j) in k stages
-    total[0] = 0.0
+    best = np.full(width, np.inf)  # best[j - k]: units [0, j) in k stages
+    best[0] = 0.0
     for k in range(num_stages):
-        total = (total[:, None] + _stage_row(cost, k)[k:k + width, k + 1:k + 1 + width]).min(axis=0)
-    return float(total[-1])
+        best = combine(best[:, None], _stage_row(cost, k)[k:k + width, k + 1:k + 1 + width]).min(axis=0)
+    return float(best[-1])
 
 
 def solve_cuts(cost: np.ndarray | SharedRows, num_microbatches: int, cut_allowed: np.ndarray | None = None,
