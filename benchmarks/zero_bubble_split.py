@@ -1,7 +1,10 @@
 """Zero bubble's weight-gradient share per unit: predicted from the profile's ops, measured.
 
 torch's zero-bubble schedules run a stage's backward as B (input gradients,
-`stage_backward_input`) and later W (weight gradients, `stage_backward_weight`). The solver
+`stage_backward_input`) and later W (weight gradients, `stage_backward_weight`). B + W is
+also timed against one whole backward (`split_ratio`), per unit and for stages of 1-8 small GPT
+blocks: what the split costs, which a measured profile now records per unit
+(planner/cost/compute.py `split_backward`). The solver
 prices W as the unit's weight GEMMs' share of its backward (planner/cost/compute.py
 `weight_gradient_share`; 0.5 everywhere before 2026-11-29). For each unit of a few models fed
 a floating-point tensor, this runs the unit alone on its captured inputs on this CPU (one
@@ -72,26 +75,57 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
-def split_seconds(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, float]:
-    """(B, W) seconds of one backward of the unit, medians of REPEATS after one warm-up."""
+def split_seconds(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, float, float]:
+    """(B, W, one whole backward) seconds of the unit, medians of REPEATS after one warm-up,
+    the whole and the split run alternately on fresh forwards."""
     params = [p for p in module.parameters() if p.requires_grad]
-    b_times, w_times = [], []
-    for repeat in range(REPEATS + 1):
+    b_times, w_times, whole_times = [], [], []
+
+    def forward():
         inputs = [a.clone().requires_grad_(True) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
         leaves = [a for a in inputs if torch.is_tensor(a) and a.requires_grad]
         outputs = [t for t in _tensors(module(*inputs, **kwargs)) if t.requires_grad]
-        grads = [torch.randn_like(t) for t in outputs]
+        # As the runtime hands a stage's outputs to torch (runtime/pp_split.py `_sendable`): no views.
+        outputs = [t.clone() if t._base is not None else t for t in outputs]
+        return leaves, outputs, [torch.randn_like(t) for t in outputs]
+
+    for repeat in range(REPEATS + 1):
+        _, outputs, grads = forward()
+        started = time.perf_counter()
+        torch.autograd.backward(outputs, grads)
+        whole = time.perf_counter() - started
+        for p in params:
+            p.grad = None
+        leaves, outputs, grads = forward()
         started = time.perf_counter()
         _, groups = stage_backward_input(outputs, grads, leaves, iter(params))
         middle = time.perf_counter()
-        stage_backward_weight(iter(params), groups)
+        stage_backward_weight(iter(params), groups, retain_graph=True)  # as runtime/apply_pp.py calls it
         done = time.perf_counter()
         for p in params:
             p.grad = None
         if repeat:
             b_times.append(middle - started)
             w_times.append(done - middle)
-    return statistics.median(b_times), statistics.median(w_times)
+            whole_times.append(whole)
+    return statistics.median(b_times), statistics.median(w_times), statistics.median(whole_times)
+
+
+def stage_rows() -> list[dict]:
+    """A stage of k small GPT blocks (width 64, 32 tokens, micro-batch 4), split against whole:
+    how the split's cost grows with the stage against the sum of its units' (the profile's)."""
+    rows = []
+    for k in (1, 2, 4, 8):
+        args = dict(n_layers=k, d_model=64, n_heads=4, d_ff=256, vocab_size=256, seq_len=32)
+        torch.manual_seed(0)
+        model = load_model_file(ROOT / "examples" / "gpt.py", args).build_model()
+        stage = torch.nn.Sequential(*model.blocks)
+        b_s, w_s, whole_s = split_seconds(stage, (torch.randn(4, 32, 64),), {})
+        rows.append(dict(model="gpt d64 s32 stage", unit=f"{k} blocks", b_ms=1e3 * b_s, w_ms=1e3 * w_s,
+                         whole_ms=1e3 * whole_s, split_ratio=(b_s + w_s) / whole_s))
+        print(f"stage of {k} blocks: B {1e3 * b_s:.3f} W {1e3 * w_s:.3f} whole {1e3 * whole_s:.3f} ms, "
+              f"B + W = {(b_s + w_s) / whole_s:.2f} x whole", flush=True)
+    return rows
 
 
 def main() -> list[dict]:
@@ -110,18 +144,20 @@ def main() -> list[dict]:
         for unit in profile.units:
             if unit.float_fed is False or unit.name not in captured or not unit.num_parameters:
                 continue  # a unit fed token ids runs its whole backward at B: no split to measure
-            b_s, w_s = split_seconds(model.get_submodule(unit.name), *captured[unit.name])
+            b_s, w_s, whole_s = split_seconds(model.get_submodule(unit.name), *captured[unit.name])
             measured = w_s / (b_s + w_s) if b_s + w_s > 0 else 0.0
             predicted = prices.weight_gradient_share(unit)
             rows.append(dict(model=label, unit=unit.name, b_ms=1e3 * b_s, w_ms=1e3 * w_s, measured_share=measured,
-                             predicted_share=predicted, old_share=0.5, error=predicted - measured))
-            print(f"{label:>10} {unit.name:>16}  B {1e3 * b_s:7.3f} ms  W {1e3 * w_s:7.3f} ms  "
+                             predicted_share=predicted, old_share=0.5, error=predicted - measured,
+                             whole_ms=1e3 * whole_s, split_ratio=(b_s + w_s) / whole_s if whole_s > 0 else float("nan")))
+            print(f"{label:>10} {unit.name:>16}  B {1e3 * b_s:7.3f} ms  W {1e3 * w_s:7.3f} ms  whole {1e3 * whole_s:7.3f} ms  "
                   f"W share measured {measured:.3f} predicted {predicted:.3f}", flush=True)
+    stages = stage_rows()
     RESULTS.mkdir(parents=True, exist_ok=True)
     with open(RESULTS / "zero_bubble_split.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(rows + stages)
     for label in MODELS:  # the model's measured units as one stage: shares weighted by their backward
         part = [r for r in rows if r["model"] == label]
         total = sum(r["b_ms"] + r["w_ms"] for r in part)
@@ -132,6 +168,10 @@ def main() -> list[dict]:
     old = [abs(0.5 - r["measured_share"]) for r in rows]
     print(f"{len(rows)} units: |predicted - measured| median {statistics.median(errors):.3f}, max {max(errors):.3f} "
           f"(a half everywhere: median {statistics.median(old):.3f}, max {max(old):.3f})")
+    for label in MODELS:  # what the split costs: B + W over one whole backward, the model's units as one stage
+        part = [r for r in rows if r["model"] == label]
+        print(f"{label:>10}: B + W = {sum(r['b_ms'] + r['w_ms'] for r in part) / sum(r['whole_ms'] for r in part):.2f} "
+              f"x the whole backward (units {min(r['split_ratio'] for r in part):.2f}-{max(r['split_ratio'] for r in part):.2f})")
     return rows
 
 

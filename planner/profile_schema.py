@@ -40,6 +40,16 @@ class UnitCosts(_Model):
     """Forward time: trimmed mean of timed repeats (measured; planner/profiler/measure.py) or the roofline sum over ops (analytic)."""
     backward_time_s: float
     """Backward time, same method, for gradients of inputs and parameters."""
+    backward_input_time_s: float | None = None
+    """Measured only: zero bubble's B on a stage after the first, the input gradients alone, timed
+    with torch's `stage_backward_input` as the runtime runs it (planner/profiler/measure.py
+    `UnitJob`). None: analytic, a unit none of whose inputs takes a gradient (it never runs
+    split), or a profile written before it was recorded."""
+    backward_weight_time_s: float | None = None
+    """Measured only: zero bubble's W after that B, the weight gradients, timed with torch's
+    `stage_backward_weight`. B + W may cost more than `backward_time_s`: on a CPU twice as much for
+    a small transformer block, torch walking the autograd graph in Python and differentiating each
+    parameter group in a call of its own (planner/cost/compute.py `split_backward`)."""
     forward_flops: int
     """Forward FLOPs (FlopCounterMode)."""
     backward_flops: int

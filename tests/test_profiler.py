@@ -103,6 +103,13 @@ def test_measured_profile_records_times_and_whole_model(write_model):
     assert whole.forward_backward_time_s > 0 and whole.sum_of_units_time_s > 0
     assert whole.ratio == pytest.approx(whole.forward_backward_time_s / whole.sum_of_units_time_s)
     assert prof.optimizer_step_s > 0
+    # Zero bubble's B and W, timed apart where a unit's input takes a gradient (not the batch's).
+    first, *rest = prof.units
+    assert first.costs[4].backward_input_time_s is None and first.costs[4].backward_weight_time_s is None
+    for unit in rest:
+        assert unit.costs[4].backward_input_time_s > 0 and unit.costs[4].backward_weight_time_s >= 0
+    analytic = profile_model(str(write_model(MLP)), {}, [4], device="meta")
+    assert all(u.costs[4].backward_input_time_s is None for u in analytic.units)
 
 
 THREADS = """

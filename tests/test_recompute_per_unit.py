@@ -349,7 +349,7 @@ def test_rank_refit_equals_brute_force(instance):
     group = (PeakState(float(level), 0.0, not bool(forwards_first("1f1b", 2, held.m, level))),)
     choices = UnitChoices(unit_s, start_s, act, FULL, cap=None)
     costs, _, width, refit = _per_unit_range_costs(choices, start, end, of(held.fixed), of(held.floor), transient_of,
-                                                   np.zeros(n), [(group, group)], buffers, held.m)
+                                                   np.zeros(len(start)), [(group, group)], buffers, held.m)
     # Each chunk alone, as the stage DP's table prices it, and with the bytes at its choice.
     cost, _, nbytes = costs(limit)
     for chunk in chunks:

@@ -12,6 +12,7 @@ moves nothing.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -141,3 +142,57 @@ def test_the_solver_prices_a_whole_stage_as_the_runtime_runs_it(write_model):
     with pytest.raises(Exception, match="stage_weight_fraction"):
         parse_plan(data)
     assert np.isfinite(plan.prediction.iteration_time_s)
+
+
+def _with_split(profile, ratio: float | None, weight_share: float = 0.0):
+    """The profile with every split-run unit's B and W set to `ratio` x its backward, W taking
+    `weight_share` of it (None: the split not recorded, as an analytic or older profile)."""
+    units = []
+    for unit in profile.units:
+        costs = {}
+        for b, c in unit.costs.items():
+            if c.backward_input_time_s is None or ratio is None:
+                costs[b] = c.model_copy(update={"backward_input_time_s": None, "backward_weight_time_s": None})
+            else:
+                split = ratio * c.backward_time_s
+                costs[b] = c.model_copy(update={"backward_input_time_s": split * (1 - weight_share),
+                                                "backward_weight_time_s": split * weight_share})
+        units.append(unit.model_copy(update={"costs": costs}))
+    return profile.model_copy(update={"units": units})
+
+
+def test_a_measured_split_backward_is_priced_on_the_stages_torch_splits(write_model):
+    # A profile measured on this CPU times each unit's backward split as torch's zero bubble runs
+    # it (B, then W). Where B + W costs more than the one backward, a split stage's backward costs
+    # that much more and W is the measured share of it; the first stage (torch runs its backward
+    # whole, at W) and a stage run whole at B cost what they did, and no other schedule changes.
+    from planner.cost.compute import ComputeModel
+    from planner.hardware import get_gpu
+    from planner.profiler import profile_model
+
+    profile = profile_model("examples/gpt.py", dict(n_layers=2, d_model=32, n_heads=2, d_ff=64, vocab_size=64, seq_len=8),
+                            [2], device="cpu", repeats=2, warmup=1)
+    assert [u.costs[2].backward_input_time_s is not None for u in profile.units] == [False, True, True, True, True]
+    cluster = make_cluster(2, gpu="cpu")
+    zb = Pins(pp=2, dp=1, tp=1, schedule="zero-bubble", virtual_stages=1, micro_batch_size=2, recompute="none")
+
+    def priced(ratio, share=0.0, pins=zb):
+        return solve(_with_split(profile, ratio, share), cluster, 8, pins, cuts=lambda chunks: ((0, 2), (2, 5)))
+
+    free, even, dear = priced(None), priced(1.0, 0.3), priced(1.5, 0.4)
+    assert even.search.stage_backward_s == pytest.approx(free.search.stage_backward_s, rel=1e-12)
+    model = ComputeModel(profile, get_gpu("cpu"), profile.dtype, slowdown=cluster.compute_slowdown)
+    later = sum(model.unit_time(u, 2).backward_s for u in profile.units[2:])
+    assert dear.search.stage_backward_s[0] == pytest.approx(free.search.stage_backward_s[0], rel=1e-12)
+    assert dear.search.stage_backward_s[1] - free.search.stage_backward_s[1] == pytest.approx(0.5 * later, rel=1e-9)
+    assert dear.search.stage_weight_fraction[0] == 1.0
+    assert dear.search.stage_weight_fraction[1] == pytest.approx(0.4 * 1.5 * later / dear.search.stage_backward_s[1], rel=0.05)
+    assert dear.prediction.iteration_time_s > free.prediction.iteration_time_s
+    one_f_one_b = replace(zb, schedule="1f1b")
+    assert priced(1.5, 0.4, one_f_one_b).prediction.iteration_time_s == pytest.approx(
+        priced(None, pins=one_f_one_b).prediction.iteration_time_s, rel=1e-12)
+    # A stage run whole at B (a decoder's token embedding in it): no split, no extra.
+    path = write_model(DECODER_EMBEDDING, "decoder_embedding.py")
+    embedding = profile_model(str(path), {}, [2], device="cpu", repeats=2, warmup=1)
+    profile = embedding
+    assert priced(1.5, 0.4).search.stage_backward_s == pytest.approx(priced(None).search.stage_backward_s, rel=1e-12)

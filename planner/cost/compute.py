@@ -38,6 +38,18 @@ measured against 0.45 predicted at 128 tokens, 0.28-0.29 against 0.27 at 1024; t
 example's layers, whose experts' grouped GEMMs the op graph does not list (counted from the
 layer's expert FLOPs), 0.45 against 0.43.
 
+What the split costs (`split_backward`): torch runs zero bubble's B and W as two autograd
+passes (`stage_backward_input`, then `stage_backward_weight` once per parameter group), and
+they may together cost more than one backward. A measured profile times them on its device
+(`UnitCosts.backward_input_time_s`, `backward_weight_time_s`); where it did, a split stage's
+backward is the unit's backward times (B + W) / backward, and W's share is the measured W / (B + W)
+in place of the GEMMs'. Measured on this project's 2-core CPU (benchmarks/zero_bubble_split.py),
+B + W over one backward: a GPT block of width 64 at 32 tokens 1.9x; of width 256, 1.10x at 128
+tokens and 1.04x at 1024; a small Hugging Face Llama's layers 2.2x; ResNet's units together 1.16x.
+Priced per unit, a stage of several units pays a little more than that, torch's traversals growing
+with the stage's graph: 8 of those width-64 blocks in one stage 2.4x, against 1.9x for one.
+Analytic profiles price the split as free.
+
 Optimizer step (`optimizer_s_per_param`): a measured profile records one AdamW step over the
 whole model on its device; on that device a rank's step costs its share of it. Otherwise
 the step is memory-bound: AdamW streams weights, gradients, fp32 master weights and both
@@ -200,6 +212,24 @@ class ComputeModel:
         rate, attention_rate = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_attention_flops(self.dtype)
         backward_s = (costs.backward_flops - costs.backward_attention_flops) / rate + costs.backward_attention_flops / attention_rate
         return min(weights / rate / backward_s, 0.5) if backward_s > 0 else 0.0
+
+    def split_backward(self, unit: Unit, micro_batch_size: float) -> tuple[float, float] | None:
+        """(B + W over the whole backward, W's share of B + W) at this micro-batch size, as measured
+        on this device (module docstring); None where the profile is not this device's or did not
+        run the unit split."""
+        if self.source != "profiled":
+            return None
+        points = {k: c for k, c in unit.costs.items()
+                  if c.backward_input_time_s is not None and c.backward_weight_time_s is not None}
+        if not points:
+            return None
+        b = micro_batch_size
+        whole = interpolate_time({k: c.backward_time_s for k, c in points.items()}, b)
+        inputs = interpolate_time({k: c.backward_input_time_s or 0.0 for k, c in points.items()}, b)
+        weights = interpolate_time({k: c.backward_weight_time_s or 0.0 for k, c in points.items()}, b)
+        if whole <= 0 or inputs + weights <= 0:
+            return None
+        return (inputs + weights) / whole, weights / (inputs + weights)
 
     def forward_flops(self, unit: Unit, micro_batch_size: float) -> float:
         return interpolate({k: c.forward_flops for k, c in unit.costs.items()}, micro_batch_size)

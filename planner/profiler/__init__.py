@@ -272,7 +272,8 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         optimizer_step_s=optimizer_s,
         fusion=fusion,
         precision=None if torch_dtype == torch.float32 else cast(Literal["autocast", "pure"], precision),
-        notes=_notes(trace, owned, values, meta_traced) + ([] if losses is None or losses.counted else [LOSS_NOT_COUNTED]),
+        notes=_notes(trace, owned, values, meta_traced) + ([] if losses is None or losses.counted else [LOSS_NOT_COUNTED])
+        + _split_notes(jobs),
         cpu_threads=threads if device == "cpu" else None,
     )
 
@@ -537,7 +538,10 @@ def _time_units(mf, model, batches, costs, jobs, units, device, run_as, warmup, 
         raise user_code_error(mf.path, "timing the units and the whole model", exc) from exc
     for (name, b), job in jobs.items():
         forward_s, backward_s = job.typical()
+        input_s, weight_s = job.split_backward()
         costs[name][b] = costs[name][b].model_copy(update={"forward_time_s": forward_s, "backward_time_s": backward_s,
+                                                           "backward_input_time_s": input_s,
+                                                           "backward_weight_time_s": weight_s,
                                                            "peak_memory_bytes": job.peak_memory_bytes})
     whole = {}
     for b, job in wholes.items():
@@ -581,6 +585,16 @@ def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nul
             except Exception as exc:
                 raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
     return op_graphs
+
+
+def _split_notes(jobs: dict) -> list[str]:
+    """A note naming the units whose backward torch's zero-bubble functions could not split
+    (planner/profiler/measure.py `UnitJob`): their split is priced as free."""
+    failed = {name: job.split_error for (name, _), job in jobs.items() if job.split_error}
+    if not failed:
+        return []
+    return ["zero bubble's split backward (torch's stage_backward_input, then stage_backward_weight) failed on "
+            + "; ".join(f"{name} ({error})" for name, error in failed.items()) + ": priced as one backward there"]
 
 
 def _notes(trace: UnitTrace, owned, values: KnownValues, meta_traced: bool) -> list[str]:

@@ -24,6 +24,7 @@ samples at each end keeps a one-off spike (25x a unit's time was seen) from deci
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -246,7 +247,13 @@ class UnitJob:
     """One unit at one micro-batch size: forward then backward on fresh copies of its inputs.
     Keeps every forward and backward time, and CUDA's peak memory of its first timed run.
     `precision` is entered around each forward, as the runtime enters autocast around each
-    micro-batch's (autocast's cache of weights cast to 16 bits lasts one such region)."""
+    micro-batch's (autocast's cache of weights cast to 16 bits lasts one such region).
+
+    Where some input takes a gradient, each run then does a second forward and its backward
+    split as zero bubble splits it on a stage after the first: torch's `stage_backward_input` (B),
+    then `stage_backward_weight` (W) with the graph retained, as runtime/apply_pp.py calls them.
+    Their times are kept apart (`UnitCosts.backward_input_time_s`, `backward_weight_time_s`): the
+    split is not free, and how dear it is depends on the device and the unit's graph."""
 
     def __init__(self, module: nn.Module, args: tuple, kwargs: dict, precision=nullcontext):
         self.module, self.args, self.kwargs, self.precision = module, args, kwargs, precision
@@ -256,6 +263,12 @@ class UnitJob:
         self.timer, self.cuda = _Timer(device), device.type == "cuda"
         self.forward_s: list[float] = []
         self.backward_s: list[float] = []
+        self.backward_input_s: list[float] = []
+        self.backward_weight_s: list[float] = []
+        self.split_error: str | None = None
+        """Why the split run failed, where it did (the profile's notes say so)."""
+        self.splits = any(t.is_floating_point() and t.requires_grad for t in tree_flatten((args, kwargs))[0]
+                          if isinstance(t, torch.Tensor))
         self.peak_memory_bytes: int | None = None
         """CUDA only: peak allocated bytes above the baseline during the first kept run."""
 
@@ -279,6 +292,43 @@ class UnitJob:
         if keep:
             self.forward_s.append(fwd_s)
             self.backward_s.append(bwd_s)
+        if self.splits:
+            try:
+                self._run_split(keep)
+            except Exception as exc:  # noqa: BLE001 (a note in the profile; the split is then priced as free)
+                self.splits, self.backward_input_s, self.backward_weight_s = False, [], []
+                self.split_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+    def _run_split(self, keep: bool) -> None:
+        """One forward, then its backward as B and W apart (the class docstring)."""
+        from torch.distributed.pipelining import stage as torch_stage  # the functions the runtime's stages call
+
+        a, kw = _fresh_inputs(self.args, self.kwargs)
+        inputs = [t for t in tree_flatten((a, kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        outs, grads = _grad_targets(self._forward(a, kw))
+        if not outs:
+            return
+        # As runtime/pp_split.py `_sendable` hands a stage's outputs to torch: B detaches them in
+        # place, which autograd refuses on a view (a linear's output on 3-d input is one).
+        outs = [t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
+                for t in outs]
+        with warnings.catch_warnings():  # B sets .grad on the inputs, here clones (`_fresh_inputs`), as torch's stage does
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            (_, groups), input_s = self.timer.time(
+                lambda: torch_stage.stage_backward_input(outs, grads, inputs, iter(self.params)))
+        _, weight_s = self.timer.time(lambda: torch_stage.stage_backward_weight(iter(self.params), groups, retain_graph=True))
+        outs = grads = groups = None
+        for p in self.params:
+            p.grad = None
+        if keep:
+            self.backward_input_s.append(input_s)
+            self.backward_weight_s.append(weight_s)
+
+    def split_backward(self) -> tuple[float, float] | tuple[None, None]:
+        """Typical (B, W) seconds; None where the unit was not run split."""
+        if not self.backward_input_s:
+            return None, None
+        return typical_s(self.backward_input_s), typical_s(self.backward_weight_s)
 
     def _forward(self, args, kwargs):
         with self.precision():

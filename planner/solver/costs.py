@@ -110,6 +110,10 @@ class UnitCostTable:
     weight_gradient_share: np.ndarray | None = None
     """Per unit, the share of its backward its weight GEMMs take (planner/cost/compute.py
     `weight_gradient_share`): zero bubble's W. None: not known (the common split)."""
+    split_backward_extra_s: np.ndarray | None = None
+    """Per unit, what its backward costs more when zero bubble runs it as B then W on a stage after
+    the first, one micro-batch (planner/cost/compute.py `split_backward`: measured on this
+    device, never below 0). None: not measured (the split priced as free)."""
     backward_working: np.ndarray | None = None
     """Per unit, the bytes its backward holds at once beyond its saved activations, one
     micro-batch, per GPU, with no gradient held before (`UnitCosts.backward_working_bytes`, split
@@ -574,7 +578,9 @@ class UnitCosts:
         # The output gradients the weights' gradients are made from (a TP-sharded op's 1/t of them)
         row["wgrad_inputs"] = sum(math.prod(op.output_shape) / (t if op.name in sharded_ops else 1)
                                   for op in u.ops if op.weight_shape) * scale * self.dtype_bytes
-        row["wgrad_share"] = self.compute.weight_gradient_share(u)
+        split = self.compute.split_backward(u, b)  # measured: zero bubble's B + W, and W's share of it
+        row["wgrad_share"] = split[1] if split else self.compute.weight_gradient_share(u)
+        row["split_extra"] = max(split[0] - 1.0, 0.0) * row["bwd"] if split else 0.0
         f_fwd, f_bwd = self.compute.forward_flops(u, b), self.compute.backward_flops(u, b)
         row["flops"] = f_fwd + f_bwd
         core = _attention_flop_share(u)
@@ -647,8 +653,8 @@ class UnitCosts:
         n = len(units)
         arrays: dict[str | tuple[str, str], np.ndarray] = {
             name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
-                                           "fp8_flops", "wgrad_inputs", "wgrad_share", "working", "working_held",
-                                           "start_saved")}
+                                           "fp8_flops", "wgrad_inputs", "wgrad_share", "split_extra", "working",
+                                           "working_held", "start_saved")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
         plans: list[dict[str, str]] = [{} for _ in range(n)]
         feeds: list[dict[str, list[str]]] = [{} for _ in range(n)]
@@ -689,6 +695,8 @@ class UnitCosts:
                               weight_gradient_share=arrays["wgrad_share"], backward_working=arrays["working"],
                               backward_working_held=arrays["working_held"],
                               stage_start_saved=arrays["start_saved"] if arrays["start_saved"].any() else None)
+        if arrays["split_extra"].any():
+            table = replace(table, split_backward_extra_s=arrays["split_extra"])
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

@@ -453,13 +453,14 @@ def evaluate_config(table: UnitCostTable, cfg: Config, env: Environment, fixed_b
     floor = states_held + buffers.step  # the optimizer step's phase, which no recomputation shrinks
     transient = _range_max_at(table, env, "transient", table.transient["full"], start, end)
     width, refit = 0, None  # per-unit modes: K, the frontier columns per set in the table's choices
+    offset = range_offset_s(table, cfg, start, end, p2p, whole)
     if len(env.allowed_recompute) == 1:
         range_costs, least_bytes = _uniform_range_costs(table, env, times[env.allowed_recompute[0]],
                                                        first[env.allowed_recompute[0]], start, end, fixed, floor,
-                                                       transient, p2p, groups, buffers, cfg.num_microbatches, whole)
+                                                       transient, offset, groups, buffers, cfg.num_microbatches, whole)
     else:
         range_costs, least_bytes, width, refit = _per_unit_range_costs(unit_choices(table, cfg, env), start, end, fixed,
-                                                                      floor, transient, p2p, groups, buffers,
+                                                                      floor, transient, offset, groups, buffers,
                                                                       cfg.num_microbatches, whole)
     min_needed = float(least_bytes.min())  # the least any one range holds: each of a rank's other chunks holds that
 
@@ -617,6 +618,23 @@ def whole_backward_ranges(table: UnitCostTable, cfg: Config, start: np.ndarray, 
     return whole if whole.any() else None
 
 
+def range_offset_s(table: UnitCostTable, cfg: Config, start: np.ndarray, end: np.ndarray, p2p: np.ndarray,
+                   whole: np.ndarray | None) -> np.ndarray:
+    """Per unit range [start, end): seconds per micro-batch its time adds beyond its units' and
+    its start's, the hop out of its last unit (`p2p`) and, under zero bubble, what running its
+    backward as B then W costs more (`UnitCostTable.split_backward_extra_s`). Not for a range
+    torch runs whole: the first (its backward runs at W, planner/cost/schedules.py) and those
+    `whole` marks (runtime/pp_split.py `needs_full_backward`)."""
+    offset = p2p[end - 1]
+    extra = table.split_backward_extra_s
+    if cfg.schedule != "zero-bubble" or cfg.pp * cfg.virtual_stages == 1 or extra is None:
+        return offset
+    split = np.asarray(start) > 0
+    if whole is not None:
+        split &= ~whole
+    return offset + np.where(split, range_sums(extra[None], np.zeros(len(start), dtype=int), start, end), 0.0)
+
+
 def zero_bubble_split(table: UnitCostTable, cfg: Config, start: np.ndarray, end: np.ndarray, backward_s: list[float],
                       whole: np.ndarray | None) -> list[float]:
     """Zero bubble: per stage, the share of its backward (`backward_s`) run as the deferred W,
@@ -630,7 +648,8 @@ def zero_bubble_split(table: UnitCostTable, cfg: Config, start: np.ndarray, end:
     if table.weight_gradient_share is None:
         split = np.full(len(start), BACKWARD_WEIGHT_FRACTION)
     else:
-        weights_s = range_sums((table.weight_gradient_share * table.backward_s)[None], np.zeros(len(start), dtype=int),
+        split_s = table.backward_s if table.split_backward_extra_s is None else table.backward_s + table.split_backward_extra_s
+        weights_s = range_sums((table.weight_gradient_share * split_s)[None], np.zeros(len(start), dtype=int),
                                np.asarray(start), np.asarray(end))
         split = np.divide(weights_s, backward_s, out=np.zeros(len(start)), where=np.asarray(backward_s) > 0)
     if whole is not None:
@@ -668,19 +687,19 @@ def _refit_ranks(bounds, modes: list[tuple[int, ...]], held_bytes: SharedRows, s
 
 def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.ndarray, start_time: np.ndarray,
                          start: np.ndarray, end: np.ndarray, fixed: np.ndarray, floor: np.ndarray, transient: np.ndarray,
-                         p2p: np.ndarray, groups: list[StateRow], buffers: StageBuffers,
+                         offset: np.ndarray, groups: list[StateRow], buffers: StageBuffers,
                          num_microbatches: int, whole: np.ndarray | None = None):
     """One allowed mode (`--recompute` pinned): every unit of every range runs it. A range holds
     the larger of its forward/backward bytes (`fixed`, the transient, and at the largest of its
     row's peak states the activations in flight and what the state holds besides:
     `StageBuffers.state_bytes`; a row's whole-backward states where `whole`, `stage_state_rows`)
-    and its optimizer step's (`floor`). Returns ((limit, with_bytes)
+    and its optimizer step's (`floor`); each range's time adds its `offset` (`range_offset_s`). Returns ((limit, with_bytes)
     -> (cost [group, range], choice [group, range]: 0 or -1, and with_bytes the bytes [group,
     range] at that choice, inf where none fits), and the least bytes [group, range] each range
     can hold)."""
     prefix = np.concatenate([[0.0], np.cumsum(unit_time)])
     p_act = np.concatenate([[0.0], np.cumsum(table.activations[env.allowed_recompute[0]])])
-    time_s = prefix[end] - prefix[start] + start_time[start] + p2p[end - 1]
+    time_s = prefix[end] - prefix[start] + start_time[start] + offset
     held = fixed + (transient if env.allowed_recompute[0] in REBUILDING else 0.0)
     stored = p_act[end] - p_act[start]
     def at_peak(group: tuple[PeakState, ...]) -> np.ndarray:
@@ -697,7 +716,7 @@ def _uniform_range_costs(table: UnitCostTable, env: Environment, unit_time: np.n
 
 
 def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarray, fixed: np.ndarray,
-                          floor: np.ndarray, transient: np.ndarray, p2p: np.ndarray,
+                          floor: np.ndarray, transient: np.ndarray, offset: np.ndarray,
                           groups: list[StateRow], buffers: StageBuffers | None = None,
                           num_microbatches: int = 0, whole: np.ndarray | None = None):
     """Modes per unit (planner/solver/unit_recompute.py): per range and row of peak states
@@ -705,7 +724,8 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
     `stage_state_rows`) the fastest frontier point that fits at every state, a range whose
     optimizer step's bytes (`floor`) exceed the limit fitting none;
     what a state holds besides its activations (`buffers`, `StageBuffers.state_bytes`; None:
-    nothing) changes its room. Returns as `_uniform_range_costs`, the choice a `padded` column,
+    nothing) changes its room; each range's time adds its `offset`. Returns as
+    `_uniform_range_costs`, the choice a `padded` column,
     and the padded width K (`UnitChoices.modes` reads the column with it)."""
     rows = choices.rows(start, end)
     _, act_all, lasts_all = choices.padded
@@ -724,7 +744,7 @@ def _per_unit_range_costs(choices: UnitChoices, start: np.ndarray, end: np.ndarr
                           floor[:, None]).min(axis=1)
 
     least = np.stack([_by_range(row, whole, least_of) for row in groups])  # [row, range]
-    offset = p2p[end - 1][None, :]
+    offset = offset[None, :]
     # One state: its room and level as they are. Several: a frontier point fits them all where its
     # activations fit the least of their rooms per micro-batch in flight (level 1 on that room).
     single = [row[0] == row[1] and len(row[0]) == 1 for row in groups]
@@ -1269,10 +1289,10 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     # Per stage, all stages at once: forward (with recomputation), time, stored activations.
     forward = sums(table.forward_s + unit_recompute_s)
     start_s = np.stack([first[r] for r in all_modes])[unit_mode[starts], starts]
-    total = sums(per_unit(times)) + start_s + p2p[ends - 1]
+    whole = whole_backward_ranges(table, cfg, starts, ends)
+    total = sums(per_unit(times)) + start_s + range_offset_s(table, cfg, starts, ends, p2p, whole)
     stored = sums(per_unit(table.activations))
     held = sums(states)
-    whole = whole_backward_ranges(table, cfg, starts, ends)
     stage_groups = [row[1] if whole is not None and whole[k] else row[0]
                     for k, row in enumerate(stage_state_rows(cfg, len(bounds), whole is not None))]
     # The stages cut the units in order, so their ranges are the segments reduceat takes from `starts`.
