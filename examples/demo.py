@@ -30,7 +30,7 @@ def planner(*args: str) -> None:
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     profile, plan, metrics = OUT / "gpt-cpu.json", OUT / "plan.json", OUT / "metrics.json"
-    planner("profile", *MODEL, "--micro-batch-sizes", "1,2,4", "--device", "cpu", "--output", str(profile))
+    planner("profile", *MODEL, "--micro-batch-sizes", "1,2,4,8", "--device", "cpu", "--output", str(profile))
     cluster = OUT / "cluster.yaml"
     planner("profile-cluster", "--nproc", "2", "--max-bytes", str(4 * 2**20), "--time-budget", "10", "--output", str(cluster))
     planner("solve", "--profile", str(profile), "--cluster", str(cluster), "--global-batch", "16",
