@@ -85,6 +85,31 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, units: list[str], zero_st
         fully_shard(targets if len(targets) > 1 else targets[0], mesh=dp_mesh, reshard_after_forward=reshard,
                     offload_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, offload_policy=policy)
+    _clone_inputs_written_in_place(module)
+
+
+def _clone_inputs_written_in_place(module: nn.Module) -> None:
+    """Let a module that writes its input in place (`inplace=True`: torchvision's EfficientNet and
+    MobileNet start their classifier unit with `Dropout(inplace=True)`) take an FSDP unit's input.
+
+    FSDP2 passes each sharded module's inputs through an autograd Function that returns them as
+    they are (`RegisterPostBackwardFunction`, which fires the unit's post-backward), so they are
+    views made by a custom Function, which autograd refuses to modify in place. Such a module gets
+    a copy instead: the write lands on the copy, as it would on the input itself where nothing
+    reads the input after the module (the usual case; the one-process parity tests would see
+    otherwise). Only those inputs are copied, only ahead of in-place modules."""
+    for sub in module.modules():
+        if getattr(sub, "inplace", False) is True:
+            sub.register_forward_pre_hook(_copy_fsdp_views)
+
+
+def _copy_fsdp_views(_module: nn.Module, args: tuple) -> tuple | None:
+    def made_by_fsdp(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and type(x.grad_fn).__name__ == "RegisterPostBackwardFunctionBackward"
+
+    if not any(made_by_fsdp(a) for a in args):
+        return None
+    return tuple(a.clone() if made_by_fsdp(a) else a for a in args)
 
 
 def _holders_outside_units(present: dict[str, nn.Module], held: list[str]) -> dict[str, list[str]]:

@@ -145,3 +145,45 @@ def test_parity_unit_recompute(case, tmp_path):
               for s in plan.stages]
     assert len({r for s in stages for r in s.unit_modes().values()}) == 3  # the three modes in the plan
     check_parity(plan.model_copy(update={"stages": stages}), tmp_path)
+
+
+IN_PLACE_HEAD = """
+import torch
+from torch import nn
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act = nn.ReLU(inplace=True)  # as EfficientNet's classifier starts with Dropout(inplace=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc(self.act(x))
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.head = Head()
+
+    def forward(self, x):
+        return self.head(self.stem(x))
+
+def build_model(**_):
+    return Net()
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 8), torch.randint(4, (batch_size,))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
+def test_parity_of_a_unit_that_writes_its_input_in_place_under_fsdp(zero, tmp_path, write_model):
+    # FSDP2 hands a sharded unit its inputs as views a custom Function made, which autograd will
+    # not let the unit's in-place ReLU write (runtime/apply_dp.py `_clone_inputs_written_in_place`).
+    from planner.plan import ModelRef
+
+    plan = make_plan(dp=2, zero=zero, units=["stem", "head"], args={})
+    plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(IN_PLACE_HEAD, "in_place_head.py")), args={})})
+    check_parity(plan, tmp_path)
