@@ -2,7 +2,7 @@
 
 A model file is a Python file that defines
 
-    build_model(**model_args) -> torch.nn.Module       # must work under torch.device("meta")
+    build_model(**model_args) -> torch.nn.Module       # built on the meta device (`ModelFile.build_on_meta`)
     make_batch(batch_size, **model_args) -> (inputs, targets)
     loss_fn(output, targets) -> torch.Tensor           # optional; default cross-entropy
 
@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -72,6 +73,27 @@ class ModelFile:
     def build_model(self):
         """The user's model, made ready for training (see `for_training`)."""
         return for_training(call_user(self, "build_model", **self.model_args))
+
+    def build_on_meta(self):
+        """The user's model with its parameters and buffers on the meta device (no memory, any size).
+
+        Built under `torch.device("meta")`, as the contract asks. A constructor that computes its
+        architecture with tensors and reads them back (torchvision's RegNet derives its widths
+        from `torch.arange(...).tolist()`) cannot run so: every tensor is then a meta tensor, and
+        meta tensors hold no values. It is built again with only its parameters and buffers sent
+        to meta as each module registers them (`parameters_on_meta`), its arithmetic on the CPU.
+        If that fails too, the first error is the one reported."""
+        import torch
+
+        try:
+            with torch.device("meta"):
+                return self.build_model()
+        except PlannerError as first:
+            try:
+                with parameters_on_meta():
+                    return self.build_model()
+            except PlannerError:
+                raise first from None
 
     def make_batch(self, batch_size: int):
         """(inputs, targets) from the user's make_batch, its shape checked (`check_batch`)."""
@@ -212,6 +234,35 @@ def for_training(model):
         if config is not None and getattr(config, "use_cache", False):
             config.use_cache = False
     return model
+
+
+@contextmanager
+def parameters_on_meta():
+    """While it lasts, a parameter or buffer a module registers lands on the meta device; other
+    tensors are made where they would be (`ModelFile.build_on_meta`). Each one is made and
+    initialised on the CPU first, so this costs the largest one's memory at a time and the
+    initialisation's time: a fallback, not the way to build a model of billions of parameters.
+    (What accelerate's `init_empty_weights` does; written here rather than depend on accelerate.)"""
+    import torch
+    from torch import nn
+
+    register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
+
+    def to_meta_parameter(module, name, param):
+        if param is not None and type(param) is nn.Parameter and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register_parameter(module, name, param)
+
+    def to_meta_buffer(module, name, tensor, persistent=True):
+        if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+            tensor = tensor.to("meta")
+        register_buffer(module, name, tensor, persistent)
+
+    nn.Module.register_parameter, nn.Module.register_buffer = to_meta_parameter, to_meta_buffer
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter, nn.Module.register_buffer = register_parameter, register_buffer
 
 
 def call_user(model_file: ModelFile, fn_name: str, *args, **kwargs):

@@ -40,8 +40,7 @@ from planner.units import model_fingerprint, trace_on_meta
 
 
 def build_meta_model(model_file: ModelFile) -> nn.Module:
-    with torch.device("meta"):
-        return model_file.build_model()
+    return model_file.build_on_meta()
 
 
 def as_tuple(inputs) -> tuple:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from planner.errors import PlannerError
 from planner.profile_schema import load_profile
@@ -276,3 +277,40 @@ def test_a_unit_alone_sees_state_its_forward_updates_as_it_was_when_called(write
     attention = 2 * (2 * b * t * t * d)  # the scores and their product with the keys, 6 keys each
     for unit in prof.units[:3]:
         assert unit.costs[b].forward_flops == 2 * b * t * d * d + attention
+
+
+WIDTHS_FROM_TENSORS = """
+import torch
+from torch import nn
+
+def build_model(**_):
+    # torchvision's RegNet derives its stage widths so: tensor arithmetic read back to Python.
+    widths = (torch.arange(3) * 4 + 8).tolist()
+    layers, width = [], 8
+    for w in widths:
+        layers += [nn.Linear(width, w), nn.ReLU()]
+        width = w
+    model = nn.Sequential(*layers, nn.Linear(width, 4))
+    model.register_buffer("scale", torch.ones(4))
+    return model
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 8), torch.randint(4, (batch_size,))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_model_that_computes_its_shape_with_tensors_profiles(write_model, device):
+    # Under torch.device("meta") its arithmetic has no values; built again with only its
+    # parameters and buffers sent to meta (planner/model_file.py `ModelFile.build_on_meta`).
+    from planner.model_file import load_model_file
+
+    path = write_model(WIDTHS_FROM_TENSORS)
+    model = load_model_file(path).build_on_meta()
+    assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+    assert [m.out_features for m in model if isinstance(m, torch.nn.Linear)] == [8, 12, 16, 4]
+    import torch.nn as nn
+
+    assert nn.Module.register_parameter.__name__ == "register_parameter"  # restored afterwards
+    prof = profile_model(str(path), {}, [2], device=device, repeats=2, warmup=1)
+    assert prof.model.num_parameters == sum(p.numel() for p in model.parameters())

@@ -289,8 +289,7 @@ def _logged_step(what: str):
 def _build_meta_model(mf: ModelFile, torch_dtype: torch.dtype) -> torch.nn.Module:
     """The model on the meta device (free at any size) in the profile's dtype; refuses a
     build_model that returns no module or one with nothing to train."""
-    with torch.device("meta"):
-        meta_model = mf.build_model()
+    meta_model = mf.build_on_meta()
     if not isinstance(meta_model, torch.nn.Module):
         raise PlannerError(f"build_model() in {mf.path} returned {type(meta_model).__name__}, not a torch.nn.Module.")
     if not any(True for _ in meta_model.parameters()):
