@@ -389,10 +389,7 @@ def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tu
         parent_name, _, child = name.rpartition(".")
         parent = chunk.get_submodule(parent_name) if parent_name else chunk
         stub = _Stub(chunk.get_submodule(name).to("meta"))
-        if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-            parent[int(child)] = stub
-        else:
-            setattr(parent, child, stub)
+        setattr(parent, child, stub)  # by name, in a Sequential too (DenseNet's are named: "transition1")
     # The original class's forward, fetched before anything (FSDP2) swaps the class.
     spec = StageSpec(layout, stage, type(model).forward, placeholders, forward_context, scatter_group=scatter_group)
     setattr(chunk, STAGE_SPEC, spec)  # by name: torch types nn.Module.__setattr__ for tensors and modules only

@@ -57,10 +57,7 @@ def _wrap(model: nn.Module, name: str, mode: str) -> None:
     parent = model.get_submodule(parent_name) if parent_name else model
     module = parent.get_submodule(child)
     wrapped = checkpoint_wrapper(module, context_fn=op_policy) if mode == "op" else checkpoint_wrapper(module)
-    if isinstance(parent, (nn.ModuleList, nn.Sequential)):
-        parent[int(child)] = wrapped
-    else:
-        setattr(parent, child, wrapped)
+    setattr(parent, child, wrapped)  # by name, in a Sequential too (DenseNet's are named: "denseblock1")
 
 
 def apply_recompute(model: nn.Module, units: list[str], mode: str) -> None:

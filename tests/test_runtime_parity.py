@@ -187,3 +187,28 @@ def test_parity_of_a_unit_that_writes_its_input_in_place_under_fsdp(zero, tmp_pa
     plan = make_plan(dp=2, zero=zero, units=["stem", "head"], args={})
     plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(IN_PLACE_HEAD, "in_place_head.py")), args={})})
     check_parity(plan, tmp_path)
+
+
+NAMED_SEQUENTIAL = """
+from collections import OrderedDict
+import torch
+from torch import nn
+
+def build_model(**_):
+    # DenseNet's features are a Sequential with named children (conv0, denseblock1, transition1, ...)
+    return nn.Sequential(OrderedDict(stem=nn.Linear(8, 16), act=nn.ReLU(), mid=nn.Linear(16, 16), head=nn.Linear(16, 4)))
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 8), torch.randint(4, (batch_size,))
+"""
+
+
+@pytest.mark.slow
+def test_parity_of_a_pipeline_cut_inside_a_sequential_with_named_children(tmp_path, write_model):
+    # A stage replaces the units it does not run, and recomputation wraps the ones it does, by
+    # their names in their parent (runtime/pp_split.py `make_stage`, runtime/recompute.py).
+    from planner.plan import ModelRef
+
+    plan = make_plan(pp=2, m=2, units=["stem", "act", "mid", "head"], args={}, recompute="full")
+    plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(NAMED_SEQUENTIAL, "named.py")), args={})})
+    check_parity(plan, tmp_path)
