@@ -230,6 +230,24 @@ def test_tp_that_splits_no_weight_is_refused(write_model):
         solve(profile, make_cluster(3, gpu="a100-80gb"), 3, Pins(tp=3))
 
 
+def test_tp_on_a_model_of_convolutions_only_is_refused_saying_so(write_model):
+    # SqueezeNet-like: every weight a convolution, which tensor parallelism does not shard.
+    source = """
+import torch
+from torch import nn
+
+def build_model(**_):
+    return nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 10, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 3, 8, 8), torch.randint(10, (batch_size,))
+"""
+    profile = profile_model(str(write_model(source, "convs.py")), {}, [1], device="meta", gpu="a100-80gb")
+    with pytest.raises(PlannerError, match=r"--tp 2: tensor parallelism shards Linear and Embedding weights, and the "
+                                           r"model has none \(its weighted layers are conv\)"):
+        solve(profile, make_cluster(2, gpu="a100-80gb"), 2, Pins(tp=2))
+
+
 def test_pp_above_the_unit_count_is_refused(gpt_meta):
     with pytest.raises(PlannerError, match="--pp 8 x --virtual-stages 1 exceeds the model's 5 units"):
         solve(gpt_meta, make_cluster(8, gpu="cpu"), 8, Pins(pp=8))

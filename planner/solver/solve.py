@@ -222,6 +222,10 @@ PIPELINE_ZERO_WHY = ("a pipeline defers FSDP's gradient reduction to the step's 
                      "each backward (torch's PipelineStage), so ZeRO 2-3 hold whole gradients, as ZeRO 1 does")
 
 
+TP_KINDS = ("linear", "embedding")
+"""The op kinds whose weights the runtime shards under tensor parallelism."""
+
+
 def tp_refusal(profile: Profile, tp: int) -> str | None:
     """Why the runtime cannot honour tensor parallelism of degree `tp` on this model (None: it can).
 
@@ -249,9 +253,14 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
         more = f" and {len(obstacles) - 3} more" if len(obstacles) > 3 else ""
         return f"tensor parallelism splits whole attention heads and {tp} does not divide them ({'; '.join(obstacles[:3])}{more})"
     if not shardable:
-        dims = sorted({d for u in profile.units for op in u.ops if op.weight_shape for d in op.weight_shape})
+        weighted = [op for u in profile.units for op in u.ops if op.weight_shape]
+        kinds = sorted({op.kind for op in weighted if op.kind not in TP_KINDS})
+        dims = sorted({d for op in weighted if op.kind in TP_KINDS for d in op.weight_shape or ()})
+        if not dims:
+            return ("tensor parallelism shards Linear and Embedding weights, and the model has none"
+                    + (f" (its weighted layers are {', '.join(kinds)})" if kinds else "") + ", so nothing would be sharded")
         return (f"no Linear or Embedding weight of the model has a dimension that splits {tp} ways "
-                f"(weight dims {dims[:8] or 'none'}"
+                f"(their dims {dims[:8]}"
                 + (", tied weights not counted" if tied else "") + "), so nothing would be sharded")
     return None
 
