@@ -154,6 +154,12 @@ class OpNode(_Model):
     (Falcon's `mlp_output += attention_output`). Sharded, the module hands back DTensor's local
     view, which autograd forbids writing, so the plan lists it in `Stage.tp_copy_outputs` and
     the runtime hands back a copy."""
+    projections_inside: bool = False
+    """An `attention` that makes its q, k, v and output projections itself, from parameters of its
+    own inside one function (torch's nn.MultiheadAttention, through
+    F.multi_head_attention_forward): the runtime cannot shard them, so it stays replicated, and
+    under sequence parallelism it would see only its rank's tokens, so the unit gets none
+    (planner/solver/intra_op.py `_sequence_parallel_blocked`)."""
     has_bias: bool = False
     """Whether the module has a bias."""
     input_shape: list[int]
@@ -367,6 +373,11 @@ class ModelInfo(_Model):
     attention) gets no CP. None where not counted (no token sequence; profiles written before)."""
     tied_parameters: list[list[str]] = []
     """Groups of units sharing a parameter (e.g. tied embeddings)."""
+    root_parameters: list[str] = []
+    """Parameters no unit holds, the model root's own (torchvision's ViT keeps its class token and
+    position embedding so): no pipeline stage can own them (runtime/pp_split.py
+    `check_splittable`), so the solver plans such a model with pp 1. Empty in profiles written
+    before it was recorded (the runtime still refuses the pipeline)."""
     unsplit_units: list[list[str]] = []
     """Runs of units [first, last] that no pipeline cut may split: a tensor made where the tracer
     cannot see it (a `torch.vmap` result) is sent by the stage that first uses it

@@ -82,3 +82,93 @@ def test_encoder_tp_plan_trains_like_one_process(encoder_profile, sequence_paral
     plan = solve(encoder_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
     assert plan.layout.sequence_parallel is sequence_parallel and _sharded(plan)
     check_parity(plan, tmp_path)
+
+
+VIT = '''
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    """As torchvision's ViT encoder block: nn.MultiheadAttention, and the MLP a child of its own."""
+
+    def __init__(self, d, heads, ff):
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        # No bias: its key part gets no gradient in exact arithmetic, and Adam moves it by rounding
+        # noise alone (tests/test_runtime_parity.py `check_parity`).
+        self.attn = nn.MultiheadAttention(d, heads, bias=False, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, ff), nn.GELU(), nn.Linear(ff, d))
+
+    def forward(self, x):
+        y = self.ln_1(x)
+        y, _ = self.attn(y, y, y, need_weights=False)
+        x = x + y
+        return x + self.mlp(self.ln_2(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d=32, heads=4, layers=2, ff=64, classes=10, patches=8):
+        super().__init__()
+        self.proj = nn.Linear(12, d)
+        self.class_token = nn.Parameter(torch.randn(1, 1, d) * 0.02)  # the root's own, as torchvision's ViT
+        self.blocks = nn.ModuleList([Block(d, heads, ff) for _ in range(layers)])
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = torch.cat([self.class_token.expand(h.shape[0], -1, -1), h], dim=1)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h[:, 0]))
+
+
+def build_model(**kw):
+    return Net(**kw)
+
+
+def make_batch(batch_size, patches=8, **_):
+    return torch.randn(batch_size, patches, 12), torch.randint(10, (batch_size,))
+'''
+
+
+@pytest.fixture(scope="module")
+def vit_profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vit") / "vit.py"
+    path.write_text(VIT)
+    return profile_model(str(path), {}, [1, 2], device="cpu", repeats=1, warmup=0)
+
+
+def test_torchs_multihead_attention_stays_whole_and_keeps_sequence_parallelism_out(vit_profile):
+    # Its projections are its own parameters inside F.multi_head_attention_forward: recorded as
+    # one attention that projects inside (profile_schema.OpNode.projections_inside), replicated,
+    # and under sequence parallelism it would see only its rank's tokens.
+    block = next(u for u in vit_profile.units if u.name == "blocks.0")
+    assert [(op.name, op.kind, op.projections_inside) for op in block.ops if op.kind == "attention"] == [
+        ("attention_1", "attention", True)]
+    with_sp = solve(vit_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=True))
+    without = solve(vit_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=False))
+    assert not [n for n in _sharded(with_sp) if n.startswith("blocks.")]
+    assert _sharded(without)["blocks.0.mlp.0"] == "colwise" and _sharded(without)["blocks.0.mlp.2"] == "rowwise"
+    assert not [n for n in _sharded(without) if ".attn" in n]
+
+
+def test_a_model_whose_root_holds_parameters_is_planned_without_a_pipeline(vit_profile):
+    # torchvision's ViT keeps its class token on the root: no pipeline stage could own it.
+    from planner.errors import PlannerError
+
+    assert vit_profile.model.root_parameters == ["class_token"]
+    free = solve(vit_profile, make_cluster(2, gpu="cpu"), 4, Pins())
+    assert free.layout.pp_degree == 1
+    with pytest.raises(PlannerError, match=r"--pp 2: parameters \['class_token'\] belong to the model root"):
+        solve(vit_profile, make_cluster(2, gpu="cpu"), 4, Pins(pp=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_vit_tp_plan_trains_like_one_process(vit_profile, sequence_parallel, tmp_path):
+    from tests.test_runtime_parity import check_parity
+
+    plan = solve(vit_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
+    assert plan.layout.sequence_parallel is sequence_parallel and _sharded(plan)
+    check_parity(plan, tmp_path)

@@ -324,6 +324,7 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         cp_obstacles=list(dict.fromkeys(o for t in traces.values() for o in t.cp_obstacles)),
         attention_calls=next(iter(traces.values())).attention_calls if traces else None,
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
+        root_parameters=[name for name, _ in owned.get("", [])],
         unsplit_units=[list(run) for run in sorted({run for t in traces.values() for run in t.joined})],
     )
 

@@ -339,6 +339,8 @@ class _OpGraphRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward and self.depth == 0:
+            return self._multi_head_attention(func, args, kwargs)
         if self.depth == 0:  # what this call's output will be tagged with (below), for what it saves
             kind = "attention" if func in ATTENTION_FUNCS else "matmul" if func in MATMUL_FUNCS else None
             self.current = frozenset({f"{kind}_{self.counts.get(kind, 0) + 1}"}) if kind else self.sources((args, kwargs))
@@ -401,6 +403,23 @@ class _OpGraphRecorder(TorchFunctionMode):
         self.tag(out, frozenset({name}))
         return out
 
+
+    def _multi_head_attention(self, func, args, kwargs):
+        """torch's nn.MultiheadAttention: one call that projects q, k and v from its own
+        parameters, attends and projects the output, all inside (`OpNode.projections_inside`).
+        Recorded as one attention of those FLOPs on the sources of its query, key and value."""
+        self.counts["attention"] = self.counts.get("attention", 0) + 1
+        name = f"attention_{self.counts['attention']}"
+        self.current = frozenset({name})
+        out = func(*args, **kwargs)
+        query, key = args[0], args[1]  # (target length, batch, embed) and (source length, batch, embed)
+        tokens, source, embed = query.shape[0] * query.shape[1], key.shape[0], query.shape[-1]
+        flops = 2 * tokens * embed * 4 * embed + 4 * tokens * source * embed  # q, k, v and out projections; scores, mix
+        y = tensors_in(out)[0]
+        self.ops.append(OpNode(name=name, kind="attention", input_shape=list(query.shape), output_shape=list(y.shape),
+                               forward_flops=flops, inputs=sorted(self.sources(args[:3])), projections_inside=True))
+        self.tag(out, frozenset({name}))
+        return out
 
     def _mark_fused(self, operands: list[torch.Tensor]) -> None:
         """A linear feeding more than one of q, k, v (one fused projection split into them), unless

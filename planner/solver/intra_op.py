@@ -191,9 +191,10 @@ def _linear_features(op: OpNode) -> tuple[int, int]:
 
 
 def _fused_attention(ops) -> set[str]:
-    """Attention ops (fused, or either matmul of a materialised one) fed by a fused q|k|v linear."""
+    """Attention ops (fused, or either matmul of a materialised one) fed by a fused q|k|v linear,
+    and those that project inside (`OpNode.projections_inside`: torch's nn.MultiheadAttention)."""
     fused = {op.name for op in ops if op.kind == "linear" and op.fused_attention_input}
-    return {op.name for op in ops if _is_attention(op) and fused & set(op.inputs)}
+    return {op.name for op in ops if (_is_attention(op) and fused & set(op.inputs)) or op.projections_inside}
 
 
 def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) -> bool:
@@ -205,7 +206,9 @@ def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) 
     were the owner the unit, that would be the residual stream, which the unit then adds to the
     rowwise module's sequence-sharded output. Nor can attention computed by hand on any rank of
     tensor (`_mixes_tokens`: BLOOM's (batch x heads, s, s) scores) that reads such a linear, which
-    would stay replicated and mix the tokens of this rank's share of the sequence alone.
+    would stay replicated and mix the tokens of this rank's share of the sequence alone. Nor
+    attention that makes its projections inside (torch's nn.MultiheadAttention: ViT's blocks),
+    which stays replicated for the same reason.
 
     Nor a linear fed flattened tokens [T, D] outside the unit's MoE blocks (`moe_blocks`, module
     paths: the parents of the experts the profile found, which the runtime runs on each rank's
@@ -221,6 +224,8 @@ def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) 
     up and its attention's output before the projection after them; under SP its plan then
     trained to other parameters with no error). Gemma's norm of o_proj's output reaches the MLP
     through the residual stream and does not count."""
+    if any(op.projections_inside for op in ops):  # torch's nn.MultiheadAttention (`OpNode.projections_inside`)
+        return True
     heads = _heads_of(ops)
     unshardable = {op.name for op in ops if op.kind == "linear" and _column_shard_breaks(op)}
     reduced = {op.name for op in ops if op.output_reduced_on_features}

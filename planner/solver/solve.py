@@ -265,9 +265,22 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
     return None
 
 
+def pp_refusal(profile: Profile) -> str | None:
+    """Why the runtime cannot run this model in a pipeline (None: it can): parameters the model
+    root holds itself, outside every unit, which no stage owns (runtime/pp_split.py
+    `check_splittable`). Move them into a submodule to pipeline the model."""
+    root = profile.model.root_parameters
+    if not root:
+        return None
+    return (f"parameters {root[:4]} belong to the model root, not to a unit, so no pipeline stage owns them "
+            "(move them into a submodule to pipeline the model)")
+
+
 def check_model_pins(pins: Pins, profile: Profile) -> None:
     """Refuse pinned dimensions this model cannot honour, saying why (the pins alone are checked by `check_pins`)."""
     problems = []
+    if pins.pp and pins.pp > 1 and profile.model.root_parameters:
+        problems.append(f"--pp {pins.pp}: {pp_refusal(profile)}")
     if pins.tp and pins.tp > 1:
         why = tp_refusal(profile, pins.tp)
         if why:
@@ -742,6 +755,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
                       ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll),
                       imbalance=moe_imbalance, float8=float8, expert_tp=pins.expert_tp or 1)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
+    if pins.pp is None and pp_refusal(profile):  # the search offers such a model no pipeline
+        pins = dataclasses.replace(pins, pp=1)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     blocks = list(candidate_blocks(pins, cluster, global_batch_size, len(profile.units), profile.micro_batch_sizes,
                                    tp_degrees, expert_counts(profile), allow_offload,
