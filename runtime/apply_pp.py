@@ -93,7 +93,8 @@ def build_stage_modules(model: nn.Module, plan: Plan, pp_rank: int, example_inpu
     """
     check_splittable(model, plan)
     layout = trace_layout(model, plan, example_inputs)
-    return [(s, make_stage(model, layout, s, tuple(example_inputs), forward_context, scatter_group))
+    split = plan.layout.schedule == "zero-bubble"  # torch's B/W split: each stage's outputs sent as copies
+    return [(s, make_stage(model, layout, s, tuple(example_inputs), forward_context, scatter_group, split_backward=split))
             for s in stage_indices(plan, pp_rank)]
 
 

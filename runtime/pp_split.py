@@ -202,6 +202,9 @@ class StageSpec:
     shape_inference: bool = False
     """True while torch's pipeline infers the shapes crossing each cut by running the stage on
     uninitialised tensors (runtime/apply_pp.py): `_stage_forward` gives them sane values first."""
+    split_backward: bool = False
+    """The schedule runs this stage's backward as input gradients, then weight gradients (zero
+    bubble): its outputs are always sent as copies (`_sendable`)."""
     glue: GlueReplay = field(default_factory=GlueReplay)
     """What the replay of earlier stages' glue returned on the first forward, reused after it
     (runtime/pp_flow.py `GlueReplay`)."""
@@ -291,8 +294,8 @@ def _stage_forward(self: nn.Module, *args):
     assert not missing, f"stage {spec.stage} did not make crossing tensors {missing}"
     # A tensor only passed on is already a fresh autograd node (`_received`), so the schedule's
     # backward (autograd.grad w.r.t. the stage inputs) routes its gradient straight back.
-    return tuple(_sendable(ScatterToGroup.apply(flow.values[k], spec.scatter_group) if spec.sliced(k) else flow.values[k])
-                 for k in spec.out_keys)
+    return tuple(_sendable(ScatterToGroup.apply(flow.values[k], spec.scatter_group) if spec.sliced(k) else flow.values[k],
+                           copy=spec.split_backward) for k in spec.out_keys)
 
 
 def schedule_inputs(inputs: tuple) -> tuple:
@@ -312,10 +315,16 @@ def model_inputs(template: tuple, tensors: tuple) -> tuple:
     return tuple(tree_unflatten([next(passed) if isinstance(x, torch.Tensor) else x for x in leaves], tree))
 
 
-def _sendable(t: torch.Tensor) -> torch.Tensor:
+def _sendable(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
     """A stage output as torch's schedules need it: contiguous (p2p sends), and not a view
     (the zero-bubble schedules `detach_()` a stage's outputs after its input-gradient pass,
-    which autograd refuses on a view). A copy only for those that are not (few activations)."""
+    which autograd refuses on a view). A copy only for those that are not (few activations),
+    or for every one with `copy` (zero bubble): that `detach_()` would also cut an output that
+    an op of the stage saved for its weight gradient, which the later weight pass then cannot
+    use (GoogLeNet cut inside an inception block: its input crosses the cut and feeds the
+    stage's own branches' convolutions too)."""
+    if copy and t.requires_grad:
+        return t.clone(memory_format=torch.contiguous_format)
     return t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
 
 
@@ -380,7 +389,7 @@ def restore_output(module: nn.Module, output):
 
 
 def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tuple, forward_context=None,
-               scatter_group=None) -> nn.Module:
+               scatter_group=None, split_backward: bool = False) -> nn.Module:
     """A copy of `model` holding only `stage`'s units (same FQNs), running only its part."""
     chunk = copy.deepcopy(model)
     for name, stage_index in zip(layout.units, layout.unit_stage, strict=False):
@@ -391,7 +400,8 @@ def make_stage(model: nn.Module, layout: CutLayout, stage: int, placeholders: tu
         stub = _Stub(chunk.get_submodule(name).to("meta"))
         setattr(parent, child, stub)  # by name, in a Sequential too (DenseNet's are named: "transition1")
     # The original class's forward, fetched before anything (FSDP2) swaps the class.
-    spec = StageSpec(layout, stage, type(model).forward, placeholders, forward_context, scatter_group=scatter_group)
+    spec = StageSpec(layout, stage, type(model).forward, placeholders, forward_context, scatter_group=scatter_group,
+                     split_backward=split_backward)
     setattr(chunk, STAGE_SPEC, spec)  # by name: torch types nn.Module.__setattr__ for tensors and modules only
     chunk.forward = types.MethodType(_stage_forward, chunk)
     return chunk

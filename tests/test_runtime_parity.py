@@ -212,3 +212,38 @@ def test_parity_of_a_pipeline_cut_inside_a_sequential_with_named_children(tmp_pa
     plan = make_plan(pp=2, m=2, units=["stem", "act", "mid", "head"], args={}, recompute="full")
     plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(NAMED_SEQUENTIAL, "named.py")), args={})})
     check_parity(plan, tmp_path)
+
+
+SAVED_AND_SENT = """
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.u1, self.u2, self.u3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h1 = self.u1(self.stem(x))
+        return self.head(torch.cat([self.u3(self.u2(h1)), h1], dim=-1))  # h1 feeds u2 and skips to the head
+
+def build_model(**_):
+    return Net()
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 8), torch.randint(4, (batch_size,))
+"""
+
+
+@pytest.mark.slow
+def test_parity_of_zero_bubble_when_a_tensor_a_stage_saves_also_crosses_its_cut(tmp_path, write_model):
+    # Chunk [u1, u2] sends h1 on (to the head) and u2 saved it for its weight gradient. torch's
+    # input-gradient pass detaches the chunk's outputs in place, which left the weight pass a
+    # detached saved tensor (GoogLeNet cut inside an inception block): outputs are sent as copies.
+    from planner.plan import ModelRef
+
+    plan = make_plan(pp=2, v=2, schedule="zero-bubble", m=4, cuts=[0, 1, 3, 4, 5],
+                     units=["stem", "u1", "u2", "u3", "head"], args={})
+    plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(SAVED_AND_SENT, "saved_and_sent.py")), args={})})
+    check_parity(plan, tmp_path)

@@ -308,10 +308,9 @@ class UnitJob:
         outs, grads = _grad_targets(self._forward(a, kw))
         if not outs:
             return
-        # As runtime/pp_split.py `_sendable` hands a stage's outputs to torch: B detaches them in
-        # place, which autograd refuses on a view (a linear's output on 3-d input is one).
-        outs = [t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
-                for t in outs]
+        # As runtime/pp_split.py `_sendable` hands a zero-bubble stage's outputs to torch: copies,
+        # which B then detaches in place.
+        outs = [t.clone(memory_format=torch.contiguous_format) for t in outs]
         with warnings.catch_warnings():  # B sets .grad on the inputs, here clones (`_fresh_inputs`), as torch's stage does
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             (_, groups), input_s = self.timer.time(
