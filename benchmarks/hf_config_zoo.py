@@ -52,9 +52,10 @@ def small_config(model_type: str, path: Path) -> Path:
     return path
 
 
-def planner(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def planner(*args: str, cwd: Path, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """`planner ARGS` as a user types it, one thread per process (also benchmarks/torchvision_zoo.py's)."""
     return subprocess.run([sys.executable, "-m", "planner.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _last_line(done: subprocess.CompletedProcess) -> str:
@@ -95,17 +96,24 @@ def try_type(model_type: str, work: Path) -> dict:
 
 
 def main(types: list[str]) -> pd.DataFrame:
+    return run_each(types, TYPES, try_type, "hf_config_zoo", "model_type")
+
+
+def run_each(asked: list[str], every: list[str], try_one, stem: str, key: str) -> pd.DataFrame:
+    """`try_one(name, work folder)` for each name `asked` (all of `every` if none), each in a
+    temporary folder, the rows as benchmarks/results/<stem>.csv; a subset replaces its rows (by
+    `key`) and keeps the others."""
     rows = []
-    for model_type in types or TYPES:
+    for name in asked or every:
         with tempfile.TemporaryDirectory() as work:
-            row = try_type(model_type, Path(work))
+            row = try_one(name, Path(work))
         rows.append(row)
         print(row, flush=True)
     frame = pd.DataFrame(rows)
-    path = RESULTS / "hf_config_zoo.csv"
-    if types and path.exists():  # a subset: replace its rows, keep the others
+    path = RESULTS / f"{stem}.csv"
+    if asked and path.exists():
         old = pd.read_csv(path)
-        frame = pd.concat([old[~old["model_type"].isin(frame["model_type"])], frame], ignore_index=True)
+        frame = pd.concat([old[~old[key].isin(frame[key])], frame], ignore_index=True)
     frame.to_csv(path, index=False)
     return frame
 

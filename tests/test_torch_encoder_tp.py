@@ -74,16 +74,6 @@ def test_sequence_parallelism_leaves_a_layer_owning_its_linears_replicated(encod
     assert _sharded(without)["layers.0.linear1"] == "colwise" and _sharded(without)["layers.0.linear2"] == "rowwise"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_encoder_tp_plan_trains_like_one_process(encoder_profile, sequence_parallel, tmp_path):
-    from tests.test_runtime_parity import check_parity
-
-    plan = solve(encoder_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
-    assert plan.layout.sequence_parallel is sequence_parallel and _sharded(plan)
-    check_parity(plan, tmp_path)
-
-
 VIT = '''
 import torch
 from torch import nn
@@ -165,10 +155,12 @@ def test_a_model_whose_root_holds_parameters_is_planned_without_a_pipeline(vit_p
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["encoder_profile", "vit_profile"])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_a_vit_tp_plan_trains_like_one_process(vit_profile, sequence_parallel, tmp_path):
+def test_tp_plan_trains_like_one_process(model, sequence_parallel, request, tmp_path):
     from tests.test_runtime_parity import check_parity
 
-    plan = solve(vit_profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
+    profile = request.getfixturevalue(model)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=sequence_parallel))
     assert plan.layout.sequence_parallel is sequence_parallel and _sharded(plan)
     check_parity(plan, tmp_path)
