@@ -26,12 +26,14 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from cost_model_vs_reference import write_out_of_sample  # noqa: E402
 
 from planner.cluster import make_cluster  # noqa: E402
 from planner.profiler import profile_model  # noqa: E402
 from planner.solver.solve import Pins, solve  # noqa: E402
 
-RESULTS = ROOT / "benchmarks" / "results"
 PER_GPU = 256
 # (precision as published, the planner's dtype, GPUs, published images/s)
 ROWS = [("mixed precision", "bfloat16", 1, 2470), ("mixed precision", "bfloat16", 8, 16621),
@@ -54,10 +56,7 @@ def main() -> pd.DataFrame:
                          **{f"{k}_s": v for k, v in plan.prediction.breakdown_s.items()}))
         print(f"ResNet-50 {precision:>15} x{gpus}: published {published:6.0f} img/s, predicted {predicted:6.0f} "
               f"({predicted / published - 1:+.1%})", flush=True)
-    frame = pd.DataFrame(rows)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(RESULTS / "cnn_published.csv", index=False)
-    return frame
+    return write_out_of_sample(rows, "cnn_published")
 
 
 if __name__ == "__main__":
