@@ -323,9 +323,9 @@ def _sendable(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
     an op of the stage saved for its weight gradient, which the later weight pass then cannot
     use (GoogLeNet cut inside an inception block: its input crosses the cut and feeds the
     stage's own branches' convolutions too)."""
-    if copy and t.requires_grad:
+    if (copy and t.requires_grad) or t._base is not None or not t.is_contiguous():
         return t.clone(memory_format=torch.contiguous_format)
-    return t.clone(memory_format=torch.contiguous_format) if t._base is not None or not t.is_contiguous() else t
+    return t
 
 
 _TENSOR = object()  # marks a tensor leaf in StageSpec.output_tree

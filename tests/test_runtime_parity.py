@@ -147,6 +147,13 @@ def test_parity_unit_recompute(case, tmp_path):
     check_parity(plan.model_copy(update={"stages": stages}), tmp_path)
 
 
+def _on_model(plan, path):
+    """`plan` for the model file at `path` (no model arguments): a hand-written plan for a test's own model."""
+    from planner.plan import ModelRef
+
+    return plan.model_copy(update={"model": ModelRef(file=str(path), args={})})
+
+
 IN_PLACE_HEAD = """
 import torch
 from torch import nn
@@ -182,10 +189,8 @@ def make_batch(batch_size, **_):
 def test_parity_of_a_unit_that_writes_its_input_in_place_under_fsdp(zero, tmp_path, write_model):
     # FSDP2 hands a sharded unit its inputs as views a custom Function made, which autograd will
     # not let the unit's in-place ReLU write (runtime/apply_dp.py `_clone_inputs_written_in_place`).
-    from planner.plan import ModelRef
-
     plan = make_plan(dp=2, zero=zero, units=["stem", "head"], args={})
-    plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(IN_PLACE_HEAD, "in_place_head.py")), args={})})
+    plan = _on_model(plan, write_model(IN_PLACE_HEAD, "in_place_head.py"))
     check_parity(plan, tmp_path)
 
 
@@ -207,10 +212,8 @@ def make_batch(batch_size, **_):
 def test_parity_of_a_pipeline_cut_inside_a_sequential_with_named_children(tmp_path, write_model):
     # A stage replaces the units it does not run, and recomputation wraps the ones it does, by
     # their names in their parent (runtime/pp_split.py `make_stage`, runtime/recompute.py).
-    from planner.plan import ModelRef
-
     plan = make_plan(pp=2, m=2, units=["stem", "act", "mid", "head"], args={}, recompute="full")
-    plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(NAMED_SEQUENTIAL, "named.py")), args={})})
+    plan = _on_model(plan, write_model(NAMED_SEQUENTIAL, "named.py"))
     check_parity(plan, tmp_path)
 
 
@@ -241,9 +244,7 @@ def test_parity_of_zero_bubble_when_a_tensor_a_stage_saves_also_crosses_its_cut(
     # Chunk [u1, u2] sends h1 on (to the head) and u2 saved it for its weight gradient. torch's
     # input-gradient pass detaches the chunk's outputs in place, which left the weight pass a
     # detached saved tensor (GoogLeNet cut inside an inception block): outputs are sent as copies.
-    from planner.plan import ModelRef
-
     plan = make_plan(pp=2, v=2, schedule="zero-bubble", m=4, cuts=[0, 1, 3, 4, 5],
                      units=["stem", "u1", "u2", "u3", "head"], args={})
-    plan = plan.model_copy(update={"model": ModelRef(file=str(write_model(SAVED_AND_SENT, "saved_and_sent.py")), args={})})
+    plan = _on_model(plan, write_model(SAVED_AND_SENT, "saved_and_sent.py"))
     check_parity(plan, tmp_path)

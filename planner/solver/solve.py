@@ -279,8 +279,10 @@ def pp_refusal(profile: Profile) -> str | None:
 def check_model_pins(pins: Pins, profile: Profile) -> None:
     """Refuse pinned dimensions this model cannot honour, saying why (the pins alone are checked by `check_pins`)."""
     problems = []
-    if pins.pp and pins.pp > 1 and profile.model.root_parameters:
-        problems.append(f"--pp {pins.pp}: {pp_refusal(profile)}")
+    if pins.pp and pins.pp > 1:
+        why = pp_refusal(profile)
+        if why:
+            problems.append(f"--pp {pins.pp}: {why}")
     if pins.tp and pins.tp > 1:
         why = tp_refusal(profile, pins.tp)
         if why:
