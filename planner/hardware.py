@@ -60,6 +60,16 @@ bf16 only), bracketed by published numbers:
     (GEMMs plus casts) about 1.6x faster, which a 1.7x GEMM leaves room for.
   A measured FP8-vs-bf16 step on an H100 (issue #15) replaces this number.
 
+TF32 (`TF32_DTYPE`, "tfloat32"): Ampere and later GPUs multiply float32 tensors in TF32 (10-bit
+mantissa, float32 accumulate) at 156 TFLOP/s dense on A100 and 494.7 on H100 SXM / H200 (the same
+data sheets, sparse figures halved), 8x and 7.4x their float32 rates. PyTorch runs convolutions in
+TF32 by default and matrix products in float32 (`torch.backends.cudnn.allow_tf32` True,
+`torch.backends.cuda.matmul.allow_tf32` False: PyTorch's "TensorFloat-32 (TF32) on Ampere (and later)
+devices" note, CUDA semantics), and the runtime keeps both defaults, so a float32 plan prices its
+convolutions at the TF32 peak (`GPUSpec.achievable_convolution_flops`) and its linears at the float32
+one. A run that turns TF32 off for convolutions gives the cluster file `peak_flops: {tfloat32: <the
+float32 peak>}`.
+
 The `cpu` entry stands for one gloo process on a workstation core; its numbers are rough
 defaults only used when nothing was measured (a measured CPU profile is always preferred).
 """
@@ -108,7 +118,7 @@ class GPUSpec:
         if dtype not in self.peak_flops:
             raise PlannerError(
                 f"GPU {self.name} has no peak FLOP/s for dtype {dtype}.",
-                f"Use one of {sorted(self.peak_flops)}.",
+                f"Use one of {sorted(set(self.peak_flops) - {TF32_DTYPE})}.",
             )
         return self.peak_flops[dtype] * self.matmul_efficiency
 
@@ -120,6 +130,13 @@ class GPUSpec:
             return self.achievable_flops(dtype)
         self.achievable_flops(dtype)  # an unknown dtype is refused as there
         return self.peak_flops[dtype] * self.attention_efficiency
+
+    def achievable_convolution_flops(self, dtype: str) -> float:
+        """FLOP/s of a convolution (planner/profiler/counters.py `CONVOLUTION_OPS`): in float32 on a GPU
+        with a TF32 peak, that peak (cuDNN's default, module docstring), else `achievable_flops`."""
+        if dtype == "float32" and TF32_DTYPE in self.peak_flops:
+            return self.peak_flops[TF32_DTYPE] * self.matmul_efficiency
+        return self.achievable_flops(dtype)
 
     def fp8_peak_flops(self) -> float:
         """Dense FP8 peak FLOP/s; a PlannerError for a GPU without FP8 tensor cores."""
@@ -151,6 +168,12 @@ class GPUSpec:
 
 FP8_DTYPE = "float8"
 """Key of the dense FP8 peak in `GPUSpec.peak_flops`."""
+TF32_DTYPE = "tfloat32"
+"""Key of the dense TF32 peak in `GPUSpec.peak_flops`: float32 convolutions run at it (module docstring)."""
+A100_TF32_DENSE_FLOPS = 156 * TFLOPS
+"""A100 dense TF32 peak (data sheet: 156 TFLOP/s, 312 with 2:4 sparsity)."""
+H100_TF32_DENSE_FLOPS = 494.7 * TFLOPS
+"""H100 SXM / H200 dense TF32 peak (data sheets: 989 TFLOP/s with 2:4 sparsity, halved)."""
 FP8_GEMM_RELATIVE_EFFICIENCY = 0.85
 """FP8 GEMM's fraction of its peak over bf16's fraction of its peak, same shapes (assumed; module docstring)."""
 H100_FP8_DENSE_FLOPS = 1979 * TFLOPS
@@ -187,7 +210,8 @@ GPUS: dict[str, GPUSpec] = {
     for spec in (
         GPUSpec(
             name="a100-40gb",
-            peak_flops={"float32": 19.5 * TFLOPS, "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
+            peak_flops={"float32": 19.5 * TFLOPS, "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS,
+                        TF32_DTYPE: A100_TF32_DENSE_FLOPS},
             memory_bytes=40 * GIB,
             memory_bandwidth_bytes_per_s=1555 * GB,
             intra_node_bandwidth_bytes_per_s=300 * GB,
@@ -196,7 +220,8 @@ GPUS: dict[str, GPUSpec] = {
         ),
         GPUSpec(
             name="a100-80gb",
-            peak_flops={"float32": 19.5 * TFLOPS, "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS},
+            peak_flops={"float32": 19.5 * TFLOPS, "bfloat16": 312 * TFLOPS, "float16": 312 * TFLOPS,
+                        TF32_DTYPE: A100_TF32_DENSE_FLOPS},
             memory_bytes=80 * GIB,
             memory_bandwidth_bytes_per_s=2039 * GB,
             intra_node_bandwidth_bytes_per_s=300 * GB,
@@ -206,7 +231,7 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec(
             name="h100-80gb",
             peak_flops={"float32": 66.9 * TFLOPS, "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS,
-                        FP8_DTYPE: H100_FP8_DENSE_FLOPS},
+                        FP8_DTYPE: H100_FP8_DENSE_FLOPS, TF32_DTYPE: H100_TF32_DENSE_FLOPS},
             memory_bytes=80 * GIB,
             memory_bandwidth_bytes_per_s=3350 * GB,
             intra_node_bandwidth_bytes_per_s=450 * GB,
@@ -217,7 +242,7 @@ GPUS: dict[str, GPUSpec] = {
         GPUSpec(
             name="h200",
             peak_flops={"float32": 66.9 * TFLOPS, "bfloat16": 989.4 * TFLOPS, "float16": 989.4 * TFLOPS,
-                        FP8_DTYPE: H100_FP8_DENSE_FLOPS},
+                        FP8_DTYPE: H100_FP8_DENSE_FLOPS, TF32_DTYPE: H100_TF32_DENSE_FLOPS},
             memory_bytes=int(141 * GB),
             memory_bandwidth_bytes_per_s=4800 * GB,
             intra_node_bandwidth_bytes_per_s=450 * GB,

@@ -105,6 +105,11 @@ class UnitCosts(_Model):
     `ATTENTION_OPS`), which run at their own rate (planner/hardware.py `attention_efficiency`)."""
     backward_attention_flops: int = 0
     """Of `backward_flops`, likewise."""
+    forward_convolution_flops: int = 0
+    """Of `forward_flops`, those of convolutions (planner/profiler/counters.py `CONVOLUTION_OPS`),
+    which run at their own rate in float32 (planner/hardware.py `achievable_convolution_flops`)."""
+    backward_convolution_flops: int = 0
+    """Of `backward_flops`, likewise."""
 
 
 class OpNode(_Model):

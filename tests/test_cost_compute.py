@@ -99,6 +99,54 @@ def test_fused_attention_runs_at_the_gpus_attention_rate():
     assert on_h100.forward_s == pytest.approx(expected)
 
 
+def test_float32_convolutions_run_at_the_tf32_peak_and_linears_do_not():
+    """PyTorch runs float32 convolutions in TF32 on Ampere and later (`cudnn.allow_tf32`) and
+    float32 matrix products in float32 (`cuda.matmul.allow_tf32`): an analytic A100 profile prices
+    a convolution's FLOPs at the TF32 peak, a linear's at the float32 one, records the convolutions'
+    apart, and a roofline for another GPU prices them at that GPU's TF32 rate. In bfloat16, and on a
+    GPU without a TF32 peak, a convolution runs at the GEMM rate."""
+    import torch
+
+    from planner.errors import PlannerError
+    from planner.hardware import TF32_DTYPE, GPUSpec
+    from planner.profiler.counters import OpCostMode
+
+    a100, h100 = get_gpu("a100-80gb"), get_gpu("h100-80gb")
+    assert a100.achievable_convolution_flops("float32") == pytest.approx(8 * a100.achievable_flops("float32"))
+    assert a100.achievable_convolution_flops("bfloat16") == a100.achievable_flops("bfloat16")
+    no_tf32 = GPUSpec(name="old", peak_flops={"float32": 1e13, "float16": 1e14})
+    assert no_tf32.achievable_convolution_flops("float32") == no_tf32.achievable_flops("float32")
+    with pytest.raises(PlannerError) as refused:
+        a100.achievable_flops("int8")
+    assert TF32_DTYPE not in str(refused.value)  # a key for convolutions, not a dtype a plan is asked in
+
+    x = torch.empty(64, 256, 56, 56, device="meta")
+    conv, linear = torch.empty(256, 256, 3, 3, device="meta"), torch.empty(1024, 1024, device="meta")
+    ops = OpCostMode(a100, "float32")
+    with ops:
+        torch.nn.functional.conv2d(x, conv, padding=1)
+    assert ops.totals.convolution_flops == ops.totals.flops > 0
+    compute_bound = ops.totals.flops / a100.achievable_convolution_flops("float32")
+    assert compute_bound > ops.totals.traffic_bytes / a100.achievable_bandwidth
+    assert ops.totals.roofline_time_s == pytest.approx(compute_bound + a100.kernel_overhead_s)
+    ops = OpCostMode(a100, "float32")
+    with ops:
+        torch.empty(8192, 1024, device="meta") @ linear
+    assert ops.totals.convolution_flops == 0
+    assert ops.totals.roofline_time_s == pytest.approx(ops.totals.flops / a100.achievable_flops("float32") + a100.kernel_overhead_s)
+
+    prof = profile_model("examples/resnet.py", dict(depth=18, width=8, image_size=32), [2], device="meta", gpu="a100-80gb",
+                         dtype="float32")
+    block = next(u for u in prof.units if u.name == "layer1.0")
+    costs = block.costs[2]
+    assert costs.forward_convolution_flops > 0.9 * costs.forward_flops and costs.backward_convolution_flops > 0
+    on_h100 = ComputeModel(prof, h100).unit_time(block, 2)
+    expected = max((costs.forward_flops - costs.forward_convolution_flops) / h100.achievable_flops("float32")
+                   + costs.forward_convolution_flops / h100.achievable_convolution_flops("float32"),
+                   costs.forward_memory_traffic_bytes / h100.achievable_bandwidth)
+    assert on_h100.forward_s == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_meta_attention_keeps_the_value_width(masked):
     """DeepSeek's latent attention has q and k 192 wide and v 128: the meta kernel must return v's

@@ -173,18 +173,23 @@ class ComputeModel:
             fwd = interpolate_time({k: c.forward_time_s for k, c in costs.items()}, b)
             bwd = interpolate_time({k: c.backward_time_s for k, c in costs.items()}, b)
             return UnitTime(fwd * ratio, bwd * ratio)
-        flops_rate, bandwidth = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_bandwidth
-        attention_rate = self.gpu.achievable_attention_flops(self.dtype)
-
-        def time_s(flops: str, attention: str, traffic: str) -> float:
+        def time_s(pass_: str) -> float:
             # FLOPs and bytes are linear in the micro-batch size (plus a constant for weights).
-            total = interpolate({k: getattr(c, flops) for k, c in costs.items()}, b)
-            fused = interpolate({k: getattr(c, attention) for k, c in costs.items()}, b)
-            return max((total - fused) / flops_rate + fused / attention_rate,
-                       interpolate({k: getattr(c, traffic) for k, c in costs.items()}, b) / bandwidth)
+            def at(field: str) -> float:
+                return interpolate({k: getattr(c, f"{pass_}_{field}") for k, c in costs.items()}, b)
 
-        return UnitTime(time_s("forward_flops", "forward_attention_flops", "forward_memory_traffic_bytes"),
-                        time_s("backward_flops", "backward_attention_flops", "backward_memory_traffic_bytes"))
+            return max(self.flops_time_s(at("flops"), at("attention_flops"), at("convolution_flops")),
+                       at("memory_traffic_bytes") / self.gpu.achievable_bandwidth)
+
+        return UnitTime(time_s("forward"), time_s("backward"))
+
+    def flops_time_s(self, flops: float, attention_flops: float = 0.0, convolution_flops: float = 0.0) -> float:
+        """Seconds of `flops` on this GPU, of which `attention_flops` run in fused attention kernels
+        and `convolution_flops` in convolutions, each at its own rate (planner/hardware.py)."""
+        gpu, dtype = self.gpu, self.dtype
+        return ((flops - attention_flops - convolution_flops) / gpu.achievable_flops(dtype)
+                + attention_flops / gpu.achievable_attention_flops(dtype)
+                + convolution_flops / gpu.achievable_convolution_flops(dtype))
 
     def optimizer_s_per_param(self) -> float:
         """Seconds of one AdamW step per parameter (module docstring), contention included."""
@@ -206,12 +211,13 @@ class ComputeModel:
         first stage's split moves nothing: planner/cost/schedules.py)."""
         smallest = min(unit.costs)
         costs = unit.costs[smallest]
-        weights = sum(op.forward_flops for op in unit.ops if op.weight_shape and op.kind in ("linear", "conv"))
+        linears = sum(op.forward_flops for op in unit.ops if op.weight_shape and op.kind == "linear")
         # A MoE layer's experts run grouped GEMMs the op graph does not list: their forward FLOPs.
-        weights += sum(layer.costs[smallest].expert_forward_flops for layer in unit.moe if smallest in layer.costs)
-        rate, attention_rate = self.gpu.achievable_flops(self.dtype), self.gpu.achievable_attention_flops(self.dtype)
-        backward_s = (costs.backward_flops - costs.backward_attention_flops) / rate + costs.backward_attention_flops / attention_rate
-        return min(weights / rate / backward_s, 0.5) if backward_s > 0 else 0.0
+        linears += sum(layer.costs[smallest].expert_forward_flops for layer in unit.moe if smallest in layer.costs)
+        convolutions = sum(op.forward_flops for op in unit.ops if op.weight_shape and op.kind == "conv")
+        weights_s = self.flops_time_s(linears + convolutions, convolution_flops=convolutions)
+        backward_s = self.flops_time_s(costs.backward_flops, costs.backward_attention_flops, costs.backward_convolution_flops)
+        return min(weights_s / backward_s, 0.5) if backward_s > 0 else 0.0
 
     def split_backward(self, unit: Unit, micro_batch_size: float) -> tuple[float, float] | None:
         """(B + W over the whole backward, W's share of B + W) at this micro-batch size, as measured

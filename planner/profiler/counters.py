@@ -104,6 +104,8 @@ class OpTotals:
     flops: int = 0
     attention_flops: int = 0
     """The FLOPs of fused attention kernels (`ATTENTION_OPS`), which run at their own rate."""
+    convolution_flops: int = 0
+    """The FLOPs of convolutions (`CONVOLUTION_OPS`), likewise."""
     traffic_bytes: int = 0
     roofline_time_s: float = 0.0
     num_kernels: int = 0
@@ -126,6 +128,11 @@ ATTENTION_OPS = {getattr(aten, name) for name in (
     "_scaled_dot_product_flash_attention_for_cpu_backward") if hasattr(aten, name)}
 """Fused attention kernels (flash, memory-efficient, cuDNN; CPU's flash): priced at the GPU's attention rate
 (planner/hardware.py `GPUSpec.attention_efficiency`), not its GEMM rate."""
+CONVOLUTION_OPS = {aten.convolution, aten._convolution, aten.convolution_backward}
+"""Convolutions, which cuDNN runs in TF32 for float32 tensors unless told not to: priced at
+planner/hardware.py `GPUSpec.achievable_convolution_flops`."""
+GEMM, ATTENTION, CONVOLUTION = "gemm", "attention", "convolution"
+"""The rates an op's FLOPs are priced at (`OpCostMode._add_kernel`)."""
 
 
 @dataclass
@@ -137,7 +144,8 @@ class _Op:
     """((storage, version), bytes) per tensor written."""
     fusible: bool
     traffic_bytes: int
-    attention: bool = False
+    kind: str = GEMM
+    """Which rate prices its FLOPs: `GEMM`, `ATTENTION` or `CONVOLUTION`."""
 
 
 class OpCostMode(TorchDispatchMode):
@@ -175,9 +183,9 @@ class OpCostMode(TorchDispatchMode):
             return out
         flops = FLOP_FORMULAS[packet](*args, **kwargs, out_val=out) if packet in FLOP_FORMULAS else 0
         traffic = self._traffic(packet, args, kwargs, out)
-        attention = packet in ATTENTION_OPS
+        kind = ATTENTION if packet in ATTENTION_OPS else CONVOLUTION if packet in CONVOLUTION_OPS else GEMM
         if self.fusion == "none":
-            self._add_kernel(flops, traffic, attention)
+            self._add_kernel(flops, traffic, kind)
         else:
             reads = [(self._key(t), tensor_bytes(t)) for t in tensors_in((args, kwargs))]
             writes = []
@@ -186,7 +194,7 @@ class OpCostMode(TorchDispatchMode):
                 self._version[storage] = self._version.get(storage, -1) + 1  # a write makes a new version
                 writes.append((self._key(t), tensor_bytes(t)))
             fusible = packet is not aten.embedding and (torch.Tag.pointwise in func.tags or packet in FUSIBLE_NON_POINTWISE)
-            self._ops.append(_Op(flops, reads, writes, fusible, traffic, attention))
+            self._ops.append(_Op(flops, reads, writes, fusible, traffic, kind))
         return out
 
     def note_saved(self, t: torch.Tensor) -> None:
@@ -209,14 +217,17 @@ class OpCostMode(TorchDispatchMode):
         self._alive.append(storage)
         return storage._cdata
 
-    def _add_kernel(self, flops: int, traffic: int, attention: bool = False) -> None:
+    def _add_kernel(self, flops: int, traffic: int, kind: str = GEMM) -> None:
         totals = self.totals
         totals.flops += flops
-        totals.attention_flops += flops if attention else 0
+        totals.attention_flops += flops if kind == ATTENTION else 0
+        totals.convolution_flops += flops if kind == CONVOLUTION else 0
         totals.traffic_bytes += traffic
         totals.num_kernels += 1
         if self.gpu is not None:
-            rate = self.gpu.achievable_attention_flops(self.dtype) if attention else self.gpu.achievable_flops(self.dtype)
+            rate = (self.gpu.achievable_attention_flops(self.dtype) if kind == ATTENTION
+                    else self.gpu.achievable_convolution_flops(self.dtype) if kind == CONVOLUTION
+                    else self.gpu.achievable_flops(self.dtype))
             totals.roofline_time_s += self.gpu.kernel_overhead_s + max(flops / rate, traffic / self.gpu.achievable_bandwidth)
 
     def __exit__(self, *exc):
@@ -253,9 +264,10 @@ class OpCostMode(TorchDispatchMode):
         kernels: dict[int, list[int]] = {}
         for i in range(len(self._ops)):
             kernels.setdefault(root(i), []).append(i)
-        for members in kernels.values():  # an attention kernel is never fused: alone in its group
+        for members in kernels.values():  # attention and convolution kernels are never fused: alone in their group
+            kinds = {self._ops[i].kind for i in members} - {GEMM}
             self._add_kernel(sum(self._ops[i].flops for i in members), max(0, sum(traffic[i] for i in members)),
-                             any(self._ops[i].attention for i in members))
+                             kinds.pop() if kinds else GEMM)
 
     @staticmethod
     def _traffic(packet, args, kwargs, out) -> int:
