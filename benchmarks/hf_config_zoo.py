@@ -37,10 +37,13 @@ TIMEOUT_S = 300
 
 
 def small_config(model_type: str, path: Path) -> Path:
-    """The model type's default config at SMALL sizes, its special tokens inside the vocabulary, no dropout."""
+    """The model type's default config at SMALL sizes, its special tokens inside the vocabulary, no dropout
+(and as many key heads as query heads where attention is latent: its code needs them equal)."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, **SMALL).to_dict()
+    if config.get("kv_lora_rank"):  # latent attention (MLA) has no grouped keys: as many as the queries
+        config["num_key_value_heads"] = config["num_attention_heads"]
     for key, value in list(config.items()):
         if key.endswith("token_id") and isinstance(value, int) and value >= SMALL["vocab_size"]:
             config[key] = 0

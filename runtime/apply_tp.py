@@ -138,7 +138,10 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
     if region:
         styles.update(_implicit_sequence_parallel(present, region, tp_plan, pairs))
     tied = tied_groups(module)
+    per_head = _per_head_parameters(present, pairs, tp_plan, tp_mesh.size())
     parallelize_module(module, tp_mesh, styles)
+    for owner, names in per_head.items():
+        _shard_per_head(present[owner], names, tp_mesh)
     retie(module, tied)  # each style registered a DTensor of its own: one again (runtime/build.py)
     sharded = [n for n, st in styles.items() if isinstance(st, (ColwiseParallel, RowwiseParallel))]
     if any(getattr(m, "inplace", False) is True for m in module.modules()):
@@ -158,6 +161,57 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, tp_plan: Mapping[str, str],
             present[block].register_forward_pre_hook(_first_input_hook(_to_local), with_kwargs=True)
         module._sp_moe_blocks = local_blocks  # type: ignore[assignment]  # read by runtime/apply_ep.py
         _mark_region_boundaries(present, [u for u in units or () if u in present], set(region), tp_mesh)
+
+
+def _per_head_parameters(present: dict, pairs: set[str], tp_plan: Mapping[str, str], tp: int) -> dict[str, list[str]]:
+    """Per pair owner, its own parameters (not its children's) with a row per attention head:
+    dim 0 is the head count of a colwise child (its output features over the owner's `head_dim`),
+    as gpt-oss's `sinks`, a learned logit per query head that the attention appends to each
+    head's scores. The colwise projections leave each rank its heads, so such a parameter must
+    hold the same heads (`_shard_per_head`); replicated, its length would not match the local
+    heads (seen: gpt-oss under tp2 failed at `torch.cat([attn_weights, sinks])`)."""
+    found: dict[str, list[str]] = {}
+    for owner in sorted(pairs):
+        module = present[owner]
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            continue
+        heads = set()
+        for name, child in module.named_children():
+            if tp_plan.get(f"{owner}.{name}" if owner else name) == "colwise" and hasattr(child, "weight"):
+                width = child.weight.shape[0 if isinstance(child, nn.Linear) else _out_dim(child)]
+                if width % head_dim == 0:
+                    heads.add(width // head_dim)
+        names = [n for n, p in module.named_parameters(recurse=False)
+                 if p.dim() >= 1 and p.shape[0] in heads and p.shape[0] % tp == 0]
+        if names:
+            found[owner] = names
+    return found
+
+
+def _shard_per_head(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """Shard `names` (`_per_head_parameters`) by rows over the TP mesh, and hand the module's
+    forward this rank's rows as a plain tensor: the attention code mixes the parameter with the
+    local activations, which a DTensor would refuse. The parameter stays a DTensor (the optimizer,
+    FSDP2 and the checkpoint see one tensor of the whole shape); `to_local` is differentiable, so
+    its gradient reaches this rank's rows whole (each head lives on one rank). Under FSDP2 the
+    tensor swapped is the unsharded one FSDP registered for the forward; the forward hook puts back
+    whatever was there."""
+    for name in names:
+        _shard_parameter(module, name, mesh, Shard(0), 0)
+    held: dict[str, Any] = {}
+
+    def to_local(mod, args):
+        for name in names:
+            held[name] = mod._parameters[name]
+            mod._parameters[name] = held[name].to_local()
+
+    def restore(mod, args, out):
+        for name in names:
+            mod._parameters[name] = held.pop(name)
+
+    module.register_forward_pre_hook(to_local)
+    module.register_forward_hook(restore)
 
 
 def _sharded_weight_dim(module: nn.Module, style: str | None) -> int | None:

@@ -355,6 +355,32 @@ def test_gpt_neox_fused_query_key_value_is_split_head_by_head(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpt_oss_attention_sinks_are_sharded_with_their_heads(tmp_path):
+    """gpt-oss's attention holds `sinks`, a learned logit per query head appended to each head's
+    scores, as a parameter of its own (not of a child module). Its q, k and v projections are
+    sharded by heads under TP, so each rank must hold its heads' sinks: replicated, the tp2 plan
+    failed at its first forward (`torch.cat([attn_weights, sinks])`: 2 heads against 4). They are
+    sharded by rows (runtime/apply_tp.py `_per_head_parameters`), and the plan, with sequence
+    parallelism and the experts over both ranks, trains like one process."""
+    from runtime.apply_tp import _per_head_parameters
+    from tests.test_runtime_parity import check_parity
+
+    small = _default_config("gpt_oss", tmp_path, seq_len=32, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                            vocab_size=256, pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    profile = profile_model(hf.__file__, small, [1, 2], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=True))
+    styles = plan.stages[0].tp_plan
+    assert styles["model.layers.0.self_attn.q_proj"] == "colwise" and styles["model.layers.0.self_attn.o_proj"] == "rowwise"
+    model = hf.build_model(**small)
+    present = dict(model.named_modules())
+    found = _per_head_parameters(present, {"model.layers.0.self_attn"}, styles, 2)
+    assert found == {"model.layers.0.self_attn": ["sinks"]}
+    assert _per_head_parameters(present, {"model.layers.0.self_attn"}, styles, 8) == {}  # 4 heads do not split 8 ways
+    check_parity(plan, tmp_path)
+
+
+@pytest.mark.slow
 def test_llama4_moe_block_under_sequence_parallelism_runs(tmp_path):
     """Llama 4's MoE block flattens its tokens to [T, D] for its router, shared expert and experts,
     and its experts take tokens already routed (no experts module planner/moe.py recognises). SP
