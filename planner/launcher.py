@@ -46,6 +46,10 @@ RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?", re.MULTILINE)
 """What torch.distributed's excepthook puts before each line of a rank's traceback."""
 OWN_LINE = re.compile(r"error \(rank (\d+)\): (.+)")
 """The one line a rank prints for a PlannerError or a caught failure (runtime/__main__.py, cluster_probe.py)."""
+PROFILER_LINE = re.compile(r"^(?:\[[A-Za-z]\w*?\d+\]:)?(?:USDT|STAGE):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] ")
+"""A line torch's profiler (kineto) writes at each start and stop, whatever its log level: the runtime
+profiles one step on CPU to measure memory (runtime/metrics.py `TensorPeakMeter`), so it is the
+planner's noise, not the user's; kept for the failure summary, shown only under --debug."""
 EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\w*(?::.*)?)\s*$")
 
 
@@ -121,7 +125,7 @@ def _read(stream, lines: collections.deque, show_all: bool) -> None:
     """Forward the job's stderr as it comes (ranks' lines only, under torchrun) and keep its tail."""
     for line in stream:
         lines.append(line)
-        if show_all or RANK_LINE.match(line):
+        if (show_all or RANK_LINE.match(line)) and not PROFILER_LINE.match(line):
             sys.stderr.write(line)
             sys.stderr.flush()
         else:  # torchrun's own lines: kept for the failure summary, shown only under --debug

@@ -192,3 +192,24 @@ def test_a_killed_rank_is_named_when_its_peer_is_reported_first(tmp_path):
     # Without the follow-on (rank 0 failed on its own), rank 0 stays the cause.
     (tmp_path / "run_x" / "attempt_0" / "0" / "stderr.log").write_text("[rank0]: ValueError: bad batch\n")
     assert describe_failure(torchrun, 1, tmp_path, "the whole job was stopped")[0].startswith("Rank 0 failed")
+
+
+def test_the_profilers_own_lines_are_kept_from_the_console(capsys):
+    """torch's profiler (kineto) writes a line at each start and stop whatever its log level; the
+    runtime profiles a step on CPU to measure memory, so those lines are the planner's noise. They
+    stay in the kept tail (for a failure summary) and off the console; a rank's other lines, and a
+    line that merely begins with the same word, are shown."""
+    import collections
+    import io
+
+    from planner.launcher import _read
+
+    lines = ["[default0]:USDT:2026-11-29 18:07:15 11391:11391 SyncActivityProfilerHandler.cpp:52] profiler_start\n",
+             "[default1]:STAGE:2026-11-29 18:11:56 12451:12451 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n",
+             "[default0]:losses: 5.69857\n", "[default1]:USDT is a word\n", "torchrun's own line\n"]
+    kept: collections.deque = collections.deque()
+    _read(io.StringIO("".join(lines)), kept, show_all=False)
+    assert list(kept) == lines
+    assert capsys.readouterr().err == "[default0]:losses: 5.69857\n[default1]:USDT is a word\n"
+    _read(io.StringIO(lines[0].split(":", 1)[1] + "a line\n"), collections.deque(), show_all=True)
+    assert capsys.readouterr().err == "a line\n"
