@@ -119,7 +119,10 @@ def run_each(asked: list[str], every: list[str], try_one, stem: str, key: str) -
     rows = []
     for name in asked or every:
         with tempfile.TemporaryDirectory() as work:
-            row = try_one(name, Path(work))
+            try:
+                row = try_one(name, Path(work))
+            except subprocess.TimeoutExpired as exc:  # one slow case must not lose the others' rows
+                row = {key: name, "note": f"`planner {exc.cmd[3]}` timed out after {exc.timeout:.0f} s"}
         rows.append(row)
         print(row, flush=True)
     frame = pd.DataFrame(rows)
