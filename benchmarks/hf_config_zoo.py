@@ -1,7 +1,7 @@
 """Causal LMs of transformers the planner was never shown, from a config alone, as a user runs them.
 
 For each model type: `AutoConfig.for_model(type)` shrunk to two layers of width 64 (vocabulary
-256, special tokens moved inside it, every `*dropout*` field 0 so that layouts can be held to
+256, special tokens moved inside it, every `*dropout*` and `*jitter*` field 0 so that layouts can be held to
 one another), then the CLI end to end on CPU: `planner profile --hf-config` (measured, 32 tokens),
 `planner solve` for one process and for two (free, `--tp 2`, `--pp 2`), `planner run` for two
 steps each. Recorded: whether each stage ran, the layout the solver chose, how many modules the
@@ -12,7 +12,8 @@ Whisper are). The others (2026-11-29) are the newest families of transformers 5.
 and MoE), Qwen3-Next, Gemma 4, gpt-oss, Llama 4, DeepSeek-V3.2 and V4, GLM-4.5 MoE and its latent
 attention "lite", MiniMax-M2, OLMoE, Hunyuan V3, Laguna, MiMo-V2-Flash, Qwen4, and the hybrids of
 attention with state-space or linear-attention layers (Falcon-H1, Nemotron-H, Jamba, Granite 4
-hybrid, Kimi Linear). Left out because their default config, shrunk so, does not run in
+hybrid, Kimi Linear, Bamba, OLMo hybrid), recurrent models (RWKV, xLSTM, RecurrentGemma), and a few
+older ones (BLOOM, MPT, StarCoder's GPT-BigCode, PhiMoE, AFMoE). Left out because their default config, shrunk so, does not run in
 transformers itself (a forward of the model alone fails the same way): DBRX, LFM2-MoE, dots1,
 LongCat-Flash, Gemma 3n, Youtu, Zamba2 and Mamba2 (their configs tie sizes the shrink breaks).
 
@@ -38,7 +39,8 @@ TYPES = ["gemma3_text", "smollm3", "granite", "glm4", "cohere2", "qwen2_moe", "e
          "apertus", "olmo3", "hunyuan_v1_dense", "minimax", "arcee", "lfm2",
          "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "gpt_oss", "llama4_text", "deepseek_v32",
          "deepseek_v4", "glm4_moe", "glm4_moe_lite", "minimax_m2", "olmoe", "hy_v3", "laguna", "mimo_v2_flash",
-         "qwen4_exp_text", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "kimi_linear"]
+         "qwen4_exp_text", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "kimi_linear", "bamba", "olmo_hybrid",
+         "rwkv", "xlstm", "recurrent_gemma", "bloom", "mpt", "gpt_bigcode", "phimoe", "afmoe"]
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, max_position_embeddings=128)
 LAYOUTS = {"one": ["--gpus", "1"], "free": ["--gpus", "2"], "tp2": ["--gpus", "2", "--tp", "2"],
@@ -48,6 +50,7 @@ TIMEOUT_S = 300
 
 def small_config(model_type: str, path: Path) -> Path:
     """The model type's default config at SMALL sizes, its special tokens inside the vocabulary, no dropout
+or router jitter
 (and as many key heads as query heads where attention is latent: its code needs them equal)."""
     from transformers import AutoConfig
 
@@ -59,7 +62,7 @@ def small_config(model_type: str, path: Path) -> Path:
             config[key] = 0
         elif key.endswith("token_id") and isinstance(value, list):
             config[key] = [v if v < SMALL["vocab_size"] else 0 for v in value]
-        elif "dropout" in key and isinstance(value, float):
+        elif ("dropout" in key or "jitter" in key) and isinstance(value, float):  # PhiMoE's router jitter is noise too
             config[key] = 0.0
     path.write_text(json.dumps(config))
     return path

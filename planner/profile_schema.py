@@ -295,6 +295,12 @@ class Unit(_Model):
     moe: list[MoELayer] = []
     """The mixture-of-experts layers inside the unit, in the order of their experts modules;
     empty for a dense unit (and in profiles written before MoE layers were recorded)."""
+    mixes_tokens: bool | None = None
+    """Whether the unit moves information between tokens other than through fused attention (a
+    token shift, a recurrence or convolution over the sequence; planner/profiler/opgraph.py
+    `mixes_tokens_outside_attention`): sequence parallelism keeps such a unit whole and the model
+    gets no context parallelism. Run on values, so measured profiles only; None where not known
+    (analytic profiles, units fed no (batch, sequence) activation, profiles before 2026-11-29)."""
 
     @model_validator(mode="after")
     def _all_trainable_when_absent(self) -> Unit:

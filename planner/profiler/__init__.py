@@ -58,7 +58,7 @@ from planner.profiler.measure import (
     whole_model_job,
 )
 from planner.profiler.moe import MoECount, count_moe, moe_records
-from planner.profiler.opgraph import record_unit
+from planner.profiler.opgraph import mixes_tokens_outside_attention, record_unit
 from planner.units import (
     UnitTrace,
     model_fingerprint,
@@ -244,6 +244,15 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
                                 extra_jobs=list(moe.jobs.values()))
         optimizer_s = optimizer_step_time(model)
 
+    mixing: dict[str, bool | None] = {}
+    if device != "meta":
+        length = sequence_length(batches[sizes[0]][0])
+        with _logged_step("checking which units mix tokens outside attention"):
+            for name in units:
+                if fingerprints[name] not in mixing:
+                    args, kwargs = unit_inputs[sizes[0]][name]
+                    mixing[fingerprints[name]] = mixes_tokens_outside_attention(modules[name], args, kwargs, length,
+                                                                                run_as.on_device)
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
     with values, _logged_step("recording the op graphs"):
         # Recorded on meta for a GPU: with the GPU's fused kernels, as its units were counted.
@@ -261,11 +270,12 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         target_gpu=analytic_gpu.name if analytic_gpu else None,
         dtype=dtype,
         torch_version=torch.__version__,
-        model=_model_info(mf, str(model_file), meta_model, units, owned, traces, sizes[0], batches[sizes[0]], element),
+        model=_model_info(mf, str(model_file), meta_model, units, owned, traces, sizes[0], batches[sizes[0]], element,
+                          [name for name in units if mixing.get(fingerprints[name])]),
         micro_batch_sizes=sizes,
         units=[_unit_record(i, name, modules[name], fingerprints[name], owned.get(name, []), costs[name],
                             *op_graphs[fingerprints[name]], moe_records(moe, name, element), element,
-                            float_fed=i in trace.float_fed)
+                            float_fed=i in trace.float_fed, mixes_tokens=mixing.get(fingerprints[name]))
                for i, name in enumerate(units)],
         cuts=_cut_records(traces, sizes),
         whole_model=whole,
@@ -306,9 +316,10 @@ def _trainable(params: list) -> int:
 
 
 def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: list[str], owned: dict, traces: dict[int, UnitTrace],
-                first_size: int, first_batch, element: int) -> ModelInfo:
+                first_size: int, first_batch, element: int, mixing: Sequence[str] = ()) -> ModelInfo:
     """The profile's model record: its source (`file` as the user named it), sizes and structure;
-    `first_batch` is make_batch(first_size)."""
+    `first_batch` is make_batch(first_size); `mixing`: the units that mix tokens outside attention
+    (`Unit.mixes_tokens`), each an obstacle to context parallelism."""
     total_params = sum(p.numel() for ps in owned.values() for _, p in ps)
     return ModelInfo(
         file=file,
@@ -321,7 +332,8 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
         sequence_length=sequence_length(first_batch[0]),
         input_bytes_per_sample=tensor_bytes(first_batch[0]) / first_size,  # make_batch(first_size)
         target_bytes_per_sample=tensor_bytes(first_batch[1]) / first_size,
-        cp_obstacles=list(dict.fromkeys(o for t in traces.values() for o in t.cp_obstacles)),
+        cp_obstacles=list(dict.fromkeys([*(o for t in traces.values() for o in t.cp_obstacles),
+                                         *(f"{name} mixes tokens outside attention" for name in mixing)])),
         attention_calls=next(iter(traces.values())).attention_calls if traces else None,
         tied_parameters=[list(g) for g in tied_units(meta_model, units)],
         root_parameters=[name for name, _ in owned.get("", [])],
@@ -330,7 +342,8 @@ def _model_info(mf: ModelFile, file: str, meta_model: torch.nn.Module, units: li
 
 
 def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: str, owned: list, costs: dict[int, UnitCosts],
-                 ops: list, saved_regions: list, moe, element: int, float_fed: bool = True) -> Unit:
+                 ops: list, saved_regions: list, moe, element: int, float_fed: bool = True,
+                 mixes_tokens: bool | None = None) -> Unit:
     """One unit's profile record; `owned`: the (name, parameter) pairs it holds."""
     num_parameters = sum(p.numel() for _, p in owned)
     return Unit(
@@ -347,6 +360,7 @@ def _unit_record(index: int, name: str, module: torch.nn.Module, fingerprint: st
         saved_regions=saved_regions,
         float_fed=float_fed,
         moe=moe,
+        mixes_tokens=mixes_tokens,
     )
 
 

@@ -531,3 +531,64 @@ def _shards_whole_heads(unit: nn.Module, args: tuple, kwargs: dict, precision, o
             if len(before) < 3 or before[:-3] + before[-2:] != after[:-3] + after[-2:] or after[-3] * ways != before[-3]:
                 return False
     return True
+
+
+class _SelfOnlyAttention(TorchFunctionMode):
+    """Fused attention replaced by each query's own value (its keys' heads repeated to the
+    queries' under grouped-query attention): attention then moves nothing between tokens, and
+    whatever still does is the unit's own code (`mixes_tokens_outside_attention`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, v = (args[0] if args else kwargs["query"]), (args[2] if len(args) > 2 else kwargs["value"])
+            if q.dim() == v.dim() >= 3 and q.shape[-2] == v.shape[-2] and q.shape[-3] % v.shape[-3] == 0:
+                return v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        return func(*args, **kwargs)
+
+
+def mixes_tokens_outside_attention(unit: nn.Module, args: tuple, kwargs: dict, sequence_length: int | None,
+                                   precision=nullcontext) -> bool | None:
+    """Whether the unit's forward moves information between tokens other than through fused
+    attention: a token shift (RWKV's time mix), a recurrence over the sequence (RecurrentGemma's
+    RG-LRU, Mamba's scan), a convolution along it, a norm over the batch. Such a unit cannot run on
+    a share of the sequence, as sequence parallelism runs the modules between a block's Megatron
+    pairs and context parallelism runs all of it: the solver keeps it whole under SP and offers
+    the model no CP (planner/solver/intra_op.py `_sequence_parallel_blocked`, `ModelInfo.cp_obstacles`).
+
+    Found by running it: the unit's first input, a (batch, sequence, ...) activation, is run twice,
+    the second time with its first token moved in a random direction, attention answering each query with its own
+    value (`_SelfOnlyAttention`), the random generator reseeded alike (dropout draws the same
+    masks); if any later token's output moved, something else carried the change. Needs values:
+    None on the meta device, and where the first input is no such activation (token ids, images)
+    or the output keeps no sequence dim."""
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if (not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.device.type == "meta"
+            or first.dim() < 3 or sequence_length is None or first.shape[1] != sequence_length or sequence_length < 2):
+        return None
+    generator = torch.Generator(device=first.device).manual_seed(0)
+    changed = first.detach().clone()  # not by a constant, which the next norm over the features would take away
+    changed[:, 0] += torch.randn(changed[:, 0].shape, generator=generator, device=first.device, dtype=first.dtype)
+    # Random weights as well as the model's: an initialisation may hide the path (RWKV zeroes its
+    # output projections, so at init its time mix reaches nothing).
+    shaken = {name: torch.randn(p.shape, generator=generator, device=p.device, dtype=p.dtype) * 0.1
+              for name, p in unit.named_parameters() if p.is_floating_point()}
+
+    def run(x: torch.Tensor, weights: dict) -> torch.Tensor | None:
+        devices = [x.device] if x.device.type == "cuda" else []
+        call_args, call_kwargs = ((x, *args[1:]), kwargs) if args else ((), {**kwargs, next(iter(kwargs)): x})
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), _SelfOnlyAttention(), precision():
+            torch.manual_seed(0)
+            out = functional_call(unit, weights, call_args, call_kwargs, strict=False)
+        found = tensors_in(out)
+        return found[0].float() if found else None
+
+    for weights in (shaken, {}):
+        before, after = run(first.detach(), weights), run(changed, weights)
+        if before is None or after is None or before.shape != after.shape or before.dim() < 2 or before.shape[1] != sequence_length:
+            return None
+        if not (before.isfinite().all() and after.isfinite().all()):
+            continue  # random weights overflowed (an exponential of them): the model's own decide
+        moved = (after[:, 1:] - before[:, 1:]).abs().max().item()
+        return bool(moved > 1e-5 * (before.abs().max().item() + 1.0))
+    return None

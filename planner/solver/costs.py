@@ -333,6 +333,7 @@ class UnitCosts:
             ops=tuple(unit.ops),
             replicated_ops=self.moe_ops(unit),
             moe_blocks=moe_blocks(unit),
+            mixes_tokens=bool(unit.mixes_tokens),
             tp_degree=t,
             dtype_bytes=self.dtype_bytes,
             seconds_per_flop=1.0 / self.compute.gpu.achievable_flops(self.dtype),

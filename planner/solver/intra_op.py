@@ -147,6 +147,9 @@ class IntraOpProblem:
     moe_blocks: frozenset[str] = frozenset()
     """Module paths (relative to the unit) of its MoE blocks, the parents of its experts modules,
     which the runtime runs on each rank's own tokens under SP (`_sequence_parallel_blocked`)."""
+    mixes_tokens: bool = False
+    """The unit moves information between tokens outside fused attention (profile
+    `Unit.mixes_tokens`): SP keeps it whole (`_sequence_parallel_blocked`)."""
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,7 @@ def _fused_attention(ops) -> set[str]:
     return {op.name for op in ops if (_is_attention(op) and fused & set(op.inputs)) or op.projections_inside}
 
 
-def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) -> bool:
+def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset(), mixes_tokens: bool = False) -> bool:
     """Whether sequence parallelism must leave this unit replicated: its attention cannot be
     sharded (a fused q|k|v projection, module docstring; a q or k projection whose features a
     norm reduces over, OLMo 2's), a fused projection is cut in pieces, or a linear is a direct
@@ -223,7 +226,15 @@ def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset()) 
     would be the column half of a Megatron pair (BitNet norms its MLP's act(gate) *
     up and its attention's output before the projection after them; under SP its plan then
     trained to other parameters with no error). Gemma's norm of o_proj's output reaches the MLP
-    through the residual stream and does not count."""
+    through the residual stream and does not count.
+
+    Nor a unit that moves information between tokens outside fused attention (`mixes_tokens`, the
+    profile's `Unit.mixes_tokens`): RWKV's token shift and RecurrentGemma's recurrence would run on
+    one rank's share of the sequence. Their tp2 plans with SP failed at the first forward (a DTensor
+    met the time-mix weights; torch's SequenceParallel dropped the RG-LRU's second argument), and
+    where nothing failed they would have trained on a cut sequence."""
+    if mixes_tokens:
+        return True
     if any(op.projections_inside for op in ops):  # torch's nn.MultiheadAttention (`OpNode.projections_inside`)
         return True
     heads = _heads_of(ops)
@@ -305,7 +316,8 @@ WEIGHT_KINDS = ("linear", "embedding", "conv")
 
 
 def whole_weights(ops, tp: int, tp_plan: dict[str, str], routers: AbstractSet[str] = frozenset(),
-                  sequence_parallel: bool = False, moe_blocks: AbstractSet[str] = frozenset()) -> list[tuple[OpNode, str]]:
+                  sequence_parallel: bool = False, moe_blocks: AbstractSet[str] = frozenset(),
+                  mixes_tokens: bool = False) -> list[tuple[OpNode, str]]:
     """The weights of a unit's ops (`WEIGHT_KINDS`) that its tensor-parallel plan `tp_plan` (module
     -> style, `IntraOpSolution.tp_plan`) leaves whole on every TP rank, each with why in words for
     the plan's notes: what keeps `_op_strategies` from offering the column shard Megatron gives a
@@ -313,7 +325,7 @@ def whole_weights(ops, tp: int, tp_plan: dict[str, str], routers: AbstractSet[st
     replicated by design), sequence parallelism keeping the whole unit replicated
     (`_sequence_parallel_blocked`), else the intra-op solver's choice (cheaper, or `_unrunnable`)."""
     heads_of = _heads_of(ops)
-    if sequence_parallel and _sequence_parallel_blocked(ops, moe_blocks):
+    if sequence_parallel and _sequence_parallel_blocked(ops, moe_blocks, mixes_tokens):
         otherwise = "sequence parallelism keeps its unit whole, as Megatron's layout shards every linear of a block or none"
     else:
         otherwise = "kept whole by the intra-op solver: cheaper, or not runnable sharded beside its neighbours"
@@ -406,7 +418,7 @@ def _build_graph(problem: IntraOpProblem) -> _Graph:
     boundary = "S" if problem.sequence_parallel else "R"
     heads_of = _heads_of(ops)
     replicated = frozenset(_fused_attention(ops)) | problem.replicated_ops
-    if problem.sequence_parallel and _sequence_parallel_blocked(ops, problem.moe_blocks):
+    if problem.sequence_parallel and _sequence_parallel_blocked(ops, problem.moe_blocks, problem.mixes_tokens):
         replicated = frozenset(op.name for op in ops)
     nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}
     nbytes: dict[str, float] = {INPUT: 0.0}

@@ -103,7 +103,8 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
         routers = {layer.router for layer in unit.moe if layer.router}
         kept = {id(op): why if u not in partners or tp_plans[u] else
                 f"tied to {partners[u]}: a tied weight is sharded only where every holder can split its first dim {tp} ways"
-                for op, why in whole_weights(ops, tp, tp_plans[u], routers, sequence_parallel, moe_blocks(unit))}
+                for op, why in whole_weights(ops, tp, tp_plans[u], routers, sequence_parallel, moe_blocks(unit),
+                                             bool(unit.mixes_tokens))}
         for op in ops:
             if op.kind not in WEIGHT_KINDS or op.module is None:
                 continue
