@@ -81,6 +81,8 @@ from dataclasses import dataclass, field
 from planner.errors import PlannerError
 
 TFLOPS = 1e12
+GEMM, ATTENTION, CONVOLUTION = "gemm", "attention", "convolution"
+"""The kinds of kernel priced at rates of their own (`GPUSpec.kernel_flops`; planner/profiler/counters.py)."""
 GB = 1e9
 GIB = 1024**3
 
@@ -136,6 +138,14 @@ class GPUSpec:
         with a TF32 peak, that peak (cuDNN's default, module docstring), else `achievable_flops`."""
         if dtype == "float32" and TF32_DTYPE in self.peak_flops:
             return self.peak_flops[TF32_DTYPE] * self.matmul_efficiency
+        return self.achievable_flops(dtype)
+
+    def kernel_flops(self, dtype: str, kind: str = GEMM) -> float:
+        """FLOP/s of a kernel of `kind` (`GEMM`, `ATTENTION`, `CONVOLUTION`: the rates above)."""
+        if kind == ATTENTION:
+            return self.achievable_attention_flops(dtype)
+        if kind == CONVOLUTION:
+            return self.achievable_convolution_flops(dtype)
         return self.achievable_flops(dtype)
 
     def fp8_peak_flops(self) -> float:

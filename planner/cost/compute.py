@@ -68,7 +68,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, replace
 
-from planner.hardware import GPUSpec
+from planner.hardware import ATTENTION, CONVOLUTION, GEMM, GPUSpec
 from planner.profile_schema import Profile, Unit
 
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
@@ -186,10 +186,8 @@ class ComputeModel:
     def flops_time_s(self, flops: float, attention_flops: float = 0.0, convolution_flops: float = 0.0) -> float:
         """Seconds of `flops` on this GPU, of which `attention_flops` run in fused attention kernels
         and `convolution_flops` in convolutions, each at its own rate (planner/hardware.py)."""
-        gpu, dtype = self.gpu, self.dtype
-        return ((flops - attention_flops - convolution_flops) / gpu.achievable_flops(dtype)
-                + attention_flops / gpu.achievable_attention_flops(dtype)
-                + convolution_flops / gpu.achievable_convolution_flops(dtype))
+        shares = {GEMM: flops - attention_flops - convolution_flops, ATTENTION: attention_flops, CONVOLUTION: convolution_flops}
+        return sum(n / self.gpu.kernel_flops(self.dtype, kind) for kind, n in shares.items())
 
     def optimizer_s_per_param(self) -> float:
         """Seconds of one AdamW step per parameter (module docstring), contention included."""

@@ -42,7 +42,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from planner.hardware import GPUSpec
+from planner.hardware import ATTENTION, CONVOLUTION, GEMM, GPUSpec
 
 aten = torch.ops.aten
 
@@ -131,8 +131,6 @@ ATTENTION_OPS = {getattr(aten, name) for name in (
 CONVOLUTION_OPS = {aten.convolution, aten._convolution, aten.convolution_backward}
 """Convolutions, which cuDNN runs in TF32 for float32 tensors unless told not to: priced at
 planner/hardware.py `GPUSpec.achievable_convolution_flops`."""
-GEMM, ATTENTION, CONVOLUTION = "gemm", "attention", "convolution"
-"""The rates an op's FLOPs are priced at (`OpCostMode._add_kernel`)."""
 
 
 @dataclass
@@ -225,9 +223,7 @@ class OpCostMode(TorchDispatchMode):
         totals.traffic_bytes += traffic
         totals.num_kernels += 1
         if self.gpu is not None:
-            rate = (self.gpu.achievable_attention_flops(self.dtype) if kind == ATTENTION
-                    else self.gpu.achievable_convolution_flops(self.dtype) if kind == CONVOLUTION
-                    else self.gpu.achievable_flops(self.dtype))
+            rate = self.gpu.kernel_flops(self.dtype, kind)
             totals.roofline_time_s += self.gpu.kernel_overhead_s + max(flops / rate, traffic / self.gpu.achievable_bandwidth)
 
     def __exit__(self, *exc):
