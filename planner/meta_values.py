@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,13 @@ aten = torch.ops.aten
 DEFAULT_MAX_NUMEL = 1 << 20
 """Largest tensor (elements) given a shadow: 4 MiB in float32, far below any hidden state of a
 model worth planning, above any mask of a few thousand tokens or router logits of 128 experts."""
+
+SAMPLED_BYTES = 1 << 30
+"""Most memory the live shadows that depend on a sampled value may hold (`KnownValues`): a scan
+written as a Python loop over the sequence (Jamba's Mamba, Qwen3-Next's gated delta rule) makes
+small tensors at every step, kept for the backward, and sampled shadows of all of them took more
+than 12 GiB for one layer. Past it, such outputs get none (a read of one raises
+`DataDependentError`, as for a tensor too large to shadow)."""
 
 MAX_SAMPLED_FLOPS = 1e8
 """Most FLOPs an op computing from sampled shadows may cost (about 0.1 s of one slow CPU core);
@@ -173,6 +181,8 @@ class KnownValues(TorchDispatchMode):
         self.sampled_decisions: Counter = Counter()
         """(operation, model line) -> how often control flow read a sampled value there."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.sampled_bytes = 0
+        """What the live sampled shadows hold (at most SAMPLED_BYTES)."""
 
     # -- binding data the planner has ------------------------------------------------------
     def bind(self, meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -277,7 +287,8 @@ class KnownValues(TorchDispatchMode):
         if not outs and not mutated:
             return
         small = all(t.numel() <= self.max_numel for t in outs + mutated)
-        if known and small and not (sampled and _flops(func, args, kwargs, out) > MAX_SAMPLED_FLOPS):
+        room = self._room_for(outs + mutated)
+        if known and small and not (sampled and (_flops(func, args, kwargs, out) > MAX_SAMPLED_FLOPS or not room)):
             try:
                 real = self._run_on_shadows(func, args, kwargs)
             except Exception:  # a shadow is a convenience: losing one only loses an answer
@@ -290,9 +301,9 @@ class KnownValues(TorchDispatchMode):
         if not self.sample:
             return
         for t in outs:
-            if t is not None and t not in self.values and t.numel() <= self.max_numel and t.is_floating_point():
-                self.values[t] = torch.randn(t.shape, generator=self.generator).to(t.dtype)
-                self.sampled[t] = True
+            if (t is not None and t not in self.values and t.numel() <= self.max_numel and t.is_floating_point()
+                    and self._room_for([t])):
+                self._hold_sampled(t, torch.randn(t.shape, generator=self.generator).to(t.dtype))
 
     def _forget(self, tensor: torch.Tensor) -> None:
         """Drop the shadows of `tensor` and of every meta tensor viewing the same storage."""
@@ -345,11 +356,27 @@ class KnownValues(TorchDispatchMode):
             if _is_meta(t) and isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape):
                 if id(t) in written and self.values.get(t) is not r:
                     self._forget(t)  # written with a new shadow: its aliases' shadows are stale
-                self.values[t] = r
                 if sampled:
-                    self.sampled[t] = True
+                    self._hold_sampled(t, r)
                 else:
+                    self.values[t] = r
                     self.sampled.pop(t, None)
+
+    def _room_for(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether sampled shadows of `tensors` stay within SAMPLED_BYTES."""
+        return self.sampled_bytes + sum(t.numel() * t.element_size() for t in tensors) <= SAMPLED_BYTES
+
+    def _hold_sampled(self, meta: torch.Tensor, value: torch.Tensor) -> None:
+        """`value`, which depends on a sampled one, as `meta`'s shadow, counted in `sampled_bytes`
+        while it lives."""
+        size = value.numel() * value.element_size()
+        self.values[meta] = value
+        self.sampled[meta] = True
+        self.sampled_bytes += size
+        weakref.finalize(value, self._release, size)
+
+    def _release(self, size: int) -> None:
+        self.sampled_bytes -= size
 
     def _note_sampled(self, func) -> None:
         self.sampled_decisions[(str(func.overloadpacket.__name__), model_line())] += 1

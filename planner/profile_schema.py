@@ -296,11 +296,12 @@ class Unit(_Model):
     """The mixture-of-experts layers inside the unit, in the order of their experts modules;
     empty for a dense unit (and in profiles written before MoE layers were recorded)."""
     mixes_tokens: bool | None = None
-    """Whether the unit moves information between tokens other than through fused attention (a
-    token shift, a recurrence or convolution over the sequence; planner/profiler/opgraph.py
-    `mixes_tokens_outside_attention`): sequence parallelism keeps such a unit whole and the model
-    gets no context parallelism. Run on values, so measured profiles only; None where not known
-    (analytic profiles, units fed no (batch, sequence) activation, profiles before 2026-11-29)."""
+    """Whether the unit moves information between tokens other than through attention (a token
+    shift, a recurrence or convolution over the sequence; planner/profiler/token_mixing.py):
+    sequence parallelism keeps such a unit whole and the model gets no context parallelism. Found
+    by running the unit, in an analytic profile on a few tokens with weights of the probe's own;
+    None where not known (units fed no (batch, sequence) activation, a unit whose weights the probe
+    could not make, analytic profiles before 2026-11-30, any profile before 2026-11-29)."""
 
     @model_validator(mode="after")
     def _all_trainable_when_absent(self) -> Unit:

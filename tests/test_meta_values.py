@@ -108,6 +108,33 @@ def test_a_costly_op_on_sampled_values_is_drawn_not_computed(monkeypatch):
     assert shadow.shape == computed.shape and not torch.allclose(shadow, computed)
 
 
+def test_sampled_shadows_kept_alive_by_a_loop_stay_within_their_budget(monkeypatch):
+    """A scan written as a Python loop over the sequence (Jamba's Mamba, Qwen3-Next's gated delta
+    rule) makes small tensors at every step, all kept for the backward: their sampled shadows took
+    more than 12 GiB for one layer of Jamba. They stop at SAMPLED_BYTES, exact values do not, and
+    the budget comes back as the tensors die."""
+    import planner.meta_values as mv
+
+    monkeypatch.setattr(mv, "SAMPLED_BYTES", 100 * 64 * 4)  # a hundred states of 64 float32
+    values = KnownValues()
+    with values:
+        decay = torch.empty(64, device="meta").normal_()  # sampled: a parameter's initialisation
+        state, kept = torch.zeros(64, device="meta"), []
+        for _ in range(300):
+            state = state * decay + 1.0
+            kept.append(state)
+        positions = torch.arange(1000, device="meta")
+    assert values.sampled_bytes <= mv.SAMPLED_BYTES
+    assert sum(t in values.values for t in kept) < 100 and kept[0] in values.values
+    assert values.exact(positions) is not None  # exact values are not held back by the budget
+    kept.clear()
+    del state
+    import gc
+
+    gc.collect()
+    assert values.sampled_bytes <= 64 * 4  # `decay` alone
+
+
 def test_a_value_that_cannot_be_known_names_the_line_and_the_operation():
     values = KnownValues(max_numel=16)  # nothing larger than 16 elements gets a value
 

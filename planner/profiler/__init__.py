@@ -58,7 +58,8 @@ from planner.profiler.measure import (
     whole_model_job,
 )
 from planner.profiler.moe import MoECount, count_moe, moe_records
-from planner.profiler.opgraph import mixes_tokens_outside_attention, record_unit
+from planner.profiler.opgraph import record_unit
+from planner.profiler.token_mixing import mixes_tokens_on_meta, mixes_tokens_outside_attention
 from planner.units import (
     UnitTrace,
     model_fingerprint,
@@ -245,14 +246,14 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         optimizer_s = optimizer_step_time(model)
 
     mixing: dict[str, bool | None] = {}
-    if device != "meta":
-        length = sequence_length(batches[sizes[0]][0])
-        with _logged_step("checking which units mix tokens outside attention"):
-            for name in units:
-                if fingerprints[name] not in mixing:
-                    args, kwargs = unit_inputs[sizes[0]][name]
-                    mixing[fingerprints[name]] = mixes_tokens_outside_attention(modules[name], args, kwargs, length,
-                                                                                run_as.on_device)
+    length = sequence_length(batches[sizes[0]][0])
+    with _logged_step("checking which units mix tokens outside attention"):
+        for name in units:
+            if fingerprints[name] not in mixing:
+                args, kwargs = unit_inputs[sizes[0]][name]
+                mixing[fingerprints[name]] = (
+                    mixes_tokens_on_meta(modules[name], args, kwargs, length, values.exact) if device == "meta"
+                    else mixes_tokens_outside_attention(modules[name], args, kwargs, length, run_as.on_device))
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
     with values, _logged_step("recording the op graphs"):
         # Recorded on meta for a GPU: with the GPU's fused kernels, as its units were counted.
