@@ -132,7 +132,9 @@ def mixes_tokens_outside_attention(unit: nn.Module, args: tuple, kwargs: dict, s
             torch.manual_seed(0)
             out = functional_call(unit, weights, call_args, call_kwargs, strict=False)
         found = tensors_in(out)
-        return found[0].float() if found else None
+        if not found:
+            return None
+        return (torch.view_as_real(found[0]) if found[0].is_complex() else found[0]).float()  # Llama 4's rotary: complex
 
     for chosen in weights:
         before, after = run(first.detach(), chosen), run(changed, chosen)
