@@ -183,3 +183,53 @@ def test_units_that_mix_tokens_stay_whole_under_sequence_parallelism(model_type,
     why = "mixes tokens outside attention" if profile.model.attention_calls else "calls no F.scaled_dot_product_attention"
     with pytest.raises(PlannerError, match=why):
         solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(cp=2))
+
+
+MODEL_WITH_A_UNIT_THE_PROBE_CANNOT_RUN = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self, width=64):
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.table = nn.Parameter(torch.empty(20000, 16384))  # 1.2 GiB in float32
+
+    def forward(self, x):
+        w = self.table.view(-1)[: x.shape[-1]]  # a view the probe's weights cannot give without a dense copy
+        return x + self.proj(x) * w
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 64)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(64, 32)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+def build_model():
+    return Model()
+
+def make_batch(batch_size):
+    return torch.randint(0, 32, (batch_size, 16)), torch.randint(0, 32, (batch_size, 16))
+
+def loss_fn(output, targets):
+    return F.cross_entropy(output.flatten(0, 1), targets.flatten())
+"""
+
+
+def test_an_analytic_profile_says_which_units_the_probe_could_not_run(write_model):
+    """A unit whose code asks for more than the probe's weights give (here a 1.2 GiB view made
+    dense) is not known to keep its tokens apart: the profile says so, naming it and what to do."""
+    from planner.profiler import profile_model
+
+    profile = profile_model(str(write_model(MODEL_WITH_A_UNIT_THE_PROBE_CANNOT_RUN)), device="meta", gpu="cpu")
+    assert [u.mixes_tokens for u in profile.units] == [None, None, None, False]
+    note = next(n for n in profile.notes if "is not known" in n)
+    assert note.endswith("blocks.0, blocks.1") and "without --sequence-parallel" in note

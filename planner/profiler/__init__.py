@@ -59,7 +59,7 @@ from planner.profiler.measure import (
 )
 from planner.profiler.moe import MoECount, count_moe, moe_records
 from planner.profiler.opgraph import record_unit
-from planner.profiler.token_mixing import mixes_tokens_on_meta, mixes_tokens_outside_attention
+from planner.profiler.token_mixing import mixes_tokens_on_meta, mixes_tokens_outside_attention, probe_applies
 from planner.units import (
     UnitTrace,
     model_fingerprint,
@@ -254,6 +254,8 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
                 mixing[fingerprints[name]] = (
                     mixes_tokens_on_meta(modules[name], args, kwargs, length, values.exact) if device == "meta"
                     else mixes_tokens_outside_attention(modules[name], args, kwargs, length, run_as.on_device))
+    unprobed = [name for name in units if mixing.get(fingerprints[name]) is None
+                and probe_applies(unit_inputs[sizes[0]][name][0], unit_inputs[sizes[0]][name][1], length)]
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
     with values, _logged_step("recording the op graphs"):
         # Recorded on meta for a GPU: with the GPU's fused kernels, as its units were counted.
@@ -284,6 +286,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         fusion=fusion,
         precision=None if torch_dtype == torch.float32 else cast(Literal["autocast", "pure"], precision),
         notes=_notes(trace, owned, values, meta_traced) + ([] if losses is None or losses.counted else [LOSS_NOT_COUNTED])
+        + ([UNPROBED + ", ".join(unprobed)] if unprobed else [])
         + _split_notes(jobs),
         cpu_threads=threads if device == "cpu" else None,
     )
@@ -475,6 +478,9 @@ class _LossDoesNotFit(Exception):
     """The model's loss function did not give a scalar to train from on the last unit's output."""
 
 
+UNPROBED = ("whether these units move information between tokens outside attention is not known (the probe could not "
+            "run them, planner/profiler/token_mixing.py), so sequence parallelism may split them; if one holds a "
+            "recurrence, a token shift or a convolution over the sequence, solve without --sequence-parallel and --cp: ")
 LOSS_NOT_COUNTED = ("the loss function does not take the last unit's output (the model's forward does more after it), "
                     "so the loss's time is not in the last unit's")
 

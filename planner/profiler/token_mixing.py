@@ -106,6 +106,14 @@ class _SelfOnlyAttention(TorchFunctionMode):
         return left.shape[-2] == s and right.shape[-1] == s and left.shape[-1] != s
 
 
+def probe_applies(args: tuple, kwargs: dict, sequence_length: int | None) -> bool:
+    """Whether the probe can ask a unit called with these inputs: its first input is a floating
+    (batch, sequence, ...) activation of the model's sequence (not token ids, not an image)."""
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    return (isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() >= 3
+            and sequence_length is not None and sequence_length >= 2 and first.shape[1] == sequence_length)
+
+
 def mixes_tokens_outside_attention(unit: nn.Module, args: tuple, kwargs: dict, sequence_length: int | None,
                                    precision=nullcontext, weights: Sequence[dict] | None = None) -> bool | None:
     """Whether the unit's forward moves information between tokens other than through attention
@@ -113,9 +121,11 @@ def mixes_tokens_outside_attention(unit: nn.Module, args: tuple, kwargs: dict, s
     are finite deciding; by default random ones, then the unit's own. None where it cannot
     tell: on the meta device (`mixes_tokens_on_meta` runs those), where the first input is no
     (batch, sequence, ...) activation (token ids, images) or the output keeps no sequence dim."""
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    if (not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.device.type == "meta"
-            or first.dim() < 3 or sequence_length is None or first.shape[1] != sequence_length or sequence_length < 2):
+    if not probe_applies(args, kwargs, sequence_length):
+        return None
+    first = args[0] if args else next(iter(kwargs.values()))
+    assert isinstance(first, torch.Tensor) and sequence_length is not None  # probe_applies
+    if first.device.type == "meta":
         return None
     generator = torch.Generator(device=first.device).manual_seed(0)
     changed = first.detach().clone()  # not by a constant, which the next norm over the features would take away
