@@ -233,3 +233,24 @@ def test_an_analytic_profile_says_which_units_the_probe_could_not_run(write_mode
     assert [u.mixes_tokens for u in profile.units] == [None, None, None, False]
     note = next(n for n in profile.notes if "is not known" in n)
     assert note.endswith("blocks.0, blocks.1") and "without --sequence-parallel" in note
+
+
+@pytest.mark.slow
+def test_written_out_attention_keeps_sequence_parallelism(tmp_path):
+    """A measured profile of a GPT whose attention is written out (scores, softmax, product, as
+    Megatron-LM ran it) marked every block as mixing tokens, so SP kept them all whole and CP was
+    refused for the wrong reason. Now every linear is sharded and the plan trains like one process."""
+    from pathlib import Path
+
+    from planner.cluster import make_cluster
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+    from tests.test_runtime_parity import check_parity
+
+    gpt = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
+    args = dict(n_layers=2, d_model=64, n_heads=4, d_ff=128, vocab_size=128, seq_len=32, attention="math")
+    profile = profile_model(str(gpt), args, [1, 2], device="cpu", repeats=1, warmup=0)
+    assert [u.mixes_tokens for u in profile.units if u.name.startswith("blocks.")] == [False, False]
+    plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(tp=2, sequence_parallel=True))
+    assert not [n for n in plan.search.notes if "keeps its unit whole" in n], plan.search.notes
+    check_parity(plan, tmp_path)
