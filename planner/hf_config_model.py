@@ -128,14 +128,20 @@ def _check_padding_token(cfg, path: Path, overrides: dict) -> None:
                            f"Pass -a pad_token_id=0 with the smaller vocabulary, or keep vocab_size above {pad}.")
 
 
+CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len")
+"""Where configs state their context length (GPT-2's n_positions, MPT's max_seq_len: its ALiBi
+biases are built for that many tokens, and a longer batch failed inside the attention)."""
+
+
 def _seq_len(cfg, seq_len: int | None) -> int:
     text = _text_config(cfg)
-    context = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    field = next((f for f in CONTEXT_FIELDS if getattr(text, f, None)), None)
+    context = getattr(text, field) if field else None
     if seq_len is None:
         return min(DEFAULT_SEQ_LEN, context) if context else DEFAULT_SEQ_LEN
     if context and seq_len > context:
-        raise PlannerError(f"seq_len={seq_len} is longer than the config's context of {context} tokens.",
-                           f"Use seq_len <= {context}, or raise max_position_embeddings in the config (-a).")
+        raise PlannerError(f"seq_len={seq_len} is longer than the config's context of {context} tokens ({field}).",
+                           f"Use seq_len <= {context}, or raise {field} in the config (-a {field}={seq_len}).")
     return int(seq_len)
 
 

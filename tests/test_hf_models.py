@@ -96,6 +96,19 @@ def test_config_overrides_are_checked_by_name():
         hf.make_batch(1, str(EXAMPLES / "hf" / "gpt2.json"), seq_len=4096)
 
 
+def test_a_context_stated_as_max_seq_len_bounds_the_sequence(tmp_path):
+    """MPT states its context as max_seq_len (its ALiBi biases are built for that many tokens): a
+    longer sequence failed inside its attention with a broadcast error; now it is refused first,
+    naming the field to raise."""
+    from transformers import AutoConfig
+
+    path = tmp_path / "mpt.json"
+    path.write_text(AutoConfig.for_model("mpt", max_seq_len=64).to_json_string())
+    with pytest.raises(PlannerError, match=r"context of 64 tokens \(max_seq_len\)") as info:
+        hf.make_batch(1, str(path), seq_len=128)
+    assert "-a max_seq_len=128" in info.value.hint
+
+
 def test_fields_a_config_derives_follow_the_overridden_sizes(tmp_path):
     """Falcon's config derives ffn_hidden_size (4 x hidden_size) when its JSON leaves it out: -a
     hidden_size=64 gives a 256-wide FFN, not the 32768 of the shipped size. A field the JSON names
