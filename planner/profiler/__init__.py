@@ -59,7 +59,7 @@ from planner.profiler.measure import (
 )
 from planner.profiler.moe import MoECount, count_moe, moe_records
 from planner.profiler.opgraph import record_unit
-from planner.profiler.token_mixing import mixes_tokens_on_meta, mixes_tokens_outside_attention, probe_applies
+from planner.profiler.token_mixing import mixes_tokens_on_meta, mixes_tokens_outside_attention, probed_input
 from planner.units import (
     UnitTrace,
     model_fingerprint,
@@ -255,7 +255,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
                     mixes_tokens_on_meta(modules[name], args, kwargs, length, values.exact) if device == "meta"
                     else mixes_tokens_outside_attention(modules[name], args, kwargs, length, run_as.on_device))
     unprobed = [name for name in units if mixing.get(fingerprints[name]) is None
-                and probe_applies(unit_inputs[sizes[0]][name][0], unit_inputs[sizes[0]][name][1], length)]
+                and probed_input(unit_inputs[sizes[0]][name][0], unit_inputs[sizes[0]][name][1], length) is not None]
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
     with values, _logged_step("recording the op graphs"):
         # Recorded on meta for a GPU: with the GPU's fused kernels, as its units were counted.

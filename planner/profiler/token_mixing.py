@@ -57,10 +57,9 @@ RANK = 32
 """Rank of the product an analytic probe's linear computes in place of its large weight's
 (`ProbeWeights`): generic enough that no direction of a token's change is lost on the way."""
 
-_EXPERT_PRODUCTS = {torch._grouped_mm, F.grouped_mm, torch.bmm, torch.Tensor.bmm, torch.matmul, torch.Tensor.matmul,
-                    torch.Tensor.__matmul__}
-_SCORE_PRODUCTS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm,
-                   torch.baddbmm, torch.Tensor.baddbmm}
+_PRODUCTS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm}
+_SCORE_PRODUCTS = _PRODUCTS | {torch.baddbmm, torch.Tensor.baddbmm}  # BLOOM's ALiBi scores
+_EXPERT_PRODUCTS = _PRODUCTS | {torch._grouped_mm, F.grouped_mm}  # HF's grouped_mm experts
 _OFF_DIAGONAL = -1e4
 """Score of a query against another token in `_self_only_scores`: zero weight after a softmax,
 finite in float16 and under any mask the model adds."""
@@ -106,12 +105,15 @@ class _SelfOnlyAttention(TorchFunctionMode):
         return left.shape[-2] == s and right.shape[-1] == s and left.shape[-1] != s
 
 
-def probe_applies(args: tuple, kwargs: dict, sequence_length: int | None) -> bool:
-    """Whether the probe can ask a unit called with these inputs: its first input is a floating
-    (batch, sequence, ...) activation of the model's sequence (not token ids, not an image)."""
+def probed_input(args: tuple, kwargs: dict, sequence_length: int | None) -> torch.Tensor | None:
+    """The input the probe perturbs, if a unit called with these inputs has one: its first input,
+    a floating (batch, sequence, ...) activation of the model's sequence (not token ids, not an
+    image); else None."""
     first = args[0] if args else next(iter(kwargs.values()), None)
-    return (isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() >= 3
-            and sequence_length is not None and sequence_length >= 2 and first.shape[1] == sequence_length)
+    if (isinstance(first, torch.Tensor) and first.is_floating_point() and first.dim() >= 3
+            and sequence_length is not None and sequence_length >= 2 and first.shape[1] == sequence_length):
+        return first
+    return None
 
 
 def mixes_tokens_outside_attention(unit: nn.Module, args: tuple, kwargs: dict, sequence_length: int | None,
@@ -121,11 +123,8 @@ def mixes_tokens_outside_attention(unit: nn.Module, args: tuple, kwargs: dict, s
     are finite deciding; by default random ones, then the unit's own. None where it cannot
     tell: on the meta device (`mixes_tokens_on_meta` runs those), where the first input is no
     (batch, sequence, ...) activation (token ids, images) or the output keeps no sequence dim."""
-    if not probe_applies(args, kwargs, sequence_length):
-        return None
-    first = args[0] if args else next(iter(kwargs.values()))
-    assert isinstance(first, torch.Tensor) and sequence_length is not None  # probe_applies
-    if first.device.type == "meta":
+    first = probed_input(args, kwargs, sequence_length)
+    if first is None or sequence_length is None or first.device.type == "meta":
         return None
     generator = torch.Generator(device=first.device).manual_seed(0)
     changed = first.detach().clone()  # not by a constant, which the next norm over the features would take away
@@ -232,7 +231,6 @@ class ProbeWeights(TorchFunctionMode):
             args, kwargs = tree_map_only(torch.Tensor, lambda t: t.contiguous() if any(t is o for o in overlapping) else t,
                                          (args, kwargs))
             return func(*args, **kwargs)
-
 
     def _shared_factors(self, features_in: int, features_out: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank-RANK factors for a (features_in -> features_out) product, the same at every call."""
