@@ -183,12 +183,17 @@ class KnownValues(TorchDispatchMode):
         self.generator = torch.Generator().manual_seed(seed)
         self.sampled_bytes = 0
         """What the live sampled shadows hold (at most SAMPLED_BYTES)."""
+        self._by_storage: dict[StorageWeakRef, weakref.WeakValueDictionary[int, torch.Tensor]] = {}
+        """storage -> the live shadowed meta tensors viewing it, so that a write forgets its
+        aliases' shadows without a walk over every shadow (a recurrent scan writes a slice of
+        one buffer per token: thousands of writes among thousands of shadows)."""
+        self._prune_at = 1024
 
     # -- binding data the planner has ------------------------------------------------------
     def bind(self, meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Record that `meta` holds `value` (moved to cpu); returns `meta`."""
         if meta.numel() <= self.max_numel:
-            self.values[meta] = value.detach().to("cpu", dtype=meta.dtype)
+            self._set(meta, value.detach().to("cpu", dtype=meta.dtype))
         return meta
 
     def to_meta(self, obj, dtype: torch.dtype | None = None):
@@ -305,13 +310,28 @@ class KnownValues(TorchDispatchMode):
                     and self._room_for([t])):
                 self._hold_sampled(t, torch.randn(t.shape, generator=self.generator).to(t.dtype))
 
+    def _set(self, meta: torch.Tensor, value: torch.Tensor) -> None:
+        """`value` as `meta`'s shadow, indexed by `meta`'s storage for `_forget`."""
+        self.values[meta] = value
+        storage = StorageWeakRef(meta.untyped_storage())
+        views = self._by_storage.get(storage)
+        if views is None:
+            if len(self._by_storage) >= self._prune_at:  # drop the storages no shadowed tensor views any more
+                self._by_storage = {s: v for s, v in self._by_storage.items() if len(v)}
+                self._prune_at = 2 * max(len(self._by_storage), 1024)
+            views = self._by_storage[storage] = weakref.WeakValueDictionary()
+        views[id(meta)] = meta
+
+    def _aliases(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The shadowed meta tensors viewing `tensor`'s storage."""
+        views = self._by_storage.get(StorageWeakRef(tensor.untyped_storage()))
+        return list(views.values()) if views is not None else []
+
     def _forget(self, tensor: torch.Tensor) -> None:
         """Drop the shadows of `tensor` and of every meta tensor viewing the same storage."""
-        storage = StorageWeakRef(tensor.untyped_storage())
-        for t in list(self.values.keys()):
-            if t is tensor or StorageWeakRef(t.untyped_storage()) == storage:
-                self.values.pop(t, None)
-                self.sampled.pop(t, None)
+        for t in [tensor, *self._aliases(tensor)]:
+            self.values.pop(t, None)
+            self.sampled.pop(t, None)
 
     def _reads(self, func, args, kwargs, metas: list[torch.Tensor]) -> list[torch.Tensor]:
         """`metas` less the arguments `func` only writes (`out=`, the self of fill_/zero_/copy_)."""
@@ -356,10 +376,13 @@ class KnownValues(TorchDispatchMode):
             if _is_meta(t) and isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape):
                 if id(t) in written and self.values.get(t) is not r:
                     self._forget(t)  # written with a new shadow: its aliases' shadows are stale
+                elif id(t) in written and sampled:  # written in place with sampled data: so are its aliases
+                    for alias in self._aliases(t):
+                        self.sampled[alias] = True
                 if sampled:
                     self._hold_sampled(t, r)
                 else:
-                    self.values[t] = r
+                    self._set(t, r)
                     self.sampled.pop(t, None)
 
     def _room_for(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -370,7 +393,7 @@ class KnownValues(TorchDispatchMode):
         """`value`, which depends on a sampled one, as `meta`'s shadow, counted in `sampled_bytes`
         while it lives."""
         size = value.numel() * value.element_size()
-        self.values[meta] = value
+        self._set(meta, value)
         self.sampled[meta] = True
         self.sampled_bytes += size
         weakref.finalize(value, self._release, size)

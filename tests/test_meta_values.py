@@ -135,6 +135,34 @@ def test_sampled_shadows_kept_alive_by_a_loop_stay_within_their_budget(monkeypat
     assert values.sampled_bytes <= 64 * 4  # `decay` alone
 
 
+def test_a_write_with_unknown_data_forgets_the_shadows_of_every_view_of_it():
+    """A buffer written slice by slice (a recurrent scan's outputs) keeps no stale shadow: a
+    write whose data is unknown drops the buffer's shadow and its views', however many other
+    shadows there are, and a write of known data updates the views. A write of sampled data
+    makes the views sampled: none of them is exact any more."""
+    values = KnownValues(sample=False)
+    with values:
+        others = [torch.arange(8, device="meta") + i for i in range(2000)]  # shadows of unrelated storages
+        buffer = torch.zeros(4, 8, device="meta")
+        row, col = buffer[1], buffer[:, 2]
+        buffer[1].fill_(3.0)  # known data: the views see it
+        assert row.sum().item() == 24.0 and col.sum().item() == 3.0
+        buffer[2].copy_(torch.empty(8, device="meta"))  # unknown data
+        for view in (buffer, row, col):
+            assert view not in values.values
+            with pytest.raises(DataDependentError):
+                view.sum().item()
+        assert all(t in values.values for t in others)
+
+    values = KnownValues()
+    with values:
+        buffer = torch.zeros(4, 8, device="meta")
+        row = buffer[1]
+        assert values.exact(row) is not None
+        buffer[1].copy_(torch.empty(8, device="meta").normal_())  # a parameter's draw
+        assert values.exact(row) is None and values.exact(buffer) is None and row in values.values
+
+
 def test_a_value_that_cannot_be_known_names_the_line_and_the_operation():
     values = KnownValues(max_numel=16)  # nothing larger than 16 elements gets a value
 
