@@ -114,6 +114,26 @@ def _flops(func, args, kwargs, out) -> float:
         return 0.0
 
 
+def leaves(obj) -> list:
+    """The leaves of nested lists, tuples (named ones too) and dicts, in order: what pytree's
+    `tree_flatten` gives for an op's arguments or outputs, at a fraction of its cost. The modes
+    that watch every op of a traced model call it several times an op, and a scan written as a
+    Python loop runs hundreds of thousands of ops (Jamba's Mamba layers at 4096 tokens)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out: list = []
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (list, tuple)) and not isinstance(node, torch.Size):
+            stack.extend(reversed(node))
+        elif isinstance(node, dict):
+            stack.extend(reversed(list(node.values())))
+        else:
+            out.append(node)
+    return out
+
+
 def _is_meta(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == "meta"
 
@@ -153,7 +173,7 @@ class Bfloat16Retry(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         except RuntimeError as exc:
-            if not any(_is_meta(x) for x in tree_flatten((args, kwargs))[0]):
+            if not any(_is_meta(x) for x in leaves((args, kwargs))):
                 raise
             return _in_bfloat16(func, args, kwargs, exc)
 
@@ -245,7 +265,7 @@ class KnownValues(TorchDispatchMode):
             return self._dispatch(func, args, kwargs or {})
 
     def _dispatch(self, func, args, kwargs):
-        flat = tree_flatten((args, kwargs))[0]
+        flat = leaves((args, kwargs))
         metas = [x for x in flat if _is_meta(x)]
         makes_meta = any(isinstance(x, torch.device) and x.type == "meta" for x in flat)
         if not metas and not makes_meta:
@@ -287,7 +307,7 @@ class KnownValues(TorchDispatchMode):
 
     def _shadow(self, func, args, kwargs, out, known: bool, sampled: bool) -> None:
         """Give the outputs of a successful meta op their shadows (computed, or sampled)."""
-        outs = [t for t in tree_flatten(out)[0] if _is_meta(t)]
+        outs = [t for t in leaves(out) if _is_meta(t)]
         mutated = self._mutated(func, args, kwargs)
         if not outs and not mutated:
             return
@@ -342,7 +362,7 @@ class KnownValues(TorchDispatchMode):
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write and (arg.is_out or func.overloadpacket in _OVERWRITES):
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
-                write_only += [id(t) for t in tree_flatten(value)[0] if _is_meta(t)]
+                write_only += [id(t) for t in leaves(value) if _is_meta(t)]
         return [x for x in metas if id(x) not in write_only]
 
     @staticmethod
@@ -355,7 +375,7 @@ class KnownValues(TorchDispatchMode):
         for i, arg in enumerate(schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(arg.name)
-                written += [t for t in tree_flatten(value)[0] if _is_meta(t)]
+                written += [t for t in leaves(value) if _is_meta(t)]
         return written
 
     def _run_on_shadows(self, func, args, kwargs):

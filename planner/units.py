@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import PlannerError
+from planner.meta_values import leaves
 
 if TYPE_CHECKING:
     from planner.meta_values import KnownValues
@@ -227,7 +228,7 @@ class DataFlow(TorchFunctionMode):
                 for u in users if u % 1 == 0 and u >= 0}
 
     def consume(self, obj, position: float) -> None:
-        for t in tree_flatten(obj)[0]:
+        for t in leaves(obj):
             key = self.keys.get(id(t)) if isinstance(t, torch.Tensor) else None
             if key is not None:
                 self.consumers[key].add(position)
@@ -352,7 +353,7 @@ class StorageBirths(TorchDispatchMode):
         with torch._C.DisableTorchFunction():  # its own work, not the model's code (meta_values.py)
             out = func(*args, **(kwargs or {}))
             if self.flow.depth == 0:
-                for t in tree_flatten(out)[0]:
+                for t in leaves(out):
                     if isinstance(t, torch.Tensor) and t.is_meta:
                         self.flow.births.setdefault(StorageWeakRef(t.untyped_storage()), self.flow.glue)
                         self.flow._alive.append(t)

@@ -45,9 +45,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
-from planner.meta_values import autocast_disabled
+from planner.meta_values import autocast_disabled, leaves
 
 LOWER = "lower_precision_fp"
 FP32 = "fp32"
@@ -133,11 +133,11 @@ class EmulatedAutocast(TorchFunctionMode):
         elif policy == FP32:
             args, kwargs = tree_map(_to_fp32, (args, kwargs))
         elif policy == FP32_OPT_DTYPE:
-            first = next((t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)), None)
+            first = next((t for t in leaves(args) if isinstance(t, torch.Tensor)), None)
             if first is not None and first.dtype in _SIXTEEN and kwargs.get("dtype") is None:
                 kwargs = {**kwargs, "dtype": torch.float32}
         elif policy == PROMOTE:
-            floats = [t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            floats = [t.dtype for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
             if len(set(floats)) > 1:  # widest: most bits, fp32 over a 16-bit type
                 widest = max(floats, key=lambda d: torch.finfo(d).bits)
                 args, kwargs = tree_map(lambda t: _cast(t, widest), (args, kwargs))

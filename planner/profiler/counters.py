@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import (
     FlopCounterMode,
     flop_registry,
@@ -43,6 +42,7 @@ from torch.utils.flop_counter import (
 )
 
 from planner.hardware import ATTENTION, CONVOLUTION, GEMM, GPUSpec
+from planner.meta_values import leaves
 
 aten = torch.ops.aten
 
@@ -274,7 +274,7 @@ class OpCostMode(TorchDispatchMode):
 
 def tensors_in(obj) -> list[torch.Tensor]:
     """The tensors of a nested structure of them."""
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+    return [t for t in leaves(obj) if isinstance(t, torch.Tensor)]
 
 
 class SavedBytes:
@@ -369,11 +369,11 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # An op's inputs were there before it: a view of one (a transposed gradient handed to the
         # backward) or an in-place result is not a new storage.
-        for t in tree_flatten((args, kwargs))[0]:
+        for t in leaves((args, kwargs)):
             for storage in _storages(t):
                 self._count(storage, made=False, released=False)
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        for t in leaves(out):
             for storage in _storages(t):
                 self._count(storage, made=True, released=True)
         return out
