@@ -233,3 +233,100 @@ def test_an_empty_cache_variable_turns_the_cache_off(gpt_block, monkeypatch):
     ops, _ = gpt_block
     problem = _problem(ops, 2)
     assert intra_op._cache_path(problem, intra_op._build_graph(problem)) is None
+
+
+# --- presolve: strategies that dominate are fixed before the table or the ILP ----------------------
+
+CHUNKED_SCAN = """
+import torch
+from torch import nn
+
+
+class ChunkedScan(nn.Module):
+    '''Linear attention computed chunk by chunk, as Qwen3-Next's gated delta rule is: a state carried
+    from chunk to chunk makes each later product read every earlier one through elementwise ops.'''
+
+    def __init__(self, width=64, heads=4, chunks=4):
+        super().__init__()
+        self.heads, self.chunks = heads, chunks
+        self.norm = nn.LayerNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+        state = torch.zeros(b, self.heads, d // self.heads, d // self.heads, device=x.device, dtype=x.dtype)
+        outs = []
+        for qc, kc, vc in zip(q.chunk(self.chunks, 2), k.chunk(self.chunks, 2), v.chunk(self.chunks, 2)):
+            outs.append(qc @ state + (qc @ kc.transpose(-1, -2)).tril() @ vc)
+            state = 0.9 * state + kc.transpose(-1, -2) @ vc
+        return x + self.o(torch.cat(outs, 2).transpose(1, 2).reshape(b, s, d))
+
+
+class Model(nn.Module):
+    def __init__(self, seq_len=32):
+        super().__init__()
+        self.embed = nn.Embedding(128, 64)
+        self.block = ChunkedScan()
+        self.head = nn.Linear(64, 128)
+
+    def forward(self, ids):
+        return self.head(self.block(self.embed(ids)))
+
+
+def build_model(seq_len=32):
+    return Model(seq_len)
+
+
+def make_batch(batch_size, seq_len=32):
+    ids = torch.randint(0, 128, (batch_size, seq_len))
+    return ids, ids
+"""
+
+
+@pytest.fixture(scope="module")
+def scan_block(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scan") / "scan.py"
+    path.write_text(CHUNKED_SCAN)
+    prof = profile_model(str(path), {}, [1], device="meta")
+    (block,) = [u for u in prof.units if u.name == "block"]
+    return block
+
+
+@pytest.mark.parametrize("bandwidth, flops", [(300e9, 250e12), (1e9, 1e15), (300e9, 1e9)])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("block", ["gpt_block", "llama_block", "scan_block"])
+def test_presolve_keeps_the_optimum(request, block, sp, bandwidth, flops, monkeypatch):
+    """Fixing dominant strategies (`_presolved`) loses nothing: the answer costs what CBC finds on
+    the whole problem, for Megatron's blocks and a chunked scan, with sequence parallelism or not."""
+    import planner.solver.intra_op as intra_op
+
+    monkeypatch.setenv(intra_op.CACHE_ENV, "")
+    found = request.getfixturevalue(block)
+    ops = tuple(found[0] if isinstance(found, tuple) else found.ops)
+    mixes = not isinstance(found, tuple) and bool(found.mixes_tokens)
+    problem = IntraOpProblem(ops, 2, 2, 1 / flops, Ring(2, bandwidth), sequence_parallel=sp, mixes_tokens=mixes)
+    graph = _build_graph(problem)
+    free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
+    whole = evaluate(problem, intra_op._solve_ilp(problem, graph, free))
+    presolved = intra_op._solve(problem)
+    assert presolved.compute_time_s + presolved.comm_time_s == pytest.approx(whole.compute_time_s + whole.comm_time_s, rel=1e-9)
+
+
+def test_a_unit_sequence_parallelism_keeps_whole_is_decided_by_presolve(scan_block):
+    """Under SP a unit that mixes tokens keeps every op replicated; its merge nodes (one per set of
+    products a tensor combines: quadratic in the chunks) are then R at no cost, all but the one
+    feeding the unit's sequence-sharded output, which is left to the table."""
+    import planner.solver.intra_op as intra_op
+
+    assert scan_block.mixes_tokens
+    problem = IntraOpProblem(tuple(scan_block.ops), 2, 2, 1 / 250e12, Ring(2), sequence_parallel=True, mixes_tokens=True)
+    graph = _build_graph(problem)
+    merges = [v for v in graph.nodes if v.startswith("merge:")]
+    assert len(merges) >= 4 and all(len(graph.nodes[v]) == 3 for v in merges)
+    presolved = intra_op._presolved(problem, graph)
+    undecided = [v for v, strategies in presolved.nodes.items() if len(strategies) > 1]
+    assert len(undecided) == 1 and "output" in {intra_op._consumer_of(k) for k, src in graph.sources.items() if src == undecided[0]}
+    chosen = intra_op._solve(problem).strategies
+    assert {chosen[op.name] for op in scan_block.ops} == {"replicate"}

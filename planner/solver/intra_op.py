@@ -665,7 +665,7 @@ def _solve(problem: IntraOpProblem, graph: _Graph | None = None) -> IntraOpSolut
     `TABLE_UP_TO` assignments it is found by pricing them all (`_by_table`); beyond, by CBC, and
     the answer is kept on disk (`_cached`): a later solve of the same problem (the next "what if"
     on the same model and GPU) reads it instead of building and solving the ILP."""
-    graph = graph or _build_graph(problem)
+    graph = _presolved(problem, graph or _build_graph(problem))
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     if all(len(s) == 1 for s in free.values()):
         return evaluate(problem, {v: next(iter(s)) for v, s in free.items()})
@@ -677,6 +677,68 @@ def _solve(problem: IntraOpProblem, graph: _Graph | None = None) -> IntraOpSolut
         chosen = _solve_ilp(problem, graph, free)
         _store(cache, chosen)
     return evaluate(problem, chosen)
+
+
+def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
+    """`graph` with each free node that has a dominant strategy left with that one alone.
+
+    Strategy s of node v dominates when even its worst case costs no more than any other's best:
+    node(v, s) plus every conversion on v's edges at the dearest layout its neighbours can still
+    take <= node(v, s') for every other s' (conversions cost >= 0). Moving v to s from any s' then
+    never raises the objective (the conversions v shares with a producer's other readers can only
+    be paid less often), so some optimum has v = s, and fixing it is exact. Fixed nodes narrow
+    their neighbours' worst cases, so it repeats until nothing changes. Nodes under a constraint
+    are left alone: those whose parameter bytes differ by strategy when `parameter_memory` binds,
+    and `pinned_tp`'s.
+
+    What this buys: a unit that sequence parallelism keeps replicated (`_sequence_parallel_blocked`,
+    a Mamba or gated-delta-rule layer) has every op fixed and only its merge nodes free, each R at
+    no cost. Qwen3-Next's linear attention, whose chunk loop gives 259 merges and 5,300 edges, went
+    to CBC for 12 s per solve; all but two merges are fixed here, and the rest is a table."""
+    by_name = {op.name: op for op in problem.ops}
+    coll = problem.collectives
+    nodes = dict(graph.nodes)
+    readers: dict[str, list[str]] = {}
+    feeds: dict[str, list[str]] = {}
+    for key, src in graph.sources.items():
+        consumer = _consumer_of(key)
+        readers.setdefault(src, []).append(consumer)
+        feeds.setdefault(consumer, []).append(src)
+    must = set(_largest_shardable(nodes, by_name)) if problem.require_sharding else set()
+
+    def constrained(node: str, strategies: dict) -> bool:
+        if node in must:
+            return True
+        bytes_by_strategy = {_node_cost(problem, by_name.get(node), s)[2] for s in strategies}
+        return problem.parameter_bytes_limit is not None and len(bytes_by_strategy) > 1
+
+    def worst(node: str, strategy: str) -> float:
+        read, out, grad = nodes[node][strategy]
+        cost = sum(_node_cost(problem, by_name.get(node), strategy)[:2])
+        for src in feeds.get(node, ()):
+            written = {layouts[1] for layouts in nodes[src].values()}
+            cost += max(conversion_s(a, read, graph.nbytes[src], coll) for a in written)
+            if grad is not None:
+                cost += max(conversion_s(grad, _grad_target(a), graph.nbytes[src], coll) for a in written)
+        for consumer in readers.get(node, ()):
+            cost += max(conversion_s(out, layouts[0], graph.nbytes[node], coll) for layouts in nodes[consumer].values())
+            grads = {layouts[2] for layouts in nodes[consumer].values()} - {None}
+            cost += max((conversion_s(g, _grad_target(out), graph.nbytes[node], coll) for g in grads), default=0.0)
+        return cost
+
+    changed = True
+    while changed:
+        changed = False
+        for node, strategies in nodes.items():
+            if "fixed" in strategies or len(strategies) == 1 or constrained(node, strategies):
+                continue
+            best = {s: sum(_node_cost(problem, by_name.get(node), s)[:2]) for s in strategies}
+            for s in strategies:
+                if all(worst(node, s) <= best[other] for other in strategies if other != s):
+                    nodes[node] = {s: strategies[s]}
+                    changed = True
+                    break
+    return _Graph(nodes, graph.sources, graph.nbytes)
 
 
 TABLE_UP_TO = 1 << 20
@@ -695,7 +757,7 @@ def _by_table(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolu
     pricing them one by one would; `evaluate` prices the answer. Raises as the ILP does when no
     assignment meets the constraints."""
     by_name = {op.name: op for op in problem.ops}
-    nodes = list(free)
+    nodes = [v for v in free if len(free[v]) > 1]  # a node left one strategy is a constant, not an axis
     axis = {v: i for i, v in enumerate(nodes)}
     shape = tuple(len(free[v]) for v in nodes)
 
@@ -708,7 +770,7 @@ def _by_table(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolu
         return out.reshape([len(out) if i == axis[node] else 1 for i in range(len(nodes))])
 
     def strategies(node: str) -> list:
-        return list(free[node]) if node in axis else ["fixed"]
+        return list(free[node]) if node in free else ["fixed"]
 
     total: np.ndarray | float = 0.0
     params: np.ndarray | float = 0.0
@@ -754,7 +816,9 @@ def _by_table(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolu
     least = priced.min()
     first = int(np.flatnonzero(priced <= least + abs(least) * 1e-12)[0])
     picks = np.unravel_index(first, shape)
-    return evaluate(problem, {v: list(free[v])[int(i)] for v, i in zip(nodes, picks, strict=True)})
+    chosen = {v: next(iter(free[v])) for v in free}
+    chosen.update({v: list(free[v])[int(i)] for v, i in zip(nodes, picks, strict=True)})
+    return evaluate(problem, chosen)
 
 
 CACHE_ENV = "PLANNER_CACHE_DIR"
@@ -861,8 +925,9 @@ def _layout_expr(x, graph: _Graph, node: str, position: int, layout: str):
     """sum of x[node, s] over strategies whose layout at `position` (0 in, 1 out, 2 grad) is `layout`."""
     import pulp
     strategies = graph.nodes[node]
-    if "fixed" in strategies:
-        return 1 if strategies["fixed"][position] == layout else 0
+    if len(strategies) == 1:  # fixed, or left one strategy: a constant
+        (layouts,) = strategies.values()
+        return 1 if layouts[position] == layout else 0
     return pulp.lpSum(x[node, s] for s, layouts in strategies.items() if layouts[position] == layout)
 
 
@@ -878,7 +943,20 @@ def _add_conversions(model, x, graph: _Graph, coll: TPCollectives) -> list:
     terms: list = []
     y: dict = {}
     layouts = ("R", "F", "S", "P")
+    # An edge whose two ends are decided (fixed, or left one strategy by `_presolved`) is a
+    # constant cost, left to `evaluate`; its conversions are then paid, so another reader of the
+    # same producer wanting the same layout adds nothing.
+    decided = {key for key, src in graph.sources.items()
+               if len(graph.nodes[src]) == 1 and len(graph.nodes[_consumer_of(key)]) == 1}
+    paid = set()
+    for key in decided:
+        src, consumer = graph.sources[key], _consumer_of(key)
+        ((_, out, _),) = graph.nodes[src].values()
+        ((read, _, grad),) = graph.nodes[consumer].values()
+        paid |= {("F", src, out, read), ("B", src, out, grad)}
     for key, src in graph.sources.items():
+        if key in decided:
+            continue
         consumer = _consumer_of(key)
         for direction, position in (("F", 0), ("B", 2)):
             if all(layout[position] is None for layout in graph.nodes[consumer].values()):
@@ -902,6 +980,8 @@ def _add_conversions(model, x, graph: _Graph, coll: TPCollectives) -> list:
                 if cost <= 0:
                     continue
                 k = (direction, src, a, t)
+                if k in paid:
+                    continue
                 if k not in y:
                     # y[dir, p, a, t]: p writes a and a consumer reads t (dir F) or returns gradient t (dir B).
                     y[k] = pulp.LpVariable(f"y{direction}_{len(y)}", lowBound=0, upBound=1)
