@@ -330,3 +330,14 @@ def test_a_unit_sequence_parallelism_keeps_whole_is_decided_by_presolve(scan_blo
     assert len(undecided) == 1 and "output" in {intra_op._consumer_of(k) for k, src in graph.sources.items() if src == undecided[0]}
     chosen = intra_op._solve(problem).strategies
     assert {chosen[op.name] for op in scan_block.ops} == {"replicate"}
+
+
+def test_a_merge_of_thousands_of_products_has_a_short_name_of_its_own():
+    """A scan written as a Python loop combines every earlier step's product (Jamba's Mamba at 4096
+    tokens); its merge nodes are named in a few dozen characters, one name per set of sources."""
+    from planner.solver.intra_op import _merge_name
+
+    many = sorted(f"matmul_{i}" for i in range(5000))
+    assert len(_merge_name(many)) < 80
+    assert _merge_name(many) != _merge_name(many[:-1]) != _merge_name(many[1:])
+    assert _merge_name(["k", "q"]) == "merge:k+q"

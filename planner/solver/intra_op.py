@@ -450,11 +450,23 @@ def _attach(consumer: str, inputs: list[str], nodes, nbytes, act_bytes: float, t
         return {}
     if len(inputs) == 1:
         return {consumer: inputs[0]}
-    merge = "merge:" + "+".join(inputs)
+    merge = _merge_name(inputs)
     if merge not in nodes:
         nodes[merge] = dict(MERGE) if tp > 1 else {"R": MERGE["R"]}
         nbytes[merge] = act_bytes
     return {consumer: merge, **{f"{merge}<-{src}": src for src in inputs}}
+
+
+def _merge_name(inputs: list[str]) -> str:
+    """The merge node of `inputs` (sorted): their names joined, or, past a few, the first three,
+    how many more, and a hash of all. A scan written as a Python loop combines every earlier
+    step's product (Jamba's Mamba at 4096 tokens: merges of thousands of ops), and names that
+    long, repeated in every edge key, made building and reading the graph quadratic."""
+    joined = "+".join(inputs)
+    if len(inputs) <= 4:
+        return "merge:" + joined
+    digest = hashlib.sha1(joined.encode()).hexdigest()[:12]
+    return f"merge:{'+'.join(inputs[:3])}+{len(inputs) - 3} more:{digest}"
 
 
 def _consumer_of(key: str) -> str:
@@ -636,8 +648,9 @@ def _unrunnable(problem: IntraOpProblem, strategies: dict[str, str], graph: _Gra
 
     blamed: set[str] = set()
     merged: dict[str, str] = {}
+    feeding = _merge_sources(graph)
     for merge in (n for n in graph.nodes if n.startswith("merge:")):
-        sources = [src for key, src in graph.sources.items() if key.startswith(merge + "<-") and src != INPUT]
+        sources = [src for src in feeding.get(merge, ()) if src != INPUT]
         layouts = {hands_on(src) for src in sources}
         if len(layouts) > 1:
             blamed |= {src for src in sources if hands_on(src) != "R"}
@@ -649,15 +662,17 @@ def _unrunnable(problem: IntraOpProblem, strategies: dict[str, str], graph: _Gra
         if reads(consumer) == "F":  # a paired row-parallel module or sharded attention fed a whole tensor
             blamed.add(consumer)
         else:  # a sharded output where a whole one is read
-            blamed |= {n for n in _producers(src, graph) if hands_on(n) == "F"}
+            blamed |= {n for n in feeding.get(src, [src]) if hands_on(n) == "F"}
     return frozenset(n for n in blamed if n in by_name)
 
 
-def _producers(node: str, graph: _Graph) -> list[str]:
-    """`node`, or the sources of a merge node."""
-    if not node.startswith("merge:"):
-        return [node]
-    return [src for key, src in graph.sources.items() if key.startswith(node + "<-")]
+def _merge_sources(graph: _Graph) -> dict[str, list[str]]:
+    """Each merge node's sources."""
+    feeding: dict[str, list[str]] = {}
+    for key, src in graph.sources.items():
+        if key.startswith("merge:") and "<-" in key:
+            feeding.setdefault(_consumer_of(key), []).append(src)
+    return feeding
 
 
 def _solve(problem: IntraOpProblem, graph: _Graph | None = None) -> IntraOpSolution:
