@@ -165,3 +165,19 @@ def test_meta_attention_keeps_the_value_width(masked):
         out = torch.nn.functional.scaled_dot_product_attention(q, q, v, attn_mask=mask, is_causal=not masked)
     assert out.shape == (1, 4, 256, 128)
     assert ops.totals.attention_flops == sdpa_flop_count(q.shape, q.shape, v.shape)
+
+
+@pytest.mark.parametrize("groups", [1, 4, 16])
+def test_a_grouped_convolutions_backward_counts_twice_its_forward(groups):
+    """A convolution's backward is two of its forward's products (the input's gradient and the
+    weight's), grouped or not. torch's formula counts a grouped weight gradient as if ungrouped:
+    a Mamba layer's depthwise conv1d (8192 groups) came out at 8000 times its forward."""
+    import torch
+
+    from planner.profiler.counters import flop_counter
+
+    conv = torch.nn.Conv1d(16, 16, 4, groups=groups, padding=3)
+    with flop_counter() as counter:
+        conv(torch.randn(2, 16, 64, requires_grad=True)).sum().backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert counts["aten.convolution_backward"] == 2 * counts["aten.convolution"]

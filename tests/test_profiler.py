@@ -314,3 +314,27 @@ def test_a_model_that_computes_its_shape_with_tensors_profiles(write_model, devi
     assert nn.Module.register_parameter.__name__ == "register_parameter"  # restored afterwards
     prof = profile_model(str(path), {}, [2], device=device, repeats=2, warmup=1)
     assert prof.model.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_a_unit_whose_backward_dwarfs_its_forward_is_named_once_per_kind():
+    """A Python loop over the sequence that reads one step at a time gets a full-size gradient per
+    step in the backward (Jamba's Mamba layers: 200 times their forward); the profile says so, once
+    per kind of unit, and leaves out units with no FLOPs (an embedding's backward writes its whole
+    table) and ordinary ones."""
+    from planner.profile_schema import UnitCosts
+    from planner.profiler import SLOW_BACKWARD, _slow_backward_notes
+
+    def cost(forward_s: float, backward_s: float, flops: int = 10**9) -> dict[int, UnitCosts]:
+        return {1: UnitCosts(forward_time_s=forward_s, backward_time_s=backward_s, forward_flops=flops, backward_flops=2 * flops,
+                             forward_memory_traffic_bytes=0, backward_memory_traffic_bytes=0, input_bytes=0, output_bytes=0,
+                             saved_bytes=0)}
+
+    units = ["embed", "mamba.0", "attention.1", "mamba.2"]
+    fingerprints = {"embed": "e", "mamba.0": "m", "attention.1": "a", "mamba.2": "m"}
+    costs = {"embed": cost(1e-4, 30e-4, flops=0), "mamba.0": cost(0.12, 25.0), "attention.1": cost(0.1, 0.25),
+             "mamba.2": cost(0.12, 25.0)}
+    (note,) = _slow_backward_notes(units, fingerprints, costs, 1)
+    assert "mamba.0 (25 s against 0.12 s)" in note and "mamba.2" not in note
+    assert "embed" not in note and "attention" not in note and "--device cuda" in note
+    costs["mamba.0"] = costs["mamba.2"] = cost(0.12, 0.12 * SLOW_BACKWARD)
+    assert _slow_backward_notes(units, fingerprints, costs, 1) == []

@@ -287,7 +287,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         precision=None if torch_dtype == torch.float32 else cast(Literal["autocast", "pure"], precision),
         notes=_notes(trace, owned, values, meta_traced) + ([] if losses is None or losses.counted else [LOSS_NOT_COUNTED])
         + ([UNPROBED + ", ".join(unprobed)] if unprobed else [])
-        + _split_notes(jobs),
+        + _split_notes(jobs) + _slow_backward_notes(units, fingerprints, costs, sizes[0]),
         cpu_threads=threads if device == "cpu" else None,
     )
 
@@ -606,6 +606,38 @@ def _op_graphs(mf, modules, units, fingerprints, trace: UnitTrace, precision=nul
             except Exception as exc:
                 raise user_code_error(mf.path, f"recording the op graph of unit {name}", exc) from exc
     return op_graphs
+
+
+SLOW_BACKWARD = 20.0
+"""Backward over forward time past which a unit's backward is named in the profile's notes. A
+unit of matrix products runs its backward in about twice its forward's time (three with
+attention's recomputed scores); an embedding's backward, which writes the whole table's
+gradient, can take 15-30 times its forward, but it has no FLOPs and is not named."""
+
+
+def _slow_backward_notes(units: list[str], fingerprints: dict, costs: dict, size: int) -> list[str]:
+    """A note naming units whose backward takes more than SLOW_BACKWARD times their forward: a
+    Python loop over the sequence that reads one step of a tensor at a time (`x[:, :, i]`) is the
+    usual cause. Autograd gives each step's read a gradient the size of the whole tensor
+    (select_backward) and adds them up: a scan over 4096 tokens of Jamba's (1, 8192, 4096, 16)
+    state writes terabytes (25 s per layer on an H100, 200 times its forward). That is what eager
+    PyTorch runs; where the model has fused kernels for its scan on GPUs (Mamba's mamba-ssm and
+    causal-conv1d), it does not run this code there, and the plan is priced for code it will not run."""
+    slow, seen = [], set()
+    for name in units:
+        cost = costs[name][size]
+        if fingerprints[name] in seen or not cost.forward_flops or cost.backward_time_s <= SLOW_BACKWARD * cost.forward_time_s:
+            continue
+        seen.add(fingerprints[name])
+        slow.append(f"{name} ({cost.backward_time_s:.3g} s against {cost.forward_time_s:.3g} s)")
+    if not slow:
+        return []
+    return [f"these units' backward takes more than {SLOW_BACKWARD:g} times their forward at micro-batch {size}, each "
+            f"named once for its kind: {'; '.join(slow)}. The usual cause is a Python loop over the sequence that reads "
+            "one step of a tensor at a time: autograd writes a gradient the size of the whole tensor for every step. If "
+            "the model has fused kernels for this loop on GPUs (a Mamba layer's mamba-ssm and causal-conv1d), it runs "
+            "them there instead, and these times are not theirs: measure a profile on a GPU with them installed "
+            "(--device cuda)"]
 
 
 def _split_notes(jobs: dict) -> list[str]:

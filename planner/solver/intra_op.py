@@ -66,9 +66,11 @@ replicated (`_sequence_parallel_blocked`): Megatron's layout needs every linear 
 replicated attention in the sequence-sharded region would see only its rank's tokens. So does a
 unit whose linears are its own children (the pair's owner would be the unit itself).
 
-Units with at most `TABLE_UP_TO` assignments of their free nodes (a transformer block has
-about 13,000) are solved exactly by pricing them all in one numpy array (`_by_table`); larger
-ones by CBC with a time limit (`ILP_TIME_LIMIT_S`), the answer kept on disk. The same cost is
+First, a node whose strategy dominates (its worst case costs no more than any other's best) is
+fixed to it (`_presolved`, exact); a unit that sequence parallelism keeps replicated is then
+decided almost whole. Units with at most `TABLE_UP_TO` assignments of their free nodes left (a
+transformer block has about 13,000) are solved exactly by pricing them all in one numpy array
+(`_by_table`); larger ones by CBC with a time limit (`ILP_TIME_LIMIT_S`), the answer kept on disk. The same cost is
 computed in closed form by `evaluate` for any assignment, which the tests compare with brute
 force and with the ILP, and the search uses to re-price a cached plan at other micro-batch
 sizes.
