@@ -125,7 +125,7 @@ def leaves(obj) -> list:
     stack = [obj]
     while stack:
         node = stack.pop()
-        if isinstance(node, (list, tuple)) and not isinstance(node, torch.Size):
+        if isinstance(node, (list, tuple)):
             stack.extend(reversed(node))
         elif isinstance(node, dict):
             stack.extend(reversed(list(node.values())))

@@ -228,3 +228,22 @@ def test_a_meta_kernel_that_refuses_float32_runs_in_bfloat16_for_its_shape():
     with Bfloat16Retry():
         out = torch._grouped_mm(x, w, offs=offs)
     assert out.shape == (6, 32) and out.dtype == torch.float32 and out.device.type == "meta"
+
+
+def test_leaves_are_pytrees_leaves():
+    """`leaves`, the profiler modes' fast walk over an op's arguments, finds what pytree's
+    `tree_flatten` finds, in the same order: the leaves of nested lists, tuples (sizes and named
+    tuples such as torch.return_types too) and dicts."""
+    from collections import OrderedDict
+
+    from torch.utils._pytree import tree_flatten
+
+    from planner.meta_values import leaves
+
+    t = [torch.zeros(i + 1) for i in range(6)]
+    cases = [t[0], (t[0], [t[1], 2.0, None], {"a": t[2], "b": (t[3], "x")}), ((t[0], torch.Size([2, 3])), {"k": [t[1]]}),
+             torch.max(torch.ones(2, 3), 1), OrderedDict(z=t[4], y=[t[5]]), [], ()]
+    for case in cases:
+        expected = tree_flatten(case)[0]
+        found = leaves(case)
+        assert len(found) == len(expected) and all(a is b or a == b for a, b in zip(found, expected, strict=True)), case
