@@ -49,7 +49,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
@@ -203,10 +202,13 @@ class KnownValues(TorchDispatchMode):
         self.generator = torch.Generator().manual_seed(seed)
         self.sampled_bytes = 0
         """What the live sampled shadows hold (at most SAMPLED_BYTES)."""
-        self._by_storage: dict[StorageWeakRef, weakref.WeakValueDictionary[int, torch.Tensor]] = {}
-        """storage -> the live shadowed meta tensors viewing it, so that a write forgets its
-        aliases' shadows without a walk over every shadow (a recurrent scan writes a slice of
-        one buffer per token: thousands of writes among thousands of shadows)."""
+        self._by_storage: dict[int, dict[int, weakref.ref]] = {}
+        """storage (its address) -> the shadowed meta tensors viewing it (weakly, by id), so that a
+        write forgets its aliases' shadows without a walk over every shadow (a recurrent scan
+        writes a slice of one buffer per token: thousands of writes among thousands of shadows).
+        Plain dicts of plain references: a `WeakValueDictionary` per storage doubled the memory of
+        xLSTM's analytic profile. A dead tensor's reference reads None and is skipped; an address
+        a freed storage leaves may be reused, which only adds dead references to the new one's."""
         self._prune_at = 1024
 
     # -- binding data the planner has ------------------------------------------------------
@@ -333,19 +335,20 @@ class KnownValues(TorchDispatchMode):
     def _set(self, meta: torch.Tensor, value: torch.Tensor) -> None:
         """`value` as `meta`'s shadow, indexed by `meta`'s storage for `_forget`."""
         self.values[meta] = value
-        storage = StorageWeakRef(meta.untyped_storage())
-        views = self._by_storage.get(storage)
+        key = meta.untyped_storage()._cdata
+        views = self._by_storage.get(key)
         if views is None:
-            if len(self._by_storage) >= self._prune_at:  # drop the storages no shadowed tensor views any more
-                self._by_storage = {s: v for s, v in self._by_storage.items() if len(v)}
+            if len(self._by_storage) >= self._prune_at:  # drop the storages no live shadowed tensor views
+                self._by_storage = {k: v for k, v in self._by_storage.items() if any(r() is not None for r in v.values())}
                 self._prune_at = 2 * max(len(self._by_storage), 1024)
-            views = self._by_storage[storage] = weakref.WeakValueDictionary()
-        views[id(meta)] = meta
+            views = self._by_storage[key] = {}
+        if id(meta) not in views or views[id(meta)]() is not meta:
+            views[id(meta)] = weakref.ref(meta)
 
     def _aliases(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The shadowed meta tensors viewing `tensor`'s storage."""
-        views = self._by_storage.get(StorageWeakRef(tensor.untyped_storage()))
-        return list(views.values()) if views is not None else []
+        """The live shadowed meta tensors viewing `tensor`'s storage."""
+        views = self._by_storage.get(tensor.untyped_storage()._cdata, {})
+        return [t for t in (r() for r in list(views.values())) if t is not None]
 
     def _forget(self, tensor: torch.Tensor) -> None:
         """Drop the shadows of `tensor` and of every meta tensor viewing the same storage."""
