@@ -255,3 +255,65 @@ def test_zero_bubble_stage_run_with_its_whole_backward():
     assert peak_states("zero-bubble", 2, 4, 1, whole_chunks=frozenset({1})) == (S(1.0, 0.0, True),)
     assert peak_states("zero-bubble", 2, 4, 1) == (S(2.0, 2.0, True),)  # split: two held, both waiting
     assert peak_states("zero-bubble", 2, 4, 0, whole_chunks=frozenset({1})) == peak_states("zero-bubble", 2, 4, 0)  # another rank's
+
+
+@settings(max_examples=200)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.booleans(), st.booleans()), max_size=40, unique=True))
+def test_uncovered_moments_match_every_pair_compared(moments):
+    """The zero-bubble peak states keep the moments no other covers; the sorted sweep
+    (`_uncovered`) keeps what comparing every pair keeps, in the same order."""
+    from planner.cost.schedules import PeakState, _uncovered
+
+    states = [PeakState(h, q, g, loss=loss) for h, q, g, loss in moments]
+    expected = [m for m, s in zip(moments, states, strict=True) if not any(o != s and o.covers(s) for o in states)]
+    assert _uncovered(moments) == expected
+
+
+@pytest.mark.parametrize("p, m, v, whole", [(2, 4, 1, ()), (4, 8, 2, (5,)), (4, 32, 3, ()), (8, 64, 2, (9, 12))])
+def test_zero_bubble_peak_states_are_the_uncovered_moments_of_its_actions(p, m, v, whole):
+    """The peak states are the moments of torch's zero-bubble order, played action by action as
+    `peak_states` documents, that no other moment covers: checked against every moment compared
+    with every other."""
+    from planner.cost.schedules import PeakState, peak_states
+
+    for rank, actions in enumerate(schedule_actions("zero-bubble", p, m, v)):
+        held = pending = 0
+        made = False
+        states = []
+        for kind, chunk, _ in actions:
+            first, whole_chunk = chunk == 0, chunk in whole and chunk != 0
+            if kind == "F":
+                held += 1
+                states.append(PeakState(held / v, pending / v, made))
+            elif (kind == "B" and whole_chunk) or (kind == "W" and first):
+                states.append(PeakState(held / v, pending / v, made))
+                held, made = held - 1, True
+            elif kind == "B" and not first:
+                pending += 1
+                states.append(PeakState(held / v, pending / v, made))
+            elif kind == "W" and not whole_chunk and not first:
+                states.append(PeakState(held / v, pending / v, True, loss=False))
+                held, pending, made = held - 1, pending - 1, True
+        unique = list(dict.fromkeys(states))
+        expected = tuple(s for s in unique if not any(o != s and o.covers(s) for o in unique))
+        assert peak_states("zero-bubble", p, m, rank, v, frozenset(whole)) == expected
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_zero_bubble_least_in_flight_is_the_played_schedules(p, v):
+    """The memory bounds' closed form for zero bubble with every later stage's backward whole
+    (`zero_bubble_least_in_flight`) is the most `peak_states` finds, playing the schedule, at
+    every micro-batch count torch accepts."""
+    from planner.cost.schedules import peak_states, zero_bubble_least_in_flight
+    from planner.cost.simulator import check_schedule
+
+    every = frozenset(range(1, p * v))
+    for m in range(1, 41):
+        try:
+            check_schedule("zero-bubble", p, m, v)
+        except Exception:  # noqa: BLE001 - a count the schedule refuses
+            continue
+        for rank in range(p):
+            played = max(s.in_flight for s in peak_states("zero-bubble", p, m, rank, v, every))
+            assert zero_bubble_least_in_flight(p, m, rank, v) == played, (m, rank)

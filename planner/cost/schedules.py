@@ -112,6 +112,7 @@ streams for GPipe and 1F1B on uniform stages (tests/test_overlap.py).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -330,28 +331,78 @@ def _zero_bubble_states(num_ranks: int, num_microbatches: int, virtual_stages: i
     for actions in schedule_actions("zero-bubble", num_ranks, num_microbatches, v):
         held = pending = 0
         made = False
-        states = []
+        moments: dict[tuple[int, int, bool, bool], None] = {}  # (held, pending, gradients, loss), in order of first seen
         for kind, chunk, _ in actions:
             first = chunk == 0  # the first stage's whole backward runs as its W
             whole = chunk in whole_chunks and not first  # a later one's at its B
             if kind == "F":
                 held += 1
-                states.append(PeakState(held / v, pending / v, made))
+                moments[held, pending, made, True] = None
             elif (kind == "B" and whole) or (kind == "W" and first):  # frees the micro-batch as it makes the gradients
-                states.append(PeakState(held / v, pending / v, made))
+                moments[held, pending, made, True] = None
                 held, made = held - 1, True
             elif kind == "B" and not first:
                 pending += 1
-                states.append(PeakState(held / v, pending / v, made))
+                moments[held, pending, made, True] = None
             elif kind == "W" and not whole and not first:
-                states.append(PeakState(held / v, pending / v, True, loss=False))
+                moments[held, pending, True, False] = None
                 held, pending, made = held - 1, pending - 1, True
-        kept = []
-        for state in dict.fromkeys(states):
-            if not any(other != state and other.covers(state) for other in states):
-                kept.append(state)
-        out.append(tuple(kept))
+        # Thousands of actions, fewer distinct moments: PeakStates only for those no other covers.
+        out.append(tuple(PeakState(h / v, q / v, g, loss=loss) for h, q, g, loss in _uncovered(list(moments))))
     return tuple(out)
+
+
+def _uncovered(moments: list[tuple[int, int, bool, bool]]) -> list[tuple[int, int, bool, bool]]:
+    """The distinct (held, pending, gradients, loss) moments that no other covers (holds at least
+    as much, term by term: `PeakState.covers`), in their order. A long zero-bubble step has
+    thousands of distinct moments, and comparing every pair of them took most of a first solve
+    of GPT-3 on 1024 GPUs; here, per pair of flags, the moments sorted by held (descending) give
+    the most pending held by any moment holding at least as many, in O(n log n)."""
+    by_flags: dict[tuple[bool, bool], list[tuple[int, int]]] = {}
+    for held, pending, gradients, loss in moments:
+        by_flags.setdefault((gradients, loss), []).append((held, pending))
+    frontier = {}  # flags -> (helds descending, the most pending among moments holding at least that many)
+    for flags, points in by_flags.items():
+        points.sort(reverse=True)
+        most, running = [], -1
+        for _, pending in points:
+            running = max(running, pending)
+            most.append(running)
+        frontier[flags] = ([-held for held, _ in points], most)
+
+    def covered(held: int, pending: int, gradients: bool, loss: bool) -> bool:
+        for (g, l), (negated, most) in frontier.items():
+            if g < gradients or l < loss:
+                continue
+            if (g, l) == (gradients, loss):  # another moment of the same flags: more held, or as many and more pending
+                i = bisect.bisect_left(negated, -held)  # the first with as many held as this one: itself or one with more pending
+                if i > 0 and most[i - 1] >= pending:
+                    return True
+                # moments with as many held come in descending pending: this one is covered if it is not the first
+                if i < len(negated) and negated[i] == -held and by_flags[g, l][i][1] > pending:
+                    return True
+            else:
+                i = bisect.bisect_right(negated, -held)  # all holding at least as many
+                if i > 0 and most[i - 1] >= pending:
+                    return True
+        return False
+
+    return [moment for moment in moments if not covered(*moment)]
+
+
+def zero_bubble_least_in_flight(num_ranks: int, num_microbatches: int, rank: int, virtual_stages: int = 1) -> float:
+    """The most micro-batches rank `rank` holds in zero bubble when every stage but the first runs
+    its whole backward at B (`peak_states` with every later chunk in `whole_chunks`, the fewest
+    any stage placement holds): each F holds one more and each B (the first stage's W, right
+    after its B) frees one, so the peak is torch's warm-up forwards plus one, or every forward
+    when the warm-up is all of them. In chunk-micro-batches / v; the memory bounds
+    (planner/solver/bounds.py) read it for every configuration, where playing the schedule took
+    most of a first solve of GPT-3 on 64 GPUs (tests/test_schedules.py checks it against the
+    played schedule)."""
+    p, m, v = num_ranks, num_microbatches, virtual_stages
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + p - rank - 1, m * v)
+    return min(warmup + 1, m * v) / v
 
 
 def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, rank: int,

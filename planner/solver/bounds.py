@@ -76,7 +76,12 @@ from typing import NamedTuple
 import numpy as np
 
 from planner.cost.memory import model_state_bytes
-from planner.cost.schedules import BACKWARD_WEIGHT_FRACTION, forwards_first, in_flight_microbatches, peak_states
+from planner.cost.schedules import (
+    BACKWARD_WEIGHT_FRACTION,
+    forwards_first,
+    in_flight_microbatches,
+    zero_bubble_least_in_flight,
+)
 from planner.solver.comm_pricing import bucket_parameters, gathered_dense, tail_collectives
 from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
@@ -795,9 +800,7 @@ def _rank_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stage
     (planner/cost/schedules.py `peak_states`' `whole_chunks`: it frees each micro-batch there,
     earlier than a deferred W), so the bound holds whichever stages the search finds so."""
     if schedule == "zero-bubble":
-        every = frozenset(range(1, pp * virtual_stages))
-        return tuple(max(s.in_flight for s in peak_states(schedule, pp, num_microbatches, k, virtual_stages, every))
-                     for k in range(pp))
+        return tuple(zero_bubble_least_in_flight(pp, num_microbatches, k, virtual_stages) for k in range(pp))
     return tuple(in_flight_microbatches(schedule, pp, num_microbatches, k, virtual_stages) for k in range(pp))
 
 
