@@ -40,8 +40,17 @@ session) once zero bubble's waiting weight passes counted their weight ops' outp
 ZeRO 3 on every GPU, 32.7 -> 32.9 s; and once more after ZeRO 1-2's once-per-step collectives
 were priced per unit, as FSDP2 runs them (planner/solver/search.py `Environment.dp_collectives`):
 175B on 12,288 moved from pp8 dp384 to pp6 dp512 (5.874 -> 5.872 s), the other times by under
-0.4%. Every goal is met in the CSV: 175B on 64 GPUs 0.81 s (1 s), on 1024 1.09 s (2 s), 530B on
+0.4%. Every goal was met in that CSV: 175B on 64 GPUs 0.81 s (1 s), on 1024 1.09 s (2 s), 530B on
 2240 0.92 s (5 s), 192 layers on 512 1.34 s (10 s), the MoE 0.96 s (10 s).
+The CSV of 2026-11-30 is not: the zero-bubble memory work of the sessions after (peak states
+played action by action, planner/cost/schedules.py `peak_states`) had made a first solve of 175B
+on 64 GPUs take 29 s, on 1024 21 s (cache off, the same machine), with a pairwise filter over
+every action's state and a played schedule per configuration in the memory bound. With the
+distinct moments filtered by a sweep and the bound's in-flight count in closed form, the plans
+the same: 175B on 64 GPUs 1.11 s, on 512 4.2 s, on 1024 4.96 s (goal 2 s), on 12,288 11.9 s,
+530B on 2240 2.95 s, 192 layers on 512 9.8 s, the MoE 2.6 s. Where the rest goes: the time bound
+now prunes far fewer configurations (175B on 1024 GPUs prices 474 of them, 39 on 11-28), since
+the priced step times grew with the overlap and zero-bubble models while the bounds did not.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
