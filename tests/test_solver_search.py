@@ -79,8 +79,8 @@ def test_free_search_is_never_beaten_by_a_pinned_configuration(profiles, case):
 def test_bounds_never_exceed_the_price(profiles, shape, gpus, batch, fraction):
     """For every configuration: the time bound is at most its price, and the memory bound at most
     the peak of its stages, wherever the DP finds cuts (exact inequalities, up to float rounding)."""
-    profile = profiles[shape]
-    cluster = make_cluster(gpus, 8, "a100-80gb")
+    profile = profiles[1]
+    cluster = make_cluster(16, 8, "a100-80gb")
     compute = ComputeModel(profile, cluster.gpu, "bfloat16")
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16")
@@ -134,6 +134,42 @@ def test_bounds_hold_where_the_gradient_reduction_is_exposed(profiles, schedule,
     without = TimeBound(env).many(pairs)
     assert np.all(without <= bound)
     assert (bound > without * (1 + 1e-6)).any() == (schedule != "1f1b")
+
+
+def test_zero_bubble_bounds_count_the_gradients_and_their_accumulation(profiles, monkeypatch):
+    """Zero bubble under memory pressure: the bound is at most every price, and it is higher for
+    some configuration than without the counts held beside the gradients after the first weight
+    pass (`_held_with_gradients`: before, the bound left the gradients out of every rank's
+    memory) and than without the step's gradient accumulation passes (`accumulation_s`)."""
+    import planner.solver.bounds as bounds_module
+
+    profile = profiles[1]
+    cluster = make_cluster(16, 8, "a100-80gb")
+    compute = ComputeModel(profile, cluster.gpu, "bfloat16")
+    coll = CollectiveModel(cluster)
+    costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), "bfloat16")
+    pins = Pins(schedule="zero-bubble")
+    env = _environment(cluster, compute, "bfloat16", pins, 0.03)
+    pairs, prices = [], []
+    for group in candidate_configs(pins, cluster, 64, len(profile.units), profile.micro_batch_sizes):
+        for cfg in group:
+            table = costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size)
+            result = evaluate_config(table, cfg, env)
+            if result.feasible and cfg.pp > 1:
+                pairs.append((table, cfg))
+                prices.append(result.iteration_time_s)
+    bound = TimeBound(env).many(pairs)
+    assert len(pairs) > 10 and np.all(bound <= np.array(prices) * (1 + 1e-9))
+    with monkeypatch.context() as patch:
+        patch.setattr(bounds_module, "_held_with_gradients", lambda *args: (0.0, 0.0, 0.0))
+        patch.setattr(bounds_module, "_rank_held_with_gradients", lambda schedule, pp, *args: (0.0,) * pp)
+        without_gradients = TimeBound(env).many(pairs)
+    with monkeypatch.context() as patch:
+        patch.setattr(bounds_module, "accumulation_pass_bytes", lambda *args: 0.0)
+        without_accumulation = TimeBound(env).many(pairs)
+    for without in (without_gradients, without_accumulation):
+        assert np.all(without <= bound * (1 + 1e-12))
+        assert (bound > without * (1 + 1e-6)).any()
 
 
 def test_batched_time_bound_equals_one_at_a_time(profiles):
@@ -398,8 +434,8 @@ def test_a_split_search_finds_the_one_process_top_k(profiles, shape, gpus, batch
     monkeypatch.setattr(solve_module, "SPLIT_MIN", 0)
     made = []
     monkeypatch.setattr(solve_module, "Helpers", lambda parts: made.append(Helpers(parts)) or made[-1])
-    profile = profiles[shape]
-    cluster = make_cluster(gpus, 8, "a100-80gb")
+    profile = profiles[1]
+    cluster = make_cluster(16, 8, "a100-80gb")
     alone = search(profile, cluster, batch, memory_fraction=fraction, keep=3, workers=1)
     for workers in (2, 3):
         split = search(profile, cluster, batch, memory_fraction=fraction, keep=3, workers=workers)

@@ -405,6 +405,25 @@ def zero_bubble_least_in_flight(num_ranks: int, num_microbatches: int, rank: int
     return min(warmup + 1, m * v) / v
 
 
+def zero_bubble_least_held_with_gradients(num_ranks: int, num_microbatches: int, rank: int,
+                                          virtual_stages: int = 1) -> float:
+    """The most micro-batches rank `rank` holds in zero bubble at some moment after its first
+    weight pass, when its parameter gradients exist, at the least over stage placements: with
+    every later stage running its whole backward at B (as `zero_bubble_least_in_flight`), which
+    frees each micro-batch no later than any placement does, and once a rank has run a W its
+    gradients exist whatever the placement (the W makes them, or a whole backward's B before it
+    did). In chunk-micro-batches / v. With more micro-batches than ranks a forward follows the
+    first W while the rank still holds its warm-up, so it is the peak itself; with as many, one
+    chunk-micro-batch fewer; with fewer, 0 (the bound claims nothing). Checked against the played
+    schedule in tests/test_schedules.py; the memory bounds (planner/solver/bounds.py) read it."""
+    p, m, v = num_ranks, num_microbatches, virtual_stages
+    if m > p:
+        return zero_bubble_least_in_flight(p, m, rank, v)
+    if m == p:
+        return zero_bubble_least_in_flight(p, m, rank, v) - 1 / v
+    return 0.0
+
+
 def in_flight_microbatches(schedule: str, num_ranks: int, num_microbatches: int, rank: int,
                            virtual_stages: int = 1) -> float:
     """Peak micro-batches whose activations pipeline rank `rank` holds, in units of one

@@ -55,7 +55,9 @@ v = 1 a rank is a chunk, so X >= z* + min_u p2p_u too. The schedules' closed for
 plus the overlapped p2p's fill, at least (S - 1) x the cheapest hop, plus the once-per-step
 tail, at least the optimizer step of the mean pipeline rank:
 the parameters a rank updates (`updated_parameters`: under ZeRO >= 1 dense ones / dp and
-experts' / expert-dp) / p x optimizer seconds per parameter. For zero bubble and interleaving
+experts' / expert-dp) / p x optimizer seconds per parameter, and its m gradient accumulation
+passes (`accumulation_s`: the parameters whose gradients the ranks add into, / p, x m x the
+pass's bytes per parameter at m micro-batches x the copy time per byte; the cuts do not enter it). For zero bubble and interleaving
 the tail also holds the mean rank's exposed gradient reduction and parameter gather (ZeRO 0-2),
 with the bandwidth term of the whole model's collectives (`_tail_comm_s`, `_tail_s`).
 
@@ -75,11 +77,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from planner.cost.memory import model_state_bytes
+from planner.cost.memory import accumulation_pass_bytes, model_state_bytes
 from planner.cost.schedules import (
     BACKWARD_WEIGHT_FRACTION,
     forwards_first,
     in_flight_microbatches,
+    zero_bubble_least_held_with_gradients,
     zero_bubble_least_in_flight,
 )
 from planner.solver.comm_pricing import bucket_parameters, gathered_dense, tail_collectives
@@ -87,6 +90,7 @@ from planner.solver.costs import UnitCostTable
 from planner.solver.search import (
     Config,
     Environment,
+    accumulated_parameters,
     gpu_state_bytes,
     held_parameters,
     p2p_arrays,
@@ -187,6 +191,7 @@ class TimeBound:
         self._parts: dict[tuple, tuple] = {}  # `group_columns`' parts (the tables are held by the groups)
         self._tables: dict[int, tuple] = {}  # `group_columns`: id of a table -> (the table, what it reads of it alone)
         self._updated: dict[tuple, float] = {}  # `group_columns`' optimizer step per (parameters held, ZeRO 0, degrees)
+        self._accumulated: dict[tuple, float] = {}  # `group_columns`' accumulation seconds per byte and pass
 
     def memory_bytes(self, table: UnitCostTable, cfg: Config) -> float:
         """`memory_lower_bound`, once per setting it reads (the schedule, m and v do not enter it)."""
@@ -232,7 +237,9 @@ class TimeBound:
         pipeline rank; the backward with each unit's least recomputation (the gradient
         reduction's window at the least); and the least the step's gradient reduction and
         parameter gather can take, summed over the pipeline ranks (`_tail_comm_s`); the fewest
-        bytes crossing any cut (`least_cut_bytes`); g, the gradients among s. Each part once per setting it reads; `config` makes one of the
+        bytes crossing any cut (`least_cut_bytes`); g, the gradients among s; the mean pipeline
+        rank's gradient accumulation seconds per byte of a pass (`accumulated_parameters` / pp x
+        the copy time per byte). Each part once per setting it reads; `config` makes one of the
         configurations where a part is computed for the first time (tens of thousands of groups
         on 1024 GPUs need few)."""
         zero, dp, shard, offload, pp, tp, ep, sp = settings
@@ -272,9 +279,13 @@ class TimeBound:
             # A dense model's share needs no Config (the experts' dp is read only where there are experts).
             expert_dp = cfg().expert_dp if experts else 1
             self._updated[updated_key] = updated_share(held, experts, zero, shard or dp, expert_dp) * env.optimizer_s_per_param
+        accumulated_key = (id(table), zero <= 1, shard or dp, dp, tp, ep, sp)  # ZeRO's shards, the experts' dp
+        if accumulated_key not in self._accumulated:
+            self._accumulated[accumulated_key] = float(accumulated_parameters(table, cfg()).sum()) * env.copy_s_per_byte
         min_p2p, min_hop = self._parts[p2p_key]
         columns = (states, min_p2p, min_hop, forward, backward, self._updated[updated_key] / pp, window,
-                   *self._parts[tail_key], least_cut, self.gradients_bytes(table, settings, config))
+                   *self._parts[tail_key], least_cut, self.gradients_bytes(table, settings, config),
+                   self._accumulated[accumulated_key] / pp)
         self._groups[key] = (table, columns)  # the table held: its id stays its own
         return columns
 
@@ -319,26 +330,34 @@ class TimeBound:
         for (table, cfg), terms in zip(pairs, units, strict=True):
             states = stage_arrays(table, cfg, self.env)[2]
             kind = terms.common
-            flights = _in_flight_levels(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+            schedule = (cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+            flights = _in_flight_levels(*schedule)
             # Ranks holding every micro-batch in flight hold no gradient at their activations' peak,
             # nor may zero bubble's before their first weight pass (planner/cost/schedules.py
             # `peak_states`): where some rank may, the kind's states without them (a lower bound
-            # for every rank).
+            # for every rank). Zero bubble's ranks also hold the gradients beside the fewer
+            # micro-batches of `_held_levels` (the more of the two z*).
             unheld = cfg.schedule == "zero-bubble" or bool(
                 forwards_first(cfg.schedule, cfg.pp, cfg.num_microbatches, max(level for level, _ in flights)))
             grads = gradient_bytes_per_unit(table, cfg, self.env) if unheld else 0.0
-            reserved = _end_units(table, cfg, self.env, terms, states - grads)
             memory = self.env.usable_memory_bytes - float(receive_floor_bytes(
                 cfg.pp, cfg.virtual_stages, cfg.num_microbatches, least_cut_bytes(table), self.env.pipeline_buffers))
-            key = (id(terms), id(states), flights, reserved, memory, unheld)
-            keys.append(key)
-            if key not in self._busiest and key not in inputs:
-                slots = [(level, count - sum(1 for _, at, _, _ in reserved if at == level), 0.0, 0.0)
-                         for level, count in flights]
-                slots += [(level, 1, seconds, held) for _, level, seconds, held in reserved]
-                inputs[key] = (terms.time_s[:, kind], terms.activation_bytes[:, kind],
-                               float((states - grads)[terms.inverse == kind].min()), float(terms.count[kind]), slots,
-                               terms, states, memory)
+            moments = [(flights, _rank_in_flight(*schedule), states - grads, unheld)]
+            if cfg.schedule == "zero-bubble" and _held_with_gradients(*schedule)[0] > 0:
+                moments.append((_held_levels(*schedule), _rank_held_with_gradients(*schedule), states, False))
+            own = []
+            for counts, per_rank, held_states, without_gradients in moments:
+                reserved = _end_units(table, cfg, self.env, terms, held_states, per_rank)
+                key = (id(terms), id(states), counts, reserved, memory, without_gradients)
+                own.append(key)
+                if key not in self._busiest and key not in inputs:
+                    slots = [(level, count - sum(1 for _, at, _, _ in reserved if at == level), 0.0, 0.0)
+                             for level, count in counts]
+                    slots += [(level, 1, seconds, held) for _, level, seconds, held in reserved]
+                    inputs[key] = (terms.time_s[:, kind], terms.activation_bytes[:, kind],
+                                   float(held_states[terms.inverse == kind].min()), float(terms.count[kind]), slots,
+                                   terms, states, memory)
+            keys.append(own)
         if inputs:
             rows = list(inputs.values())
             width = max(len(row[4]) for row in rows)
@@ -352,7 +371,7 @@ class TimeBound:
                                     weights, np.array([row[7] for row in rows]), reserved_s=seconds, reserved_bytes=held)
             for key, row, value in zip(inputs, rows, values.tolist(), strict=True):
                 self._busiest[key] = (value, row[5], row[6])  # the terms and states held: their ids stay theirs
-        return np.array([self._busiest[key][0] for key in keys])
+        return np.array([max(self._busiest[key][0] for key in own) for own in keys])
 
     def many(self, pairs: list[tuple[UnitCostTable, Config]], whole: bool = True, cap: float = math.inf) -> np.ndarray:
         """`__call__` of every (table, configuration) pair, as one array (same numbers, same order of operations).
@@ -404,21 +423,34 @@ class TimeBound:
 
     def _closed_forms(self, variants: np.ndarray, groups: np.ndarray, distinct: list[_UnitTerms], which: np.ndarray,
                       pairs: list[tuple[UnitCostTable, Config]] | None, cap: float = math.inf) -> np.ndarray:
-        """The closed forms of the module docstring for N configurations: `variants` [N, 7]
-        (`schedule_columns`), `groups` [N, 11] (`group_columns`), each configuration's unit terms
+        """The closed forms of the module docstring for N configurations: `variants` [N, 10]
+        (`schedule_columns`), `groups` [N, 12] (`group_columns`), each configuration's unit terms
         `distinct[which[i]]`; `pairs` (the whole bound) adds B*, z* and what they bring to those
         whose bound without them is below `cap`, None leaves them out (the weak bound)."""
-        least, most, inverse_sum, p, v, m, form = variants.T
-        states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather, least_cut, gradients = groups.T
+        least, most, inverse_sum, p, v, m, form, least_held, most_held, inverse_held = variants.T
+        states, min_p2p, min_hop, forward, backward, optimizer, window, reduce, gather, least_cut, gradients, accumulated = groups.T
+        # The step's gradient accumulation passes on the mean pipeline rank (`accumulation_s`: m
+        # passes of accumulation_pass_bytes(m) per parameter a rank adds into, whatever the cuts).
+        counts, of_count = np.unique(m, return_inverse=True)
+        passes = np.array([count * accumulation_pass_bytes(self.env.grad_accumulation, self.env.precision, int(count))
+                           for count in counts.tolist()])[of_count]
+        once = optimizer + accumulated * passes
         # A rank that runs every forward of its activations' peak first holds no gradient then
         # (planner/cost/schedules.py `forwards_first`: without a pipeline, GPipe and 1F1B, the
         # closed form 0, with m <= its micro-batches in flight), nor may a zero-bubble rank
         # (form 2) before its first weight pass (`peak_states`): where some rank may, s - g.
+        all_states = states
         states = np.where(((m <= most) & ((form == 0) | (p == 1))) | (form == 2), states - gradients, states)
         # What a rank's memory leaves beside its pipeline buffers; activations A may not be negative
         # (below 0 nothing fits, and any bound holds).
         memory = self.env.usable_memory_bytes - receive_floor_bytes(p, v, m, least_cut, self.env.pipeline_buffers)
         budget = np.maximum(np.minimum((p * memory - states) / least, memory * inverse_sum - states / most), 0.0)
+        # Zero bubble's ranks also hold, after their first weight pass, the gradients beside
+        # `_held_with_gradients` micro-batches: the same budget with s and those counts (none where 0).
+        counted = least_held > 0
+        safe = np.where(counted, least_held, 1.0), np.where(counted, most_held, 1.0)
+        later = np.minimum((p * memory - all_states) / safe[0], memory * inverse_held - all_states / safe[1])
+        budget = np.where(counted, np.minimum(budget, np.maximum(later, 0.0)), budget)
         chunks = p * v
         dual, fastest, starts, pigeon, others = (np.empty(len(which)) for _ in range(5))
         for position, terms in enumerate(distinct):
@@ -442,7 +474,7 @@ class TimeBound:
             drained = np.where(form == 1, m * rank + (p - 1) * slowest / 2,
                                np.where((v > 1) & (m >= p), m * rank + (p - 1) * forward / chunks, m * rank))
             tail = np.where(form > 0, _tail_s(drained, rank, least_work, reduce, window, gathers, p), 0.0)
-            return np.maximum(pipeline, tail) + fill + optimizer
+            return np.maximum(pipeline, tail) + fill + once
 
         # The slowest chunk takes at least W / S; a rank's chunks run in series: their mean
         # share, its slowest chunk, and (units come whole) the pigeonhole bound K on the units
@@ -468,12 +500,33 @@ class TimeBound:
         return closed_forms(slowest, rank)
 
 
+SCHEDULE_COLUMNS = 10
+"""How many numbers `schedule_columns` gives per configuration."""
+
+
 @lru_cache(maxsize=None)
 def schedule_columns(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, ...]:
     """What the time bound reads of a configuration's schedule: min_r L_r, max_r L_r,
-    sum_r 1 / L_r (`_in_flight`), p, v, m and the closed form (`_SCHEDULE_FORM`)."""
+    sum_r 1 / L_r (`_in_flight`), p, v, m, the closed form (`_SCHEDULE_FORM`), and the same three
+    of the counts held beside the gradients (`_held_with_gradients`)."""
     form = _SCHEDULE_FORM.get(schedule, 0) if schedule != "interleaved-1f1b" or virtual_stages > 1 else 0
-    return (*_in_flight(schedule, pp, num_microbatches, virtual_stages), pp, virtual_stages, num_microbatches, form)
+    return (*_in_flight(schedule, pp, num_microbatches, virtual_stages), pp, virtual_stages, num_microbatches, form,
+            *_held_with_gradients(schedule, pp, num_microbatches, virtual_stages))
+
+
+@lru_cache(maxsize=None)
+def _held_with_gradients(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, float, float]:
+    """Zero bubble: min_r, max_r and sum_r 1 / L'_r of the micro-batches each pipeline rank holds
+    at the least beside its gradients (planner/cost/schedules.py
+    `zero_bubble_least_held_with_gradients`), where `_rank_in_flight`'s peak may come before any
+    gradient exists (the bound then counts s - g); zeros where some rank's is 0, and for the
+    other schedules (their states are counted with the peak already)."""
+    if schedule != "zero-bubble":
+        return 0.0, 0.0, 0.0
+    levels = _rank_held_with_gradients(schedule, pp, num_microbatches, virtual_stages)
+    if min(levels) <= 0:
+        return 0.0, 0.0, 0.0
+    return min(levels), max(levels), sum(1 / level for level in levels)
 
 
 def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
@@ -539,13 +592,13 @@ def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarra
 
 
 def _end_units(table: UnitCostTable, cfg: Config, env: Environment, terms: _UnitTerms,
-               states: np.ndarray) -> tuple[tuple[int, float, float, float], ...]:
+               states: np.ndarray, flights: tuple[float, ...]) -> tuple[tuple[int, float, float, float], ...]:
     """What the first and last pipeline ranks hold besides z*'s kind (`_memory_rank_s`): chunk 0
     starts at unit 0 on rank 0, and the last chunk, on rank p - 1, ends at the last unit with the
     loss (`stage_loss_bytes`), whatever the cuts. Per unit not of the kind: (rank, its in-flight count,
     its least time, at least 0, and its states plus that many micro-batches of its least
-    activations), the two on one rank when p = 1."""
-    flights = _rank_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches, cfg.virtual_stages)
+    activations), the two on one rank when p = 1. `flights`: each rank's in-flight count at
+    the moment bounded (`_rank_in_flight`, or zero bubble's `_rank_held_with_gradients`)."""
     last = len(terms.inverse) - 1
     out = []
     for unit, rank in ((0, 0), (last, cfg.pp - 1)) if last > 0 else ((0, 0),):
@@ -802,6 +855,20 @@ def _rank_in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stage
     if schedule == "zero-bubble":
         return tuple(zero_bubble_least_in_flight(pp, num_microbatches, k, virtual_stages) for k in range(pp))
     return tuple(in_flight_microbatches(schedule, pp, num_microbatches, k, virtual_stages) for k in range(pp))
+
+
+@lru_cache(maxsize=None)
+def _rank_held_with_gradients(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, ...]:
+    """L'_r of every pipeline rank r: zero bubble's micro-batches held beside the gradients
+    (planner/cost/schedules.py `zero_bubble_least_held_with_gradients`)."""
+    return tuple(zero_bubble_least_held_with_gradients(pp, num_microbatches, k, virtual_stages) for k in range(pp))
+
+
+@lru_cache(maxsize=None)
+def _held_levels(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[tuple[float, int], ...]:
+    """`_in_flight_levels` of `_rank_held_with_gradients`."""
+    levels = _rank_held_with_gradients(schedule, pp, num_microbatches, virtual_stages)
+    return tuple((level, levels.count(level)) for level in sorted(set(levels)))
 
 
 @lru_cache(maxsize=None)

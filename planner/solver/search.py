@@ -303,10 +303,17 @@ def accumulation_s(table: UnitCostTable, cfg: Config, env: Environment) -> np.nd
     per_param = accumulation_pass_bytes(env.grad_accumulation, env.precision, cfg.num_microbatches)
     if per_param == 0.0:
         return np.zeros(len(table.parameters))
+    return accumulated_parameters(table, cfg) * per_param * env.copy_s_per_byte
+
+
+def accumulated_parameters(table: UnitCostTable, cfg: Config) -> np.ndarray:
+    """Per unit, the parameters whose gradients a rank adds into the step's each micro-batch
+    (`accumulation_s`): every trained one it holds under ZeRO 0-1, its shard under ZeRO 2-3
+    (dense over ZeRO's dp, experts over the experts' dp)."""
     held = table.trained_dense_parameters() / (1 if cfg.zero_stage <= 1 else cfg.zero_dp)
     if table.expert_parameters is not None:
         held = held + table.expert_parameters / (1 if cfg.zero_stage <= 1 else cfg.expert_dp)
-    return held * per_param * env.copy_s_per_byte
+    return held
 
 
 def _stage_arrays(table: UnitCostTable, cfg: Config, env: Environment):

@@ -36,7 +36,7 @@ from planner.plan import (
     Plan,
 )
 from planner.profile_schema import OP_CHECKS, Profile
-from planner.solver.bounds import GroupSettings, TimeBound, schedule_columns
+from planner.solver.bounds import SCHEDULE_COLUMNS, GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
 from planner.solver.intra_op import shardable_ops, tp_obstacles
@@ -684,7 +684,7 @@ class _Fitting:
 
         self.group, self.schedule, self.variant = joined(group_ids), joined(schedule_ids), joined(variant_ids)
         """Per configuration: its group, its schedule's index in the block, its row of `variants`."""
-        self.variants = np.array(variants, dtype=float).reshape(-1, 7)
+        self.variants = np.array(variants, dtype=float).reshape(-1, SCHEDULE_COLUMNS)
         """`schedule_columns` of each block's schedules."""
 
     def __len__(self) -> int:
