@@ -48,9 +48,17 @@ on 64 GPUs take 29 s, on 1024 21 s (cache off, the same machine), with a pairwis
 every action's state and a played schedule per configuration in the memory bound. With the
 distinct moments filtered by a sweep and the bound's in-flight count in closed form, the plans
 the same: 175B on 64 GPUs 1.11 s, on 512 4.2 s, on 1024 4.96 s (goal 2 s), on 12,288 11.9 s,
-530B on 2240 2.95 s, 192 layers on 512 9.8 s, the MoE 2.6 s. Where the rest goes: the time bound
-now prunes far fewer configurations (175B on 1024 GPUs prices 474 of them, 39 on 11-28), since
-the priced step times grew with the overlap and zero-bubble models while the bounds did not.
+530B on 2240 2.95 s, 192 layers on 512 9.8 s, the MoE 2.6 s. The rest went to pricing: 175B on
+1024 GPUs priced 474 configurations (39 on 11-28), the time bound 16.1-16.5 s against a best
+price of 17.48 s. It had not followed two terms the price gained: the step's gradient
+accumulation passes (`accumulation_s`, 0.88 s of that plan) and zero bubble's gradients, which
+the memory bounds left out of every rank (the peak may come before the first weight pass), so
+memory forced no recomputation into the bound where it forced 3 s into the price. With the mean
+rank's accumulation and the micro-batches a zero-bubble rank holds beside its gradients after
+its first weight pass (planner/cost/schedules.py `zero_bubble_least_held_with_gradients`) the
+same plans come at 175B on 64 GPUs 0.87 s, on 512 1.12 s, on 1024 1.56 s (75 priced), on
+12,288 3.05 s, 530B 1.34 s, 192 layers 2.76 s, the MoE 1.15 s: the CSV of 2026-11-30, second
+run; every goal met again.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
