@@ -210,18 +210,31 @@ def test_hugging_face_gpt2_tied_embeddings_pipeline(write_model):
 
 # --- 3. pins the model cannot honour ---------------------------------------------------------
 
-@pytest.mark.parametrize("model,args,tp,needle", [
-    ("gpt", TINY_GPT, 8, r"--tp 8: tensor parallelism splits whole attention heads and 8 does not divide them .*4 heads"),
-    ("gpt", {**TINY_GPT, "attention": "math"}, 8, r"--tp 8: .*does not divide them .*4 heads"),
-    ("llama", TINY_LLAMA, 4, r"--tp 4: .*attention.wk projects 2 heads"),  # grouped-query: 2 key/value heads
+@pytest.mark.parametrize("model,args,tp,whole", [
+    ("gpt", TINY_GPT, 8, "blocks.*.attn.wq x2 (its 4 heads do not split 8 ways)"),
+    ("llama", TINY_LLAMA, 4, "layers.*.attention.wk x2 (its 2 heads do not split 4 ways)"),  # grouped-query: 2 key/value heads
+    ("llama", {**TINY_LLAMA, "n_kv_heads": 1}, 2, "layers.*.attention.wv x2 (its 1 head does not split 2 ways)"),  # multi-query
 ])
-def test_tp_the_model_cannot_shard_is_refused_with_its_reason(model, args, tp, needle):
+def test_tp_that_splits_no_whole_head_keeps_the_attention_whole(model, args, tp, whole):
+    """A degree that does not split an attention's heads whole (Megatron-LM refuses it; this
+    planner did too) plans: the attention's projections stay replicated on every TP rank, the MLP
+    shards, the notes say which weights stay whole and why, and the runtime's own check accepts
+    the plan. Under sequence parallelism those blocks stay whole (Megatron's layout shards every
+    linear of a block or none). A free solve may choose the degree."""
     profile = _meta(model, args)
-    with pytest.raises(PlannerError, match=needle):
-        solve(profile, make_cluster(tp, gpu="a100-80gb"), 8, Pins(tp=tp))
-    # A free solve does not consider that degree.
+    plan = solve(profile, make_cluster(tp, gpu="a100-80gb"), 8, Pins(tp=tp))
+    styles = {k: v for s in plan.stages for k, v in s.tp_plan.items()}
+    attention = [k for k in styles if ".attn." in k or ".attention." in k]
+    assert attention and all(styles[k] == "replicate" for k in attention), styles
+    assert any(v in ("colwise", "rowwise") for k, v in styles.items() if k not in attention), styles
+    assert any(whole in note for note in plan.search.notes), plan.search.notes
+    _check_against_model(plan, str(EXAMPLES / f"{model}.py"), args)
+    plan = solve(profile, make_cluster(tp, gpu="a100-80gb"), 8, Pins(tp=tp, sequence_parallel=True))
+    blocks = {k: v for s in plan.stages for k, v in s.tp_plan.items() if k.startswith(("blocks.", "layers."))}
+    assert all(v == "replicate" for v in blocks.values()), blocks
+    assert any("sequence parallelism keeps its unit whole" in note for note in plan.search.notes)
     result = search(profile, make_cluster(tp, gpu="a100-80gb"), 8)
-    assert result.ranked and all(e.config.tp < tp for e in result.ranked)
+    assert result.ranked
 
 
 def test_tp_that_splits_no_weight_is_refused(write_model):
@@ -353,6 +366,27 @@ def test_solved_plan_runs_with_reference_parity(case, model, measured, tmp_path)
     assert set(params) == set(ref_params)
     worst = max((params[k] - ref_params[k]).abs().max().item() for k in ref_params)
     assert worst < PARAM_ATOL, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads,tp", [(1, 2), (2, 4)])
+def test_attention_tp_does_not_split_trains_like_one_process(kv_heads, tp, tmp_path):
+    """Llama with fewer key/value heads than tp (multi-query at tp 2, grouped-query's 2 at tp 4):
+    the attention replicated beside a sharded MLP trains to the one process's losses and
+    parameters."""
+    from tests.test_runtime_parity import LOSS_RTOL, PARAM_ATOL, run
+
+    args = {**TINY_LLAMA, "n_kv_heads": kv_heads}
+    profile = profile_model(str(EXAMPLES / "llama.py"), args, [1], device="cpu", repeats=1, warmup=0)
+    plan = solve(profile, make_cluster(tp, gpu="cpu"), GLOBAL_BATCH, Pins(tp=tp, micro_batch_size=1))
+    assert plan.layout.tp_degree == tp
+    assert any(s in ("colwise", "rowwise") for st in plan.stages for s in st.tp_plan.values())
+    path = plan.save(tmp_path / "plan.json")
+    ref_metrics, ref_params = run(path, tmp_path, 1, reference=True, extra=STEPS)
+    metrics, params = run(path, tmp_path, plan.world_size, extra=STEPS)
+    assert metrics["losses"] == pytest.approx(ref_metrics["losses"], rel=LOSS_RTOL)
+    assert set(params) == set(ref_params)
+    assert max((params[k] - ref_params[k]).abs().max().item() for k in ref_params) < PARAM_ATOL
 
 
 # --- slow: the other examples, each pinned dimension it supports --------------------------------

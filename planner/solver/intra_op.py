@@ -48,8 +48,12 @@ Constraints                                                   (function that add
     pinned_tp (TP pinned):  sum_{weighted v, s in colwise/rowwise} x[v,s] >= 1   `_add_pinned_tp`
 
 Colwise on a linear feeding attention must split whole heads (`_heads_of`): the runtime
-leaves its output sharded and the model's code splits it into its local heads. A TP degree
-that divides no attention's heads is refused before the ILP (`tp_obstacles`).
+leaves its output sharded and the model's code splits it into its local heads. Where a TP
+degree does not divide an attention's heads (`tp_obstacles`: multi-query attention's single
+key/value head at any degree, two key/value heads at tp 4), that projection is offered no column
+shard and the attention none, so they stay replicated (the ILP keeps a replicated attention's
+other projections replicated too: `_unrunnable`) while the rest of the unit shards; under
+sequence parallelism the whole unit stays replicated (`_sequence_parallel_blocked`).
 
 A linear's features come from its weight as stored (`_linear_features`): [out, in] for
 nn.Linear, [in, out] where the profile says `weight_in_out` (Hugging Face's Conv1D). A fused
@@ -202,7 +206,8 @@ def _fused_attention(ops) -> set[str]:
     return {op.name for op in ops if (_is_attention(op) and fused & set(op.inputs)) or op.projections_inside}
 
 
-def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset(), mixes_tokens: bool = False) -> bool:
+def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset(), mixes_tokens: bool = False,
+                               tp: int = 1) -> bool:
     """Whether sequence parallelism must leave this unit replicated: its attention cannot be
     sharded (a fused q|k|v projection, module docstring; a q or k projection whose features a
     norm reduces over, OLMo 2's), a fused projection is cut in pieces, or a linear is a direct
@@ -234,8 +239,12 @@ def _sequence_parallel_blocked(ops, moe_blocks: AbstractSet[str] = frozenset(), 
     profile's `Unit.mixes_tokens`): RWKV's token shift and RecurrentGemma's recurrence would run on
     one rank's share of the sequence. Their tp2 plans with SP failed at the first forward (a DTensor
     met the time-mix weights; torch's SequenceParallel dropped the RG-LRU's second argument), and
-    where nothing failed they would have trained on a cut sequence."""
-    if mixes_tokens:
+    where nothing failed they would have trained on a cut sequence.
+
+    Nor a unit whose attention `tp` cannot split into whole heads (`tp_obstacles`: a key/value
+    projection of fewer heads than tp, as multi-query attention's single one), which stays
+    replicated beside sharded neighbours: Megatron's layout has no place for it."""
+    if mixes_tokens or tp_obstacles(ops, tp):
         return True
     if any(op.projections_inside for op in ops):  # torch's nn.MultiheadAttention (`OpNode.projections_inside`)
         return True
@@ -327,8 +336,10 @@ def whole_weights(ops, tp: int, tp_plan: dict[str, str], routers: AbstractSet[st
     replicated by design), sequence parallelism keeping the whole unit replicated
     (`_sequence_parallel_blocked`), else the intra-op solver's choice (cheaper, or `_unrunnable`)."""
     heads_of = _heads_of(ops)
-    if sequence_parallel and _sequence_parallel_blocked(ops, moe_blocks, mixes_tokens):
+    if sequence_parallel and _sequence_parallel_blocked(ops, moe_blocks, mixes_tokens, tp):
         otherwise = "sequence parallelism keeps its unit whole, as Megatron's layout shards every linear of a block or none"
+    elif obstacles := tp_obstacles(ops, tp):
+        otherwise = f"kept whole beside an attention tp {tp} does not split into whole heads ({obstacles[0]})"
     else:
         otherwise = "kept whole by the intra-op solver: cheaper, or not runnable sharded beside its neighbours"
     out = []
@@ -360,7 +371,7 @@ def _whole_reason(op: OpNode, tp: int, heads_of: dict[str, int]) -> str | None:
         return "; ".join(found)
     heads, out_f = heads_of.get(op.name, tp), _linear_features(op)[1]
     if heads % tp:
-        return f"its {heads} heads do not split {tp} ways"
+        return f"its {_count(heads, 'head')} {'does' if heads == 1 else 'do'} not split {tp} ways"
     return f"its {out_f} output features do not split {tp} ways" if out_f % tp else None
 
 
@@ -395,18 +406,23 @@ def _heads_of(ops) -> dict[str, int]:
 
 def tp_obstacles(ops, tp: int) -> list[str]:
     """Why the runtime cannot shard this unit's attention `tp` ways (empty if it can or there is none):
-    Megatron-style tensor parallelism splits whole heads, query and key/value heads alike."""
+    Megatron-style tensor parallelism splits whole heads, query and key/value heads alike. Such an
+    attention stays replicated (module docstring)."""
     if tp == 1:
         return []
     problems = []
     replicated = _fused_attention(ops)
     for op in ops:
         if _is_attention(op) and op.name not in replicated and op.input_shape[-3] % tp:
-            problems.append(f"{op.name} has {op.input_shape[-3]} heads")
+            problems.append(f"{op.name} has {_count(op.input_shape[-3], 'head')}")
     for name, heads in sorted(_heads_of(ops).items()):
         if heads % tp:
-            problems.append(f"{name} projects {heads} heads")
+            problems.append(f"{name} projects {_count(heads, 'head')}")
     return problems
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def shardable_ops(ops, tp: int) -> list[str]:
@@ -420,7 +436,8 @@ def _build_graph(problem: IntraOpProblem) -> _Graph:
     boundary = "S" if problem.sequence_parallel else "R"
     heads_of = _heads_of(ops)
     replicated = frozenset(_fused_attention(ops)) | problem.replicated_ops
-    if problem.sequence_parallel and _sequence_parallel_blocked(ops, problem.moe_blocks, problem.mixes_tokens):
+    if problem.sequence_parallel and _sequence_parallel_blocked(ops, problem.moe_blocks, problem.mixes_tokens,
+                                                                problem.tp_degree):
         replicated = frozenset(op.name for op in ops)
     nodes: dict[str, dict[str, tuple]] = {INPUT: {"fixed": (None, boundary, boundary)}}
     nbytes: dict[str, float] = {INPUT: 0.0}

@@ -99,16 +99,17 @@ def tp_coverage_note(profile: Profile, tp_plans: list[dict[str, str]], tp: int, 
     total = whole = 0
     groups: dict[tuple[str, str], list[int]] = {}  # (pattern, why) -> [count, parameters]
     for u, unit in enumerate(profile.units):
-        ops = [op for op in unit.ops if op.weight_shape and math.prod(op.weight_shape) not in tied.get(u, ())]
+        # The weightless ops stay: whole_weights reads the attention ops for their heads.
+        ops = [op for op in unit.ops if not (op.weight_shape and math.prod(op.weight_shape) in tied.get(u, ()))]
         routers = {layer.router for layer in unit.moe if layer.router}
         kept = {id(op): why if u not in partners or tp_plans[u] else
                 f"tied to {partners[u]}: a tied weight is sharded only where every holder can split its first dim {tp} ways"
                 for op, why in whole_weights(ops, tp, tp_plans[u], routers, sequence_parallel, moe_blocks(unit),
                                              bool(unit.mixes_tokens))}
         for op in ops:
-            if op.kind not in WEIGHT_KINDS or op.module is None:
+            if op.kind not in WEIGHT_KINDS or op.module is None or not op.weight_shape:
                 continue
-            size = math.prod(op.weight_shape or [])
+            size = math.prod(op.weight_shape)
             total += size
             if id(op) in kept:
                 whole += size

@@ -39,7 +39,7 @@ from planner.profile_schema import OP_CHECKS, Profile
 from planner.solver.bounds import SCHEDULE_COLUMNS, GroupSettings, TimeBound, schedule_columns
 from planner.solver.costs import DTYPE_BYTES, UnitCosts, UnitCostTable, tied_unit_indices
 from planner.solver.inter_op import allowed_cuts
-from planner.solver.intra_op import shardable_ops, tp_obstacles
+from planner.solver.intra_op import shardable_ops
 from planner.solver.pricing import (
     Helpers,
     Scout,
@@ -229,9 +229,11 @@ TP_KINDS = ("linear", "embedding")
 def tp_refusal(profile: Profile, tp: int) -> str | None:
     """Why the runtime cannot honour tensor parallelism of degree `tp` on this model (None: it can).
 
-    It splits whole attention heads (query and key/value heads alike; Megatron-LM refuses the
-    same) and must shard at least one weight: a degree that does neither would give tp ranks
-    that repeat each other's work."""
+    It must shard at least one weight: a degree that shards none would give tp ranks that
+    repeat each other's work. An attention whose heads `tp` does not split whole (multi-query
+    attention's single key/value head; Megatron-LM refuses the degree) stays replicated while
+    the rest of its unit shards (planner/solver/intra_op.py `tp_obstacles`); the plan's notes
+    name its weights and why."""
     if tp == 1:
         return None
     if profile.op_checks < OP_CHECKS and any(op.kind == "linear" for u in profile.units for op in u.ops):
@@ -239,7 +241,7 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
                 "(chunked into pieces, normalised over its features, viewed into a written-out number of heads), "
                 "without which a column-sharded projection can train to other losses with no error; re-profile "
                 "the model with this planner (`planner profile`) to allow tensor parallelism")
-    obstacles, shardable, seen = [], False, set()
+    shardable, seen = False, set()
     # Tied units are left out: they shard only where every holder can (planner/solver/costs.py
     # `tie_pins`), else stay whole, which neither blocks a degree nor makes one worth running.
     tied = tied_unit_indices(profile)
@@ -247,11 +249,7 @@ def tp_refusal(profile: Profile, tp: int) -> str | None:
         if unit.fingerprint in seen or unit.index in tied:
             continue
         seen.add(unit.fingerprint)
-        obstacles += [f"{unit.name}: {why}" for why in tp_obstacles(unit.ops, tp)]
         shardable = shardable or bool(shardable_ops(unit.ops, tp))
-    if obstacles:
-        more = f" and {len(obstacles) - 3} more" if len(obstacles) > 3 else ""
-        return f"tensor parallelism splits whole attention heads and {tp} does not divide them ({'; '.join(obstacles[:3])}{more})"
     if not shardable:
         weighted = [op for u in profile.units for op in u.ops if op.weight_shape]
         kinds = sorted({op.kind for op in weighted if op.kind not in TP_KINDS})
