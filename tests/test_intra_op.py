@@ -296,17 +296,20 @@ def scan_block(tmp_path_factory):
 
 @pytest.mark.parametrize("bandwidth, flops", [(300e9, 250e12), (1e9, 1e15), (300e9, 1e9)])
 @pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("tp", [2, 16])
 @pytest.mark.parametrize("block", ["gpt_block", "llama_block", "scan_block"])
-def test_presolve_keeps_the_optimum(request, block, sp, bandwidth, flops, monkeypatch):
+def test_presolve_keeps_the_optimum(request, block, tp, sp, bandwidth, flops, monkeypatch):
     """Fixing dominant strategies (`_presolved`) loses nothing: the answer costs what CBC finds on
-    the whole problem, for Megatron's blocks and a chunked scan, with sequence parallelism or not."""
+    the whole problem, for Megatron's blocks and a chunked scan, with sequence parallelism or not,
+    at a degree that splits every head and one that does not split Llama's 8 key/value heads nor
+    the scan's 4 (16), whose attention stays replicated."""
     import planner.solver.intra_op as intra_op
 
     monkeypatch.setenv(intra_op.CACHE_ENV, "")
     found = request.getfixturevalue(block)
     ops = tuple(found[0] if isinstance(found, tuple) else found.ops)
     mixes = not isinstance(found, tuple) and bool(found.mixes_tokens)
-    problem = IntraOpProblem(ops, 2, 2, 1 / flops, Ring(2, bandwidth), sequence_parallel=sp, mixes_tokens=mixes)
+    problem = IntraOpProblem(ops, tp, tp, 1 / flops, Ring(tp, bandwidth), sequence_parallel=sp, mixes_tokens=mixes)
     graph = _build_graph(problem)
     free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
     whole = evaluate(problem, intra_op._solve_ilp(problem, graph, free))
@@ -316,8 +319,8 @@ def test_presolve_keeps_the_optimum(request, block, sp, bandwidth, flops, monkey
 
 def test_a_unit_sequence_parallelism_keeps_whole_is_decided_by_presolve(scan_block):
     """Under SP a unit that mixes tokens keeps every op replicated; its merge nodes (one per set of
-    products a tensor combines: quadratic in the chunks) are then R at no cost, all but the one
-    feeding the unit's sequence-sharded output, which is left to the table."""
+    products a tensor combines: quadratic in the chunks) are then R at no cost, the one feeding the
+    unit's sequence-sharded output too, so nothing is left to the table or CBC."""
     import planner.solver.intra_op as intra_op
 
     assert scan_block.mixes_tokens
@@ -327,9 +330,29 @@ def test_a_unit_sequence_parallelism_keeps_whole_is_decided_by_presolve(scan_blo
     assert len(merges) >= 4 and all(len(graph.nodes[v]) == 3 for v in merges)
     presolved = intra_op._presolved(problem, graph)
     undecided = [v for v, strategies in presolved.nodes.items() if len(strategies) > 1]
-    assert len(undecided) == 1 and "output" in {intra_op._consumer_of(k) for k, src in graph.sources.items() if src == undecided[0]}
+    assert undecided == []
     chosen = intra_op._solve(problem).strategies
     assert {chosen[op.name] for op in scan_block.ops} == {"replicate"}
+
+
+def test_presolve_counts_a_conversion_another_reader_pays_anyway(scan_block, monkeypatch):
+    """At a degree that does not split the scan's 4 heads (tp 8) its products stay replicated, and a
+    merge or projection whose inputs other, decided readers convert anyway (Qwen3-Next's linear
+    attention: 257 readers of one projection) costs nothing more replicated, so presolve decides
+    it: before, 15 nodes went to the solver (Qwen3-Next's unit to CBC for 4 s at each of tp 2, 4
+    and 8). The answer costs what CBC finds on the whole problem."""
+    import planner.solver.intra_op as intra_op
+
+    monkeypatch.setenv(intra_op.CACHE_ENV, "")
+    problem = IntraOpProblem(tuple(scan_block.ops), 8, 8, 1 / 250e12, Ring(8), mixes_tokens=True)
+    graph = _build_graph(problem)
+    free = {v: s for v, s in graph.nodes.items() if "fixed" not in s}
+    before = [v for v, strategies in free.items() if len(strategies) > 1]
+    after = [v for v, strategies in intra_op._presolved(problem, graph).nodes.items() if len(strategies) > 1]
+    assert len(before) == 15 and len(after) <= 8 and "q" in before and "q" not in after
+    whole = evaluate(problem, intra_op._solve_ilp(problem, graph, free))
+    presolved = intra_op._solve(problem)
+    assert presolved.compute_time_s + presolved.comm_time_s == pytest.approx(whole.compute_time_s + whole.comm_time_s, rel=1e-9)
 
 
 def test_a_merge_of_thousands_of_products_has_a_short_name_of_its_own():

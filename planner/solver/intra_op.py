@@ -718,9 +718,13 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
 
     Strategy s of node v dominates when even its worst case costs no more than any other's best:
     node(v, s) plus every conversion on v's edges at the dearest layout its neighbours can still
-    take <= node(v, s') for every other s' (conversions cost >= 0). Moving v to s from any s' then
-    never raises the objective (the conversions v shares with a producer's other readers can only
-    be paid less often), so some optimum has v = s, and fixing it is exact. Fixed nodes narrow
+    take (but those on an input another reader is decided to want too: paid anyway) <= the least
+    v's terms can cost under s' for every other s' (`least`: node(v, s'), at
+    least the dearest of the cheapest conversions its readers force on its output, one per layout
+    wanted, each paid once whoever else wants it; and the cheapest conversion on an input only v
+    reads; inputs other readers share may be paid by them, so count 0). Moving v to s from any s'
+    then never raises the objective (the conversions v shares with a producer's other readers can
+    only be paid less often), so some optimum has v = s, and fixing it is exact. Fixed nodes narrow
     their neighbours' worst cases, so it repeats until nothing changes. Nodes under a constraint
     are left alone: those whose parameter bytes differ by strategy when `parameter_memory` binds,
     and `pinned_tp`'s.
@@ -751,8 +755,11 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
         cost = sum(_node_cost(problem, by_name.get(node), strategy)[:2])
         for src in feeds.get(node, ()):
             written = {layouts[1] for layouts in nodes[src].values()}
-            cost += max(conversion_s(a, read, graph.nbytes[src], coll) for a in written)
-            if grad is not None:
+            # A conversion another reader of src is decided to want is paid whatever v does.
+            decided = [next(iter(nodes[c].values())) for c in readers[src] if c != node and len(nodes[c]) == 1]
+            if not any(layouts[0] == read for layouts in decided):
+                cost += max(conversion_s(a, read, graph.nbytes[src], coll) for a in written)
+            if grad is not None and not any(layouts[2] == grad for layouts in decided):
                 cost += max(conversion_s(grad, _grad_target(a), graph.nbytes[src], coll) for a in written)
         for consumer in readers.get(node, ()):
             cost += max(conversion_s(out, layouts[0], graph.nbytes[node], coll) for layouts in nodes[consumer].values())
@@ -760,13 +767,35 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
             cost += max((conversion_s(g, _grad_target(out), graph.nbytes[node], coll) for g in grads), default=0.0)
         return cost
 
+    def least(node: str, strategy: str) -> float:
+        """What v's terms cost at the least under `strategy`: its node cost, the conversions it
+        makes as a producer (each layout its readers want is converted to once, so at least the
+        dearest of the cheapest each reader can take), and those on inputs it alone reads."""
+        read, out, grad = nodes[node][strategy]
+        cost = sum(_node_cost(problem, by_name.get(node), strategy)[:2])
+        for src in feeds.get(node, ()):
+            if len(readers[src]) > 1:
+                continue  # shared with the producer's other readers: may be paid by them
+            written = {layouts[1] for layouts in nodes[src].values()}
+            cost += min(conversion_s(a, read, graph.nbytes[src], coll) for a in written)
+            if grad is not None:
+                cost += min(conversion_s(grad, _grad_target(a), graph.nbytes[src], coll) for a in written)
+        forward = backward = 0.0
+        for consumer in readers.get(node, ()):
+            forward = max(forward, min(conversion_s(out, layouts[0], graph.nbytes[node], coll)
+                                       for layouts in nodes[consumer].values()))
+            grads = {layouts[2] for layouts in nodes[consumer].values()}
+            if None not in grads:
+                backward = max(backward, min(conversion_s(g, _grad_target(out), graph.nbytes[node], coll) for g in grads))
+        return cost + forward + backward
+
     changed = True
     while changed:
         changed = False
         for node, strategies in nodes.items():
             if "fixed" in strategies or len(strategies) == 1 or constrained(node, strategies):
                 continue
-            best = {s: sum(_node_cost(problem, by_name.get(node), s)[:2]) for s in strategies}
+            best = {s: least(node, s) for s in strategies}
             for s in strategies:
                 if all(worst(node, s) <= best[other] for other in strategies if other != s):
                     nodes[node] = {s: strategies[s]}
