@@ -12,7 +12,9 @@ RecurrentGemma's RG-LRU, Qwen3-Next's chunked gated delta rule): hundreds of tho
 on the meta device, and op graphs whose merge nodes combine thousands of products. What it took
 before the changes of 2026-11-30 (same machine, same commands): RecurrentGemma's profile more
 than 400 s (stopped), Jamba's 279 s; the cold solve of Qwen3-Next 27 s (53 s in another
-session's measurement), Jamba's 41 s.
+session's measurement), Jamba's 41 s. The CSV's second run that day: Qwen3-Next's cold solve 2.8 s
+(its linear attention decided by presolve at tp 2, 4 and 8: planner/solver/intra_op.py
+`_presolved`), Jamba's 7.4 s, the same plans.
 
     python benchmarks/hybrid_profile_solve.py [model_type ...]
 

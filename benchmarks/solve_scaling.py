@@ -57,8 +57,10 @@ memory forced no recomputation into the bound where it forced 3 s into the price
 rank's accumulation and the micro-batches a zero-bubble rank holds beside its gradients after
 its first weight pass (planner/cost/schedules.py `zero_bubble_least_held_with_gradients`) the
 same plans come at 175B on 64 GPUs 0.87 s, on 512 1.12 s, on 1024 1.56 s (75 priced), on
-12,288 3.05 s, 530B 1.34 s, 192 layers 2.76 s, the MoE 1.15 s: the CSV of 2026-11-30, second
-run; every goal met again.
+12,288 3.05 s, 530B 1.34 s, 192 layers 2.76 s, the MoE 1.15 s; every goal met again. The CSV is
+the third run that day, after TP stopped refusing degrees that split no key/value head whole (more
+TP degrees for some models, none for these) and the intra-op presolve grew: 0.93, 1.25, 1.62, 3.13,
+1.34, 2.73 and 1.08 s, the same plans.
 `solve_cached_s`: the same command with the ILP disk cache on (the default; the runs after the
 first read the ILPs from it, as a user's repeated "what if" does).
 
