@@ -83,6 +83,7 @@ sizes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -750,21 +751,40 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
         bytes_by_strategy = {_node_cost(problem, by_name.get(node), s)[2] for s in strategies}
         return problem.parameter_bytes_limit is not None and len(bytes_by_strategy) > 1
 
+    @functools.lru_cache(maxsize=None)
+    def convert(have: str, want: str, nbytes: float) -> float:
+        return conversion_s(have, want, nbytes, coll)
+
+    # Per producer, the layouts its decided readers read and hand back gradients in: conversions
+    # to those are paid whatever a free reader does (updated as nodes are fixed).
+    paid_reads: dict[str, set] = {src: set() for src in readers}
+    paid_grads: dict[str, set] = {src: set() for src in readers}
+
+    def decide(node: str) -> None:
+        ((read, _, grad),) = nodes[node].values()
+        for src in feeds.get(node, ()):
+            paid_reads[src].add(read)
+            paid_grads[src].add(grad)
+
+    for node, strategies in nodes.items():
+        if len(strategies) == 1:
+            decide(node)
+
     def worst(node: str, strategy: str) -> float:
         read, out, grad = nodes[node][strategy]
         cost = sum(_node_cost(problem, by_name.get(node), strategy)[:2])
         for src in feeds.get(node, ()):
             written = {layouts[1] for layouts in nodes[src].values()}
-            # A conversion another reader of src is decided to want is paid whatever v does.
-            decided = [next(iter(nodes[c].values())) for c in readers[src] if c != node and len(nodes[c]) == 1]
-            if not any(layouts[0] == read for layouts in decided):
-                cost += max(conversion_s(a, read, graph.nbytes[src], coll) for a in written)
-            if grad is not None and not any(layouts[2] == grad for layouts in decided):
-                cost += max(conversion_s(grad, _grad_target(a), graph.nbytes[src], coll) for a in written)
+            nbytes = graph.nbytes[src]
+            if read not in paid_reads[src]:
+                cost += max(convert(a, read, nbytes) for a in written)
+            if grad is not None and grad not in paid_grads[src]:
+                cost += max(convert(grad, _grad_target(a), nbytes) for a in written)
+        nbytes = graph.nbytes[node]
         for consumer in readers.get(node, ()):
-            cost += max(conversion_s(out, layouts[0], graph.nbytes[node], coll) for layouts in nodes[consumer].values())
+            cost += max(convert(out, layouts[0], nbytes) for layouts in nodes[consumer].values())
             grads = {layouts[2] for layouts in nodes[consumer].values()} - {None}
-            cost += max((conversion_s(g, _grad_target(out), graph.nbytes[node], coll) for g in grads), default=0.0)
+            cost += max((convert(g, _grad_target(out), nbytes) for g in grads), default=0.0)
         return cost
 
     def least(node: str, strategy: str) -> float:
@@ -777,17 +797,36 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
             if len(readers[src]) > 1:
                 continue  # shared with the producer's other readers: may be paid by them
             written = {layouts[1] for layouts in nodes[src].values()}
-            cost += min(conversion_s(a, read, graph.nbytes[src], coll) for a in written)
+            cost += min(convert(a, read, graph.nbytes[src]) for a in written)
             if grad is not None:
-                cost += min(conversion_s(grad, _grad_target(a), graph.nbytes[src], coll) for a in written)
+                cost += min(convert(grad, _grad_target(a), graph.nbytes[src]) for a in written)
         forward = backward = 0.0
+        nbytes = graph.nbytes[node]
         for consumer in readers.get(node, ()):
-            forward = max(forward, min(conversion_s(out, layouts[0], graph.nbytes[node], coll)
-                                       for layouts in nodes[consumer].values()))
+            forward = max(forward, min(convert(out, layouts[0], nbytes) for layouts in nodes[consumer].values()))
             grads = {layouts[2] for layouts in nodes[consumer].values()}
             if None not in grads:
-                backward = max(backward, min(conversion_s(g, _grad_target(out), graph.nbytes[node], coll) for g in grads))
+                backward = max(backward, min(convert(g, _grad_target(out), nbytes) for g in grads))
         return cost + forward + backward
+
+    def dominant(node: str, strategies: dict) -> str | None:
+        """A strategy of `node` that dominates the others, if one does (`least` only where the
+        node cost alone does not settle it)."""
+        alone = {s: sum(_node_cost(problem, by_name.get(node), s)[:2]) for s in strategies}
+        least_of: dict[str, float] = {}
+
+        def below(cost: float, other: str) -> bool:
+            if cost <= alone[other]:
+                return True
+            if other not in least_of:
+                least_of[other] = least(node, other)
+            return cost <= least_of[other]
+
+        for s in strategies:
+            cost = worst(node, s)
+            if all(below(cost, other) for other in strategies if other != s):
+                return s
+        return None
 
     changed = True
     while changed:
@@ -795,12 +834,11 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
         for node, strategies in nodes.items():
             if "fixed" in strategies or len(strategies) == 1 or constrained(node, strategies):
                 continue
-            best = {s: least(node, s) for s in strategies}
-            for s in strategies:
-                if all(worst(node, s) <= best[other] for other in strategies if other != s):
-                    nodes[node] = {s: strategies[s]}
-                    changed = True
-                    break
+            chosen = dominant(node, strategies)
+            if chosen is not None:
+                nodes[node] = {chosen: strategies[chosen]}
+                decide(node)
+                changed = True
     return _Graph(nodes, graph.sources, graph.nbytes)
 
 
