@@ -364,3 +364,19 @@ def test_a_merge_of_thousands_of_products_has_a_short_name_of_its_own():
     assert len(_merge_name(many)) < 80
     assert _merge_name(many) != _merge_name(many[:-1]) != _merge_name(many[1:])
     assert _merge_name(["k", "q"]) == "merge:k+q"
+
+
+@pytest.mark.parametrize("block", ["gpt_block", "scan_block"])
+def test_a_graph_built_once_prices_every_micro_batch_alike(request, block):
+    """`evaluate` on the unit-scale graph scaled to a micro-batch (planner/solver/costs.py keeps one
+    per structure) prices exactly as on a graph built at that micro-batch."""
+    from planner.solver.intra_op import unit_scale_graph
+
+    found = request.getfixturevalue(block)
+    ops = tuple(found[0] if isinstance(found, tuple) else found.ops)
+    problem = _problem(ops, 2)
+    chosen = solve_intra_op(problem).strategies
+    for scale in (0.5, 3.0, 7.0):
+        scaled = dataclasses.replace(problem, activation_scale=scale)
+        built, reused = evaluate(scaled, chosen), evaluate(scaled, chosen, unit_scale_graph(scaled))
+        assert reused == built

@@ -38,9 +38,11 @@ from planner.solver.intra_op import (
     SHARDED,
     IntraOpProblem,
     IntraOpSolution,
+    OpGraph,
     evaluate,
     moe_blocks,
     solve_intra_op,
+    unit_scale_graph,
 )
 
 RECOMPUTE_MODES = RECOMPUTE
@@ -312,6 +314,7 @@ class UnitCosts:
         self.float8 = float8  # linears in FP8 (planner/cost/fp8.py); the runtime's filter skips the same units
         self.fp8_skip = skipped_units(profile) if float8 else ()
         self._ilp: dict[tuple, IntraOpSolution] = {}
+        self._graphs: dict[tuple, OpGraph] = {}  # `tp_solution`'s unit-scale graphs
         self._tables: dict[tuple, UnitCostTable] = {}
         self._layer_seconds: dict[tuple, dict[int, list[tuple[float, float]]]] = {}  # per (t, sp, b), from `_build`
         self._built: dict[tuple[int, bool, float], UnitCostTable] = {}  # `_plain`
@@ -358,7 +361,10 @@ class UnitCosts:
             # The ops the solver kept replicated stay offered so (under SP they may not be otherwise).
             chosen = self._ilp[key].strategies
             kept = frozenset(n for n, s in chosen.items() if s == "replicate")
-            self._ilp[(*key, b)] = evaluate(replace(self._problem(unit, t, sp, b, pinned), replicated_ops=kept), chosen)
+            problem = replace(self._problem(unit, t, sp, b, pinned), replicated_ops=kept)
+            if ("graph", *key) not in self._graphs:  # one per structure, scaled to each micro-batch
+                self._graphs[("graph", *key)] = unit_scale_graph(problem)
+            self._ilp[(*key, b)] = evaluate(problem, chosen, self._graphs[("graph", *key)])
         return self._ilp[(*key, b)]
 
     def tie_pins(self, t: int, sp: bool) -> dict[int, tuple[tuple[str, str], ...]]:

@@ -189,6 +189,10 @@ class _Graph:
     nbytes: dict[str, float]  # producer -> bytes of its output at this micro-batch size
 
 
+OpGraph = _Graph
+"""The op graph `evaluate` and `unit_scale_graph` share with callers that keep one per structure."""
+
+
 def _numel(shape: list[int]) -> int:
     return math.prod(shape) if shape else 1
 
@@ -432,6 +436,13 @@ def shardable_ops(ops, tp: int) -> list[str]:
     return [op.name for op in ops if op.weight_shape and {"colwise", "rowwise"} & set(_op_strategies(op, tp, heads_of, replicated=replicated))]
 
 
+def unit_scale_graph(problem: IntraOpProblem) -> _Graph:
+    """`problem`'s graph at activation scale 1, for `evaluate` to scale: its nodes and edges do not
+    depend on the scale, and its bytes are the scale times these (`_build_graph`: products of
+    shapes, dtype bytes and the scale, and maxima of them)."""
+    return _build_graph(dataclasses.replace(problem, activation_scale=1.0))
+
+
 def _build_graph(problem: IntraOpProblem) -> _Graph:
     ops, tp, scale = problem.ops, problem.tp_degree, problem.activation_scale
     boundary = "S" if problem.sequence_parallel else "R"
@@ -521,9 +532,16 @@ def _node_cost(problem: IntraOpProblem, op: OpNode | None, strategy: str) -> tup
     return compute, wgrad, weight_bytes / problem.tp_degree if sharded_weight else weight_bytes
 
 
-def evaluate(problem: IntraOpProblem, strategies: dict[str, str]) -> IntraOpSolution:
-    """Price an assignment exactly as the ILP's objective does."""
-    graph = _build_graph(problem)
+def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _Graph | None = None) -> IntraOpSolution:
+    """Price an assignment exactly as the ILP's objective does. `unit_graph`: the problem's graph
+    built at activation scale 1 (`unit_scale_graph`), scaled here instead of built again: a unit
+    is priced at every profiled micro-batch with the strategies chosen at the first, and a scan's
+    graph (Jamba's Mamba: hundreds of thousands of edges) took most of that."""
+    if unit_graph is None:
+        graph = _build_graph(problem)
+    else:
+        scale = problem.activation_scale
+        graph = _Graph(unit_graph.nodes, unit_graph.sources, {k: v * scale for k, v in unit_graph.nbytes.items()})
     by_name = {op.name: op for op in problem.ops}
     coll = problem.collectives
     compute = comm = params = 0.0
