@@ -16,6 +16,11 @@ sum_u a_r(u),u, are at most A, the smaller of
     (p M - s) / min_r L_r                  (all ranks' memory pooled)
     M sum_r 1 / L_r - s / max_r L_r        (rank by rank: L_r A_r <= M - s_r, summed over r)
 
+(with s less the gradients where a rank's peak may come before its first backward makes them:
+GPipe and 1F1B with m <= L_r, zero bubble before its first weight pass; a zero-bubble rank then
+also holds L'_r micro-batches beside its gradients, `zero_bubble_least_held_with_gradients`, L_r
+itself when m > p, so A is at most the same two with s and L'_r as well).
+
 The least summed unit time under that constraint is at least its Lagrangian dual (weak
 duality), for every lambda >= 0:
 
