@@ -497,7 +497,7 @@ def price_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the priced configuration as a plan."),
 ) -> None:
     """Price an existing engine configuration exactly and set it beside the best plan for the same model and cluster."""
-    from planner.engines import as_the_engine_computes, guess_engine, read_config
+    from planner.engines import as_the_engine_computes, check_engine_heads, guess_engine, read_config
     from planner.engines.pricing import compare
     from planner.profile_schema import load_profile
 
@@ -507,8 +507,10 @@ def price_command(
         gpu = _profile_gpu(prof)
     clus = load_cluster_args(cluster, gpus, gpus_per_node, gpu)
     layout = read_config(from_file, engine)
+    engine = engine or guess_engine(from_file, from_file.read_text())
+    check_engine_heads(engine, prof, layout.tp_degree)
     with err_console.status("pricing"):
-        prof, precision = as_the_engine_computes(prof, engine or guess_engine(from_file, from_file.read_text()))
+        prof, precision = as_the_engine_computes(prof, engine)
         result = compare(prof, clus, layout, global_batch, profile_path=str(profile_file))
     for note in [*layout.notes, *([precision] if precision else [])]:
         console.print(f"note: {note}")

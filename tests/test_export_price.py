@@ -475,3 +475,30 @@ def test_op_recompute_through_the_engines(gpt_h100):
     result = compare(gpt_h100, cluster, megatron.parse(mega.text), BATCH)
     assert result.best is not None
     assert {r for s in result.best.stages for r in s.unit_modes().values()} <= {"none", "selective", "full"}
+
+
+def test_engines_that_split_every_head_get_a_degree_that_divides_them(tmp_path):
+    """A plan at tp 4 for a Llama with 2 key/value heads keeps its attentions replicated (the planner's
+    runtime can; planner/solver/intra_op.py `tp_obstacles`). Megatron-LM and torchtitan split every
+    head and would refuse tp 4: the export maps it to tp 2 (dp doubled), says why and prices it;
+    `planner price` refuses such a configuration before any work, naming a degree that divides."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    llama = profile_model(str(EXAMPLES / "llama.py"), {}, [1, 2], device="meta", gpu="a100-80gb", dtype="bfloat16")
+    plan = solve(llama, make_cluster(4, 4, "a100-80gb"), 8, Pins(tp=4, micro_batch_size=2))
+    for engine in ("megatron", "torchtitan"):
+        out = export_plan(plan, engine, llama)
+        assert (out.mapped.tp_degree, out.mapped.dp_degree) == (2, 2), engine
+        assert any("tp 4 -> 2, dp 1 -> 2" in w and "projects 2 heads" in w and "by the cost model" in w for w in out.warnings)
+        path = tmp_path / ("args.txt" if engine == "megatron" else "job.toml")
+        path.write_text(out.text)
+        assert read_config(path, engine).tp_degree == 2
+    assert export_plan(plan, "deepspeed", llama).mapped.tp_degree == 4  # AutoTP: not said to split every head
+    profile_path = llama.save(tmp_path / "llama.json")
+    (tmp_path / "tp4.txt").write_text((tmp_path / "args.txt").read_text().replace(
+        "--tensor-model-parallel-size 2", "--tensor-model-parallel-size 4"))
+    done = CliRunner().invoke(app, ["price", "--from", str(tmp_path / "tp4.txt"), "-p", str(profile_path), "--gpus", "4"])
+    assert done.exit_code == 1 and "does not split the model's attention heads whole" in str(done.exception), done.output
+    assert "(2 does)" in str(done.exception)

@@ -22,6 +22,68 @@ from planner.plan import Plan
 
 ENGINES = {"torchtitan": torchtitan, "megatron": megatron, "deepspeed": deepspeed, "accelerate": accelerate}
 
+SPLITS_EVERY_HEAD = {
+    "megatron": "Megatron-LM divides the query groups by --tensor-model-parallel-size and refuses a degree that "
+                "does not divide them (megatron/core/transformer/attention.py: num_query_groups_per_partition = "
+                "divide(num_query_groups, world_size))",
+    "torchtitan": "torchtitan's TP plan shards every wq, wk and wv colwise, each rank holding n_kv_heads // tp "
+                  "whole key/value heads (PyTorch's TP tutorial, which its Llama plan follows)",
+}
+"""Engines whose tensor parallelism splits every attention's query and key/value heads, where the
+planner's runtime keeps an attention whose heads a degree does not divide replicated instead
+(planner/solver/intra_op.py `tp_obstacles`), and how each says so."""
+
+
+def head_obstacles(profile, tp: int) -> list[str]:
+    """Attentions of `profile` whose heads `tp` does not split whole, named by unit (each distinct unit once)."""
+    from planner.solver.intra_op import tp_obstacles
+
+    out: list[str] = []
+    seen = set()
+    for unit in profile.units:
+        if unit.fingerprint not in seen:
+            seen.add(unit.fingerprint)
+            out += [f"{unit.name}: {why}" for why in tp_obstacles(unit.ops, tp)]
+    return out
+
+
+def engine_tp(engine: str, profile, tp: int) -> int:
+    """The largest degree dividing `tp` that `engine` runs on `profile`'s attentions (`tp` itself
+    where it splits every head, or the engine does not split heads)."""
+    if engine not in SPLITS_EVERY_HEAD or tp == 1:
+        return tp
+    return next(t for t in range(tp, 0, -1) if tp % t == 0 and not head_obstacles(profile, t))
+
+
+def check_engine_heads(engine: str, profile, tp: int) -> None:
+    """Refuse a configuration `engine` itself would refuse: a TP degree that does not split its attention's heads."""
+    if engine_tp(engine, profile, tp) != tp:
+        found = head_obstacles(profile, tp)
+        raise PlannerError(f"The configuration's tensor-parallel degree {tp} does not split the model's attention heads "
+                           f"whole ({'; '.join(found[:2])}{' and more' if len(found) > 2 else ''}): "
+                           f"{SPLITS_EVERY_HEAD[engine]}.",
+                           f"Give it a degree that divides them ({engine_tp(engine, profile, tp)} does); "
+                           "`planner solve --tp` plans the degree with those attentions replicated.")
+
+
+def _whole_heads(engine: str, mapped: EngineLayout, profile, changes: list[str]) -> EngineLayout:
+    """`mapped` with the largest TP degree `engine` runs on the model's attentions (`engine_tp`), the
+    rest of the GPUs given to data parallelism and the micro-batch cut to a whole number of them."""
+    from dataclasses import replace
+
+    tp = mapped.tp_degree
+    if profile is None or (t := engine_tp(engine, profile, tp)) == tp:
+        return mapped
+    dp = mapped.dp * (tp // t)
+    replicas = dp // mapped.cp_degree
+    per_replica = mapped.global_batch // replicas
+    mbs = next(b for b in range(min(mapped.micro_batch, per_replica), 0, -1) if per_replica % b == 0)
+    found = head_obstacles(profile, tp)
+    changes.append(f"tp {tp} -> {t}, dp {mapped.dp} -> {dp}" + (f", micro-batch {mapped.micro_batch} -> {mbs}"
+                   if mbs != mapped.micro_batch else "") + f" (the plan keeps attentions whose heads tp {tp} does not "
+                   f"split replicated, {'; '.join(found[:2])}; {SPLITS_EVERY_HEAD[engine]})")
+    return replace(mapped, tp_degree=t, dp_degree=dp, micro_batch_size=mbs)
+
 
 def export_plan(plan: Plan, engine: str, profile=None, cluster=None) -> Export:
     """The plan in `engine`'s terms; `profile` (and `cluster`, default the plan's rebuilt) price the changes."""
@@ -32,6 +94,7 @@ def export_plan(plan: Plan, engine: str, profile=None, cluster=None) -> Export:
     module = ENGINES[engine]
     names = [u for s in plan.stages for u in s.units]
     mapped, changes = module.mapped_layout(plan, names)
+    mapped = _whole_heads(engine, mapped, profile, changes)
     seq_len = (profile.model.sequence_length if profile is not None else None) or plan.model.args.get("seq_len")
     text = module.render(mapped, plan, names, seq_len)
     warnings = []
