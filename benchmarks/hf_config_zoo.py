@@ -40,7 +40,7 @@ TYPES = ["gemma3_text", "smollm3", "granite", "glm4", "cohere2", "qwen2_moe", "e
          "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "gemma4_text", "gpt_oss", "llama4_text", "deepseek_v32",
          "deepseek_v4", "glm4_moe", "glm4_moe_lite", "minimax_m2", "olmoe", "hy_v3", "laguna", "mimo_v2_flash",
          "qwen4_exp_text", "falcon_h1", "nemotron_h", "jamba", "granitemoehybrid", "kimi_linear", "bamba", "olmo_hybrid",
-         "rwkv", "xlstm", "recurrent_gemma", "bloom", "mpt", "gpt_bigcode", "phimoe", "afmoe"]
+         "rwkv", "xlstm", "recurrent_gemma", "bloom", "mpt", "gpt_bigcode", "phimoe", "afmoe", "falcon"]
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=256, max_position_embeddings=128)
 LAYOUTS = {"one": ["--gpus", "1"], "free": ["--gpus", "2"], "tp2": ["--gpus", "2", "--tp", "2"],
@@ -54,7 +54,10 @@ or router jitter
 (and as many key heads as query heads where attention is latent: its code needs them equal)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model(model_type, **SMALL).to_dict()
+    try:
+        config = AutoConfig.for_model(model_type, **SMALL).to_dict()
+    except AttributeError:  # a config whose head_dim is derived, read-only (Falcon's)
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in SMALL.items() if k != "head_dim"}).to_dict()
     if config.get("kv_lora_rank"):  # latent attention (MLA) has no grouped keys: as many as the queries
         config["num_key_value_heads"] = config["num_attention_heads"]
     for key, value in list(config.items()):
