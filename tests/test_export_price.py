@@ -492,6 +492,7 @@ def test_engines_that_split_every_head_get_a_degree_that_divides_them(tmp_path):
         out = export_plan(plan, engine, llama)
         assert (out.mapped.tp_degree, out.mapped.dp_degree) == (2, 2), engine
         assert any("tp 4 -> 2, dp 1 -> 2" in w and "projects 2 heads" in w and "by the cost model" in w for w in out.warnings)
+        assert not any("TP layout:" in w for w in out.warnings)  # the old degree's replicated modules
         path = tmp_path / ("args.txt" if engine == "megatron" else "job.toml")
         path.write_text(out.text)
         assert read_config(path, engine).tp_degree == 2

@@ -79,6 +79,8 @@ def _whole_heads(engine: str, mapped: EngineLayout, profile, changes: list[str])
     per_replica = mapped.global_batch // replicas
     mbs = next(b for b in range(min(mapped.micro_batch, per_replica), 0, -1) if per_replica % b == 0)
     found = head_obstacles(profile, tp)
+    # What the plan's TP left replicated (megatron.py's "TP layout" change) is the old degree's.
+    changes[:] = [change for change in changes if not change.startswith("TP layout:")]
     changes.append(f"tp {tp} -> {t}, dp {mapped.dp} -> {dp}" + (f", micro-batch {mapped.micro_batch} -> {mbs}"
                    if mbs != mapped.micro_batch else "") + f" (the plan keeps attentions whose heads tp {tp} does not "
                    f"split replicated, {'; '.join(found[:2])}; {SPLITS_EVERY_HEAD[engine]})")
