@@ -529,9 +529,7 @@ def _held_with_gradients(schedule: str, pp: int, num_microbatches: int, virtual_
     if schedule != "zero-bubble":
         return 0.0, 0.0, 0.0
     levels = _rank_held_with_gradients(schedule, pp, num_microbatches, virtual_stages)
-    if min(levels) <= 0:
-        return 0.0, 0.0, 0.0
-    return min(levels), max(levels), sum(1 / level for level in levels)
+    return (0.0, 0.0, 0.0) if min(levels) <= 0 else _summary(levels)
 
 
 def _memory_rank_s(time_s: np.ndarray, activation: np.ndarray, states: np.ndarray, count: np.ndarray,
@@ -872,21 +870,28 @@ def _rank_held_with_gradients(schedule: str, pp: int, num_microbatches: int, vir
 @lru_cache(maxsize=None)
 def _held_levels(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[tuple[float, int], ...]:
     """`_in_flight_levels` of `_rank_held_with_gradients`."""
-    levels = _rank_held_with_gradients(schedule, pp, num_microbatches, virtual_stages)
-    return tuple((level, levels.count(level)) for level in sorted(set(levels)))
+    return _distinct(_rank_held_with_gradients(schedule, pp, num_microbatches, virtual_stages))
 
 
 @lru_cache(maxsize=None)
 def _in_flight_levels(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[tuple[float, int], ...]:
     """The pipeline ranks' distinct in-flight counts L_r, each with how many ranks hold it."""
-    levels = _rank_in_flight(schedule, pp, num_microbatches, virtual_stages)
-    return tuple((level, levels.count(level)) for level in sorted(set(levels)))
+    return _distinct(_rank_in_flight(schedule, pp, num_microbatches, virtual_stages))
 
 
 @lru_cache(maxsize=None)
 def _in_flight(schedule: str, pp: int, num_microbatches: int, virtual_stages: int) -> tuple[float, float, float]:
     """min_r L_r, max_r L_r and sum_r 1 / L_r over the pipeline ranks r."""
-    levels = _rank_in_flight(schedule, pp, num_microbatches, virtual_stages)
+    return _summary(_rank_in_flight(schedule, pp, num_microbatches, virtual_stages))
+
+
+def _distinct(levels: tuple[float, ...]) -> tuple[tuple[float, int], ...]:
+    """Each distinct count of `levels` with how many ranks hold it, ascending."""
+    return tuple((level, levels.count(level)) for level in sorted(set(levels)))
+
+
+def _summary(levels: tuple[float, ...]) -> tuple[float, float, float]:
+    """min, max and sum of 1 / L over ranks' counts `levels` (all positive)."""
     return min(levels), max(levels), sum(1 / level for level in levels)
 
 
