@@ -239,17 +239,20 @@ def primary_rank(stderr: str, log_dir: Path | None) -> int | None:
     exit, which may be a healthy rank whose collective broke when its peer died; then the first
     rank whose log holds an error that is not such a follow-on is the cause, and failing that a
     rank torchrun reports killed by a signal (it leaves no error of its own; torchrun dates a
-    failure without an error file when it notices it, so it can lose the race to its peer's)."""
+    failure without an error file when it notices it, so it can lose the race to its peer's).
+
+    Without a report (torchrun itself can fail while reading a dying rank's half-written error
+    file, and then prints its own traceback instead) the ranks' logs alone name the cause."""
     first = root_cause(stderr)[0]
-    if log_dir is None or first is None:
+    if log_dir is None:
         return first
     ranks = sorted({int(p.parent.name) for p in Path(log_dir).glob("*/attempt_*/*/stderr.log") if p.parent.name.isdigit()})
-    for rank in [first, *(r for r in ranks if r != first)]:
+    for rank in [first, *(r for r in ranks if r != first)] if first is not None else ranks:
         text = rank_stderr(log_dir, rank) or ""
         failed = OWN_LINE.search(text) or any(EXCEPTION_LINE.match(line) for line in RANK_PREFIX.sub("", text).splitlines())
         if failed and not FOLLOW_ON.search(text):
             return rank
-    if FOLLOW_ON.search(rank_stderr(log_dir, first) or ""):
+    if first is not None and FOLLOW_ON.search(rank_stderr(log_dir, first) or ""):
         killed = [rank for rank, block in failure_blocks(stderr).items() if rank != first and KILLED.search(block)]
         if killed:
             return killed[0]

@@ -174,6 +174,25 @@ def test_failure_summary_reads_the_failing_ranks_own_stderr(tmp_path):
     assert "killed by SIGKILL" in failure_summary(torchrun + "  traceback : Signal 9 (SIGKILL) received by PID 7\n", -9)
 
 
+def test_a_torchrun_that_crashed_itself_still_names_the_failing_rank(tmp_path):
+    """torchrun can fail while reading a dying rank's half-written error file (CI once saw a
+    JSONDecodeError from torch.distributed.elastic). Then it prints its own traceback and no
+    report; the rank whose log holds its own error is the cause, not torchrun's exception."""
+    torchrun = ('Traceback (most recent call last):\n  File "json/decoder.py", line 355, in raw_decode\n'
+                "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)\n")
+    for rank, text in ((0, "[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:420\n"),
+                       (1, "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: injected\n")):
+        log = tmp_path / "run_x" / "attempt_0" / str(rank) / "stderr.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(text)
+    message, hint = describe_failure(torchrun, 1, tmp_path, "the whole job was stopped")
+    assert message == "Rank 1 failed (ValueError: injected); the whole job was stopped."
+    assert hint.startswith("Rank 1's last lines of stderr:")
+    # With no rank's own error in the logs, torchrun's exception is all there is.
+    (tmp_path / "run_x" / "attempt_0" / "1" / "stderr.log").write_text("")
+    assert describe_failure(torchrun, 1, tmp_path, "stopped")[0].startswith("A rank failed (json.decoder.JSONDecodeError")
+
+
 def test_a_killed_rank_is_named_when_its_peer_is_reported_first(tmp_path):
     """torchrun dates a failure without an error file when it notices it, so a rank killed by
     SIGKILL can lose the root cause to the peer whose collective broke on it: the peer's error is
