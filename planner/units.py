@@ -33,7 +33,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from planner.errors import PlannerError
 from planner.meta_values import leaves
@@ -197,6 +197,9 @@ class DataFlow(TorchFunctionMode):
         """id of a late tensor's stand-in -> the received tensor that replaces it."""
         self.births: dict[StorageWeakRef, float] = {}
         """Recording: storage -> glue position of the aten op that made it (`StorageBirths`)."""
+        self.unborn_late = 0
+        """Recording: late tensors whose storage no op outside units made (made inside a unit, or
+        before the forward): `_Replays` cannot vouch for a trace that has any."""
         self._alive: list[torch.Tensor] = []
         """Tensors whose ids or storages are keys above: kept alive so no new object reuses them."""
 
@@ -260,9 +263,12 @@ class DataFlow(TorchFunctionMode):
     def _key_late(self, t: torch.Tensor) -> torch.Tensor:
         if self.recording:
             try:
-                position = self.births.get(StorageWeakRef(t.untyped_storage()), self.glue)
+                position = self.births.get(StorageWeakRef(t.untyped_storage()))
             except (RuntimeError, NotImplementedError):  # no storage (a vmap batched tensor's wrapper)
+                position = None
+            if position is None:
                 position = self.glue
+                self.unborn_late += 1
             key = (position, self.ordinals[position])
             self.late.append(key)
             self.late_reach.append(self.glue)
@@ -403,6 +409,192 @@ def copy_inputs(args, kwargs) -> tuple:
     return tree_map(copy_state, (args, kwargs))
 
 
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format, slice,
+          type(Ellipsis))
+"""Non-tensor arguments and outputs a replayed call may have: values, not objects a unit could update."""
+
+
+class _Replays:
+    """Units of a meta-device trace answered from an earlier twin's call, without running.
+
+    The trace runs every layer of the model, though it records only what crosses units; a scan
+    written as a Python loop makes that the bulk of a profile (Jamba's 28 Mamba layers, 1,024
+    steps each). A unit whose module matches one already run (the classes, shapes, dtypes and
+    trainability of `module_fingerprint`'s tree, and every submodule's training flag) and that is
+    called alike (the same tensor shapes, strides, dtypes and gradient flags; tensors whose
+    values are known exactly the very same objects; the same plain values otherwise; the same
+    grad and autocast mode) returns fresh meta tensors shaped as that call's outputs, with
+    gradients where they had them and newly drawn values where theirs were sampled (a sampled
+    value is only a plausible draw, planner/meta_values.py). That is what the profiler already
+    assumes when it measures one unit for all its twins (planner/profiler/__init__.py
+    `_signature`). The counts the modes keep as they watch a call (attention calls, sampled
+    decisions: `replay_counts`) grow on a replay as the first call grew them.
+
+    Not replayed: real tensors, outputs with exact known values (a later read needs them), a
+    unit that holds another unit, arguments or outputs other than tensors and plain values (a
+    cache object the unit would update). A first call that let a tensor out other than by its outputs (a hook
+    collecting router logits, module state) shows when the glue consumes a tensor no op outside
+    the units made (`DataFlow.unborn_late`); the trace then runs again without replays.
+    """
+
+    def __init__(self, flow: DataFlow, modules: dict[str, nn.Module], names: list[str]):
+        self.flow = flow
+        self.used = False
+        self.answers: dict[tuple, _Answer | None] = {}
+        self.patched: dict[str, tuple[nn.Module, object]] = {}
+        self.structure: dict[str, tuple] = {}
+        for name in names:
+            if any(other.startswith(name + ".") for other in names):
+                continue
+            module = modules[name]
+            self.structure[name] = (module_fingerprint(module), tuple(type(m) for m in module.modules()),
+                                    tuple((p.dtype, p.requires_grad) for p in module.parameters()),
+                                    tuple(b.dtype for b in module.buffers()), tuple(m.training for m in module.modules()))
+            self.patched[name] = (module, module.__dict__.get("forward"))
+
+    def __enter__(self):
+        for name, (module, _) in self.patched.items():
+            module.forward = self._forward(name, module.forward)
+        return self
+
+    def __exit__(self, *exc):
+        for module, own in self.patched.values():
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+    def _forward(self, name: str, forward):
+        def replaying(*args, **kwargs):
+            if self.flow.depth != 1:  # a unit's own call of itself, or one inside another unit
+                return forward(*args, **kwargs)
+            modes = _active_modes()
+            key = self._key(name, args, kwargs, modes)
+            if key is None:
+                return forward(*args, **kwargs)
+            if key in self.answers:
+                answer = self.answers[key]
+                if answer is not None:
+                    self.used = True
+                    return answer.replay(tree_flatten((args, kwargs))[0], modes)
+                return forward(*args, **kwargs)
+            before = [Counter(mode.replay_counts()) for mode in modes]
+            out = forward(*args, **kwargs)
+            grown = [Counter(mode.replay_counts()) - b for mode, b in zip(modes, before, strict=True)]
+            self.answers[key] = _Answer.of(out, tree_flatten((args, kwargs))[0], grown, modes)
+            return out
+
+        return replaying
+
+    def _key(self, name: str, args, kwargs, modes) -> tuple | None:
+        from planner.meta_values import KnownValues, autocast_disabled
+
+        known = next((m for m in modes if isinstance(m, KnownValues)), None)
+        flat, spec = tree_flatten((args, kwargs))
+        parts: list = [self.structure[name], spec, torch.is_grad_enabled(), autocast_disabled()]
+        with torch._C.DisableTorchFunction():  # reading tensors' properties is not the model's code
+            for x in flat:
+                if isinstance(x, torch.Tensor):
+                    if not x.is_meta or isinstance(x, nn.Parameter):
+                        return None
+                    exact = known is not None and x in known.values and x not in known.sampled
+                    parts.append((tuple(x.shape), x.stride(), x.dtype, x.requires_grad, id(x) if exact else None))
+                elif isinstance(x, _PLAIN):
+                    parts.append((type(x), x))
+                else:
+                    return None
+        return tuple(parts)
+
+
+def _active_modes() -> list:
+    """The active torch function and dispatch modes that keep counts a replay must grow (and a
+    trace run again must reset): `replay_counts`, `add_replay_counts`, `replay_state`,
+    `restore_replay_state` (planner/meta_values.py `KnownValues`, planner/profiler/counters.py
+    `SequenceSplitChecks`)."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return [m for m in [*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack()]
+            if hasattr(m, "replay_counts")]
+
+
+@dataclass
+class _Answer:
+    """What a unit's call returned, to return again (`_Replays`): its output's structure with, for
+    each tensor leaf, either the argument it was (by position) or the layout of a new one."""
+
+    spec: TreeSpec
+    leaves: list[tuple]
+    grown: list[Counter]
+
+    @staticmethod
+    def of(out, args: list, grown: list[Counter], modes) -> _Answer | None:
+        from planner.meta_values import KnownValues
+
+        known = next((m for m in modes if isinstance(m, KnownValues)), None)
+        flat, spec = tree_flatten(out)
+        answer: list[tuple] = []
+        with torch._C.DisableTorchFunction():
+            for x in flat:
+                if isinstance(x, torch.Tensor):
+                    same = next((i for i, a in enumerate(args) if a is x), None)
+                    if same is not None:
+                        answer.append(("argument", same))
+                    elif type(x) is not torch.Tensor or not x.is_meta:
+                        return None
+                    elif known is not None and x in known.values and x not in known.sampled:
+                        return None  # an exact value a later read may need
+                    else:
+                        answer.append(("tensor", tuple(x.shape), x.stride(), x.dtype, x.requires_grad))
+                elif isinstance(x, _PLAIN):
+                    answer.append(("value", x))
+                else:
+                    return None
+        return _Answer(spec, answer, grown)
+
+    def replay(self, args: list, modes) -> object:
+        """The outputs again: new tensors are drawn sampled values where the known-values mode
+        would draw them for a parameter-dependent output (planner/meta_values.py `KnownValues.draw`)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from planner.meta_values import KnownValues
+
+        for mode, grown in zip(modes, self.grown, strict=True):
+            mode.add_replay_counts(grown)
+        known = next((m for m in modes if isinstance(m, KnownValues)), None)
+        out = []
+        with _disable_current_modes(), torch._C.DisableTorchFunction():  # not the model's ops
+            for leaf in self.leaves:
+                if leaf[0] == "argument":
+                    out.append(args[leaf[1]])
+                elif leaf[0] == "value":
+                    out.append(leaf[1])
+                else:
+                    _, shape, stride, dtype, grad = leaf
+                    t = (_Fresh.apply(_GRAD_ANCHOR, shape, stride, dtype) if grad
+                         else torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
+                    if known is not None:
+                        known.draw(t)
+                    out.append(t)
+        return tree_unflatten(out, self.spec)
+
+
+class _Fresh(torch.autograd.Function):
+    """A new meta tensor that, like a unit's output, has a gradient function (so in-place glue
+    on it is allowed, as on the output it stands for)."""
+
+    @staticmethod
+    def forward(ctx, anchor, shape, stride, dtype):
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None
+
+
+_GRAD_ANCHOR = torch.empty((), device="meta", requires_grad=True)
+
+
 class _Tracer:
     """The profiler's unit hooks over a `DataFlow`: units get positions in the order of their
     first call; a unit called again (weight sharing) consumes and produces at that position."""
@@ -442,16 +634,17 @@ class _Tracer:
                 for key, t in self.flow.values.items()]
 
 
-def trace_units(model: nn.Module, inputs: tuple) -> UnitTrace:
+def trace_units(model: nn.Module, inputs: tuple, replay: bool = True) -> UnitTrace:
     """Run `model(*inputs)` (meta tensors advised) and record units and data flow.
 
     A candidate unit that the forward never calls but whose children it does (a ModuleDict,
     a list iterated by its parent) is replaced by its children and the trace is repeated.
+    `replay`: a unit called like an earlier twin returns that call's outputs without running (`_Replays`).
     """
     names = candidate_units(model)
     modules = dict(model.named_modules())
     for _ in range(8):  # nesting depth; real models need one or two rounds
-        trace = _trace_once(model, inputs, names)
+        trace = _trace_once(model, inputs, names, replay)
         containers = [n for n in trace.unused if any(True for _ in modules[n].children())]
         if not containers:
             return trace
@@ -471,22 +664,28 @@ def trace_on_meta(model: nn.Module, inputs: tuple, values: KnownValues | None = 
         return trace_units(model, values.to_meta(inputs))
 
 
-def _trace_once(model: nn.Module, inputs: tuple, names: list[str]) -> UnitTrace:
+def _trace_once(model: nn.Module, inputs: tuple, names: list[str], replay: bool = True) -> UnitTrace:
     modules = dict(model.named_modules())
     tracer = _Tracer(names)
     handles = []
     for name in names:
         handles.append(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True))
         handles.append(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True))
+    replays = _Replays(tracer.flow, modules, names) if replay else None
+    start = [(mode, mode.replay_state()) for mode in _active_modes()]
     tracer.flow.produce(inputs, -1.0)
     try:
-        with tracer.flow.recorded():
+        with tracer.flow.recorded(), replays or contextlib.nullcontext():
             output = model(*inputs)
     finally:
         for h in handles:
             h.remove()
     # The loss consumes the output on the last stage: nothing to send.
     del output
+    if replays is not None and replays.used and tracer.flow.unborn_late:  # a twin may have let a tensor out unseen
+        for mode, state in start:
+            mode.restore_replay_state(state)
+        return _trace_once(model, inputs, names, replay=False)
     return UnitTrace(
         units=tracer.order,
         tensors=tracer.tensors(),

@@ -8,6 +8,8 @@ and otherwise names the model's line.
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torch import nn
 
@@ -247,3 +249,68 @@ def test_leaves_are_pytrees_leaves():
         expected = tree_flatten(case)[0]
         found = leaves(case)
         assert len(found) == len(expected) and all(a is b or a == b for a, b in zip(found, expected, strict=True)), case
+
+
+def _operand(rng: random.Random, shape: list[int]):
+    """A meta tensor of `shape` (or of one broadcasting to it) laid out as models make them:
+    contiguous, permuted, sliced out of a larger one, channels-last, or expanded; or a scalar."""
+    kind = rng.choice(["contiguous", "permuted", "sliced", "channels_last", "expanded", "expanded", "python", "cpu"])
+    if kind == "python":
+        return rng.choice([2, 2.5, True])
+    if kind == "cpu":
+        return torch.tensor(rng.choice([2, 2.5]))
+    dtype = rng.choice([torch.float32, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+    own = [1 if rng.random() < 0.3 else s for s in shape[rng.randint(0, len(shape)):]]  # broadcasting
+    if kind == "permuted" and len(own) >= 2:
+        perm = rng.sample(range(len(own)), len(own))
+        return torch.empty([own[p] for p in perm], dtype=dtype, device="meta").permute([perm.index(i) for i in range(len(own))])
+    if kind == "sliced":
+        return torch.empty([s * rng.choice([1, 2]) for s in own], dtype=dtype, device="meta")[tuple(slice(0, s) for s in own)]
+    if kind == "channels_last" and len(own) == 4:
+        return torch.empty(own, dtype=dtype, device="meta").to(memory_format=torch.channels_last)
+    if kind == "expanded":
+        return torch.empty([1 if rng.random() < 0.5 else s for s in own], dtype=dtype, device="meta").expand(own)
+    return torch.empty(own, dtype=dtype, device="meta")
+
+
+def test_fast_binary_gives_torchs_meta_output():
+    """Meta add/sub/mul/div run torch's Python references (0.5 ms a call); `fast_binary` gives
+    the same output (shape, strides as torch derives them from the operands', dtype) or defers to
+    torch (None) where it does not claim to know. 20,000 random pairs of operands, seeded: torch's
+    stride rules turn on size-1 and broadcast dimensions that a few hundred draws rarely reach."""
+    from planner.meta_values import fast_binary
+
+    rng = random.Random(0)
+    answered = 0
+    for _ in range(20_000):
+        shape = [rng.choice([0, 1, 1, 2, 3, 4]) for _ in range(rng.randint(0, 5))]
+        func = rng.choice([torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
+                           torch.ops.aten.div.Tensor])
+        a, b = _operand(rng, shape), _operand(rng, shape)
+        got = fast_binary(func, (a, b), {})
+        if got is None:
+            continue
+        answered += 1
+        want = func(a, b)
+        assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device), (
+            func, [(x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x for x in (a, b)])
+    assert answered > 10_000
+
+
+def test_fast_binary_decides_the_common_layouts_itself():
+    """The cases a traced model runs most (a Mamba scan's slices times its state; a tensor times a
+    scalar; broadcasting a bias) are answered without torch's references."""
+    from planner.meta_values import fast_binary
+
+    aten = torch.ops.aten
+    state = torch.empty(1, 64, 16, device="meta")
+    sliced = torch.empty(1, 64, 32, 16, device="meta")[:, :, 3, :]
+    cases = [(aten.mul.Tensor, (sliced, state)), (aten.add.Tensor, (state, sliced)), (aten.mul.Tensor, (state, 0.5)),
+             (aten.add.Tensor, (state, torch.empty(16, device="meta"))), (aten.div.Tensor, (state.to(torch.int64), 2))]
+    for func, args in cases:
+        got = fast_binary(func, args, {})
+        assert got is not None, (func, args)
+        want = func(*args)
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    assert fast_binary(aten.add.Tensor, (state, state), {"alpha": 2}) is None
+    assert fast_binary(aten.sub.Tensor, (state.bool(), state.bool()), {}) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import EXAMPLES
 from planner.profiler import profile_model
@@ -180,3 +181,98 @@ def test_a_unit_called_twice_in_a_row_stays_with_the_next_in_a_pipeline(write_mo
     plan = solve(profile, make_cluster(2, gpu="cpu"), 4, Pins(pp=2, schedule="1f1b"))
     assert [k for k, stage in enumerate(plan.stages) for u in stage.units if u in ("rotary", "blocks.0")] in ([0, 0], [1, 1])
     check_parity(plan, tmp_path)
+
+
+class _Block(torch.nn.Module):
+    """A block returning a tuple: a new hidden state, its input passed through, and a constant."""
+
+    runs = 0
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, h, mask=None, scale: float = 1.0):
+        type(self).runs += 1
+        out = self.linear(h) * scale
+        for i in range(h.shape[1]):  # a Python loop over the sequence, as a scan is written
+            out[:, i] = out[:, i] + (mask[i] if mask is not None else 0)
+        return out, h, 3
+
+
+class _Twins(torch.nn.Module):
+    """Four identical blocks; glue that updates a block's output in place and leaks nothing."""
+
+    def __init__(self, leak: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
+        self.head = torch.nn.Linear(8, 16)
+        self.leak = leak
+        self.stash: list = []
+        if leak:
+            for block in self.blocks:  # a hook collecting what each block computed, as router logits are
+                block.linear.register_forward_hook(lambda m, a, out: self.stash.append(out))
+
+    def forward(self, ids):
+        mask = torch.arange(ids.shape[1], device=ids.device).float()  # known values: the same object each call
+        h = self.embed(ids)
+        self.stash.clear()
+        for block in self.blocks:
+            h, before, _ = block(h, mask, scale=0.5)
+            h.add_(before)
+        out = self.head(h)
+        return out + sum(s.sum() for s in self.stash) if self.leak else out
+
+
+def _same_trace(a, b) -> None:
+    key = lambda t: (t.producer, t.ordinal, t.shape, t.dtype, t.bytes, sorted(t.consumers))  # noqa: E731
+    assert a.units == b.units and a.joined == b.joined and a.float_fed == b.float_fed
+    assert a.repeated_calls == b.repeated_calls and a.unused == b.unused
+    assert sorted(map(key, a.tensors)) == sorted(map(key, b.tensors))
+    shapes = lambda trace: {n: [tuple(x.shape) for x in torch.utils._pytree.tree_leaves(v) if isinstance(x, torch.Tensor)]  # noqa: E731
+                            for n, v in trace.unit_inputs.items()}
+    assert shapes(a) == shapes(b)
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_twin_units_are_replayed_without_changing_the_trace(leak):
+    """A unit called like an earlier twin returns that call's outputs without running
+    (planner/units.py `_Replays`): the trace (units, tensors and their consumers, unit inputs) is the
+    one running every unit gives; a passed-through input stays the same tensor, and glue may update
+    an output in place. A twin whose hook lets a tensor out to the glue makes the trace run again
+    without replays, which gives the same trace."""
+    from planner.meta_values import KnownValues
+    from planner.units import trace_on_meta, trace_units
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = _Twins(leak)
+    ids = torch.randint(0, 16, (2, 5))
+    _Block.runs = 0
+    replayed = trace_on_meta(model, (ids,))
+    runs = _Block.runs
+    _Block.runs = 0
+    with KnownValues() as values:
+        plain = trace_units(model, values.to_meta((ids,)), replay=False)
+    assert _Block.runs == 4
+    assert runs == (4 + 1 if leak else 1)  # with a leak: one replayed run, then all four again
+    _same_trace(replayed, plain)
+    assert len(replayed.units) == 6
+
+
+def test_replayed_units_keep_the_counts_the_profile_reports():
+    """A Hugging Face Llama's layers are replayed in an analytic profile; its count of attention
+    calls (what context parallelism needs) and its units' costs are those of running every layer."""
+    pytest.importorskip("transformers")
+    import planner.units as units
+
+    replayed = analytic("hf_llama.py", n_layers=3)
+    defaults = units._trace_once.__defaults__
+    units._trace_once.__defaults__ = (False,)
+    try:
+        plain = analytic("hf_llama.py", n_layers=3)
+    finally:
+        units._trace_once.__defaults__ = defaults
+    assert replayed.model.attention_calls == plain.model.attention_calls == 3
+    assert replayed.model_dump(exclude={"created_at"}) == plain.model_dump(exclude={"created_at"})

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -544,6 +545,21 @@ class SequenceSplitChecks(TorchFunctionMode):
         self.length, self.values = length, values
         self.obstacles: list[str] = []
         self.attention_calls = 0
+
+    def replay_counts(self) -> Counter:
+        """What this mode counts as it watches a call (planner/units.py `_Replays`): its obstacles
+        are a set, which a twin's call leaves as it found it."""
+        return Counter(attention_calls=self.attention_calls)
+
+    def add_replay_counts(self, grown: Counter) -> None:
+        self.attention_calls += grown["attention_calls"]
+
+    def replay_state(self) -> tuple:
+        """What a trace run again must start from (planner/units.py `_Replays`)."""
+        return self.attention_calls, list(self.obstacles)
+
+    def restore_replay_state(self, state: tuple) -> None:
+        self.attention_calls, self.obstacles = state[0], list(state[1])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
