@@ -14,7 +14,11 @@ before the changes of 2026-11-30 (same machine, same commands): RecurrentGemma's
 than 400 s (stopped), Jamba's 279 s; the cold solve of Qwen3-Next 27 s (53 s in another
 session's measurement), Jamba's 41 s. The CSV's second run that day: Qwen3-Next's cold solve 2.8 s
 (its linear attention decided by presolve at tp 2, 4 and 8: planner/solver/intra_op.py
-`_presolved`), Jamba's 7.4 s, the same plans.
+`_presolved`), Jamba's 7.4 s, the same plans. Its third (2026-11-30, later): the analytic profiles
+of Jamba 196 -> 62 s, RecurrentGemma 103 -> 34 s, Qwen3-Next 17 -> 12 s (meta arithmetic without
+torch's Python references, planner/meta_values.py `fast_binary`; twin layers replayed in the
+unit trace, planner/units.py `_Replays`), the same plans; the MoE models' predictions moved by
+under 0.1% (units counted under balanced routing, planner/profiler/moe.py `balanced_experts`).
 
     python benchmarks/hybrid_profile_solve.py [model_type ...]
 

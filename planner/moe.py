@@ -58,6 +58,18 @@ def experts_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple | None
     return tuple(bound[n] for n in names)
 
 
+def with_top_k_index(module: nn.Module, args: tuple, kwargs: dict, index: torch.Tensor) -> tuple[tuple, dict] | None:
+    """(args, kwargs) of a call of an experts module with its top_k_index replaced by `index`,
+    wherever the call passed it (by position or by its forward's own name); None when the call
+    does not give all three inputs (`experts_inputs`)."""
+    if experts_inputs(module, args, kwargs) is None:
+        return None
+    name = [p.name for p in _forward_arguments(module) or []][1]
+    if name in kwargs:
+        return args, {**kwargs, name: index}
+    return (*args[:1], index, *args[2:]), kwargs
+
+
 def find_experts(model: nn.Module) -> dict[str, nn.Module]:
     """FQN -> experts module, by the structure the module docstring states."""
     found = {}

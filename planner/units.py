@@ -198,8 +198,11 @@ class DataFlow(TorchFunctionMode):
         self.births: dict[StorageWeakRef, float] = {}
         """Recording: storage -> glue position of the aten op that made it (`StorageBirths`)."""
         self.unborn_late = 0
-        """Recording: late tensors whose storage no op outside units made (made inside a unit, or
-        before the forward): `_Replays` cannot vouch for a trace that has any."""
+        """Recording: late tensors whose storage no op outside units made, nor the model held
+        before the forward (`held`): made inside a unit, which `_Replays` cannot vouch for."""
+        self.held: set[StorageWeakRef] = set()
+        """Recording: the storages of the model's tensors other than parameters (buffers, tensor
+        attributes), which glue may read directly (RecurrentGemma scales its embeddings by one)."""
         self._alive: list[torch.Tensor] = []
         """Tensors whose ids or storages are keys above: kept alive so no new object reuses them."""
 
@@ -268,7 +271,7 @@ class DataFlow(TorchFunctionMode):
                 position = None
             if position is None:
                 position = self.glue
-                self.unborn_late += 1
+                self.unborn_late += not self._held(t)
             key = (position, self.ordinals[position])
             self.late.append(key)
             self.late_reach.append(self.glue)
@@ -282,6 +285,12 @@ class DataFlow(TorchFunctionMode):
             self.keys[id(t)] = key
         self.values[key] = t
         return t
+
+    def _held(self, t: torch.Tensor) -> bool:
+        try:
+            return StorageWeakRef(t.untyped_storage()) in self.held
+        except (RuntimeError, NotImplementedError):
+            return False
 
     def _next_late_key(self) -> Key:
         raise NotImplementedError("only a replay takes late keys from a recording")
@@ -672,6 +681,10 @@ def _trace_once(model: nn.Module, inputs: tuple, names: list[str], replay: bool 
         handles.append(modules[name].register_forward_pre_hook(tracer.pre_hook(name), with_kwargs=True))
         handles.append(modules[name].register_forward_hook(tracer.post_hook(name), with_kwargs=True))
     replays = _Replays(tracer.flow, modules, names) if replay else None
+    if replays is not None:
+        tracer.flow.held = {StorageWeakRef(t.untyped_storage()) for m in model.modules()
+                            for t in [*m._buffers.values(), *vars(m).values()]
+                            if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)}
     start = [(mode, mode.replay_state()) for mode in _active_modes()]
     tracer.flow.produce(inputs, -1.0)
     try:

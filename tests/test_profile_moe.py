@@ -185,3 +185,38 @@ def test_recognised_by_data_flow_not_names():
     (found,) = recognise_moe(Layer(), (torch.randn(6, d),), {})
     assert (found.experts, found.router, found.shared_experts) == ("x", "c", ["y"])
     assert (found.call.tokens, found.call.top_k, found.call.model_dim) == (6, k, d)
+
+
+EAGER_QWEN3_MOE = """
+    import torch
+    import torch.nn.functional as F
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def build_model():
+        config = Qwen3MoeConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                num_key_value_heads=2, vocab_size=256, head_dim=16, num_experts=16,
+                                num_experts_per_tok=2, moe_intermediate_size=32, use_cache=False)
+        config._experts_implementation = "eager"  # a loop over the experts the routing hits
+        return Qwen3MoeForCausalLM(config)
+
+    def make_batch(batch_size):
+        ids = torch.randint(0, 256, (batch_size, 8))
+        return ids, ids
+
+    def loss_fn(out, targets):
+        return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+"""
+
+
+def test_analytic_moe_units_do_not_depend_on_the_sampled_draw(write_model):
+    """On the meta device a router's logits are a sampled draw (planner/meta_values.py), so the
+    routing was one too, and an experts loop over the experts it hits cost what that draw hit.
+    An analytic profile now counts its units with every experts module routing evenly
+    (planner/profiler/moe.py `balanced_experts`), as the experts' own records are: profiles
+    drawn from different seeds give the same units (8 tokens x 2 copies: one per expert)."""
+    pytest.importorskip("transformers")
+    path = write_model(EAGER_QWEN3_MOE)
+    profiles = [profile_model(str(path), {}, [1], device="meta", gpu="h100-80gb", seed=seed) for seed in (0, 1, 2)]
+    dumps = [[u.model_dump() for u in p.units] for p in profiles]
+    assert dumps[0] == dumps[1] == dumps[2]
+    assert [len(u.moe) for u in profiles[0].units[2:4]] == [1, 1]

@@ -208,6 +208,7 @@ class _Twins(torch.nn.Module):
         self.embed = torch.nn.Embedding(16, 8)
         self.blocks = torch.nn.ModuleList(_Block() for _ in range(4))
         self.head = torch.nn.Linear(8, 16)
+        self.register_buffer("scale", torch.full((8,), 2.0))  # read by the glue: not a leak
         self.leak = leak
         self.stash: list = []
         if leak:
@@ -216,7 +217,7 @@ class _Twins(torch.nn.Module):
 
     def forward(self, ids):
         mask = torch.arange(ids.shape[1], device=ids.device).float()  # known values: the same object each call
-        h = self.embed(ids)
+        h = self.embed(ids) * self.scale
         self.stash.clear()
         for block in self.blocks:
             h, before, _ = block(h, mask, scale=0.5)

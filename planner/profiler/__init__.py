@@ -57,7 +57,7 @@ from planner.profiler.measure import (
     unit_costs,
     whole_model_job,
 )
-from planner.profiler.moe import MoECount, count_moe, moe_records
+from planner.profiler.moe import MoECount, balanced_experts, count_moe, moe_records
 from planner.profiler.opgraph import record_unit
 from planner.profiler.token_mixing import mixes_tokens_on_meta, mixes_tokens_outside_attention, probed_input
 from planner.units import (
@@ -234,8 +234,10 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     with values, _logged_step("counting the units"):
         forward_in = run_as.on_meta if device == "meta" else run_as.on_device
         losses = _Losses(mf, batches, values, run_as.param_dtype) if device == "meta" else None
-        costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress, forward_in,
-                                   losses)
+        # On meta the routing would be a draw from sampled router logits: count units balanced.
+        with balanced_experts(model, values) if device == "meta" else nullcontext():
+            costs, jobs = _count_units(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, progress,
+                                       forward_in, losses)
         moe = _count_moe(mf, modules, units, fingerprints, unit_inputs, analytic_gpu, dtype, fusion, values, forward_in)
     whole: dict[int, WholeModel] = {}
     optimizer_s = None
@@ -257,7 +259,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
     unprobed = [name for name in units if mixing.get(fingerprints[name]) is None
                 and probed_input(unit_inputs[sizes[0]][name][0], unit_inputs[sizes[0]][name][1], length) is not None]
     graph_modules = dict(meta_model.named_modules()) if meta_traced else modules
-    with values, _logged_step("recording the op graphs"):
+    with values, _logged_step("recording the op graphs"), balanced_experts(graph_modules[""], values) if meta_traced else nullcontext():
         # Recorded on meta for a GPU: with the GPU's fused kernels, as its units were counted.
         gpu_kernels = device.startswith("cuda") or (analytic_gpu is not None and analytic_gpu.name != "cpu")
         op_graphs = _op_graphs(mf, graph_modules, units, fingerprints, trace,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
@@ -294,20 +295,28 @@ def tensors_in(obj) -> list[torch.Tensor]:
 
 
 class SavedBytes:
-    """Counts distinct storages saved for backward, parameters excluded."""
+    """Counts distinct storages saved for backward, parameters excluded.
+
+    A storage is known by its address while a weak reference says it lives. A saved tensor can
+    die before the forward ends (one saved by a branch of the graph no output reaches, which
+    autograd frees at once), and its address go to a new storage that is saved in turn: keyed by
+    address alone, the new one was taken for the dead one and not counted. Which addresses the
+    allocator reuses depends on everything else on the heap, so a unit's count moved with the
+    sampled values of its inputs (Nemotron-H's MoE block: 171 to 195 MB from one draw to
+    another). Now each is counted, as any storage saved is."""
 
     def __init__(self, exclude: Sequence[torch.Tensor] = (), on_save=None, keep: bool = True):
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
         self.sizes: dict[int, int] = {}
-        """Bytes of each counted storage, by key."""
+        """Bytes of each counted storage, by key (the latest storage at that address)."""
         self.bytes = 0
+        self._refs: dict[int, StorageWeakRef] = {}
         self.on_save = on_save
         """Called with every tensor autograd saves (OpCostMode.note_saved), or None."""
         self.keep = keep
         """False: for a forward that is only counted, never run backward. Autograd then keeps a
         holder of each saved tensor, emptied by `release` once the forward is counted, so the
-        graph holds no activations however long it lives (the tensors stay alive while it is
-        counted: a freed storage's address could be reused and taken for one already seen)."""
+        graph holds no activations however long it lives."""
         self._holders: list[list] = []
 
     def bytes_of(self, tensors: Sequence[torch.Tensor]) -> int:
@@ -318,14 +327,19 @@ class SavedBytes:
         if self.on_save is not None:
             self.on_save(t)
         storage = t.untyped_storage()
-        key = storage._cdata
-        if key not in self.excluded and key not in self.sizes:
+        key = self._address(storage)
+        if key not in self.excluded and (key not in self.sizes or self._refs[key].expired()):
             self.sizes[key] = storage.nbytes()
+            self._refs[key] = StorageWeakRef(storage)
             self.bytes += storage.nbytes()
         if self.keep:
             return t
         self._holders.append([t])
         return self._holders[-1]
+
+    @staticmethod
+    def _address(storage) -> int:
+        return storage._cdata
 
     def release(self) -> None:
         """Empty the holders of a counted forward (`keep=False`)."""
