@@ -266,12 +266,13 @@ class DataFlow(TorchFunctionMode):
     def _key_late(self, t: torch.Tensor) -> torch.Tensor:
         if self.recording:
             try:
-                position = self.births.get(StorageWeakRef(t.untyped_storage()))
+                storage: StorageWeakRef | None = StorageWeakRef(t.untyped_storage())
             except (RuntimeError, NotImplementedError):  # no storage (a vmap batched tensor's wrapper)
-                position = None
+                storage = None
+            position = self.births.get(storage) if storage is not None else None
             if position is None:
                 position = self.glue
-                self.unborn_late += not self._held(t)
+                self.unborn_late += storage not in self.held
             key = (position, self.ordinals[position])
             self.late.append(key)
             self.late_reach.append(self.glue)
@@ -285,12 +286,6 @@ class DataFlow(TorchFunctionMode):
             self.keys[id(t)] = key
         self.values[key] = t
         return t
-
-    def _held(self, t: torch.Tensor) -> bool:
-        try:
-            return StorageWeakRef(t.untyped_storage()) in self.held
-        except (RuntimeError, NotImplementedError):
-            return False
 
     def _next_late_key(self) -> Key:
         raise NotImplementedError("only a replay takes late keys from a recording")
@@ -477,29 +472,31 @@ class _Replays:
         def replaying(*args, **kwargs):
             if self.flow.depth != 1:  # a unit's own call of itself, or one inside another unit
                 return forward(*args, **kwargs)
+            from planner.meta_values import KnownValues
+
             modes = _active_modes()
-            key = self._key(name, args, kwargs, modes)
+            known = next((m for m in modes if isinstance(m, KnownValues)), None)
+            flat, spec = tree_flatten((args, kwargs))
+            key = self._key(name, flat, spec, known)
             if key is None:
                 return forward(*args, **kwargs)
             if key in self.answers:
                 answer = self.answers[key]
                 if answer is not None:
                     self.used = True
-                    return answer.replay(tree_flatten((args, kwargs))[0], modes)
+                    return answer.replay(flat, modes, known)
                 return forward(*args, **kwargs)
             before = [Counter(mode.replay_counts()) for mode in modes]
             out = forward(*args, **kwargs)
             grown = [Counter(mode.replay_counts()) - b for mode, b in zip(modes, before, strict=True)]
-            self.answers[key] = _Answer.of(out, tree_flatten((args, kwargs))[0], grown, modes)
+            self.answers[key] = _Answer.of(out, flat, grown, known)
             return out
 
         return replaying
 
-    def _key(self, name: str, args, kwargs, modes) -> tuple | None:
-        from planner.meta_values import KnownValues, autocast_disabled
+    def _key(self, name: str, flat: list, spec: TreeSpec, known: KnownValues | None) -> tuple | None:
+        from planner.meta_values import autocast_disabled
 
-        known = next((m for m in modes if isinstance(m, KnownValues)), None)
-        flat, spec = tree_flatten((args, kwargs))
         parts: list = [self.structure[name], spec, torch.is_grad_enabled(), autocast_disabled()]
         with torch._C.DisableTorchFunction():  # reading tensors' properties is not the model's code
             for x in flat:
@@ -537,10 +534,7 @@ class _Answer:
     grown: list[Counter]
 
     @staticmethod
-    def of(out, args: list, grown: list[Counter], modes) -> _Answer | None:
-        from planner.meta_values import KnownValues
-
-        known = next((m for m in modes if isinstance(m, KnownValues)), None)
+    def of(out, args: list, grown: list[Counter], known: KnownValues | None) -> _Answer | None:
         flat, spec = tree_flatten(out)
         answer: list[tuple] = []
         with torch._C.DisableTorchFunction():
@@ -561,16 +555,13 @@ class _Answer:
                     return None
         return _Answer(spec, answer, grown)
 
-    def replay(self, args: list, modes) -> object:
+    def replay(self, args: list, modes, known: KnownValues | None) -> object:
         """The outputs again: new tensors are drawn sampled values where the known-values mode
         would draw them for a parameter-dependent output (planner/meta_values.py `KnownValues.draw`)."""
         from torch.utils._python_dispatch import _disable_current_modes
 
-        from planner.meta_values import KnownValues
-
         for mode, grown in zip(modes, self.grown, strict=True):
             mode.add_replay_counts(grown)
-        known = next((m for m in modes if isinstance(m, KnownValues)), None)
         out = []
         with _disable_current_modes(), torch._C.DisableTorchFunction():  # not the model's ops
             for leaf in self.leaves:
