@@ -497,6 +497,8 @@ def test_engines_that_split_every_head_get_a_degree_that_divides_them(tmp_path):
         path.write_text(out.text)
         assert read_config(path, engine).tp_degree == 2
     assert export_plan(plan, "deepspeed", llama).mapped.tp_degree == 4  # AutoTP: not said to split every head
+    kept = export_plan(plan, "megatron")  # no profile to check the heads with: the plan's own degree, and its layout said
+    assert kept.mapped.tp_degree == 4 and any("TP layout:" in w and "replicated" in w for w in kept.warnings)
     profile_path = llama.save(tmp_path / "llama.json")
     (tmp_path / "tp4.txt").write_text((tmp_path / "args.txt").read_text().replace(
         "--tensor-model-parallel-size 2", "--tensor-model-parallel-size 4"))

@@ -6,7 +6,9 @@
 
 One module per engine (torchtitan, megatron, deepspeed, accelerate), each with
 `mapped_layout(plan, unit names)` (what the engine will run and what changed), `render` (the
-file) and `parse` (a file back to a layout); planner/engines/common.py holds what they share.
+file) and `parse` (a file back to a layout), and where the engine lays TP out its own way,
+`tp_layout_changes(plan)` (what that changes, at the plan's own degree); planner/engines/common.py
+holds what they share.
 Where an engine cannot express the plan, the warning names the change and its price by the
 cost model (planner/engines/pricing.py).
 """
@@ -79,8 +81,6 @@ def _whole_heads(engine: str, mapped: EngineLayout, profile, changes: list[str])
     per_replica = mapped.global_batch // replicas
     mbs = next(b for b in range(min(mapped.micro_batch, per_replica), 0, -1) if per_replica % b == 0)
     found = head_obstacles(profile, tp)
-    # What the plan's TP left replicated (megatron.py's "TP layout" change) is the old degree's.
-    changes[:] = [change for change in changes if not change.startswith("TP layout:")]
     changes.append(f"tp {tp} -> {t}, dp {mapped.dp} -> {dp}" + (f", micro-batch {mapped.micro_batch} -> {mbs}"
                    if mbs != mapped.micro_batch else "") + f" (the plan keeps attentions whose heads tp {tp} does not "
                    f"split replicated, {'; '.join(found[:2])}; {SPLITS_EVERY_HEAD[engine]})")
@@ -97,6 +97,8 @@ def export_plan(plan: Plan, engine: str, profile=None, cluster=None) -> Export:
     names = [u for s in plan.stages for u in s.units]
     mapped, changes = module.mapped_layout(plan, names)
     mapped = _whole_heads(engine, mapped, profile, changes)
+    if mapped.tp_degree == plan.layout.tp_degree and hasattr(module, "tp_layout_changes"):
+        changes += module.tp_layout_changes(plan)  # the plan's replicated modules are its own degree's
     seq_len = (profile.model.sequence_length if profile is not None else None) or plan.model.args.get("seq_len")
     text = module.render(mapped, plan, names, seq_len)
     warnings = []

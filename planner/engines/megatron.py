@@ -144,11 +144,19 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
                      grad_accumulation="fused")  # Megatron-Core's default, which `render` keeps
     lost_overlaps(plan, mapped, changes, {"pipeline_p2p": "Megatron-LM's non-interleaved 1F1B waits for each send and receive",
                                           "tp_comm": "the planner writes no --tp-comm-overlap"})
-    replicated = sorted({name for s in plan.stages for name, style in s.tp_plan.items() if style == "replicate"})
-    if replicated:
-        changes.append(f"TP layout: Megatron-LM shards every attention and MLP linear, the plan leaves {replicated[:4]} "
-                       "replicated (priced with the solver's own TP layout for the pinned degree)")
     return mapped, changes
+
+
+def tp_layout_changes(plan: Plan) -> list[str]:
+    """What changes when Megatron-LM runs the plan's own TP degree: it shards every attention and
+    MLP linear, where the plan may have left some replicated. Asked only while the exported degree
+    is the plan's (planner/engines/__init__.py `export_plan`): at another degree the plan's
+    replicated modules say nothing."""
+    replicated = sorted({name for s in plan.stages for name, style in s.tp_plan.items() if style == "replicate"})
+    if not replicated:
+        return []
+    return [f"TP layout: Megatron-LM shards every attention and MLP linear, the plan leaves {replicated[:4]} "
+            "replicated (priced with the solver's own TP layout for the pinned degree)"]
 
 
 def block_recompute_layers(plan: Plan, names: list[str]) -> int | None:
