@@ -182,7 +182,7 @@ def profile(
                                           "min(2048, the config's context))."),
     micro_batch_sizes: str = typer.Option("1", help="Comma-separated micro-batch sizes to profile."),
     device: str = typer.Option("cpu", help="cpu or cuda (measured), or meta (analytic)."),
-    gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200)."),
+    gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200, b200, b300)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     precision: str = typer.Option("autocast", help="16-bit dtypes: autocast computes as `planner run` trains (fp32 "
                                   "weights, each forward under autocast; emulated on meta), pure as the model converted "
@@ -282,7 +282,7 @@ def solve(
     global_batch: int = typer.Option(..., "--global-batch", "-b", help="Samples per optimizer step."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Number of GPUs (with a preset GPU)."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(gpus, 8))."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset: a100-40gb, a100-80gb, h100-80gb, h200, cpu."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="GPU preset: a100-40gb, a100-80gb, h100-80gb, h200, b200, b300, cpu."),
     cluster: Optional[Path] = typer.Option(None, "--cluster", help="Cluster file (YAML/JSON) instead of --gpus."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Pin the pipeline-parallel degree."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Pin the tensor-parallel degree."),

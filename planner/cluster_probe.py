@@ -19,8 +19,8 @@ import typer
 
 from planner.errors import PlannerError
 
-GPU_NAMES = (("h200", "h200"), ("h100", "h100-80gb"), ("a100-sxm4-40gb", "a100-40gb"), ("a100-pcie-40gb", "a100-40gb"),
-             ("a100", "a100-80gb"))
+GPU_NAMES = (("b300", "b300"), ("b200", "b200"), ("h200", "h200"), ("h100", "h100-80gb"), ("a100-sxm4-40gb", "a100-40gb"),
+             ("a100-pcie-40gb", "a100-40gb"), ("a100", "a100-80gb"))
 """Substrings of torch.cuda.get_device_name() (lower case) -> GPU preset, first match wins."""
 
 def profile_cluster_command(

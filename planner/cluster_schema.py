@@ -106,6 +106,8 @@ class GPUOverride(_Model):
     """Fraction of the dense peak fused attention kernels sustain (default: the preset's)."""
     kernel_overhead_s: Positive | None = None
     """Fixed cost per kernel, seconds."""
+    fp8_relative_efficiency: Positive | None = None
+    """An FP8 GEMM's fraction of the FP8 peak over a bf16 GEMM's of the bf16 peak (default: the preset's)."""
 
 
 assert set(GPUOverride.model_fields) == {f.name for f in fields(GPUSpec)} | {"preset"}, "GPUOverride must follow GPUSpec"

@@ -2,7 +2,9 @@
 
 Peak numbers are the vendors' dense (no 2:4 sparsity) figures from their data sheets:
 NVIDIA A100 Tensor Core GPU data sheet (2021), H100 Tensor Core GPU data sheet (2023) and
-H200 product brief (2024). Link bandwidths are per GPU and per direction (NVLink 3 moves
+H200 product brief (2024); for B200 and B300 (DGX B200 / B300 data sheets: 2250 TFLOP/s dense
+bf16, 4500 FP8, 1125 TF32, 80 float32; 180 and 288 GB of HBM3e at 8 TB/s) as tabulated in
+stas00/ml-engineering compute/accelerator/README.md (2026-08). Link bandwidths are per GPU and per direction (NVLink 3 moves
 600 GB/s per GPU counting both directions, so 300 GB/s each way; NVLink 4 900 -> 450).
 
 Achievable rates are peaks times an efficiency. The matmul efficiency is per GPU
@@ -44,21 +46,25 @@ generation, the product of two factors:
 
 FP8 (`FP8_DTYPE`, "float8"): H100 SXM and H200 have 1979 TFLOP/s dense FP8 (E4M3/E5M2
 inputs, higher-precision accumulate; the same data sheets, "FP8 Tensor Core 3,958 TFLOP/s" with
-2:4 sparsity, halved), twice their bf16 peak; A100 has no FP8 tensor cores (compute capability
-8.0 < 8.9) and no `float8` entry, so asking it for FP8 raises a PlannerError.
-`GPUSpec.fp8_matmul_efficiency` = `matmul_efficiency` x `FP8_GEMM_RELATIVE_EFFICIENCY` (0.85): an FP8
-GEMM keeps 0.85 of the fraction of its peak that a bf16 GEMM of the same shape keeps, so a
-large linear's GEMMs run 2 x 0.85 = 1.7x faster in FP8. This factor is an *assumption*, not
-a measurement made here (no public FP8 MAMF table exists; stas00/ml-engineering's table is
-bf16 only), bracketed by published numbers:
-  - above by torchao's float8 README ("Derivation": the GEMM speedup is "approaching 2x as
-    M, K, N increase"; https://github.com/pytorch/ao/tree/main/torchao/float8);
-  - below by end-to-end results with casts included: torchao's README, Llama3-8B on 8 H100,
-    tensorwise scaling with FP8 all-gather, 1.25x tokens/s over bf16; PyTorch blog
-    "Supercharging training using float8 and FSDP2" (2024), Llama3 70B/405B on 128-512 H100,
-    1.43-1.51x. With linears 0.8-0.9 of a step's time, 1.5x end to end needs the linears
-    (GEMMs plus casts) about 1.6x faster, which a 1.7x GEMM leaves room for.
-  A measured FP8-vs-bf16 step on an H100 (issue #15) replaces this number.
+2:4 sparsity, halved), twice their bf16 peak; B200 and B300 4500, also twice theirs; A100 has no
+FP8 tensor cores (compute capability 8.0 < 8.9) and no `float8` entry, so asking it for FP8
+raises a PlannerError.
+`GPUSpec.fp8_matmul_efficiency` = `matmul_efficiency` x `fp8_relative_efficiency`: the fraction
+of its peak an FP8 GEMM keeps over the fraction a bf16 GEMM of the same shape keeps, per GPU
+generation from the same measurements as the bf16 figure (stas00/ml-engineering,
+compute/accelerator/README.md "Maximum Achievable Matmul FLOPS comparison table", its BF16 and
+FP8 (`float8_e4m3fn`) tables, as of 2026-08): FP8 MAMF / FP8 peak over BF16 MAMF / BF16 peak,
+  H100 SXM (1402.6 / 1979) / (794.5 / 989) = 0.882
+  H200 SXM (1453.4 / 1979) / (794.5 / 989; "H200 is the same" as H100 in bf16) = 0.914
+  B200 SXM (3432.5 / 4500) / (1745.0 / 2250) = 0.983
+  B300 SXM (3353.3 / 4500) / (1769.0 / 2250) = 0.948
+(`FP8_RELATIVE_MATMUL_FRACTION`), so a large linear's GEMMs run 2 x 0.882 = 1.76x faster in FP8 on
+an H100. A GPU given an FP8 peak in a cluster file without its own ratio gets the smallest of
+these, the H100's (`FP8_GEMM_RELATIVE_EFFICIENCY`). It used to be an assumed 0.85, bracketed by
+torchao's float8 README (the GEMM speedup "approaching 2x as M, K, N increase") and end-to-end
+speedups with casts included (torchao's README, Llama3-8B on 8 H100, 1.25x tokens/s; PyTorch blog
+"Supercharging training using float8 and FSDP2" (2024), Llama3 70B/405B on 128-512 H100,
+1.43-1.51x), before the FP8 table was published; the measured ratios sit inside that bracket.
 
 TF32 (`TF32_DTYPE`, "tfloat32"): Ampere and later GPUs multiply float32 tensors in TF32 (10-bit
 mantissa, float32 accumulate) at 156 TFLOP/s dense on A100 and 494.7 on H100 SXM / H200 (the same
@@ -113,6 +119,9 @@ class GPUSpec:
     training; None: `matmul_efficiency` (module docstring, `FLASH_ATTENTION_FRACTION`)."""
     kernel_overhead_s: float = 5e-6
     """Fixed cost per kernel (launch, tail), seconds."""
+    fp8_relative_efficiency: float | None = None
+    """An FP8 GEMM's fraction of the FP8 peak over a bf16 GEMM's fraction of the bf16 peak; None:
+    `FP8_GEMM_RELATIVE_EFFICIENCY` (module docstring, `FP8_RELATIVE_MATMUL_FRACTION`)."""
 
     def achievable_flops(self, dtype: str) -> float:
         if dtype == FP8_DTYPE:
@@ -154,7 +163,7 @@ class GPUSpec:
             raise PlannerError(
                 f"GPU {self.name} has no FP8 tensor cores (FP8 training needs compute capability 8.9 or "
                 "newer: H100, H200), so an FP8 plan cannot be priced for it.",
-                "Plan in bfloat16 for this GPU, pick a GPU with FP8 (h100-80gb, h200), or give its dense "
+                "Plan in bfloat16 for this GPU, pick a GPU with FP8 (h100-80gb, h200, b200, b300), or give its dense "
                 "FP8 peak as `peak_flops: {float8: ...}` in the cluster file.",
             )
         return self.peak_flops[FP8_DTYPE]
@@ -167,9 +176,10 @@ class GPUSpec:
     @property
     def fp8_matmul_efficiency(self) -> float:
         """Fraction of the dense FP8 peak a transformer block's FP8 GEMMs sustain:
-        `matmul_efficiency` x `FP8_GEMM_RELATIVE_EFFICIENCY` (module docstring). A property, not a
+        `matmul_efficiency` x `fp8_relative_efficiency` (module docstring). A property, not a
         field, so that a calibrated or overridden bf16 efficiency carries over to FP8."""
-        return self.matmul_efficiency * FP8_GEMM_RELATIVE_EFFICIENCY
+        relative = self.fp8_relative_efficiency
+        return self.matmul_efficiency * (FP8_GEMM_RELATIVE_EFFICIENCY if relative is None else relative)
 
     @property
     def achievable_bandwidth(self) -> float:
@@ -184,10 +194,17 @@ A100_TF32_DENSE_FLOPS = 156 * TFLOPS
 """A100 dense TF32 peak (data sheet: 156 TFLOP/s, 312 with 2:4 sparsity)."""
 H100_TF32_DENSE_FLOPS = 494.7 * TFLOPS
 """H100 SXM / H200 dense TF32 peak (data sheets: 989 TFLOP/s with 2:4 sparsity, halved)."""
-FP8_GEMM_RELATIVE_EFFICIENCY = 0.85
-"""FP8 GEMM's fraction of its peak over bf16's fraction of its peak, same shapes (assumed; module docstring)."""
 H100_FP8_DENSE_FLOPS = 1979 * TFLOPS
 """H100 SXM / H200 dense FP8 peak (data sheets: 3,958 TFLOP/s with 2:4 sparsity, halved)."""
+FP8_RELATIVE_MATMUL_FRACTION = {
+    "h100": (1402.6 / 1979) / (794.5 / 989),
+    "h200": (1453.4 / 1979) / (794.5 / 989),
+    "b200": (3432.5 / 4500) / (1745.0 / 2250),
+    "b300": (3353.3 / 4500) / (1769.0 / 2250),
+}
+"""FP8 GEMM's fraction of its peak over bf16's fraction of its peak, same measurement (MAMF tables; module docstring)."""
+FP8_GEMM_RELATIVE_EFFICIENCY = min(FP8_RELATIVE_MATMUL_FRACTION.values())
+"""The ratio for a GPU that states none (a cluster file's own FP8 peak): the smallest measured, the H100's."""
 
 HOPPER_SUSTAINED_RATIO = 698.6 / 823.9
 """Hopper's sustained / burst GEMM rate at 700 W (H200 MSMF / MAMF, 8 GPUs busy; module docstring)."""
@@ -197,6 +214,8 @@ SUSTAINED_MATMUL_FRACTION = {
     "a100": 267.9 / 312,  # MAMF, A100 SXM
     "h100": 792.1 / 989 * HOPPER_SUSTAINED_RATIO,  # MAMF x Hopper's MSMF / MAMF at 700 W (H200, 8 GPUs busy)
     "h200": 698.6 / 989,  # MSMF, H200 SXM, all 8 GPUs busy
+    "b200": 1745.0 / 2250,  # MAMF, B200 SXM (no sustained figure published: the burst rate stands for it)
+    "b300": 1769.0 / 2250,  # MAMF, B300 SXM (likewise)
 }
 """Best bf16 GEMM sustained in training / dense peak, per GPU generation (module docstring)."""
 
@@ -210,11 +229,15 @@ FLASH_ATTENTION_FRACTION = {"h100": 0.35 * HOPPER_SUSTAINED_RATIO, "h200": 0.35 
 (module docstring): FlashAttention-2, which torch's SDPA runs, reaches 35% of an H100's peak
 (FlashAttention-3, Shah et al. 2024, arXiv 2407.08608, abstract), at burst clocks; times the
 sustained ratio, as for the GEMMs. A100: none, the GEMMs' rate (FlashAttention-2 reaches 50-73% of
-an A100's peak, Dao 2023, arXiv 2307.08691, abstract: about a block's GEMMs' 0.72)."""
+an A100's peak, Dao 2023, arXiv 2307.08691, abstract: about a block's GEMMs' 0.72). B200, B300: none,
+the GEMMs' rate, for want of a published figure for a fused attention kernel on Blackwell (an
+assumption; a cluster file sets `attention_efficiency` where the stack's kernel is known)."""
 
 
 # 8 x 200 Gb/s HDR InfiniBand per DGX A100 node: one 25 GB/s NIC per GPU.
-# DGX H100/H200: 8 x 400 Gb/s NDR, 50 GB/s per GPU.
+# DGX H100/H200 and DGX B200: 8 x 400 Gb/s (ConnectX-7, NDR), 50 GB/s per GPU; DGX B300: 8 x 800 Gb/s
+# (ConnectX-8, XDR), 100 GB/s (stas00/ml-engineering network/README.md, inter-node table, 2026-07).
+# NVLink 5 (B200, B300): 1.8 TB/s per GPU both ways (HGX B200/B300: 14.4 TB/s for 8), 900 GB/s each way.
 GPUS: dict[str, GPUSpec] = {
     spec.name: spec
     for spec in (
@@ -248,6 +271,7 @@ GPUS: dict[str, GPUSpec] = {
             inter_node_bandwidth_bytes_per_s=50 * GB,
             matmul_efficiency=_matmul_efficiency("h100"),
             attention_efficiency=FLASH_ATTENTION_FRACTION["h100"],
+            fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["h100"],
         ),
         GPUSpec(
             name="h200",
@@ -259,6 +283,29 @@ GPUS: dict[str, GPUSpec] = {
             inter_node_bandwidth_bytes_per_s=50 * GB,
             matmul_efficiency=_matmul_efficiency("h200"),
             attention_efficiency=FLASH_ATTENTION_FRACTION["h200"],
+            fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["h200"],
+        ),
+        GPUSpec(
+            name="b200",
+            peak_flops={"float32": 80 * TFLOPS, "bfloat16": 2250 * TFLOPS, "float16": 2250 * TFLOPS,
+                        FP8_DTYPE: 4500 * TFLOPS, TF32_DTYPE: 1125 * TFLOPS},
+            memory_bytes=int(180 * GB),
+            memory_bandwidth_bytes_per_s=8000 * GB,
+            intra_node_bandwidth_bytes_per_s=900 * GB,
+            inter_node_bandwidth_bytes_per_s=50 * GB,
+            matmul_efficiency=_matmul_efficiency("b200"),
+            fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["b200"],
+        ),
+        GPUSpec(
+            name="b300",
+            peak_flops={"float32": 80 * TFLOPS, "bfloat16": 2250 * TFLOPS, "float16": 2250 * TFLOPS,
+                        FP8_DTYPE: 4500 * TFLOPS, TF32_DTYPE: 1125 * TFLOPS},
+            memory_bytes=int(288 * GB),
+            memory_bandwidth_bytes_per_s=8000 * GB,
+            intra_node_bandwidth_bytes_per_s=900 * GB,
+            inter_node_bandwidth_bytes_per_s=100 * GB,
+            matmul_efficiency=_matmul_efficiency("b300"),
+            fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["b300"],
         ),
         GPUSpec(
             name="cpu",
@@ -274,7 +321,8 @@ GPUS: dict[str, GPUSpec] = {
     )
 }
 
-ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200"}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200",
+           "b200-180gb": "b200", "b300-288gb": "b300"}
 
 
 def get_gpu(name: str) -> GPUSpec:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 from planner import hardware
 from planner.cost import fp8
 from planner.errors import PlannerError
-from planner.hardware import FP8_GEMM_RELATIVE_EFFICIENCY, get_gpu
+from planner.hardware import FP8_GEMM_RELATIVE_EFFICIENCY, FP8_RELATIVE_MATMUL_FRACTION, get_gpu
 from planner.plan import Plan, parse_plan
 from planner.profile_schema import OpNode, Unit, UnitCosts, load_profile
 from tests.conftest import ROOT
@@ -60,20 +61,39 @@ def test_fp8_pricing_halves_matmul_time_within_the_stated_efficiency():
     price = fp8.price_fp8_unit(_unit("blocks.0", [_linear("mlp.fc", m, k, n)]), 1, H100)
     bf16_s = 2 * m * k * n / H100.achievable_flops("bfloat16")
     fp8_s = bf16_s - price.forward_gemm_saved_s
-    # FP8 runs at twice the bf16 peak (1979 vs 989.4 TFLOP/s) times the stated relative
-    # efficiency: 1 / (2 x 0.85) of the bf16 time; only float rounding separates the two sides.
-    assert fp8_s / bf16_s == pytest.approx(1 / (2 * FP8_GEMM_RELATIVE_EFFICIENCY), rel=1e-3)
+    # FP8 runs at twice the bf16 peak (1979 vs 989.4 TFLOP/s) times the H100's measured relative
+    # efficiency: 1 / (2 x 0.882) of the bf16 time; only float rounding separates the two sides.
+    assert fp8_s / bf16_s == pytest.approx(1 / (2 * hardware.FP8_RELATIVE_MATMUL_FRACTION["h100"]), rel=1e-3)
     assert 0.5 < fp8_s / bf16_s < 0.6
     assert price.backward_gemm_saved_s == pytest.approx(2 * price.forward_gemm_saved_s)  # dx and dW GEMMs
 
 
-def test_at_equal_efficiency_fp8_halves_matmul_time_exactly(monkeypatch):
-    monkeypatch.setattr(hardware, "FP8_GEMM_RELATIVE_EFFICIENCY", 1.0)
+def test_at_equal_efficiency_fp8_halves_matmul_time_exactly():
     m, k, n = 4096, 4096, 16384
-    price = fp8.price_fp8_unit(_unit("blocks.0", [_linear("fc", m, k, n)]), 1, H100)
+    price = fp8.price_fp8_unit(_unit("blocks.0", [_linear("fc", m, k, n)]), 1, replace(H100, fp8_relative_efficiency=1.0))
     bf16_s = 2 * m * k * n / H100.achievable_flops("bfloat16")
     # 1979 / 989.4 is 2.0002, not 2: half the time to that ratio's rounding.
     assert (bf16_s - price.forward_gemm_saved_s) / bf16_s == pytest.approx(0.5, rel=1e-3)
+
+
+def test_fp8_efficiency_is_each_generations_measured_ratio():
+    """Each FP8 preset keeps its generation's FP8 / bf16 MAMF ratio (planner/hardware.py); a GPU that
+    states none, as a cluster file's own FP8 peak may, gets the smallest measured one, the H100's;
+    a cluster file can set its own."""
+    from planner.cluster import parse_cluster
+
+    for name, generation in (("h100-80gb", "h100"), ("h200", "h200"), ("b200", "b200"), ("b300", "b300")):
+        gpu = get_gpu(name)
+        assert gpu.peak_flops["float8"] == pytest.approx(2 * gpu.peak_flops["bfloat16"], rel=1e-3)
+        assert gpu.fp8_matmul_efficiency == pytest.approx(gpu.matmul_efficiency * FP8_RELATIVE_MATMUL_FRACTION[generation])
+    assert FP8_RELATIVE_MATMUL_FRACTION["h100"] == pytest.approx(0.882, abs=1e-3)
+    assert FP8_RELATIVE_MATMUL_FRACTION["b200"] == pytest.approx(0.983, abs=1e-3)
+    unstated = replace(H100, fp8_relative_efficiency=None)
+    assert unstated.fp8_matmul_efficiency == pytest.approx(H100.matmul_efficiency * FP8_GEMM_RELATIVE_EFFICIENCY)
+    assert FP8_GEMM_RELATIVE_EFFICIENCY == min(FP8_RELATIVE_MATMUL_FRACTION.values()) == FP8_RELATIVE_MATMUL_FRACTION["h100"]
+    assert not get_gpu("a100-80gb").supports_fp8
+    own = parse_cluster({"gpu": {"preset": "b200", "fp8_relative_efficiency": 0.9}, "num_nodes": 1, "gpus_per_node": 8})
+    assert own.gpu.fp8_matmul_efficiency == pytest.approx(own.gpu.matmul_efficiency * 0.9)
 
 
 def test_cast_overhead_is_the_stated_passes():
