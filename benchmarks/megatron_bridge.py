@@ -13,19 +13,19 @@ per GPU x GPUs). The 25.09 table's H100 rows state no precision and are left out
 Each row is profiled analytically (examples/llama.py on the meta device, pure bf16 as
 Megatron-Core keeps its weights) and priced with its published layout as the reference
 Megatron-Core rows are (benchmarks/cost_model_vs_reference.py): Megatron-LM's memory habits and
-overlaps, its fused loss and gradient-accumulation fusion, layers cut evenly over the chunks;
+overlaps, its fused loss and gradient-accumulation fusion, layers cut evenly over the chunks
+(where they do not divide, as 405B's 126 over 64 chunks, the solver's cuts);
 `FSDP` > 0 as ZeRO 3, else the distributed optimizer (ZeRO 1); linears in FP8 (`float8`,
 planner/cost/fp8.py), recomputation the solver's choice among Megatron-LM's modes (the tables do
-not state it). A row with CP and interleaving is not priced: the planner's CP runs one stage per
-rank under gpipe or 1F1B, so it cannot express that layout.
+not state it). CP folds onto the data-parallel ranks in the planner (its dp counts them).
 
-What it shows (2026-11-30): the four priced rows are all predicted too slow. The B200 row (8B
-on 8 GPUs) is +17%; the three H100 rows are +76% to +85%. Per 8192-token micro-batch of the H100
+What it shows (2026-11-30): every row is predicted too slow. The B200 rows are +17% (8B on 8
+GPUs) and +35% (405B on 128, CP 2 with 8 virtual stages); the five H100 rows +62% to +85%. Per 8192-token micro-batch of the H100
 8B row the model's FP8 GEMMs alone (at the H100's sustained GEMM rate times its measured FP8
 ratio, planner/hardware.py; the output layer in bf16) take about 0.39 s of the 0.57 s measured, attention
 another 0.42 s.
-With attention priced at the GEMM rate, as on the A100 and B200 presets, the H100 rows are still
-+50% to +58%. Things the model prices for the planner's own runtime (torch SDPA, torchao, torch.compile)
+With attention priced at the GEMM rate, as on the A100 and B200 presets, the 8B and 70B H100 rows
+are still +50% to +58%. Things the model prices for the planner's own runtime (torch SDPA, torchao, torch.compile)
 that this stack does otherwise:
 - attention: the H100 preset prices FlashAttention-2's 35% of the peak on every score of the
   causal mask (torch's FLOP count), while Transformer Engine runs cuDNN's fused attention, of
@@ -85,7 +85,8 @@ ROWS = [  # container, system, model, GPUs, GBS, MBS, FSDP, TP, PP, CP, VP, toke
 
 
 def pins(gpus: int, mbs: int, fsdp: int, tp: int, pp: int, cp: int, vp: int) -> StackPins:
-    return StackPins(pp=pp, tp=tp, dp=gpus // (tp * pp * cp), cp=cp, micro_batch_size=mbs, zero_stage=3 if fsdp else 1,
+    # The planner folds CP onto the data-parallel ranks: its dp counts the CP ranks too.
+    return StackPins(pp=pp, tp=tp, dp=gpus // (tp * pp), cp=cp, micro_batch_size=mbs, zero_stage=3 if fsdp else 1,
                      sequence_parallel=tp > 1, schedule="interleaved-1f1b" if vp > 1 else "1f1b", virtual_stages=vp,
                      recompute_modes=("none", "selective", "full"), grad_dtype=gradient_dtype("bfloat16"),
                      grad_accumulation="fused", overlap=megatron_overlap(vp > 1, tp_comm=True), **MEGATRON_MEMORY)
@@ -107,9 +108,13 @@ def main():
         row = dict(source=SOURCE, container=container, model=f"{model} x{gpus}", gpu=gpu, gpus=gpus, tp=tp, pp=pp, cp=cp,
                    virtual_stages=vp, zero=3 if fsdp else 1, micro_batch=mbs, global_batch=gbs, precision="fp8",
                    published_tokens_per_s_per_gpu=tokens, published_iteration_s=published)
+        # Layers evenly over the chunks where they divide; 126 over 64 chunks (405B) do not, and
+        # Megatron-Bridge's recipes lay them out by hand (`pipeline_model_parallel_layout`): the solver's cuts.
+        even = even_block_cuts(prof) if pp > 1 else None
+        cuts = even if even is not None and even(pp * vp) is not None else None
         try:
             plan = solve(prof, make_cluster(gpus, 8, gpu), gbs, pins(gpus, mbs, fsdp, tp, pp, cp, vp), top_k=1,
-                         dtype="bfloat16", cuts=even_block_cuts(prof) if pp > 1 else None, float8=True)
+                         dtype="bfloat16", cuts=cuts, float8=True)
         except PlannerError as error:
             row.update(predicted_iteration_s=float("nan"), error=float("nan"), note=str(error).splitlines()[0])
         else:

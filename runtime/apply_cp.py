@@ -315,7 +315,7 @@ def check_attention_seen(mode: ContextParallel) -> None:
 def check_cp(plan: Plan, inputs: tuple) -> None:
     """Before launch: the model's sequence splits into 2 cp chunks and the rest of the layout composes.
     `inputs` is a sample batch's inputs (the model file's make_batch)."""
-    from planner.cost.cp import cp_refusal
+    from planner.cost.cp import CP_PIPELINE_SCHEDULES, cp_refusal
 
     cp = plan.layout.cp_degree
     if cp == 1:
@@ -324,11 +324,11 @@ def check_cp(plan: Plan, inputs: tuple) -> None:
     if why is not None:
         raise PlannerError(f"Cannot split the sequence over cp_degree {cp}: {why}.",
                            "Pick a cp_degree with 2 x cp dividing the sequence length (or change seq_len), or cp_degree 1.")
-    if plan.layout.pp_degree > 1 and (plan.layout.virtual_stages > 1 or plan.layout.schedule not in ("gpipe", "1f1b")):
+    if plan.layout.pp_degree > 1 and plan.layout.schedule not in CP_PIPELINE_SCHEDULES:
         raise PlannerError(
-            f"cp_degree {cp} with pp_degree {plan.layout.pp_degree} runs one stage per rank under gpipe or 1f1b; "
-            f"got schedule {plan.layout.schedule} with {plan.layout.virtual_stages} virtual stages.",
-            "Use schedule 1f1b (or gpipe) without virtual stages, or cp_degree 1.")
+            f"cp_degree {cp} with pp_degree {plan.layout.pp_degree} runs under the schedules "
+            f"{', '.join(CP_PIPELINE_SCHEDULES)}; got {plan.layout.schedule}.",
+            f"Use one of {', '.join(CP_PIPELINE_SCHEDULES)}, or cp_degree 1.")
     length = sequence_length(inputs)
     assert length is not None, "cp_refusal refuses a missing sequence length"
     local, tp = length // cp, plan.layout.tp_degree

@@ -263,6 +263,16 @@ class GradientReducer:
     the hook: zero-bubble's weight step accumulates them by hand, or a parameter no micro-batch
     reached), waits, and writes the averages back. A parameter without a gradient on this rank
     contributes zeros to the sum and keeps no gradient (it takes no optimizer step, as before).
+
+    Scaling. torch's pipeline schedules divide a stage's gradients by the number of micro-batches
+    once its backward is done (`PipelineStage.scale_grads`): a single-stage schedule at the end of
+    the step, a multi-stage one (interleaved 1F1B) right after each stage's last backward, so a
+    rank holding two stages has one stage's gradients divided while the other's backward still
+    runs, and a bucket may carry both. The runner reports each division (`note_scaled`); a bucket
+    records which of its parameters were already divided when it went out, and `finish` divides
+    the others' share of the sum by what their stage was divided by since. (Applying the factor
+    to every bucket sent during the backward, as before, divided the first-finished stage twice:
+    CP2 x PP2 interleaved parity was off by 1e-4 on that stage's weights, within the tolerance.)
     A parameter whose hook fires more than `expected` times (a gradient accumulated twice per
     micro-batch) may have been sent early: `finish` then sums every bucket again from the final
     gradients, so the result is always `average_gradients`'. On gloo the asynchronous
@@ -286,9 +296,9 @@ class GradientReducer:
         self._make_buckets()
         self._ready_order: list[int] | None = []  # ids in hook order during the first step; None once rebuilt
         self._seen: dict[int, int] = {}
-        self._work: list[tuple[Any, torch.Tensor, bool]] = []  # (work, flat sum, launched during the backward)
+        self._work: list[tuple[Any, torch.Tensor, list[bool]]] = []  # (work, flat sum, each parameter divided when sent)
         self.expected = 1
-        self.scaled_after = 1.0
+        self._scaled: dict[int, float] = {}  # id -> what the schedule multiplied its gradient by this step
         self._late = False  # a hook past `expected`: a launched bucket may have missed a gradient
         self.hidden_launches = 0
         """Buckets launched from a hook, while the backward was still running (for benchmarks/overlap.py)."""
@@ -322,19 +332,23 @@ class GradientReducer:
         self._ready_order = None
         self._make_buckets()
 
-    def start_step(self, backward_passes: int, scaled_after: float = 1.0) -> None:
+    def start_step(self, backward_passes: int) -> None:
         """Before a step whose backward reaches each parameter `backward_passes` times (its
-        micro-batches). `scaled_after`: the factor the caller multiplies the gradients by after
-        the backward and before `finish` (torch's pipeline schedules divide by the number of
-        micro-batches at the end of their step, `scale_grads=True`); buckets launched during the
-        backward carry the gradients before it, so `finish` applies it to their sums."""
+        micro-batches)."""
         self.expected = backward_passes
-        self.scaled_after = scaled_after
+        self._scaled.clear()
         self._seen.clear()
         self._missing = [len(bucket) for bucket, _ in self.buckets]
         self._work.clear()
         self.hidden_launches = 0
         self._late = False
+
+    def note_scaled(self, params, factor: float) -> None:
+        """The caller multiplied these parameters' gradients by `factor` (a pipeline stage's
+        `scale_grads`, after its last backward of the step: class docstring)."""
+        for p in params:
+            if p.grad is not None:
+                self._scaled[id(p)] = self._scaled.get(id(p), 1.0) * factor
 
     def _ready(self, p: torch.Tensor) -> None:
         seen = self._seen.get(id(p), 0) + 1
@@ -345,10 +359,10 @@ class GradientReducer:
                 self._ready_order.append(id(p))
             self._missing[self._bucket_of[id(p)]] -= 1
             before = len(self._work)
-            self._launch(only_ready=True, during_backward=True)
+            self._launch(only_ready=True)
             self.hidden_launches += len(self._work) - before
 
-    def _launch(self, only_ready: bool, during_backward: bool = False) -> None:
+    def _launch(self, only_ready: bool) -> None:
         """All-reduce the next buckets in order: while they are ready, or (`only_ready` False) all."""
         while len(self._work) < len(self.buckets):
             i = len(self._work)
@@ -357,7 +371,8 @@ class GradientReducer:
             bucket, group = self.buckets[i]
             flat = torch.cat([_local(p.grad).reshape(-1) if p.grad is not None else _local(p).new_zeros(_local(p).numel())
                               for p in bucket])
-            self._work.append((dist.all_reduce(flat, group=group, async_op=True), flat, during_backward))
+            divided = [id(p) in self._scaled for p in bucket]
+            self._work.append((dist.all_reduce(flat, group=group, async_op=True), flat, divided))
 
     def finish(self) -> None:
         """After the step's backward: the remaining buckets, then every average written back."""
@@ -367,14 +382,17 @@ class GradientReducer:
                 work.wait()
             self._work.clear()
             self._launch(only_ready=False)
-        for (bucket, _), (work, flat, early) in zip(self.buckets, self._work, strict=True):
+        for (bucket, _), (work, flat, divided) in zip(self.buckets, self._work, strict=True):
             work.wait()
-            flat.mul_((self.scaled_after if early else 1.0) / self.divisor)
+            flat.div_(self.divisor)
             offset = 0
-            for p in bucket:
+            for p, was_divided in zip(bucket, divided, strict=True):
                 n = _local(p).numel()
                 if p.grad is not None:
-                    _local(p.grad).copy_(flat[offset:offset + n].view_as(_local(p.grad)))
+                    part = flat[offset:offset + n]
+                    if not was_divided and id(p) in self._scaled:  # sent before its stage divided it
+                        part.mul_(self._scaled[id(p)])
+                    _local(p.grad).copy_(part.view_as(_local(p.grad)))
                 offset += n
         for p in self._unreduced:  # groups of one rank: the divisor alone (`average_gradients`)
             if p.grad is not None:

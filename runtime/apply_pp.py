@@ -132,6 +132,21 @@ class PipelineRunner:
             for method in ACTION_KIND:
                 self._time(stage, method)
 
+    def report_scaling(self, note: Callable) -> None:
+        """Call `note(parameters, factor)` whenever torch's schedule multiplies a stage's gradients
+        by `factor` (`PipelineStage.scale_grads(m)`, called with `m` once the stage's backward is
+        done: at the end of the step, or after each stage's last backward in the multi-stage
+        schedules), so that runtime/apply_dp.py's `GradientReducer` knows which gradients it sent
+        before their division."""
+        for stage in self.stages:
+            inner = stage.scale_grads
+
+            def scale_grads(grad_scale_factor: int, inner=inner, stage=stage) -> None:
+                inner(grad_scale_factor)
+                if grad_scale_factor != 1:
+                    note(stage.submod.parameters(), 1 / grad_scale_factor)
+            stage.scale_grads = scale_grads  # type: ignore[method-assign]
+
     def _time(self, stage: PipelineStage, method: str) -> None:
         inner = getattr(stage, method)
         total = "forward_s" if method == "forward_one_chunk" else "backward_s"

@@ -382,6 +382,8 @@ def _build_rank_model(plan: Plan, mf, settings: RunSettings, device: torch.devic
         modules = [m for _, m in chunks]
         reducer = GradientReducer(modules, mesh["dp"].get_group(), expert_parameters(modules),
                                   ep_mesh["edp"].get_group() if ep_mesh is not None else None)
+        if runner is not None:  # torch's schedules divide each stage's gradients by m once its backward is done
+            runner.report_scaling(reducer.note_scaled)
     return RankModel(mesh, ep_mesh, chunks, ties, tie_copies, tie_groups, optimizers, runner, stash, reducer)
 
 
@@ -442,8 +444,7 @@ def _train_step(plan: Plan, mf, model: RankModel, settings: RunSettings, step: i
         optimizer.zero_grad()
     tensor_peak.start(index)  # after zero_grad: the gradients it frees are not the step's
     if model.reducer is not None:  # each parameter's gradient is final after its m-th backward
-        # torch's schedules divide the gradients by m after their backward (runtime/apply_pp.py)
-        model.reducer.start_step(plan.batch.num_microbatches, 1 / plan.batch.num_microbatches if model.runner else 1.0)
+        model.reducer.start_step(plan.batch.num_microbatches)
     if model.stash is not None:  # pipedream-2bw: forward and backward at W(t-1) (runtime/pp_async.py)
         model.stash.swap_in()
     if model.runner is not None:

@@ -93,10 +93,12 @@ def test_cp_pins_are_checked(long_llama):
                         device="meta", gpu="h100-80gb", dtype="bfloat16")
     with pytest.raises(PlannerError, match=r"--cp 4: the sequence of 36 tokens does not split into 2 x 4 = 8"):
         solve(odd, cluster, 8, Pins(cp=4))
-    with pytest.raises(PlannerError, match="--cp with --pp runs one stage per rank"):
-        solve(long_llama, cluster, 8, Pins(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2))
-    both = solve(long_llama, cluster, 8, Pins(cp=2, pp=2))  # CP with a pipeline: gpipe or 1f1b
-    assert both.layout.cp_degree == 2 and both.layout.pp_degree == 2 and both.layout.schedule in ("gpipe", "1f1b")
+    with pytest.raises(PlannerError, match="--cp with --pp runs under the schedules"):
+        solve(long_llama, cluster, 8, Pins(cp=2, pp=2, schedule="pipedream-2bw"), allow_async=True)
+    both = solve(long_llama, cluster, 8, Pins(cp=2, pp=2))  # CP with a pipeline, any synchronous schedule
+    assert both.layout.cp_degree == 2 and both.layout.pp_degree == 2
+    interleaved = solve(long_llama, cluster, 8, Pins(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2))
+    assert (interleaved.layout.cp_degree, interleaved.layout.virtual_stages) == (2, 2)
 
 
 def test_attention_without_sdpa_gets_no_cp(long_llama):

@@ -16,12 +16,12 @@ from torch import nn
 from tests.ranks import free_port
 
 
-def _entry(rank: int, world: int, port: int, scaled_after: float) -> None:
+def _entry(rank: int, world: int, port: int, scaling: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _worker(rank, world, scaled_after)
+        _stages(rank) if scaling == "stages-scaled-apart" else _worker(rank, world, scaling)
     finally:
         dist.destroy_process_group()
     os._exit(0)  # as runtime/__main__.py: gloo may abort at interpreter teardown
@@ -52,7 +52,16 @@ def _backward(model: nn.Module, rank: int, m: int, scale: float) -> None:
     model.by_hand.grad = torch.full((16,), float(rank + 1))
 
 
-def _worker(rank: int, world: int, scaled_after: float) -> None:
+def _check(reference: nn.Module, overlapped: nn.Module) -> None:
+    for (name, a), b in zip(reference.named_parameters(), overlapped.parameters(), strict=True):
+        if a.grad is None:
+            assert b.grad is None, name
+            continue
+        # Summation order only (flat buckets of different sizes): a few ulps of O(1) values.
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _worker(rank: int, world: int, scaling: str) -> None:
     from runtime.apply_dp import GradientReducer, average_gradients
 
     m = 3
@@ -64,27 +73,62 @@ def _worker(rank: int, world: int, scaled_after: float) -> None:
     assert len(reducer.buckets) > 3
     for step in range(2):  # a second step reuses the hooks, with rebuilt buckets
         overlapped.zero_grad(set_to_none=True)
-        reducer.start_step(m, scaled_after)
-        # The pipeline path: gradients scaled by 1/m after the backward (torch's scale_grads).
-        _backward(overlapped, rank, m, 1 / m if scaled_after == 1.0 else 1.0)
-        if scaled_after != 1.0:
-            for p in overlapped.parameters():
-                if p.grad is not None and p is not overlapped.by_hand:
-                    p.grad.mul_(scaled_after)
+        reducer.start_step(m)
+        after = scaling == "scaled-after-backward"
+        _backward(overlapped, rank, m, 1.0 if after else 1 / m)
+        if after:  # the pipeline path: gradients divided by m after the backward (torch's scale_grads)
+            hooked = [p for p in overlapped.parameters() if p.grad is not None and p is not overlapped.by_hand]
+            for p in hooked:
+                p.grad.div_(m)
+            reducer.note_scaled(hooked, 1 / m)
         # From the second step the buckets follow the first step's ready order, so they go out
         # from the hooks, before the backward ended (the first-built order starts with `by_hand`).
         assert reducer.hidden_launches > (3 if step else -1)
         reducer.finish()
-        for (name, a), b in zip(reference.named_parameters(), overlapped.parameters(), strict=True):
-            if a.grad is None:
-                assert b.grad is None, name
-                continue
-            # Summation order only (flat buckets of different sizes): a few ulps of O(1) values.
-            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+        _check(reference, overlapped)
+
+
+def _stages(rank: int) -> None:
+    """Two stages on one rank, as interleaved 1F1B holds them: the later stage's backward ends
+    first and torch divides its gradients by m at once, while the earlier stage's last backward
+    is still to come; one bucket holds both, so it goes out with one stage divided and one not."""
+    from runtime.apply_dp import GradientReducer, average_gradients
+
+    m = 3
+
+    def stages() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Linear(16, 16), nn.Linear(16, 16)]
+
+    def run(pair: list[nn.Module], reducer=None) -> None:
+        early, late = pair
+        for k in range(m):
+            torch.manual_seed(100 * rank + k)
+            x = torch.randn(8, 16)
+            late(x).pow(2).mean().backward()
+        late.weight.grad.div_(m)
+        late.bias.grad.div_(m)
+        if reducer is not None:
+            reducer.note_scaled(late.parameters(), 1 / m)
+        for k in range(m):
+            torch.manual_seed(200 * rank + k)
+            early(torch.randn(8, 16)).pow(2).mean().div(m).backward()
+
+    reference, overlapped = stages(), stages()
+    run(reference)
+    average_gradients(reference, dist.group.WORLD)
+    reducer = GradientReducer(overlapped, dist.group.WORLD)  # the default 25 MiB: one bucket for both
+    assert len(reducer.buckets) == 1
+    reducer.start_step(m)
+    run(overlapped, reducer)
+    assert reducer.hidden_launches == 1  # sent from the earlier stage's last hook
+    reducer.finish()
+    for a, b in zip(reference, overlapped, strict=True):
+        _check(a, b)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("scaled_after", [1.0, 1 / 3], ids=["scaled-in-loss", "scaled-after-backward"])
-def test_overlapped_reduction_equals_the_synchronous_one(scaled_after):
-    mp.spawn(_entry, args=(2, free_port(), scaled_after), nprocs=2, join=True)
+@pytest.mark.parametrize("scaling", ["scaled-in-loss", "scaled-after-backward", "stages-scaled-apart"])
+def test_overlapped_reduction_equals_the_synchronous_one(scaling):
+    mp.spawn(_entry, args=(2, free_port(), scaling), nprocs=2, join=True)

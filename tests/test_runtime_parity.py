@@ -54,18 +54,20 @@ def run(plan_path, out_dir, world_size: int, reference: bool = False, extra=()):
     return metrics, params
 
 
-def check_parity(plan, tmp_path, noise_only: tuple[str, ...] = ()):
+def check_parity(plan, tmp_path, noise_only: tuple[str, ...] = (), param_atol: float = PARAM_ATOL):
     """The plan's losses and trained parameters against the one-process reference's. `noise_only`:
     name suffixes of parameters whose gradient is zero in exact arithmetic (attention's key bias:
     softmax ignores a constant added to one query's scores), which Adam moves by rounding noise
-    alone (its first steps are about lr x sign(g)), so they are checked to exist but not compared."""
+    alone (its first steps are about lr x sign(g)), so they are checked to exist but not compared.
+    `param_atol`: the parameters' tolerance, tighter than the default where a case is known to
+    reach float rounding only."""
     path = plan.save(tmp_path / "plan.json")
     ref_metrics, ref_params = run(path, tmp_path, 1, reference=True)
     par_metrics, par_params = run(path, tmp_path, plan.world_size)
     assert par_metrics["losses"] == pytest.approx(ref_metrics["losses"], rel=LOSS_RTOL)
     assert set(par_params) == set(ref_params), set(ref_params) ^ set(par_params)
     worst = max((par_params[k] - ref_params[k]).abs().max().item() for k in ref_params if not k.endswith(noise_only))
-    assert worst < PARAM_ATOL, worst
+    assert worst < param_atol, worst
     moved = max((ref_params[k] - v0).abs().max().item() for k, v0 in _initial(path, tmp_path).items())
     assert moved > 10 * PARAM_ATOL  # training changed the parameters far more than the tolerance
 
@@ -116,6 +118,8 @@ CASES = {
     "recompute-full-dp2": dict(dp=2, recompute="full"),
     "recompute-selective-pp2": dict(pp=2, m=2, recompute="selective"),
     "pp2xdp2": dict(pp=2, dp=2, m=2),
+    # Two stages per rank with ZeRO 0's overlapped reduction (checked tighter below).
+    "pp2xdp2-interleaved-v2": dict(pp=2, dp=2, schedule="interleaved-1f1b", v=2, m=2),
     "pp2xtp2": dict(pp=2, tp=2, m=2, tp_plan=GPT_TP),
     "dp2xtp2": dict(dp=2, tp=2, tp_plan=GPT_TP),
 }
@@ -124,7 +128,11 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_parity(case, tmp_path):
-    check_parity(make_plan(**CASES[case]), tmp_path)
+    # Interleaved under ZeRO 0: torch divides the chunk whose backward ends first by m while the
+    # other's still runs, and one bucket carries both; a second division of that chunk left its
+    # weights 3e-5 off, inside the default tolerance (runtime/apply_dp.py `GradientReducer`).
+    tight = dict(noise_only=("wk.bias",), param_atol=1e-5) if case == "pp2xdp2-interleaved-v2" else {}
+    check_parity(make_plan(**CASES[case]), tmp_path, **tight)
 
 
 # Recomputation per unit (planner/plan.py `Stage.unit_recompute`): full, selective and none

@@ -52,7 +52,7 @@ def test_free_search_gives_a_valid_fast_plan(gpt_profile):
 
 
 def test_all_pins_evaluate_exactly_that_configuration(gpt_profile):
-    pins = Pins(pp=2, tp=2, dp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=2,
+    pins = Pins(pp=2, tp=2, dp=2, cp=1, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=2,
                 recompute="full", zero_stage=1, sequence_parallel=True)
     plan = solve(gpt_profile, make_cluster(8, 8, "a100-80gb"), 32, pins)
     lay = plan.layout

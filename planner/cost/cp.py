@@ -48,6 +48,11 @@ from dataclasses import dataclass
 
 CP_METHODS = ("all-gather", "ring")
 """How K/V travel (module docstring)."""
+CP_PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+"""Pipeline schedules the runtime runs under context parallelism, virtual stages included: each
+stage chunk of a rank gets the attention mode (runtime/train.py), and CP2 x PP2 trains to the
+one-process result under each (tests/test_runtime_cp.py `test_cp2_x_pp2_parity`). Not the
+asynchronous pipedream-2bw, whose executor has not been run under CP."""
 
 
 @dataclass(frozen=True)
