@@ -82,7 +82,7 @@ defaults only used when nothing was measured (a measured CPU profile is always p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from planner.errors import PlannerError
 
@@ -234,6 +234,22 @@ the GEMMs' rate, for want of a published figure for a fused attention kernel on 
 assumption; a cluster file sets `attention_efficiency` where the stack's kernel is known)."""
 
 
+BLACKWELL_PEAK_FLOPS = {"float32": 80 * TFLOPS, "bfloat16": 2250 * TFLOPS, "float16": 2250 * TFLOPS,
+                        FP8_DTYPE: 4500 * TFLOPS, TF32_DTYPE: 1125 * TFLOPS}
+"""B200 and B300 dense peaks, the same for both (module docstring)."""
+B200 = GPUSpec(
+    name="b200",
+    peak_flops=BLACKWELL_PEAK_FLOPS,
+    memory_bytes=int(180 * GB),
+    memory_bandwidth_bytes_per_s=8000 * GB,
+    intra_node_bandwidth_bytes_per_s=900 * GB,
+    inter_node_bandwidth_bytes_per_s=50 * GB,
+    matmul_efficiency=_matmul_efficiency("b200"),
+    fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["b200"],
+)
+"""B200 SXM (DGX B200); B300 differs in memory (288 GB), network (ConnectX-8, 100 GB/s per GPU) and its MAMF."""
+
+
 # 8 x 200 Gb/s HDR InfiniBand per DGX A100 node: one 25 GB/s NIC per GPU.
 # DGX H100/H200 and DGX B200: 8 x 400 Gb/s (ConnectX-7, NDR), 50 GB/s per GPU; DGX B300: 8 x 800 Gb/s
 # (ConnectX-8, XDR), 100 GB/s (stas00/ml-engineering network/README.md, inter-node table, 2026-07).
@@ -285,28 +301,9 @@ GPUS: dict[str, GPUSpec] = {
             attention_efficiency=FLASH_ATTENTION_FRACTION["h200"],
             fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["h200"],
         ),
-        GPUSpec(
-            name="b200",
-            peak_flops={"float32": 80 * TFLOPS, "bfloat16": 2250 * TFLOPS, "float16": 2250 * TFLOPS,
-                        FP8_DTYPE: 4500 * TFLOPS, TF32_DTYPE: 1125 * TFLOPS},
-            memory_bytes=int(180 * GB),
-            memory_bandwidth_bytes_per_s=8000 * GB,
-            intra_node_bandwidth_bytes_per_s=900 * GB,
-            inter_node_bandwidth_bytes_per_s=50 * GB,
-            matmul_efficiency=_matmul_efficiency("b200"),
-            fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["b200"],
-        ),
-        GPUSpec(
-            name="b300",
-            peak_flops={"float32": 80 * TFLOPS, "bfloat16": 2250 * TFLOPS, "float16": 2250 * TFLOPS,
-                        FP8_DTYPE: 4500 * TFLOPS, TF32_DTYPE: 1125 * TFLOPS},
-            memory_bytes=int(288 * GB),
-            memory_bandwidth_bytes_per_s=8000 * GB,
-            intra_node_bandwidth_bytes_per_s=900 * GB,
-            inter_node_bandwidth_bytes_per_s=100 * GB,
-            matmul_efficiency=_matmul_efficiency("b300"),
-            fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["b300"],
-        ),
+        B200,
+        replace(B200, name="b300", memory_bytes=int(288 * GB), inter_node_bandwidth_bytes_per_s=100 * GB,
+                matmul_efficiency=_matmul_efficiency("b300"), fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["b300"]),
         GPUSpec(
             name="cpu",
             peak_flops={"float32": 50e9, "bfloat16": 25e9, "float16": 10e9},
