@@ -34,7 +34,6 @@ Writes benchmarks/results/llm_foundry_a100_40gb.csv.
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -43,11 +42,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cost_model_vs_reference import modern_case, predict, print_row, summary, write_out_of_sample  # noqa: E402
+from cost_model_vs_reference import predict, print_row, summary, write_out_of_sample  # noqa: E402
+from llm_foundry_tables import llm_foundry_case  # noqa: E402
 
-SHAPES = {"125m": (12, 768, 12), "350m": (24, 1024, 16), "760m": (24, 1536, 12), "1b": (24, 2048, 16),
-          "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64),
-          "70b": (80, 8192, 64)}
 CHECKPOINTED = {"7b", "13b", "30b", "70b"}  # the README's "Activation Checkpointing" column at 2048 tokens
 # model, GPUs, micro-batch, gradient accumulation, global batch, tokens/s per GPU (the README's rows)
 ROWS = [
@@ -87,19 +84,10 @@ def main() -> pd.DataFrame:
     runs = [(*r, "a100-40gb", model in CHECKPOINTED) for r in ROWS for model in [r[0]]] + \
         [(*r, "a100-80gb", True) for r in ROWS_80GB] + [(*r[:6], "h100-80gb", r[6]) for r in ROWS_H100]
     for model, gpus, mbs, accumulation, batch, tokens, gpu, checkpointed in runs:
-        layers, d, heads = SHAPES[model]
-        row = pd.Series(dict(hidden_size=d, num_layers=layers, seq_length=2048, vocab_size=50368, ffn_hidden_size="",
-                             num_gpus=gpus, global_batch_size_seqs=batch, num_heads=heads, tp=1, pp=1, dp=gpus,
-                             gpu_type="A100", gpus_per_node=8, micro_batch_size=mbs, model=f"MPT-{model}",
-                             tokens_per_sec_per_gpu=tokens))
-        case = modern_case(row)
-        if not checkpointed:
-            case["pins"] = replace(case["pins"], recompute="none")
-        if gpu != case["gpu"]:
-            case.update(gpu=gpu, model=f"{case['model']} {gpu}")
-        if gpu.startswith("h100"):  # amp_bf16 with Composer's DEFAULT FSDP mixed precision (module docstring)
+        h100 = gpu.startswith("h100")  # amp_bf16 with Composer's DEFAULT FSDP mixed precision (module docstring)
+        case = llm_foundry_case(model, 2048, gpus, mbs, batch, tokens, gpu, checkpointed, "DEFAULT" if h100 else "PURE")
+        if h100:
             case.update(source="MosaicML FSDP H100")
-            case["pins"] = replace(case["pins"], param_dtype="bfloat16", reduce_dtype="float32")
         result = predict(case)
         result.update(gradient_accumulation=accumulation, checkpointed=checkpointed, in_modern_stacks=gpu == "a100-40gb"
                       and (model, gpus) in {("70b", 128), ("70b", 64), ("30b", 128), ("13b", 128), ("7b", 128)})
