@@ -187,6 +187,8 @@ RING_PARITY_CASES = {
     "ring-cp2-llama": dict(model="llama"),  # rotary tables, grouped-query heads (repeated by the model)
     "ring-cp2xdp2": dict(dp=4),  # two rings of two, each with its own samples
     "ring-cp2xtp2-llama": dict(model="llama", tp=2, tp_plan=LLAMA_TP),  # each TP rank's heads go around its ring
+    # two stage chunks per rank, each with its own ring, between the schedule's pipeline sends
+    "ring-cp2xpp2-interleaved": dict(dp=2, pp=2, schedule="interleaved-1f1b", v=2, m=4, mbs=1),
 }
 
 
@@ -194,4 +196,7 @@ RING_PARITY_CASES = {
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", sorted(RING_PARITY_CASES))
 def test_ring_cp_parity(case, tmp_path):
-    check_parity(ring_plan(**RING_PARITY_CASES[case]), tmp_path)
+    # The key bias (GPT's wk.bias) moves by rounding noise alone (tests/test_runtime_parity.py
+    # `check_parity`); with it set aside the interleaved case reaches float rounding (about 1e-6).
+    tight = dict(noise_only=("wk.bias",), param_atol=1e-5) if case == "ring-cp2xpp2-interleaved" else {}
+    check_parity(ring_plan(**RING_PARITY_CASES[case]), tmp_path, **tight)
