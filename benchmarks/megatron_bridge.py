@@ -20,13 +20,13 @@ planner/cost/fp8.py), recomputation the solver's choice among Megatron-LM's mode
 not state it). CP folds onto the data-parallel ranks in the planner (its dp counts them).
 
 What it shows (2026-11-30): every row is predicted too slow. The B200 rows are +17% (8B on 8
-GPUs) and +35% (405B on 128, CP 2 with 8 virtual stages); the five H100 rows +62% to +85%. Per 8192-token micro-batch of the H100
-8B row the model's FP8 GEMMs alone (at the H100's sustained GEMM rate times its measured FP8
-ratio, planner/hardware.py; the output layer in bf16) take about 0.39 s of the 0.57 s measured, attention
-another 0.42 s.
-With attention priced at the GEMM rate, as on the A100 and B200 presets, the 8B and 70B H100 rows
-are still +50% to +58%. Things the model prices for the planner's own runtime (torch SDPA, torchao, torch.compile)
-that this stack does otherwise:
+GPUs) and +35% (405B on 128, CP 2 with 8 virtual stages); the five H100 rows +62% to +85%. Per
+8192-token micro-batch of the H100 8B row the model's FP8 GEMMs alone (at the H100's sustained
+GEMM rate times its measured FP8 ratio, planner/hardware.py; the output layer in bf16) take about
+0.39 s of the 0.57 s measured, attention another 0.42 s. With attention priced at the GEMM rate,
+as on the A100 and B200 presets, the 8B and 70B H100 rows are still +50% to +58%. Things the
+model prices for the planner's own runtime (torch SDPA, torchao, torch.compile) that this stack
+does otherwise:
 - attention: the H100 preset prices FlashAttention-2's 35% of the peak on every score of the
   causal mask (torch's FLOP count), while Transformer Engine runs cuDNN's fused attention, of
   FlashAttention-3's generation on Hopper (up to 75% of the peak, Shah et al. 2024), and fused
