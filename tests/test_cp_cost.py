@@ -99,6 +99,8 @@ def test_cp_pins_are_checked(long_llama):
     assert both.layout.cp_degree == 2 and both.layout.pp_degree == 2
     interleaved = solve(long_llama, cluster, 8, Pins(cp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2))
     assert (interleaved.layout.cp_degree, interleaved.layout.virtual_stages) == (2, 2)
+    chunks = solve(long_llama, cluster, 8, Pins(cp=2, pp=2, schedule="interleaved-1f1b"))  # the schedule pinned, v searched
+    assert chunks.layout.cp_degree == 2 and chunks.layout.virtual_stages > 1
 
 
 def test_attention_without_sdpa_gets_no_cp(long_llama):

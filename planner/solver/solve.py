@@ -481,12 +481,12 @@ def _batch_variants(pins: Pins, global_batch_size: int, num_units: int, profiled
                             for shard in _shard_degrees(pins, z, dp, tp, gpn, ep, None if states_fit is None else
                                                         functools.partial(states_fit, z, pp, tp))
                             for offload in _offloads(pins, z, dp, ep, allow_offload)]
-                    # runtime/apply_cp.py `check_cp`: CP with PP under the schedules it was checked with
-                    # (`_cp_degrees`: with one stage per rank unless the schedule is pinned)
-                    with_cp = CP_PIPELINE_SCHEDULES if pins.schedule or pins.virtual_stages else ("gpipe", "1f1b")
+                    # runtime/apply_cp.py `check_cp`: CP with PP under the schedules it was checked with,
+                    # searched with gpipe and 1F1B only unless the schedule is pinned (`_cp_degrees`)
+                    pinned = pins.schedule is not None or pins.virtual_stages is not None
+                    with_cp = CP_PIPELINE_SCHEDULES if pinned else ("gpipe", "1f1b")
                     schedules = tuple((schedule, v) for schedule, v in _schedules(pins, pp, m, num_units, allow_async)
-                                      if not (cp > 1 and pp > 1 and (schedule not in with_cp or
-                                                                     (v > 1 and not pins.virtual_stages))))
+                                      if not (cp > 1 and pp > 1 and schedule not in with_cp))
                     if schedules and rest:
                         yield ConfigBlock(tp, sp, pp, dp, b, m, cp, pins.expert_tp or 1, tuple(rest), schedules)
 
