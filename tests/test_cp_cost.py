@@ -101,6 +101,11 @@ def test_cp_pins_are_checked(long_llama):
     assert (interleaved.layout.cp_degree, interleaved.layout.virtual_stages) == (2, 2)
     chunks = solve(long_llama, cluster, 8, Pins(cp=2, pp=2, schedule="interleaved-1f1b"))  # the schedule pinned, v searched
     assert chunks.layout.cp_degree == 2 and chunks.layout.virtual_stages > 1
+    # A CP group's ranks share their samples: pinned dp 8 with cp 2 takes 4 (torchtitan's FSDP 4 x CP 2, local batch 1).
+    shared = solve(long_llama, cluster, 4, Pins(cp=2, dp=8, tp=1, pp=1))
+    assert (shared.layout.dp_degree, shared.layout.cp_degree, shared.batch.micro_batch_size) == (8, 2, 1)
+    with pytest.raises(PlannerError, match=r"--global-batch 3 is not divisible by --dp 8 / --cp 2"):
+        solve(long_llama, cluster, 3, Pins(cp=2, dp=8))
 
 
 def test_attention_without_sdpa_gets_no_cp(long_llama):

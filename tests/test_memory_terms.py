@@ -200,6 +200,21 @@ def test_engine_files_say_their_memory_habits():
     assert not titan.fused_optimizer and titan.pipeline_buffers == "per-microbatch"
 
 
+def test_loss_parallel_holds_a_tp_shard_of_the_logits(gpt_profile):
+    # torchtitan keeps the logits vocabulary-sharded under TP and computes the loss on the shards
+    # (loss parallelism, its default); the planner's runtime computes it on the whole logits.
+    from planner.engines import torchtitan
+    from planner.solver.search import Config
+
+    assert torchtitan.parse("[parallelism]\ntensor_parallel_degree = 4\n").loss_parallel
+    assert not torchtitan.parse("[parallelism]\ntensor_parallel_degree = 4\ndisable_loss_parallel = true\n").loss_parallel
+    assert not torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 8\n").loss_parallel  # no TP
+    cfg = Config(tp=4, sequence_parallel=True, pp=1, dp=2, micro_batch_size=4, num_microbatches=1, schedule="1f1b",
+                 virtual_stages=1, zero_stage=0)
+    (whole,), (sharded,) = _terms(gpt_profile, cfg, recompute="none"), _terms(gpt_profile, cfg, recompute="none", loss_parallel=True)
+    assert whole["loss"] > 0 and sharded["loss"] == pytest.approx(whole["loss"] / 4)
+
+
 def test_receive_floor_is_below_every_rank_s_buffers():
     # `receive_floor_bytes` (the time bound's memory) against every way to cut 7 units with
     # uneven cut sizes into p x v chunks: no rank holds fewer buffer bytes.

@@ -80,6 +80,9 @@ class EngineLayout:
     fused_loss: bool = False
     """The engine's cross-entropy is fused, holding only the logits (planner/cost/memory.py
     `loss_bytes`; Megatron-LM's vocab-parallel cross-entropy); False: the eager loss."""
+    loss_parallel: bool = False
+    """The engine keeps the output layer's logits sharded over the TP ranks and computes the loss on
+    the shards (torchtitan's default under TP; planner/solver/solve.py `Pins.loss_parallel`)."""
     fused_optimizer: bool = False
     """The engine's AdamW steps in place, without temporaries (Megatron-LM's and DeepSpeed's
     FusedAdam, torchtitan's default implementation "fused"); False: torch's foreach AdamW."""

@@ -109,6 +109,7 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
                 recompute_modes=("none", layout.recompute) if some_layers else None,
                 ep=layout.ep_degree, shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree,
                 expert_tp=layout.expert_tp_degree, fused_loss=layout.fused_loss, fused_optimizer=layout.fused_optimizer,
+                loss_parallel=layout.loss_parallel,
                 pipeline_buffers=layout.pipeline_buffers, dp_collectives=layout.dp_collectives,
                 gather_copy_out=layout.gather_copy_out, param_dtype=layout.param_dtype or dtype,
                 grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype, overlap=layout.overlap,

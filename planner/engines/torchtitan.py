@@ -283,6 +283,9 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
                                                                    "all-gather"),
         replicate_degree=replicate if hsdp and shard == -1 else None, offload=bool(train.get("enable_cpu_offload", False)),
         float8=float8, overlap=Overlap(tp_comm=True) if async_tp and compiled else None,
+        # torchtitan's loss parallelism: on under TP unless [parallelism] disable_loss_parallel
+        # (job_config.py `disable_loss_parallel`; the trainer enters `loss_parallel()` when TP is on and it is not set)
+        loss_parallel=int(par.get("tensor_parallel_degree", 1)) > 1 and not par.get("disable_loss_parallel", False),
         # torchtitan/config/job_config.py: Optimizer.implementation, "fused" unless the file says otherwise
         fused_optimizer=data.get("optimizer", {}).get("implementation", "fused") == "fused")
 

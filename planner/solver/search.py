@@ -239,6 +239,9 @@ class Environment:
     fused_loss: bool = False
     """The stack's cross-entropy is fused, holding no more than the logits (planner/cost/memory.py
     `loss_bytes`); the planner's runtime runs the eager loss (False)."""
+    loss_parallel: bool = False
+    """The stack computes the loss on the logits' 1/tp vocabulary shard (`Pins.loss_parallel`); the
+    planner's runtime on the whole logits (False)."""
     gather_copy_out: bool = True
     """ZeRO 3: each unit's all-gather is copied out of its flat buffer into the parameters on the
     compute stream (FSDP2's `foreach_all_gather_copy_out`: the planner's runtime, torchtitan);
@@ -1195,8 +1198,10 @@ def _range_max_at(table: UnitCostTable, env: Environment, name: str, values: np.
 
 def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> float:
     """The loss's bytes on the stage holding the last unit (planner/cost/memory.py `loss_bytes`),
-    with `loss_in_flight` micro-batches' losses waiting for their backward."""
-    return loss_bytes(table.output_bytes, table.output_element_bytes, loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches),
+    with `loss_in_flight` micro-batches' losses waiting for their backward; on a 1/tp shard of the
+    logits where the stack computes the loss in parallel (`Environment.loss_parallel`)."""
+    output = table.output_bytes / (cfg.tp if env.loss_parallel else 1)
+    return loss_bytes(output, table.output_element_bytes, loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches),
                       fused=env.fused_loss)
 
 

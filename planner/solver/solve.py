@@ -101,6 +101,12 @@ class Pins:
     """Price the loss's memory as a fused cross-entropy holds it (the logits only; planner/cost/
     memory.py `loss_bytes`): for an engine that fuses it (Megatron-LM). False: as the planner's
     runtime runs it."""
+    loss_parallel: bool = False
+    """Price the loss's memory on the logits' 1/tp vocabulary shard (planner/cost/memory.py
+    `loss_bytes`): for an engine that keeps the output layer's logits sharded under TP and computes
+    the cross-entropy on the shards (torchtitan's default `loss_parallel`, torch's
+    `torch.distributed.tensor.parallel.loss_parallel`). False: as the planner's runtime runs it,
+    on the whole logits."""
     fused_optimizer: bool = False
     """Price the optimizer step without AdamW's temporaries, as an engine stepping in place runs
     it (planner/solver/search.py `Environment.fused_optimizer`). False: as the planner's runtime runs it."""
@@ -164,8 +170,11 @@ def check_pins(pins: Pins, cluster: Cluster, global_batch_size: int, num_units: 
         problems.append(f"--virtual-stages {pins.virtual_stages} needs --schedule interleaved-1f1b or zero-bubble")
     if pins.sequence_parallel and pins.tp == 1:
         problems.append("--sequence-parallel needs --tp > 1")
-    if pins.dp and global_batch_size % pins.dp:
-        problems.append(f"--global-batch {global_batch_size} is not divisible by --dp {pins.dp}")
+    # A CP group's ranks share their samples (planner/plan.py `cp_degree`): the batch splits over dp / cp.
+    replicas = pins.dp // pins.cp if pins.dp and pins.cp and pins.dp % pins.cp == 0 else pins.dp
+    if replicas and global_batch_size % replicas:
+        over_cp = f" / --cp {pins.cp}" if replicas != pins.dp else ""
+        problems.append(f"--global-batch {global_batch_size} is not divisible by --dp {pins.dp}{over_cp}")
     # EP folds onto dp, and onto dp x tp with sequence parallelism (runtime/mesh.py build_ep_mesh).
     if pins.ep and pins.dp and not pins.sequence_parallel and pins.dp % pins.ep:
         problems.append(f"--ep {pins.ep} does not divide --dp {pins.dp} (expert parallelism is folded onto the "
@@ -573,6 +582,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
             nbytes, Group(len(pp_ranks), len({(r * stride) // cluster.gpus_per_node for r in pp_ranks})))),
         overlap=pins.overlap or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),  # `Pins.overlap`
         fused_loss=pins.fused_loss,
+        loss_parallel=pins.loss_parallel,
         fused_optimizer=pins.fused_optimizer,
         pipeline_buffers=pins.pipeline_buffers,
         dp_collectives=pins.dp_collectives,
