@@ -33,16 +33,24 @@ does otherwise:
   attention kernels skip the masked tiles (1.7-1.8x faster than without the mask, Dao 2023,
   section 3.1.1). A 1.75x discount on causal attention alone moves the 2024 Megatron-Core H100
   reference rows (BF16, sequence 4096) from -3.8..+6.6% to -11.0..+1.5%: those runs agree with
-  the present pricing, so the rate belongs to the kernel a stack runs, which the model does not
-  yet take as an input;
+  the present pricing. A cluster file can now state a kernel's benchmarked rates
+  (planner/hardware.py `kernel_attention`, `KERNEL_BENCHMARKS`: by pass, and a causal kernel
+  skipping the masked tiles). Each H100 row is also priced with cuDNN's (2026-11-30, columns
+  `*_cudnn_attention`): such a GPU is priced by roofline on each unit's totals, so the preset is
+  priced so too as the control (`*_roofline`, +56% to +70%); with cuDNN's attention the rows are
+  +18.5% (8B), +35% and +38% (70B), +38% and +50% (405B). That stays a check, not the preset: the
+  same rates, priced the same way, take Megatron-Core's 2024 reference runs (also Transformer
+  Engine, which preferred cuDNN's kernel on Hopper by then: NVIDIA NeMo's docs, PR 9188) from a
+  median |error| of 3.4% (-7.7..+2.9%) to 11.1% (1.7B -29.8%; FlashAttention-2's rates 9.0%), so
+  those runs and these disagree on the kernel's rate (planner/hardware.py, module docstring);
 - FP8 casts: torchao casts each linear's input and gradient in passes of their own (amax, then
   scale and cast, per linear even where three share an input); Transformer Engine fuses the cast
   into the norm or activation before the GEMM (LayerNormLinear, LayerNormMLP) and runs the
   query/key/value and gate/up projections as one GEMM each;
 - the H100's GEMM rate: its sustained figure is the H200's MSMF / MAMF ratio (8 GPUs busy at
   700 W) applied to the H100's MAMF; the B200's, with no sustained figure published, is its MAMF.
-None of this is priced as a per-row or per-stack constant; until the model takes a stack's
-kernels as input, these rows are the known miss on today's Megatron-Core.
+None of this is priced as a per-row or per-stack constant; these rows are the known miss on
+today's Megatron-Core.
 
     python benchmarks/megatron_bridge.py
 
@@ -52,6 +60,7 @@ Writes benchmarks/results/megatron_bridge.csv.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +71,7 @@ from cost_model_vs_reference import MEGATRON_MEMORY, StackPins, gradient_dtype, 
 
 from planner.cluster import make_cluster  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
+from planner.hardware import kernel_attention  # noqa: E402
 from planner.profiler import profile_model  # noqa: E402
 from planner.solver.solve import even_block_cuts, solve  # noqa: E402
 
@@ -112,8 +122,9 @@ def main():
         # Megatron-Bridge's recipes lay them out by hand (`pipeline_model_parallel_layout`): the solver's cuts.
         even = even_block_cuts(prof) if pp > 1 else None
         cuts = even if even is not None and even(pp * vp) is not None else None
+        cluster = make_cluster(gpus, 8, gpu)
         try:
-            plan = solve(prof, make_cluster(gpus, 8, gpu), gbs, pins(gpus, mbs, fsdp, tp, pp, cp, vp), top_k=1,
+            plan = solve(prof, cluster, gbs, pins(gpus, mbs, fsdp, tp, pp, cp, vp), top_k=1,
                          dtype="bfloat16", cuts=cuts, float8=True)
         except PlannerError as error:
             row.update(predicted_iteration_s=float("nan"), error=float("nan"), note=str(error).splitlines()[0])
@@ -122,8 +133,23 @@ def main():
             row.update(predicted_iteration_s=pred.iteration_time_s, error=pred.iteration_time_s / published - 1,
                        recompute="/".join(sorted({s.recompute for s in plan.stages})), note="",
                        **{f"{k}_s": v for k, v in pred.breakdown_s.items()})
+        if gpu == "h100-80gb":
+            # Transformer Engine's attention on Hopper, cuDNN's, at its benchmarked rates. A GPU other
+            # than the profile's preset is priced by roofline on each unit's totals (planner/cost/
+            # compute.py), so the preset is priced that way too, as the control.
+            for column, spec in (("roofline", replace(cluster.gpu, name="h100-80gb-roofline")),
+                                 ("cudnn_attention", replace(cluster.gpu, **kernel_attention("cudnn")))):
+                try:
+                    seconds = solve(prof, replace(cluster, gpu=spec), gbs, pins(gpus, mbs, fsdp, tp, pp, cp, vp), top_k=1,
+                                    dtype="bfloat16", cuts=cuts, float8=True).prediction.iteration_time_s
+                except PlannerError:
+                    seconds = float("nan")
+                row.update({f"predicted_{column}_s": seconds, f"error_{column}": seconds / published - 1})
         out.append(row)
         print_row(row, f"{container:>8} {system} {model:>15} x{gpus:<5}")
+        if "error_cudnn_attention" in row:
+            print(f"{'':>44} by roofline: {row['error_roofline']:+.1%}; with cuDNN's attention at its benchmarked rates: "
+                  f"{row['error_cudnn_attention']:+.1%}")
     return write_out_of_sample(out, "megatron_bridge")
 
 

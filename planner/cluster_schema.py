@@ -103,7 +103,12 @@ class GPUOverride(_Model):
     memory_efficiency: Positive | None = None
     """Fraction of peak memory bandwidth streaming kernels reach."""
     attention_efficiency: Positive | None = None
-    """Fraction of the dense peak fused attention kernels sustain (default: the preset's)."""
+    """Fraction of the dense peak a fused attention kernel's forward sustains without a mask
+    (default: the preset's; a stack running FlashAttention-3 or cuDNN's attention sets its own)."""
+    attention_backward_ratio: Positive | None = None
+    """With attention_efficiency: the backward's rate over the forward's, in FlashAttention's count."""
+    attention_causal_ratio: Positive | None = None
+    """With attention_efficiency: a causal kernel's rate over the unmasked one's, in FlashAttention's count."""
     kernel_overhead_s: Positive | None = None
     """Fixed cost per kernel, seconds."""
     fp8_relative_efficiency: Positive | None = None

@@ -105,6 +105,12 @@ class UnitCosts(_Model):
     `ATTENTION_OPS`), which run at their own rate (planner/hardware.py `attention_efficiency`)."""
     backward_attention_flops: int = 0
     """Of `backward_flops`, likewise."""
+    forward_causal_attention_flops: int = 0
+    """Of `forward_attention_flops`, those of kernels under a causal mask (`is_causal`), which skip
+    the masked tiles (planner/hardware.py `GPUSpec.attention_time_s`). 0 in a profile that
+    predates this field: its attention is priced unmasked."""
+    backward_causal_attention_flops: int = 0
+    """Of `backward_attention_flops`, likewise."""
     forward_convolution_flops: int = 0
     """Of `forward_flops`, those of convolutions (planner/profiler/counters.py `CONVOLUTION_OPS`),
     which run at their own rate in float32 (planner/hardware.py `achievable_convolution_flops`)."""

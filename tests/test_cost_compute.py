@@ -71,32 +71,77 @@ def test_tensor_parallel_time_divides_the_sharded_share_only():
 def test_fused_attention_runs_at_the_gpus_attention_rate():
     """FlashAttention reaches a smaller share of an H100's peak than its GEMMs do (planner/hardware.py
     `FLASH_ATTENTION_FRACTION`): an analytic H100 profile prices the flash kernels' FLOPs at that
-    rate, records them apart, and a roofline for another GPU prices them at that GPU's rate. An A100
-    prices attention as its GEMMs."""
+    rate, records them (and the causal ones) apart, and a roofline for another GPU prices them at that
+    GPU's rates. The presets price a causal kernel on every score; a GPU given a kernel's benchmarked
+    rates (`kernel_attention`) prices its backward at its own rate and a causal kernel's skipped tiles.
+    An A100 prices attention as its GEMMs, every score counted."""
+    from dataclasses import replace
+
     import torch
 
+    from planner.hardware import KERNEL_BENCHMARKS, kernel_attention
     from planner.profiler.counters import MetaAttentionMode, OpCostMode
 
     h100, a100 = get_gpu("h100-80gb"), get_gpu("a100-80gb")
     assert h100.attention_efficiency is not None and h100.attention_efficiency < 0.7 * h100.matmul_efficiency
     assert a100.achievable_attention_flops("bfloat16") == a100.achievable_flops("bfloat16")
+    f = 1e12  # one forward's FLOPs as torch counts them (every score); its backward: 2.5 f, the scores recomputed
+    assert a100.attention_time_s(f, "bfloat16", backward=True, causal=True) == pytest.approx(f / a100.achievable_flops("bfloat16"))
+    preset = f / h100.achievable_attention_flops("bfloat16")  # every score, either pass, causal or not
+    for backward in (False, True):
+        for causal in (False, True):
+            assert h100.attention_time_s(f, "bfloat16", backward, causal) == pytest.approx(preset)
+    # FlashAttention-2's own figures (its count: causal = half the scores, backward = 2.5 forwards, as torch's):
+    kernel, rates = replace(h100, **kernel_attention("flash-attention-2")), KERNEL_BENCHMARKS["flash-attention-2"]
+    sustained = kernel.attention_efficiency * 989.4 / rates["forward"]  # the GEMMs' sustained / burst ratio
+    assert sustained == pytest.approx(698.6 / 823.9)
+    rate = sustained * 1e12
+    assert kernel.attention_time_s(f, "bfloat16") == pytest.approx(f / (rate * rates["forward"]))
+    assert kernel.attention_time_s(f, "bfloat16", causal=True) == pytest.approx(f / 2 / (rate * rates["forward_causal"]))
+    assert kernel.attention_time_s(2.5 * f, "bfloat16", backward=True) == pytest.approx(2.5 * f / (rate * rates["backward"]))
+    # The causal backward at the backward's rate times the forward's causal ratio (the figure not given).
+    causal_backward = rates["backward"] * rates["forward_causal"] / rates["forward"]
+    assert kernel.attention_time_s(2.5 * f, "bfloat16", backward=True, causal=True) == pytest.approx(1.25 * f / (rate * causal_backward))
     q = torch.empty(8, 16, 4096, 128, device="meta", dtype=torch.bfloat16)
-    ops = OpCostMode(h100, "bfloat16")
-    with MetaAttentionMode(), ops:
-        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert ops.totals.attention_flops == ops.totals.flops > 0
-    compute_bound = ops.totals.flops / h100.achievable_attention_flops("bfloat16")
-    assert ops.totals.roofline_time_s == pytest.approx(compute_bound + h100.kernel_overhead_s)
+    for gpu in (h100, kernel):
+        for causal in (True, False):
+            ops = OpCostMode(gpu, "bfloat16")
+            with MetaAttentionMode(), ops:
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=causal)
+            assert ops.totals.attention_flops == ops.totals.flops > 0
+            assert ops.totals.causal_attention_flops == (ops.totals.flops if causal else 0)
+            compute_bound = gpu.attention_time_s(ops.totals.flops, "bfloat16", causal=causal)
+            assert ops.totals.roofline_time_s == pytest.approx(compute_bound + gpu.kernel_overhead_s)
 
     prof = profile_model("examples/gpt.py", dict(ARGS, seq_len=256), [1], device="meta", gpu="a100-80gb", dtype="bfloat16")
     block = prof.units[1]
     costs = block.costs[1]
     assert 0 < costs.forward_attention_flops < costs.forward_flops and 0 < costs.backward_attention_flops
-    on_h100 = ComputeModel(prof, h100).unit_time(block, 1)
-    gemm, attention = h100.achievable_flops("bfloat16"), h100.achievable_attention_flops("bfloat16")
-    expected = max((costs.forward_flops - costs.forward_attention_flops) / gemm + costs.forward_attention_flops / attention,
-                   costs.forward_memory_traffic_bytes / h100.achievable_bandwidth)
-    assert on_h100.forward_s == pytest.approx(expected)
+    # GPT's attention is causal (is_causal=True), forward and backward; torch counts the backward as
+    # 2.5 forwards (the scores recomputed), as FlashAttention does.
+    assert costs.backward_attention_flops == pytest.approx(2.5 * costs.forward_attention_flops)
+    assert costs.forward_causal_attention_flops == costs.forward_attention_flops
+    assert costs.backward_causal_attention_flops == costs.backward_attention_flops
+    gemm = h100.achievable_flops("bfloat16")
+    for gpu in (h100, kernel):
+        times = ComputeModel(prof, gpu).unit_time(block, 1)
+        for pass_, got in (("forward", times.forward_s), ("backward", times.backward_s)):
+            flops, attention = getattr(costs, f"{pass_}_flops"), getattr(costs, f"{pass_}_attention_flops")
+            expected = max((flops - attention) / gemm + gpu.attention_time_s(attention, "bfloat16", pass_ == "backward", True),
+                           getattr(costs, f"{pass_}_memory_traffic_bytes") / gpu.achievable_bandwidth)
+            assert got == pytest.approx(expected)
+    # A cluster file states a stack's kernel so.
+    from planner.cluster import parse_cluster
+
+    own = parse_cluster({"gpu": {"preset": "h100-80gb", **kernel_attention("cudnn")}, "num_nodes": 1, "gpus_per_node": 8})
+    assert own.gpu.attention_causal_ratio == pytest.approx(529 / 600) and own.gpu.attention_backward_ratio == pytest.approx(518 / 600)
+    assert own.gpu.attention_time_s(f, "bfloat16", causal=True) < kernel.attention_time_s(f, "bfloat16", causal=True)
+    # An analytic profile made for the preset prices a cluster's overridden preset by roofline, at its own rates.
+    h100_prof = profile_model("examples/gpt.py", dict(ARGS, seq_len=256), [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    assert ComputeModel(h100_prof, h100).source == "profiled" and ComputeModel(h100_prof, own.gpu).source == "roofline"
+    # The kernels' benchmarks: a causal forward 0.52x, a causal backward 0.60x the presets' time.
+    assert kernel.attention_time_s(f, "bfloat16", causal=True) / preset == pytest.approx(0.52, abs=0.01)
+    assert kernel.attention_time_s(f, "bfloat16", True, True) / preset == pytest.approx(0.60, abs=0.01)
 
 
 def test_float32_convolutions_run_at_the_tf32_peak_and_linears_do_not():

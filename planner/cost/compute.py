@@ -4,7 +4,8 @@ Two sources, chosen per profile and target (`ComputeModel.source`):
 
 - **profiled**: the profile was made on the target itself (a measured CPU profile for the
   `cpu` cluster, a measured CUDA profile whose device name matches the target GPU, or an
-  analytic profile made for the same GPU and dtype). Unit times are the profile's times,
+  analytic profile made for the same GPU, its preset's rates unchanged by a cluster file, and
+  dtype). Unit times are the profile's times,
   interpolated linearly between the profiled micro-batch sizes (and extrapolated from the
   two nearest sizes, never below proportional-to-zero, and above the largest size never
   cheaper per sample than that size: `interpolate_time`). A measured profile also records
@@ -68,7 +69,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, replace
 
-from planner.hardware import ATTENTION, CONVOLUTION, GEMM, GPUSpec
+from planner.hardware import CONVOLUTION, GEMM, GPUS, GPUSpec
 from planner.profile_schema import Profile, Unit
 
 OPTIMIZER_TRAFFIC_BYTES_PER_PARAM = 32
@@ -104,7 +105,13 @@ def _profile_matches(profile: Profile, gpu: GPUSpec, dtype: str) -> bool:
     if profile.dtype != dtype:
         return False
     if profile.mode == "analytic":
-        return profile.target_gpu == gpu.name
+        # An analytic profile's times are its preset's rates: a cluster file's overrides of the rates
+        # (its attention kernel, a calibrated matmul rate) make another GPU, priced by roofline; of
+        # its memory or links, not.
+        preset = GPUS.get(gpu.name, gpu)
+        same_rates = replace(preset, memory_bytes=gpu.memory_bytes, intra_node_bandwidth_bytes_per_s=gpu.intra_node_bandwidth_bytes_per_s,
+                             inter_node_bandwidth_bytes_per_s=gpu.inter_node_bandwidth_bytes_per_s) == gpu
+        return profile.target_gpu == gpu.name and same_rates
     if profile.device == "cpu":
         return gpu.name == "cpu"
     # Measured on CUDA: the device name ("NVIDIA H100 80GB HBM3") must name the target.
@@ -178,16 +185,22 @@ class ComputeModel:
             def at(field: str) -> float:
                 return interpolate({k: getattr(c, f"{pass_}_{field}") for k, c in costs.items()}, b)
 
-            return max(self.flops_time_s(at("flops"), at("attention_flops"), at("convolution_flops")),
+            return max(self.flops_time_s(at("flops"), at("attention_flops"), at("convolution_flops"),
+                                         at("causal_attention_flops"), backward=pass_ == "backward"),
                        at("memory_traffic_bytes") / self.gpu.achievable_bandwidth)
 
         return UnitTime(time_s("forward"), time_s("backward"))
 
-    def flops_time_s(self, flops: float, attention_flops: float = 0.0, convolution_flops: float = 0.0) -> float:
+    def flops_time_s(self, flops: float, attention_flops: float = 0.0, convolution_flops: float = 0.0,
+                     causal_attention_flops: float = 0.0, backward: bool = False) -> float:
         """Seconds of `flops` on this GPU, of which `attention_flops` run in fused attention kernels
+        (`causal_attention_flops` of them under a causal mask; in the `backward` pass or the forward)
         and `convolution_flops` in convolutions, each at its own rate (planner/hardware.py)."""
-        shares = {GEMM: flops - attention_flops - convolution_flops, ATTENTION: attention_flops, CONVOLUTION: convolution_flops}
-        return sum(n / self.gpu.kernel_flops(self.dtype, kind) for kind, n in shares.items())
+        gpu, dtype = self.gpu, self.dtype
+        return ((flops - attention_flops - convolution_flops) / gpu.kernel_flops(dtype, GEMM)
+                + convolution_flops / gpu.kernel_flops(dtype, CONVOLUTION)
+                + gpu.attention_time_s(attention_flops - causal_attention_flops, dtype, backward)
+                + gpu.attention_time_s(causal_attention_flops, dtype, backward, causal=True))
 
     def optimizer_s_per_param(self) -> float:
         """Seconds of one AdamW step per parameter (module docstring), contention included."""
@@ -214,7 +227,8 @@ class ComputeModel:
         linears += sum(layer.costs[smallest].expert_forward_flops for layer in unit.moe if smallest in layer.costs)
         convolutions = sum(op.forward_flops for op in unit.ops if op.weight_shape and op.kind == "conv")
         weights_s = self.flops_time_s(linears + convolutions, convolution_flops=convolutions)
-        backward_s = self.flops_time_s(costs.backward_flops, costs.backward_attention_flops, costs.backward_convolution_flops)
+        backward_s = self.flops_time_s(costs.backward_flops, costs.backward_attention_flops, costs.backward_convolution_flops,
+                                       costs.backward_causal_attention_flops, backward=True)
         return min(weights_s / backward_s, 0.5) if backward_s > 0 else 0.0
 
     def split_backward(self, unit: Unit, micro_batch_size: float) -> tuple[float, float] | None:

@@ -121,6 +121,9 @@ class OpTotals:
     flops: int = 0
     attention_flops: int = 0
     """The FLOPs of fused attention kernels (`ATTENTION_OPS`), which run at their own rate."""
+    causal_attention_flops: int = 0
+    """Of `attention_flops`, those of kernels under a causal mask (`is_causal`), which skip the
+    masked tiles (planner/hardware.py `GPUSpec.attention_time_s`)."""
     convolution_flops: int = 0
     """The FLOPs of convolutions (`CONVOLUTION_OPS`), likewise."""
     traffic_bytes: int = 0
@@ -145,6 +148,18 @@ ATTENTION_OPS = {getattr(aten, name) for name in (
     "_scaled_dot_product_flash_attention_for_cpu_backward") if hasattr(aten, name)}
 """Fused attention kernels (flash, memory-efficient, cuDNN; CPU's flash): priced at the GPU's attention rate
 (planner/hardware.py `GPUSpec.attention_efficiency`), not its GEMM rate."""
+def attention_kind(func, args, kwargs) -> tuple[bool, bool]:
+    """(causal, backward) of a fused attention op (`ATTENTION_OPS`): its `is_causal` argument, and
+    whether it is a backward kernel. An explicit mask, even a causal one, runs the memory-efficient
+    kernel over every tile, so only `is_causal` counts."""
+    causal = False
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "is_causal":
+            causal = bool(kwargs["is_causal"] if "is_causal" in kwargs else args[i] if i < len(args) else argument.default_value)
+            break
+    return causal, func._overloadpacket.__name__.endswith("_backward")
+
+
 CONVOLUTION_OPS = {aten.convolution, aten._convolution, aten.convolution_backward}
 """Convolutions, which cuDNN runs in TF32 for float32 tensors unless told not to: priced at
 planner/hardware.py `GPUSpec.achievable_convolution_flops`."""
@@ -161,6 +176,10 @@ class _Op:
     traffic_bytes: int
     kind: str = GEMM
     """Which rate prices its FLOPs: `GEMM`, `ATTENTION` or `CONVOLUTION`."""
+    causal: bool = False
+    """An attention kernel under a causal mask (`attention_kind`)."""
+    backward: bool = False
+    """An attention kernel's backward."""
 
 
 class OpCostMode(TorchDispatchMode):
@@ -199,8 +218,9 @@ class OpCostMode(TorchDispatchMode):
         flops = FLOP_FORMULAS[packet](*args, **kwargs, out_val=out) if packet in FLOP_FORMULAS else 0
         traffic = self._traffic(packet, args, kwargs, out)
         kind = ATTENTION if packet in ATTENTION_OPS else CONVOLUTION if packet in CONVOLUTION_OPS else GEMM
+        causal, backward = attention_kind(func, args, kwargs) if kind == ATTENTION else (False, False)
         if self.fusion == "none":
-            self._add_kernel(flops, traffic, kind)
+            self._add_kernel(flops, traffic, kind, causal, backward)
         else:
             reads = [(self._key(t), tensor_bytes(t)) for t in tensors_in((args, kwargs))]
             writes = []
@@ -209,7 +229,7 @@ class OpCostMode(TorchDispatchMode):
                 self._version[storage] = self._version.get(storage, -1) + 1  # a write makes a new version
                 writes.append((self._key(t), tensor_bytes(t)))
             fusible = packet is not aten.embedding and (torch.Tag.pointwise in func.tags or packet in FUSIBLE_NON_POINTWISE)
-            self._ops.append(_Op(flops, reads, writes, fusible, traffic, kind))
+            self._ops.append(_Op(flops, reads, writes, fusible, traffic, kind, causal, backward))
         return out
 
     def note_saved(self, t: torch.Tensor) -> None:
@@ -232,16 +252,18 @@ class OpCostMode(TorchDispatchMode):
         self._alive.append(storage)
         return storage._cdata
 
-    def _add_kernel(self, flops: int, traffic: int, kind: str = GEMM) -> None:
+    def _add_kernel(self, flops: int, traffic: int, kind: str = GEMM, causal: bool = False, backward: bool = False) -> None:
         totals = self.totals
         totals.flops += flops
         totals.attention_flops += flops if kind == ATTENTION else 0
+        totals.causal_attention_flops += flops if kind == ATTENTION and causal else 0
         totals.convolution_flops += flops if kind == CONVOLUTION else 0
         totals.traffic_bytes += traffic
         totals.num_kernels += 1
         if self.gpu is not None:
-            rate = self.gpu.kernel_flops(self.dtype, kind)
-            totals.roofline_time_s += self.gpu.kernel_overhead_s + max(flops / rate, traffic / self.gpu.achievable_bandwidth)
+            compute_s = (self.gpu.attention_time_s(flops, self.dtype, backward, causal) if kind == ATTENTION
+                         else flops / self.gpu.kernel_flops(self.dtype, kind))
+            totals.roofline_time_s += self.gpu.kernel_overhead_s + max(compute_s, traffic / self.gpu.achievable_bandwidth)
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
@@ -278,9 +300,10 @@ class OpCostMode(TorchDispatchMode):
         for i in range(len(self._ops)):
             kernels.setdefault(root(i), []).append(i)
         for members in kernels.values():  # attention and convolution kernels are never fused: alone in their group
+            first = self._ops[members[0]]
             kinds = {self._ops[i].kind for i in members} - {GEMM}
             self._add_kernel(sum(self._ops[i].flops for i in members), max(0, sum(traffic[i] for i in members)),
-                             kinds.pop() if kinds else GEMM)
+                             kinds.pop() if kinds else GEMM, first.causal, first.backward)
 
     @staticmethod
     def _traffic(packet, args, kwargs, out) -> int:

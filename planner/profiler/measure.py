@@ -240,6 +240,8 @@ def unit_costs(
         backward_working_held_bytes=max(working_held, 0),
         forward_attention_flops=fwd_ops.totals.attention_flops,
         backward_attention_flops=bwd_ops.totals.attention_flops,
+        forward_causal_attention_flops=fwd_ops.totals.causal_attention_flops,
+        backward_causal_attention_flops=bwd_ops.totals.causal_attention_flops,
         forward_convolution_flops=fwd_ops.totals.convolution_flops,
         backward_convolution_flops=bwd_ops.totals.convolution_flops,
     )
