@@ -505,3 +505,24 @@ def test_engines_that_split_every_head_get_a_degree_that_divides_them(tmp_path):
     done = CliRunner().invoke(app, ["price", "--from", str(tmp_path / "tp4.txt"), "-p", str(profile_path), "--gpus", "4"])
     assert done.exit_code == 1 and "does not split the model's attention heads whole" in str(done.exception), done.output
     assert "(2 does)" in str(done.exception)
+
+
+def test_torchtitan_shards_over_the_cp_ranks(gpt_h100):
+    """torchtitan applies FSDP wherever data_parallel_shard_degree or context_parallel_degree is
+    above 1 (parallel_dims.py `fsdp_enabled`, over the "dp_shard_cp" ranks): its job files read so,
+    and a ZeRO 0 plan with CP is exported with that change said."""
+    from planner.engines import torchtitan
+
+    only_cp = torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 1\ncontext_parallel_degree = 8\n")
+    assert (only_cp.zero_stage, only_cp.dp_degree, only_cp.cp_degree, only_cp.shard_degree) == (3, 8, 8, None)
+    hybrid = torchtitan.parse("[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 1\n"
+                              "context_parallel_degree = 4\n")
+    assert (hybrid.zero_stage, hybrid.dp_degree, hybrid.shard_degree) == (3, 8, 4)
+    assert torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 1\n").zero_stage == 0
+    cluster = make_cluster(8, 8, "h100-80gb")
+    plan = solve(gpt_h100, cluster, BATCH, Pins(pp=1, tp=1, dp=8, cp=2, micro_batch_size=1, zero_stage=0))
+    exported = export_plan(plan, "torchtitan", gpt_h100, cluster)
+    assert any("over the 2 context-parallel ranks" in w for w in exported.warnings), exported.warnings
+    back = torchtitan.parse(exported.text)
+    assert (back.zero_stage, back.dp_degree, back.cp_degree, back.shard_degree) == (2, 8, 2, 2)
+    assert price(gpt_h100, cluster, back, BATCH).layout.zero_stage == 2

@@ -84,6 +84,12 @@ def mapped_layout(plan: Plan, names: list[str]) -> tuple[EngineLayout, list[str]
                        + (", CPU offload -> none (torchtitan offloads through FSDP, which one rank does not apply)"
                           if mapped.offload else ""))
         mapped = replace(mapped, zero_stage=0, offload=False)
+    if mapped.cp_degree > 1 and mapped.zero_stage == 0:
+        # parallel_dims.py `fsdp_enabled`: with cp > 1 FSDP shards over the CP ranks at least
+        changes.append(f"ZeRO 0 -> {unresharded} over the {mapped.cp_degree} context-parallel ranks (torchtitan applies FSDP "
+                       "over data_parallel_shard_degree x context_parallel_degree whenever cp > 1)")
+        mapped = replace(mapped, zero_stage=unresharded,
+                         shard_degree=mapped.cp_degree if mapped.dp > mapped.cp_degree else None)
     if mapped.ep_degree > 1 and not (mapped.zero_stage >= 1 and mapped.dp > 1):
         changes.append(f"ZeRO 0 -> {unresharded} (torchtitan's expert parallelism borrows FSDP's data_parallel_shard_degree)")
         mapped = replace(mapped, zero_stage=unresharded)
@@ -218,13 +224,15 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     notes: list[str] = []
     replicate, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
     cp = int(par.get("context_parallel_degree", 1))
-    hsdp = replicate > 1 and shard != 1
+    # parallel_dims.py `fsdp_enabled`: FSDP wherever data_parallel_shard_degree > 1 or cp > 1, over the
+    # "dp_shard_cp" ranks; with replicate > 1 besides, hybrid (HSDP).
+    hsdp = replicate > 1 and (shard != 1 or cp > 1)
     float8 = _parse_float8(data, notes)
     reshard = par.get("fsdp_reshard_after_forward", "default")
     pp = int(par.get("pipeline_parallel_degree", 1))
     # "default" reshards after forward except under pipeline parallelism (torchtitan's parallelize_llama);
     # unresharded FSDP is ZeRO 2, and ZeRO 1 in a pipeline (planner/solver/solve.py `PIPELINE_ZERO`).
-    zero = 0 if shard == 1 else (3 if reshard == "always" or (reshard == "default" and pp == 1) else 2 if pp == 1 else 1)
+    zero = 0 if shard == 1 and cp == 1 else (3 if reshard == "always" or (reshard == "default" and pp == 1) else 2 if pp == 1 else 1)
     dp = None if shard == -1 else replicate * shard * cp
     names = {v: k for k, v in SCHEDULES.items()}
     sched = par.get("pipeline_parallel_schedule", "1F1B")
