@@ -264,7 +264,11 @@ class Prediction(_Model):
     of the pipeline's makespan, simulated from the stage times (planner/validate.py `predicted_bubble`)."""
     peak_memory_bytes: list[int]
     """Per stage: peak bytes of tensors per GPU (planner/cost/memory.py `StageMemory.tensor_bytes`).
-    A rank holding several stages (interleaving) holds their sum: `rank_peak_bytes`."""
+    A rank holding several stages (interleaving) holds them together: `rank_peak_bytes`."""
+    pipeline_rank_peak_bytes: list[int] | None = None
+    """Per pipeline rank: the peak of the stages it holds together, each rebuilding one unit at a time
+    (planner/solver/search.py `rank_memory`); the same as `peak_memory_bytes` with one stage a rank.
+    None: not recorded (plans written before 2026-11-30; `rank_peak_bytes` sums the stages')."""
     memory_terms_bytes: list[dict[str, int]] | None = None
     """Per stage, the peak's terms by name in bytes (planner/cost/memory.py `StageMemory.terms`:
     parameters, gradients, optimizer_state, activations, transient, communication, loss, batch
@@ -410,14 +414,20 @@ def stage_ranks(layout: Layout, stage_index: int) -> list[int]:
 
 
 def rank_peak_bytes(plan: Plan) -> list[float]:
-    """The predicted tensor peak of every rank: the stages it holds, summed (interleaving puts
-    v chunks on one pipeline rank). Empty for a plan without a prediction."""
+    """The predicted tensor peak of every rank: the stages it holds together (interleaving puts v
+    chunks on one pipeline rank; `Prediction.pipeline_rank_peak_bytes`, or their peaks summed in an
+    older plan). Empty for a plan without a prediction."""
     if plan.prediction is None or not plan.prediction.peak_memory_bytes:
         return []
     peaks = [0.0] * plan.world_size
-    for stage, peak in zip(plan.stages, plan.prediction.peak_memory_bytes, strict=True):
+    by_rank = plan.prediction.pipeline_rank_peak_bytes
+    pp = plan.layout.pp_degree
+    for k, (stage, peak) in enumerate(zip(plan.stages, plan.prediction.peak_memory_bytes, strict=True)):
         for rank in stage.ranks:
-            peaks[rank] += peak
+            if by_rank is None:
+                peaks[rank] += peak
+            else:
+                peaks[rank] = by_rank[k % pp]
     return peaks
 
 

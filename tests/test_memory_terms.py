@@ -402,3 +402,16 @@ def test_gpipe_peaks_after_its_first_backward_where_gradients_outweigh_a_micro_b
     long = solve(wide, make_cluster(2, gpu="cpu"), 8, Pins(pp=2, dp=1, tp=1, micro_batch_size=1, schedule="gpipe",
                                                             recompute="none"))
     assert long.prediction.memory_terms_bytes[0]["gradients"] == 0  # long sequences: the in-flight peak
+
+
+def test_a_rank_s_chunks_rebuild_one_unit_at_a_time():
+    # Interleaving puts stages k and k + pp on one rank: their states and activations together,
+    # the larger of their recomputation transients; in the optimizer step every chunk steps.
+    import numpy as np
+
+    from planner.solver.search import rank_memory
+
+    fb, transient, step = np.array([10.0, 8, 12, 9]), np.array([3.0, 2, 4, 1]), np.array([5.0, 5, 5, 5])
+    assert rank_memory(fb, transient, step, pp=2) == [7 + 8 + 4, 6 + 8 + 2]
+    assert rank_memory(fb, transient, np.array([20.0, 5, 5, 5]), pp=2)[0] == 25  # the step's phase, both chunks
+    assert rank_memory(fb, transient, step, pp=4) == [10, 8, 12, 9]  # one chunk a rank: its own peak

@@ -88,10 +88,23 @@ def test_an_interleaved_rank_is_held_to_its_stages_together(tmp_path):
     args = dict(n_layers=4, d_model=64, n_heads=4, d_ff=256, vocab_size=128, seq_len=32)
     profile = profile_model(str(ROOT / "examples" / "gpt.py"), args, [2], device="meta", gpu="a100-80gb")
     plan = solve(profile, make_cluster(2, gpu="a100-80gb"), 8,
-                 Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=2))
+                 Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=2, recompute="none"))
     chunks = plan.prediction.peak_memory_bytes
     assert len(chunks) == 4
     assert rank_peak_bytes(plan) == [chunks[0] + chunks[2], chunks[1] + chunks[3]]
     run = build_metrics(plan, [1.0, 0.9], [0.5, 0.4], [0, 0], {}, {}, world_size=2, peak_tensor_bytes=[100, 200])
     _, predicted, measured, _ = _row(compare(plan, run.metrics.save(tmp_path / "m.json")), "peak tensor memory")
     assert (predicted, measured) == (max(chunks[0] + chunks[2], chunks[1] + chunks[3]), 200)
+    # Under full recomputation a rank's chunks rebuild one unit at a time: their states and
+    # activations together, the larger of their transients, not the sum.
+    full = solve(profile, make_cluster(2, gpu="a100-80gb"), 8,
+                 Pins(pp=2, dp=1, tp=1, micro_batch_size=2, schedule="interleaved-1f1b", virtual_stages=2, recompute="full"))
+    chunks, terms = full.prediction.peak_memory_bytes, full.prediction.memory_terms_bytes
+    for rank in (0, 1):
+        mine = (rank, rank + 2)
+        assert min(terms[k]["transient"] for k in mine) > 0
+        assert max(chunks[k] for k in mine) < rank_peak_bytes(full)[rank] < sum(chunks[k] for k in mine)
+    # A plan written before the rank peaks were recorded sums its chunks.
+    old = full.model_copy(deep=True)
+    old.prediction.pipeline_rank_peak_bytes = None
+    assert rank_peak_bytes(old) == [chunks[0] + chunks[2], chunks[1] + chunks[3]]

@@ -222,6 +222,7 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
         mfu_fp8=_mfu_fp8(best, table, cluster, t) if result.costs.float8 else None,
         bubble_fraction=best.bubble_fraction,
         peak_memory_bytes=[int(m) for m in best.peak_memory_bytes],
+        pipeline_rank_peak_bytes=[int(m) for m in best.rank_memory_bytes] or None,
         memory_terms_bytes=_memory_terms_bytes(best, cluster, result.memory_fraction),
         stage_time_s=[f + b for f, b in zip(best.stage_forward_s, best.stage_backward_s, strict=False)],
         breakdown_s=best.breakdown_s,

@@ -174,6 +174,9 @@ class Evaluation:
     """Zero bubble: per stage, the share of its backward deferred as W (`zero_bubble_split`);
     empty: other schedules, or BACKWARD_WEIGHT_FRACTION everywhere."""
     peak_memory_bytes: tuple = ()
+    rank_memory_bytes: tuple = ()
+    """Per pipeline rank, the peak of the chunks it holds together (`rank_memory`); with one chunk a
+    rank, `peak_memory_bytes`."""
     breakdown_s: dict = field(default_factory=dict)
     bubble_fraction: float = 0.0
     model_flops: float = 0.0
@@ -1053,6 +1056,21 @@ class StageBuffers:
         return np.maximum(self.step_transient, self.bucket) + self.receive + self.batch
 
 
+def rank_memory(forward_backward: np.ndarray, transient: np.ndarray, stepping: np.ndarray, pp: int) -> list[float]:
+    """Per pipeline rank, the peak of the chunks it holds (stage k on rank k mod pp: interleaving puts
+    v on one rank), each chunk's two phases given (`forward_backward`, of which `transient` is
+    full recomputation rebuilding one unit, and `stepping`). In the forward/backward phase the
+    chunks hold their states, buffers and activations together, but rebuild one unit at a time: the
+    largest transient, not their sum. In the optimizer step's phase every chunk steps. One chunk a
+    rank: its own peak."""
+    out = []
+    for rank in range(pp):
+        chunks = slice(rank, len(forward_backward), pp)
+        held = float((forward_backward[chunks] - transient[chunks]).sum() + transient[chunks].max())
+        out.append(max(held, float(stepping[chunks].sum())))
+    return out
+
+
 def stage_buffers(table: UnitCostTable, cfg: Config, env: Environment, start: np.ndarray, end: np.ndarray) -> StageBuffers:
     """`StageBuffers` of the stage ranges [start[k], end[k]) (planner/cost/memory.py
     `stage_memory`, whose arguments are computed here for every range at once)."""
@@ -1326,8 +1344,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
     fwd = (forward + half_p2p).tolist()
     bwd = np.maximum(total - forward - half_p2p, 0.0).tolist()  # a unit without backward (rotary) can round below 0
     mem = memory.tolist()
-    # Memory per pipeline rank: its chunks together (interleaving puts v chunks on one rank).
-    rank_mem = [sum(mem[k] for k in range(rank, len(mem), cfg.pp)) for rank in range(cfg.pp)]
+    rank_mem = rank_memory(forward_backward, transient, stepping, cfg.pp)
     if max(rank_mem) > env.usable_memory_bytes:
         return Evaluation(cfg, False, "interleaved chunks together exceed memory", min_memory_bytes=max(rank_mem))
     terms = memory_terms(table, cfg, env, starts, ends, held, copies, in_flight * stored, transient, buffers, loss,
@@ -1397,6 +1414,7 @@ def _price(table, cfg: Config, env: Environment, bounds, stage_modes, times, fir
         stage_backward_s=tuple(bwd),
         stage_weight_fraction=tuple(split),
         peak_memory_bytes=tuple(mem),
+        rank_memory_bytes=tuple(rank_mem),
         memory_terms=terms,
         reduction_stream=stream,
         breakdown_s={
