@@ -93,6 +93,8 @@ VOCABULARY = 128256
 GRAND_TETON_H100 = replace(GPUS["h100-80gb"], name="h100-96gb-hbm2e", memory_bytes=int(96 * GB),
                            memory_bandwidth_bytes_per_s=2400 * GB)
 """The source's H100: 96 GB of HBM2e at 2.4 TB/s; the rest the h100-80gb preset's (module docstring)."""
+FA2_KERNEL = replace(GRAND_TETON_H100, **kernel_attention("flash-attention-2"))
+"""The same with FlashAttention-2's benchmarked attention rates (planner/hardware.py `kernel_attention`)."""
 AC = {"op": 'mode = "selective"\nselective_ac_option = "op"', "full": 'mode = "full"'}
 ROWS = [  # table, technique, model, GPUs, FSDP, TP, PP, CP, local batch, sequence, AC, compile, float8, async TP, schedule, TPS/GPU
     (1, "FSDP", "8B", 8, 8, 1, 1, 1, 2, 8192, "op", False, False, False, None, 5762),
@@ -158,11 +160,14 @@ def main():
             ROWS, PUBLISHED_GIB, strict=True):
         layers, d, heads, kv, ffn = SHAPES[model]
         mbs = local // pp
-        key = (model, seq, mbs, compiled)
-        if key not in profiles:
-            args = dict(n_layers=layers, d_model=d, n_heads=heads, n_kv_heads=kv, d_ff=ffn, vocab_size=VOCABULARY, seq_len=seq)
-            profiles[key] = profile_model("examples/llama.py", args, [mbs], device="meta", gpu="h100-80gb", dtype="bfloat16",
-                                          fusion="elementwise" if compiled else "none", precision="pure")
+        args = dict(n_layers=layers, d_model=d, n_heads=heads, n_kv_heads=kv, d_ff=ffn, vocab_size=VOCABULARY, seq_len=seq)
+        for spec in (GRAND_TETON_H100, FA2_KERNEL):  # each profiled for its own rates: per-op times (planner/cost/compute.py)
+            if (model, seq, mbs, compiled, spec.attention_causal_ratio) not in profiles:
+                profiles[model, seq, mbs, compiled, spec.attention_causal_ratio] = profile_model(
+                    "examples/llama.py", args, [mbs], device="meta", gpu=spec, dtype="bfloat16",
+                    fusion="elementwise" if compiled else "none", precision="pure")
+        key = (model, seq, mbs, compiled, GRAND_TETON_H100.attention_causal_ratio)
+        kernel_key = (model, seq, mbs, compiled, FA2_KERNEL.attention_causal_ratio)
         cluster = replace(make_cluster(gpus, 8, "h100-80gb"), gpu=GRAND_TETON_H100)
         layout = torchtitan.parse(job_file(model, fsdp, tp, pp, cp, local, seq, ac, compiled, float8, async_tp, schedule))
         published = local * fsdp * seq / (tps * gpus)  # global batch = local x FSDP (CP, TP, PP ranks share samples)
@@ -173,8 +178,7 @@ def main():
         try:
             plan = price(profiles[key], cluster, layout)
             # torch's SDPA runs FlashAttention-2: priced at its benchmarked rates, masked tiles skipped
-            kernel = price(profiles[key], replace(cluster, gpu=replace(GRAND_TETON_H100, **kernel_attention("flash-attention-2"))),
-                           layout).prediction.iteration_time_s
+            kernel = price(profiles[kernel_key], replace(cluster, gpu=FA2_KERNEL), layout).prediction.iteration_time_s
             row.update(predicted_fa2_kernel_s=kernel, error_fa2_kernel=kernel / published - 1)
         except PlannerError as error:
             row.update(predicted_iteration_s=float("nan"), error=float("nan"), notes=str(error).splitlines()[0])

@@ -182,7 +182,8 @@ def profile(
                                           "min(2048, the config's context))."),
     micro_batch_sizes: str = typer.Option("1", help="Comma-separated micro-batch sizes to profile."),
     device: str = typer.Option("cpu", help="cpu or cuda (measured), or meta (analytic)."),
-    gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times (a100-40gb, a100-80gb, h100-80gb, h200, b200, b300)."),
+    gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times: a preset (a100-40gb, a100-80gb, h100-80gb, "
+                                      "h200, b200, b300) or a cluster file whose GPU it takes (its overrides of a preset's rates)."),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     precision: str = typer.Option("autocast", help="16-bit dtypes: autocast computes as `planner run` trains (fp32 "
                                   "weights, each forward under autocast; emulated on meta), pure as the model converted "
@@ -197,7 +198,6 @@ def profile(
     """Measure (or estimate) every unit of a model: time, FLOPs, bytes, cut crossings."""
     from rich.progress import Progress
 
-    from planner.hardware import get_gpu
     from planner.model_file import parse_model_args
     from planner.profiler import profile_model
     from planner.report import print_profile
@@ -206,8 +206,9 @@ def profile(
     model_file, args = _model_source(model_file, args, hf_config, seq_len)
     sizes = _int_list(micro_batch_sizes)
     check_output_path(output or default_profile_path("model", device, None, dtype), "--output")  # before any work
+    spec = None
     if gpu is not None:
-        get_gpu(gpu)  # reject unknown names before any work
+        spec = _analytic_gpu(gpu)  # reject unknown names and bad cluster files before any work
         if device != "meta":
             console.print(f"note: --gpu {gpu} only sets analytic times; with --device {device} times are measured.")
     with Progress(console=err_console, transient=True) as bar:
@@ -216,12 +217,23 @@ def profile(
         def step(what: str, done: int, total: int) -> None:
             bar.update(task, description=f"profiling {what}", completed=done, total=total)
 
-        result = profile_model(model_file, args, sizes, device=device, gpu=gpu, dtype=dtype, repeats=repeats, progress=step,
+        result = profile_model(model_file, args, sizes, device=device, gpu=spec, dtype=dtype, repeats=repeats, progress=step,
                                fusion=fusion, threads=threads, precision=precision)
     named = str(hf_config.parent / hf_config.stem) if hf_config is not None and hf_config.suffix else str(hf_config or model_file)
     path = result.save(output or default_profile_path(named, device, result.target_gpu, dtype))
     print_profile(result, console=console)
     console.print(f"wrote {path}")
+
+
+def _analytic_gpu(gpu: str):
+    """`planner profile --gpu`: a preset's spec, or the GPU of a cluster file (a path to YAML or JSON)."""
+    from planner.hardware import GPUS, get_gpu
+
+    if gpu in GPUS or not (gpu.endswith((".yaml", ".yml", ".json")) or Path(gpu).is_file()):
+        return get_gpu(gpu)
+    from planner.cluster import load_cluster
+
+    return load_cluster(gpu).gpu
 
 
 @app.command()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -425,6 +425,11 @@ class Profile(_Model):
     """The processor or GPU model (analytic: `analytic:<gpu>`)."""
     target_gpu: str | None = None
     """GPU spec whose rates produced analytic times."""
+    target_gpu_spec: dict[str, Any] | None = None
+    """Analytic: that spec's every field (planner/hardware.py `GPUSpec`), so that a cluster whose
+    GPU has the same rates prices with the profile's per-op times, and one with other rates (a
+    cluster file's overrides) by roofline (planner/cost/compute.py). None: a profile written before
+    2026-11-30, matched by its preset's name."""
     dtype: str
     """Parameter and activation dtype."""
     torch_version: str

@@ -144,6 +144,54 @@ def test_fused_attention_runs_at_the_gpus_attention_rate():
     assert kernel.attention_time_s(f, "bfloat16", True, True) / preset == pytest.approx(0.60, abs=0.01)
 
 
+def test_an_analytic_profile_prices_per_op_for_the_spec_it_was_made_for(tmp_path):
+    """An analytic profile records the spec whose rates made its times: a cluster GPU with those
+    rates (whatever its memory and links) takes the per-op times; one with other rates (a cluster
+    file's overrides of the preset) is priced by roofline, and the plan says so. `planner profile
+    --gpu` takes a cluster file for it."""
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+    from planner.cluster import load_cluster, make_cluster
+    from planner.hardware import kernel_attention
+    from planner.profile_schema import Profile
+    from planner.solver.plan_builder import device_mismatch
+
+    h100 = get_gpu("h100-80gb")
+    kernel = replace(h100, **kernel_attention("flash-attention-2"))
+    args = dict(ARGS, seq_len=256)
+    preset = profile_model("examples/gpt.py", args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    own = profile_model("examples/gpt.py", args, [1], device="meta", gpu=kernel, dtype="bfloat16")
+    assert own.target_gpu == "h100-80gb" and own.target_gpu_spec["attention_causal_ratio"] == kernel.attention_causal_ratio
+    assert ComputeModel(preset, h100).source == "profiled" and ComputeModel(preset, kernel).source == "roofline"
+    assert ComputeModel(own, kernel).source == "profiled" and ComputeModel(own, h100).source == "roofline"
+    assert ComputeModel(preset, replace(h100, memory_bytes=10**9, inter_node_bandwidth_bytes_per_s=1e9)).source == "profiled"
+    older = preset.model_copy(update={"target_gpu_spec": None})  # written before the spec was recorded: the preset's
+    assert ComputeModel(older, h100).source == "profiled" and ComputeModel(older, kernel).source == "roofline"
+    # The causal blocks' times at the kernel's rates are the profile's own, not the preset's.
+    block = own.units[1]
+    assert own.units[1].costs[1].backward_time_s < preset.units[1].costs[1].backward_time_s
+    assert ComputeModel(own, kernel).unit_time(block, 1).backward_s == pytest.approx(block.costs[1].backward_time_s)
+    cluster = make_cluster(8, 8, "h100-80gb")
+    assert device_mismatch(own, replace(cluster, gpu=kernel)) is None
+    assert "prices each unit's totals by roofline" in device_mismatch(preset, replace(cluster, gpu=kernel))
+    # The CLI: a cluster file's GPU.
+    path = tmp_path / "cluster.yaml"
+    path.write_text("gpu: {preset: h100-80gb, memory_bandwidth_bytes_per_s: 2.4e12, attention_causal_ratio: 0.9}\n"
+                    "num_nodes: 1\ngpus_per_node: 8\n")
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["profile", "examples/gpt.py", "--device", "meta", "--gpu", str(path), "--dtype", "bfloat16",
+                                      "-o", str(out), "--model-arg", "n_layers=2"])
+    assert result.exit_code == 0, result.output
+    written = Profile.model_validate_json(out.read_text())
+    assert written.target_gpu_spec["memory_bandwidth_bytes_per_s"] == 2.4e12
+    assert ComputeModel(written, load_cluster(path).gpu).source == "profiled"
+    missing = CliRunner().invoke(app, ["profile", "examples/gpt.py", "--device", "meta", "--gpu", str(tmp_path / "none.yaml")])
+    assert missing.exit_code != 0 and "does not exist" in str(missing.exception)
+
+
 def test_float32_convolutions_run_at_the_tf32_peak_and_linears_do_not():
     """PyTorch runs float32 convolutions in TF32 on Ampere and later (`cudnn.allow_tf32`) and
     float32 matrix products in float32 (`cuda.matmul.allow_tf32`): an analytic A100 profile prices

@@ -101,17 +101,23 @@ def interpolate_time(points: dict[int, float], x: float) -> float:
     return max(value, points[top] * x / top) if x > top else value
 
 
-def _profile_matches(profile: Profile, gpu: GPUSpec, dtype: str) -> bool:
+def same_rates(a: GPUSpec, b: GPUSpec) -> bool:
+    """Whether two specs time every kernel alike: equal but for memory size and links."""
+    return replace(a, memory_bytes=b.memory_bytes, intra_node_bandwidth_bytes_per_s=b.intra_node_bandwidth_bytes_per_s,
+                   inter_node_bandwidth_bytes_per_s=b.inter_node_bandwidth_bytes_per_s) == b
+
+
+def profile_matches(profile: Profile, gpu: GPUSpec, dtype: str) -> bool:
+    """Whether the profile's times are the target's own (module docstring, "profiled"), else it is priced by roofline."""
     if profile.dtype != dtype:
         return False
     if profile.mode == "analytic":
-        # An analytic profile's times are its preset's rates: a cluster file's overrides of the rates
-        # (its attention kernel, a calibrated matmul rate) make another GPU, priced by roofline; of
-        # its memory or links, not.
-        preset = GPUS.get(gpu.name, gpu)
-        same_rates = replace(preset, memory_bytes=gpu.memory_bytes, intra_node_bandwidth_bytes_per_s=gpu.intra_node_bandwidth_bytes_per_s,
-                             inter_node_bandwidth_bytes_per_s=gpu.inter_node_bandwidth_bytes_per_s) == gpu
-        return profile.target_gpu == gpu.name and same_rates
+        # An analytic profile's times are the rates of the spec it was made for: a cluster file's
+        # overrides of them (its attention kernel, a calibrated matmul rate) make another GPU, priced
+        # by roofline; of its memory or links, not. A profile without its spec (before 2026-11-30)
+        # was made for the preset of its name.
+        made_for = GPUSpec(**profile.target_gpu_spec) if profile.target_gpu_spec else GPUS.get(gpu.name, gpu)
+        return profile.target_gpu == gpu.name and same_rates(made_for, gpu)
     if profile.device == "cpu":
         return gpu.name == "cpu"
     # Measured on CUDA: the device name ("NVIDIA H100 80GB HBM3") must name the target.
@@ -154,7 +160,7 @@ class ComputeModel:
         self.slowdown = slowdown
         """Multiplies every time: the node's compute contention (module docstring)."""
         self.dtype = dtype or profile.dtype
-        self.source = "profiled" if _profile_matches(profile, gpu, self.dtype) else "roofline"
+        self.source = "profiled" if profile_matches(profile, gpu, self.dtype) else "roofline"
         ratios = {b: w.ratio for b, w in profile.whole_model.items() if w.ratio > 0}
         self._ratios = ratios if (use_whole_model_ratio and ratios and self.source == "profiled") else {}
         self._cache: dict[tuple[int, float], UnitTime] = {}

@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Literal, cast
 
@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import planner
 from planner.errors import PlannerError
-from planner.hardware import get_gpu
+from planner.hardware import GPUSpec, get_gpu
 from planner.meta_values import KnownValues
 from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import (
@@ -180,7 +180,7 @@ def profile_model(
     model_args: dict | None = None,
     micro_batch_sizes: Sequence[int] = (1,),
     device: str = "cpu",
-    gpu: str | None = None,
+    gpu: str | GPUSpec | None = None,
     dtype: str = "float32",
     warmup: int = 2,
     repeats: int = 5,
@@ -190,7 +190,8 @@ def profile_model(
     threads: int | None = 1,
     precision: str = "autocast",
 ) -> Profile:
-    """Profile a model file; see the module docstring. `fusion` (planner/profiler/counters.py):
+    """Profile a model file; see the module docstring. `gpu`: the spec (a preset's name, or a
+    cluster's GPUSpec) whose rates give analytic times. `fusion` (planner/profiler/counters.py):
     how the memory traffic, hence analytic times, assume kernels are fused. `threads`: torch
     threads while measuring on CPU (None: as many as torch uses now). `precision`: how a 16-bit
     profile computes (`mixed_precision`): `autocast`, as `planner run` trains, or `pure`, as
@@ -209,7 +210,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
                    threads: int | None, precision: str) -> Profile:
     """The steps: check the options, build on meta, trace, count (and time), record op graphs."""
     sizes = _check_options(device, dtype, fusion, micro_batch_sizes, precision)
-    analytic_gpu = get_gpu(gpu or "h100-80gb") if device == "meta" else None
+    analytic_gpu = (gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu or "h100-80gb")) if device == "meta" else None
     torch_dtype = DTYPES[dtype]
     run_as = mixed_precision(device, torch_dtype, precision)
     mf = load_model_file(model_file, model_args)
@@ -273,6 +274,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
         device=device,
         device_name=_device_name(device, analytic_gpu),
         target_gpu=analytic_gpu.name if analytic_gpu else None,
+        target_gpu_spec=asdict(analytic_gpu) if analytic_gpu else None,
         dtype=dtype,
         torch_version=torch.__version__,
         model=_model_info(mf, str(model_file), meta_model, units, owned, traces, sizes[0], batches[sizes[0]], element,

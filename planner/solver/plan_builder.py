@@ -71,6 +71,13 @@ def device_mismatch(profile: Profile, cluster: Cluster) -> str | None:
         same = next((preset for key, preset in GPU_NAMES if key in name), None) == gpu or gpu.lower() in name
     else:
         same = times == gpu
+    if same and profile.device == "meta":
+        from planner.cost.compute import profile_matches
+
+        if not profile_matches(profile, cluster.gpu, profile.dtype):
+            return (f"the profile's analytic times are for {times} at other rates than the cluster's (a cluster file's "
+                    "overrides): the prediction prices each unit's totals by roofline at the cluster's rates; profile "
+                    "with --gpu <the cluster file> for per-op times")
     if same:
         return None
     return (f"the profile's times are {'measured on' if profile.device != 'meta' else 'analytic for'} {times}, "
