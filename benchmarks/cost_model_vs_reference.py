@@ -64,9 +64,10 @@ import pandas as pd
 from planner.cluster import make_cluster
 from planner.cost.overlap import SERIAL, Overlap
 from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY
-from planner.engines.megatron import gradient_dtype
+from planner.engines.megatron import gradient_dtype, stack_gpu
 from planner.engines.megatron import overlap as megatron_overlap
 from planner.errors import PlannerError
+from planner.hardware import GPUS
 from planner.profiler import profile_model
 from planner.solver.solve import Pins, even_block_cuts, solve
 
@@ -149,10 +150,13 @@ def modern_case(row) -> dict:
 
 def predict(case: dict) -> dict:
     started = time.perf_counter()
-    prof = profile_model("examples/gpt.py", case["args"], case["profile_mbs"], device="meta", gpu=case["gpu"],
+    # Megatron stacks' GPU as their runs price it (planner/engines/megatron.py `stack_gpu`: Transformer
+    # Engine's attention on Hopper as Megatron-Core's published runs show it); the others the preset.
+    spec = stack_gpu(GPUS[case["gpu"]]) if case["stack"].startswith("Megatron") else GPUS[case["gpu"]]
+    prof = profile_model("examples/gpt.py", case["args"], case["profile_mbs"], device="meta", gpu=spec,
                          dtype=case["dtype"], fusion="elementwise", precision=case.get("precision", "pure"))
     profiled = time.perf_counter() - started
-    cluster = make_cluster(case["gpus"], case["gpus_per_node"], case["gpu"])
+    cluster = replace(make_cluster(case["gpus"], case["gpus_per_node"], case["gpu"]), gpu=spec)
     if "inter_node" in case:  # a network other than the GPU preset's (planner/cluster.py Link, per GPU)
         cluster = replace(cluster, inter_node=case["inter_node"])
     out = {k: case[k] for k in ("source", "stack", "model", "gpu", "gpus")}

@@ -11,7 +11,8 @@ the layout (GBS, MBS, FSDP, TP, PP, CP, VP). Published iteration time: GBS x 819
 per GPU x GPUs). The 25.09 table's H100 rows state no precision and are left out.
 
 Each row is profiled analytically (examples/llama.py on the meta device, pure bf16 as
-Megatron-Core keeps its weights) and priced with its published layout as the reference
+Megatron-Core keeps its weights, for the GPU as Megatron-LM's runs price it: planner/engines/megatron.py
+`stack_gpu`) and priced with its published layout as the reference
 Megatron-Core rows are (benchmarks/cost_model_vs_reference.py): Megatron-LM's memory habits and
 overlaps, its fused loss and gradient-accumulation fusion, layers cut evenly over the chunks
 (where they do not divide, as 405B's 126 over 64 chunks, the solver's cuts);
@@ -27,7 +28,8 @@ GEMM rate times its measured FP8 ratio, planner/hardware.py; the output layer in
 as on the A100 and B200 presets, the 8B and 70B H100 rows are still +50% to +58%. Things the
 model prices for the planner's own runtime (torch SDPA, torchao, torch.compile) that this stack
 does otherwise:
-- attention: the H100 preset prices FlashAttention-2's 35% of the peak on every score of the
+- attention: Megatron-LM's configurations are priced (planner/engines/megatron.py `stack_gpu`) with
+  FlashAttention-2's 35% of the peak on every score of the
   causal mask (torch's FLOP count), while Transformer Engine runs cuDNN's fused attention, of
   FlashAttention-3's generation on Hopper (up to 75% of the peak, Shah et al. 2024), and fused
   attention kernels skip the masked tiles (1.7-1.8x faster than without the mask, Dao 2023,
@@ -70,8 +72,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cost_model_vs_reference import MEGATRON_MEMORY, StackPins, gradient_dtype, megatron_overlap, print_row, write_out_of_sample  # noqa: E402
 
 from planner.cluster import make_cluster  # noqa: E402
+from planner.engines.megatron import stack_gpu  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
-from planner.hardware import kernel_attention  # noqa: E402
+from planner.hardware import GPUS, kernel_attention  # noqa: E402
 from planner.profiler import profile_model  # noqa: E402
 from planner.solver.solve import even_block_cuts, solve  # noqa: E402
 
@@ -111,7 +114,7 @@ def main():
         if key not in profiles:
             args = dict(n_layers=layers, d_model=d, n_heads=heads, n_kv_heads=kv, d_ff=ffn, vocab_size=VOCABULARY,
                         seq_len=SEQUENCE)
-            profiles[key] = profile_model("examples/llama.py", args, [mbs], device="meta", gpu=gpu, dtype="bfloat16",
+            profiles[key] = profile_model("examples/llama.py", args, [mbs], device="meta", gpu=stack_gpu(GPUS[gpu]), dtype="bfloat16",
                                           fusion="elementwise", precision="pure")
         prof = profiles[key]
         published = gbs * SEQUENCE / (tokens * gpus)
@@ -122,7 +125,7 @@ def main():
         # Megatron-Bridge's recipes lay them out by hand (`pipeline_model_parallel_layout`): the solver's cuts.
         even = even_block_cuts(prof) if pp > 1 else None
         cuts = even if even is not None and even(pp * vp) is not None else None
-        cluster = make_cluster(gpus, 8, gpu)
+        cluster = replace(make_cluster(gpus, 8, gpu), gpu=stack_gpu(GPUS[gpu]))  # Megatron-Core's attention as its runs show
         try:
             plan = solve(prof, cluster, gbs, pins(gpus, mbs, fsdp, tp, pp, cp, vp), top_k=1,
                          dtype="bfloat16", cuts=cuts, float8=True)
@@ -138,7 +141,7 @@ def main():
             # than the profile's preset is priced by roofline on each unit's totals (planner/cost/
             # compute.py), so the preset is priced that way too, as the control.
             for column, spec in (("roofline", replace(cluster.gpu, name="h100-80gb-roofline")),
-                                 ("cudnn_attention", replace(cluster.gpu, **kernel_attention("cudnn")))):
+                                 ("cudnn_attention", replace(GPUS[gpu], **kernel_attention("cudnn")))):
                 try:
                     seconds = solve(prof, replace(cluster, gpu=spec), gbs, pins(gpus, mbs, fsdp, tp, pp, cp, vp), top_k=1,
                                     dtype="bfloat16", cuts=cuts, float8=True).prediction.iteration_time_s

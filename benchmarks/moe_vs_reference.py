@@ -28,14 +28,16 @@ benchmarks/results/moe_vs_reference.{csv,png}.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 
 from planner.cluster import make_cluster
 from planner.engines.megatron import MEMORY_HABITS as MEGATRON_MEMORY
-from planner.engines.megatron import gradient_dtype
+from planner.engines.megatron import gradient_dtype, stack_gpu
 from planner.errors import PlannerError
+from planner.hardware import GPUS, get_gpu
 from planner.profiler import profile_model
 from planner.solver.plan_builder import why_lost
 from planner.solver.search import Config, Evaluation
@@ -47,10 +49,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 CONFIG = ROOT / "examples" / "hf" / "qwen3-235b-a22b.json"
 
 
+MEGATRON_H100 = stack_gpu(GPUS["h100-80gb"])
+"""The H100 as Megatron-Core's runs price it (planner/engines/megatron.py `stack_gpu`: Transformer
+Engine's attention as its published H100 runs show it)."""
+
+
 def profile(seq_len: int):
     import planner.hf_config_model as hf
 
-    return profile_model(hf.__file__, {"config": str(CONFIG), "seq_len": seq_len}, [1], device="meta", gpu="h100-80gb",
+    return profile_model(hf.__file__, {"config": str(CONFIG), "seq_len": seq_len}, [1], device="meta", gpu=MEGATRON_H100,
                          dtype="bfloat16", precision="pure")
 
 
@@ -99,7 +106,7 @@ def main() -> pd.DataFrame:
     started = time.perf_counter()
     prof = profile(int(row.seq))
     print(f"profiled in {time.perf_counter() - started:.1f} s")
-    cluster = make_cluster(int(row.num_gpus), 8, row.gpu)
+    cluster = replace(make_cluster(int(row.num_gpus), 8, row.gpu), gpu=stack_gpu(get_gpu(row.gpu)))
     published = float(row.step_time_s)
     tick = time.perf_counter()
     # Megatron-Core's vocab-parallel cross-entropy is fused (planner/cost/memory.py `loss_bytes`), its

@@ -34,23 +34,16 @@ and priced with `planner.engines.pricing.price`. Nothing is fitted to these rows
 shared/reference/.
 
 What it shows (2026-11-30), each row profiled for the source's GPU (2.4 TB/s HBM2e: its memory-bound
-ops slower than on the 3.35 TB/s preset) and priced per op: 3 of 18 within 10%, median |error| 20.9%.
-- Eager FSDP -1.7% (8 GPUs) and -4.6% (128); with torch.compile +10.9% and +8.1% (the published
-  compile speedup is 17%, the profile's elementwise fusion prices 2.5%); with FP8 linears too +22.9%
-  and +20.3%.
-- 405B 3D +13.0% (1F1B) and +10.7% (interleaved); 70B 2D +30.9% (+21.4% with async TP).
-- Every run at 32K-262K tokens is predicted slow, +16% to +61% (Tables 2 and 6): attention is most
-  of those steps, and the H100 preset prices FlashAttention-2's 35% of the peak on every score of
-  the causal mask (planner/hardware.py `FLASH_ATTENTION_FRACTION`), as the long-sequence llm-foundry
-  H100 runs (benchmarks/llm_foundry_tables.py) and NVIDIA's Megatron-Bridge runs
-  (benchmarks/megatron_bridge.py) also show.
-- Priced at FlashAttention-2's benchmarked rates instead (columns `*_fa2_kernel`, profiled for that
-  spec: by pass, the masked tiles skipped; planner/hardware.py `kernel_attention`), torch's SDPA's
-  kernel: 10 of 18 within 10%, median 8.1%: eager -15.2% and -17.7%, compiled -4.7% and -7.2%, FP8
-  +2.9% and +0.7%, 405B 3D +4.5% and +2.4%, 70B +19.1% and +9.0%, long sequences -28% to +5%. The
-  preset stays the calibration set's (planner/hardware.py, module docstring: Megatron-Core's runs at
-  4096 tokens agree with it); these runs are the strongest case for a stack's own kernel rates,
-  which a cluster file states.
+ops slower than on the 3.35 TB/s preset) and priced per op: 10 of 18 within 10%, median |error| 8.1%.
+- Eager FSDP -15.2% (8 GPUs) and -17.7% (128), predicted fast; with torch.compile -4.7% and -7.2%
+  (the published compile speedup is 17%, the profile's elementwise fusion prices 2.5%); with FP8
+  linears too +2.9% and +0.7%.
+- 405B 3D +4.5% (1F1B) and +2.4% (interleaved); 70B 2D +19.1% (+9.0% with async TP).
+- 32K-262K tokens (Tables 2 and 6): 8B -0.5% and +3.1% with CP 1 and 2, -24% and -28% with CP 4
+  and 8; 405B +4.8% with CP 1, -14% to -28% with CP 2 to 8: the more CP ranks, the faster predicted.
+- With attention priced as Megatron-Core's published runs show it (35% of the peak on every score;
+  the preset's until 2026-11-30: columns `*_end_to_end_attention`): 3 of 18 within 10%, median 20.9%,
+  every run at 32K tokens or more +16% to +61%.
 - Memory (the published maximum over the GPUs, column `published_peak_gib`, against the largest
   rank's predicted peak, `rank_peak_bytes`): 13 of 18 within 10%, median 5.7%. The 8B runs land within 6% (all four CP runs within 1%). torchtitan's loss
   parallelism (the logits kept vocabulary-sharded over TP, the loss computed on the shards;
@@ -83,7 +76,7 @@ from planner.cluster import make_cluster  # noqa: E402
 from planner.engines import torchtitan  # noqa: E402
 from planner.engines.pricing import price  # noqa: E402
 from planner.errors import PlannerError  # noqa: E402
-from planner.hardware import GB, GPUS, kernel_attention  # noqa: E402
+from planner.hardware import END_TO_END_ATTENTION_FRACTION, GB, GPUS  # noqa: E402
 from planner.plan import rank_peak_bytes  # noqa: E402
 from planner.profiler import profile_model  # noqa: E402
 
@@ -97,8 +90,11 @@ VOCABULARY = 128256
 GRAND_TETON_H100 = replace(GPUS["h100-80gb"], name="h100-96gb-hbm2e", memory_bytes=int(96 * GB),
                            memory_bandwidth_bytes_per_s=2400 * GB)
 """The source's H100: 96 GB of HBM2e at 2.4 TB/s; the rest the h100-80gb preset's (module docstring)."""
-FA2_KERNEL = replace(GRAND_TETON_H100, **kernel_attention("flash-attention-2"))
-"""The same with FlashAttention-2's benchmarked attention rates (planner/hardware.py `kernel_attention`)."""
+END_TO_END = replace(GRAND_TETON_H100, attention_efficiency=END_TO_END_ATTENTION_FRACTION, attention_backward_ratio=1.0,
+                     attention_causal_ratio=0.5)
+"""The same with attention as Megatron-Core's published H100 runs price it end to end (35% of the peak on
+every score, both passes: planner/hardware.py `END_TO_END_ATTENTION_FRACTION`), the H100 preset's
+before 2026-11-30; the preset prices FlashAttention-2's benchmarked rates (`kernel_attention`)."""
 AC = {"op": 'mode = "selective"\nselective_ac_option = "op"', "full": 'mode = "full"'}
 ROWS = [  # table, technique, model, GPUs, FSDP, TP, PP, CP, local batch, sequence, AC, compile, float8, async TP, schedule, TPS/GPU
     (1, "FSDP", "8B", 8, 8, 1, 1, 1, 2, 8192, "op", False, False, False, None, 5762),
@@ -165,13 +161,13 @@ def main():
         layers, d, heads, kv, ffn = SHAPES[model]
         mbs = local // pp
         args = dict(n_layers=layers, d_model=d, n_heads=heads, n_kv_heads=kv, d_ff=ffn, vocab_size=VOCABULARY, seq_len=seq)
-        for spec in (GRAND_TETON_H100, FA2_KERNEL):  # each profiled for its own rates: per-op times (planner/cost/compute.py)
+        for spec in (GRAND_TETON_H100, END_TO_END):  # each profiled for its own rates: per-op times (planner/cost/compute.py)
             if (model, seq, mbs, compiled, spec.attention_causal_ratio) not in profiles:
                 profiles[model, seq, mbs, compiled, spec.attention_causal_ratio] = profile_model(
                     "examples/llama.py", args, [mbs], device="meta", gpu=spec, dtype="bfloat16",
                     fusion="elementwise" if compiled else "none", precision="pure")
         key = (model, seq, mbs, compiled, GRAND_TETON_H100.attention_causal_ratio)
-        kernel_key = (model, seq, mbs, compiled, FA2_KERNEL.attention_causal_ratio)
+        old_key = (model, seq, mbs, compiled, END_TO_END.attention_causal_ratio)
         cluster = replace(make_cluster(gpus, 8, "h100-80gb"), gpu=GRAND_TETON_H100)
         layout = torchtitan.parse(job_file(model, fsdp, tp, pp, cp, local, seq, ac, compiled, float8, async_tp, schedule))
         published = local * fsdp * seq / (tps * gpus)  # global batch = local x FSDP (CP, TP, PP ranks share samples)
@@ -181,9 +177,9 @@ def main():
                    published_iteration_s=published, published_peak_gib=gib, notes="; ".join(layout.notes))
         try:
             plan = price(profiles[key], cluster, layout)
-            # torch's SDPA runs FlashAttention-2: priced at its benchmarked rates, masked tiles skipped
-            kernel = price(profiles[kernel_key], replace(cluster, gpu=FA2_KERNEL), layout).prediction.iteration_time_s
-            row.update(predicted_fa2_kernel_s=kernel, error_fa2_kernel=kernel / published - 1)
+            # attention as Megatron-Core's runs show it end to end (the preset's before 2026-11-30)
+            old = price(profiles[old_key], replace(cluster, gpu=END_TO_END), layout).prediction.iteration_time_s
+            row.update(predicted_end_to_end_attention_s=old, error_end_to_end_attention=old / published - 1)
         except PlannerError as error:
             row.update(predicted_iteration_s=float("nan"), error=float("nan"), notes=str(error).splitlines()[0])
         else:
@@ -196,7 +192,7 @@ def main():
         out.append(row)
         print(f"T{table} {model:>4} x{gpus:<3} {technique:<24} s{seq:<6} published {published:7.2f} s  "
               f"predicted {row['predicted_iteration_s']:7.2f} s  error {row['error']:+7.1%} "
-              f"(FA2 kernel {row.get('error_fa2_kernel', float('nan')):+7.1%})  "
+              f"(35% attention {row.get('error_end_to_end_attention', float('nan')):+7.1%})  "
               f"peak {row.get('predicted_peak_gib', float('nan')):5.1f} GiB (published {gib:4.1f})  {row['notes']}", flush=True)
     frame = write_out_of_sample(out, "torchtitan_h100")
     memory = frame["memory_error"].abs()

@@ -509,7 +509,7 @@ def price_command(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Also write the priced configuration as a plan."),
 ) -> None:
     """Price an existing engine configuration exactly and set it beside the best plan for the same model and cluster."""
-    from planner.engines import as_the_engine_computes, check_engine_heads, guess_engine, read_config
+    from planner.engines import as_the_engine_runs, check_engine_heads, guess_engine, read_config
     from planner.engines.pricing import compare
     from planner.profile_schema import load_profile
 
@@ -522,9 +522,9 @@ def price_command(
     engine = engine or guess_engine(from_file, from_file.read_text())
     check_engine_heads(engine, prof, layout.tp_degree)
     with err_console.status("pricing"):
-        prof, precision = as_the_engine_computes(prof, engine)
+        prof, clus, engine_notes = as_the_engine_runs(prof, clus, engine)
         result = compare(prof, clus, layout, global_batch, profile_path=str(profile_file))
-    for note in [*layout.notes, *([precision] if precision else [])]:
+    for note in [*layout.notes, *engine_notes]:
         console.print(f"note: {note}")
     for line in result.lines():
         console.print(line, highlight=False)

@@ -29,36 +29,30 @@ generation, the product of two factors:
   H100 and FSDP A100-40GB runs of shared/reference/modern_stacks.csv are checks, not fits
   (benchmarks/cost_model_vs_reference.py).
 
-- `attention_efficiency` (`FLASH_ATTENTION_FRACTION`): fused attention kernels are not GEMMs. On
-  an A100 FlashAttention-2 reaches 50-73% of the peak (Dao 2023, arXiv 2307.08691), about what a
-  block's GEMMs keep, so attention runs at the GEMM rate there. On Hopper the same kernel, which
-  torch's SDPA runs, reaches 35% (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608), times the
-  sustained / burst ratio above: 0.30 of the peak, where the GEMMs keep 0.57. It accounts for most of what the
-  Megatron-Core H100 runs of shared/reference/modern_stacks.csv were missing (all predicted too
-  fast, the most where attention is the largest share: GPT 1.7B at 4096 tokens); a stack running
-  FlashAttention-3 or cuDNN's attention sets it in the cluster file (`attention_efficiency`).
-  Profiles record which attention FLOPs run under a causal mask (`UnitCosts.*_causal_attention_flops`),
-  and a GPU's attention rates can differ by pass and mask (`GPUSpec.attention_time_s`): the kernels'
-  own benchmarks (`KERNEL_BENCHMARKS`, `kernel_attention`) give the backward 0.86 of the forward's
-  rate and a causal kernel half the work at 0.90 of the rate. Priced so (FlashAttention-2's figures,
-  sustained), a lone H200's measured GPT-3 2.7B blocks at 2048 tokens come out 1.09-1.22x their
-  measured time at micro-batches 2-4, against 1.20-1.34x at the preset's rates, where the sustained /
-  burst ratio alone gives 1.18 (benchmarks/results/h200/run1_before_fixes): the benchmarks hold for
-  one GPU. Against published runs (2026-11-30), with FlashAttention-2's rates in the preset:
-    shared/reference/ (the calibration set): the Megatron-Core H100 rows' median |error| 3.8% ->
-      5.0% (1.7B +3.9% -> -10.7%), the Megatron-Core Qwen3-235B MoE run -5.4% -> -13.8%;
-      (cuDNN's rates, Transformer Engine's kernel on Hopper, priced by roofline against a roofline
-      control: the Megatron-Core rows 3.4% -> 11.1%);
-    out of sample: torchtitan's 18 H100 runs (benchmarks/torchtitan_h100.py, profiled for their
-      2.4 TB/s HBM2e parts) median 20.9% -> 8.1%, within 10% 3 -> 10; NVIDIA's Megatron-Bridge FP8
-      runs with cuDNN's rates +56..+70% -> +18..+50% (benchmarks/megatron_bridge.py); llm-foundry's
-      H100 runs (benchmarks/llm_foundry_tables.py) -4% -> -16% without checkpointing and +15% ->
-      -6% with it, as its A100 runs are (-13% and -1%, attention at the GEMM rate there).
-  The runs of Megatron-Core at 4096 tokens, which is all the calibration set has on Hopper, agree
-  with FlashAttention-2's rate on every score in both passes; PyTorch-native runs and longer
-  sequences agree with the kernels' benchmarks. The presets keep the calibration set's
-  (`PRESET_CAUSAL_RATIO`); a cluster file takes a kernel's benchmarked rates where a user's stack
-  runs them (`kernel_attention`; README, "Solve for a cluster").
+- Attention (`attention_efficiency`, `attention_backward_ratio`, `attention_causal_ratio`;
+  `KERNEL_BENCHMARKS`): fused attention kernels are not GEMMs. Profiles record which attention FLOPs
+  run under a causal mask (`UnitCosts.*_causal_attention_flops`) and a GPU prices them by pass and
+  mask (`GPUSpec.attention_time_s`). On an A100 FlashAttention-2 reaches 50-73% of the peak (Dao
+  2023, arXiv 2307.08691), about what a block's GEMMs keep, so attention runs at the GEMM rate there,
+  every score counted. On Hopper the H100 and H200 presets price FlashAttention-2, the kernel torch's
+  SDPA runs, at its own benchmarked rates (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608,
+  Figures 5 and 6: 370 TFLOP/s forward, 318 backward, a causal kernel half the work at 0.90 of the
+  rate), times the sustained / burst ratio above. Our own H200 runs measured it (2026-11-26, one GPU,
+  burst clocks; benchmarks/results/h200/): analytic over measured time of GPT blocks at 2048 tokens
+  (GPT-3 2.7B's shape, micro-batches 2-4: 1.09-1.22; GPT 1.3B, micro-batches 4-8: 1.13-1.22), where
+  the sustained / burst ratio alone gives 1.18; priced at 35% of the peak on every score (the presets
+  until 2026-11-30) 1.20-1.36. torchtitan's published H100 runs agree (benchmarks/torchtitan_h100.py:
+  median |error| 8.1%, 10 of 18 within 10%; 20.9% and 3 of 18 the old way), and llm-foundry's H100
+  runs then show the biases its A100 runs show (without checkpointing -16% against -13% on A100, with
+  it -6% against -1%; the old way -4% and +15%: benchmarks/llm_foundry_tables.py).
+  Megatron-Core's published H100 runs of shared/reference/ (Transformer Engine, 4096 tokens) do not:
+  at the kernel's rates their median |error| goes from 3.8% to 5.0% (1.7B from +3.9% to -10.7%) and
+  the Qwen3-235B MoE run from -5.4% to -13.8%; cuDNN's rates, the kernel Transformer Engine prefers
+  on Hopper, take them further. So that stack is priced as its runs show
+  (`END_TO_END_ATTENTION_FRACTION`: 35% on every score, both passes; planner/engines/megatron.py
+  `stack_gpu`, which `planner price` and the Megatron benchmarks apply); NVIDIA's newer
+  Megatron-Bridge FP8 runs are nonetheless far faster than either (benchmarks/megatron_bridge.py). A
+  cluster file states another stack's kernel (`kernel_attention`; README, "Solve for a cluster").
 
 - `memory_efficiency` 0.85: streaming kernels reach ~85-90% of HBM bandwidth (a device to
   device copy on the H100 here moved 3.0 of 3.35 TB/s, 0.90; STREAM-like results on A100
@@ -140,7 +134,7 @@ class GPUSpec:
     """Fraction of the dense peak fused attention kernels (flash, memory-efficient) sustain in
     training on the FLOPs torch counts, without a mask (the forward's; the backward's is this times
     `attention_backward_ratio`); None: `matmul_efficiency` on every score, both passes (module
-    docstring, `FLASH_ATTENTION_FRACTION`)."""
+    docstring, `KERNEL_BENCHMARKS`)."""
     attention_backward_ratio: float = 1.0
     """With `attention_efficiency`: the backward's rate over the forward's (both count the
     backward's work as 2.5 forwards: torch's FLOP counter and FlashAttention's benchmarks)."""
@@ -148,7 +142,7 @@ class GPUSpec:
     """With `attention_efficiency`: a causal kernel's rate over the unmasked one's, counting half
     the scores (the masked tiles skipped), as FlashAttention's benchmarks do: 0.90 for
     FlashAttention-2 on an H100 (`KERNEL_BENCHMARKS`); 0.5 prices a causal kernel in the unmasked
-    one's time (the presets: `PRESET_CAUSAL_RATIO`)."""
+    one's time (`END_TO_END_ATTENTION_FRACTION`)."""
     kernel_overhead_s: float = 5e-6
     """Fixed cost per kernel (launch, tail), seconds."""
     fp8_relative_efficiency: float | None = None
@@ -178,7 +172,7 @@ class GPUSpec:
         """Seconds of fused attention kernels doing `flops` as torch counts them (every score: the
         forward 4 b s^2 h d, the backward 2.5 times that, its 5 products with the scores recomputed,
         as FlashAttention counts them too), in the `backward` pass, under a `causal` mask or none
-        (module docstring, `FLASH_ATTENTION_FRACTION`). Without `attention_efficiency` the GEMM rate
+        (module docstring, `KERNEL_BENCHMARKS`). Without `attention_efficiency` the GEMM rate
         prices every counted FLOP, as before causal masks were told apart."""
         if self.attention_efficiency is None:
             return flops / self.achievable_attention_flops(dtype)
@@ -272,19 +266,11 @@ def _matmul_efficiency(generation: str) -> float:
     return SUSTAINED_MATMUL_FRACTION[generation] * BLOCK_GEMM_FACTOR
 
 
-FLASH_ATTENTION_FRACTION = {"h100": 0.35 * HOPPER_SUSTAINED_RATIO, "h200": 0.35 * HOPPER_SUSTAINED_RATIO}
-"""Fused attention's sustained fraction of the dense bf16 peak on every score torch counts, forward and
-backward alike, where it differs from the GEMMs' (module docstring): FlashAttention-2, which torch's
-SDPA runs, reaches 35% of an H100's peak (FlashAttention-3, Shah et al. 2024, arXiv 2407.08608,
-abstract), at burst clocks; times the sustained ratio, as for the GEMMs. A100: none, the GEMMs' rate
-(FlashAttention-2 reaches 50-73% of an A100's peak, Dao 2023, arXiv 2307.08691, abstract: about a
-block's GEMMs' 0.72). B200, B300: none, the GEMMs' rate, for want of a published figure for a fused
-attention kernel on Blackwell (an assumption; a cluster file sets `attention_efficiency` where the
-stack's kernel is known)."""
-PRESET_CAUSAL_RATIO = 0.5
-"""The presets' `attention_causal_ratio`: a causal kernel priced in the unmasked one's time, every
-score counted, what the end-to-end runs show (module docstring), where the kernels' own benchmarks
-skip the masked tiles (`KERNEL_BENCHMARKS`)."""
+END_TO_END_ATTENTION_FRACTION = 0.35 * HOPPER_SUSTAINED_RATIO
+"""FlashAttention-2's 35% of an H100's peak (FlashAttention-3, Shah et al. 2024, arXiv 2407.08608,
+abstract), at burst clocks, times the sustained ratio, on every score torch counts, in both passes:
+how Megatron-Core's published H100 runs (shared/reference/) price end to end (module docstring;
+planner/engines/megatron.py `stack_gpu`). The H100 and H200 presets price the kernels' own rates."""
 KERNEL_BENCHMARKS = {
     "flash-attention-2": {"forward": 370.0, "forward_causal": 333.0, "backward": 318.0},
     "cudnn": {"forward": 600.0, "forward_causal": 529.0, "backward": 518.0},
@@ -295,9 +281,12 @@ FlashAttention's count (a causal kernel counts half the scores; a backward 2.5 f
 FLOP counter counts it: the scores recomputed, 5 products): Shah et al. 2024, FlashAttention-3
 (arXiv 2407.08608), Figures 5 (forward, without and with the causal mask) and 6 (backward, without),
 as transcribed from the figures. The backward's causal figure is not given: its causal ratio is taken
-to be the forward's. A cluster file prices a stack's kernel with them (`kernel_attention`): torch's SDPA
-runs FlashAttention-2 (its priority order puts flash first; cuDNN's kernel last), Transformer Engine
-prefers cuDNN's on Hopper."""
+to be the forward's. The H100 and H200 presets price FlashAttention-2's, the kernel torch's SDPA runs
+(its priority order puts flash first, cuDNN's kernel last), so the planner's runtime and torchtitan;
+a cluster file prices another stack's kernel with them (`kernel_attention`; Transformer Engine
+prefers cuDNN's on Hopper). A100: no rates, the GEMMs' rate on every score (FlashAttention-2 reaches
+50-73% of an A100's peak, Dao 2023, arXiv 2307.08691, abstract: about a block's GEMMs' 0.72). B200,
+B300: likewise, for want of a published figure for a fused attention kernel on Blackwell."""
 
 
 def kernel_attention(kernel: str, sustained_ratio: float = HOPPER_SUSTAINED_RATIO, peak_tflops: float = 989.4) -> dict[str, float]:
@@ -362,8 +351,7 @@ GPUS: dict[str, GPUSpec] = {
             intra_node_bandwidth_bytes_per_s=450 * GB,
             inter_node_bandwidth_bytes_per_s=50 * GB,
             matmul_efficiency=_matmul_efficiency("h100"),
-            attention_efficiency=FLASH_ATTENTION_FRACTION["h100"],
-            attention_causal_ratio=PRESET_CAUSAL_RATIO,
+            **kernel_attention("flash-attention-2"),
             fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["h100"],
         ),
         GPUSpec(
@@ -375,8 +363,7 @@ GPUS: dict[str, GPUSpec] = {
             intra_node_bandwidth_bytes_per_s=450 * GB,
             inter_node_bandwidth_bytes_per_s=50 * GB,
             matmul_efficiency=_matmul_efficiency("h200"),
-            attention_efficiency=FLASH_ATTENTION_FRACTION["h200"],
-            attention_causal_ratio=PRESET_CAUSAL_RATIO,
+            **kernel_attention("flash-attention-2"),
             fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["h200"],
         ),
         B200,

@@ -526,3 +526,26 @@ def test_torchtitan_shards_over_the_cp_ranks(gpt_h100):
     back = torchtitan.parse(exported.text)
     assert (back.zero_stage, back.dp_degree, back.cp_degree, back.shard_degree) == (2, 8, 2, 2)
     assert price(gpt_h100, cluster, back, BATCH).layout.zero_stage == 2
+
+
+def test_megatron_configurations_are_priced_with_its_attention(gpt_h100):
+    """`planner price` of a Megatron-LM configuration prices attention as Megatron-Core's published
+    H100 runs show it (planner/engines/megatron.py `stack_gpu`), with an analytic profile made again
+    for that spec (per-op times); other engines price the preset's kernel rates."""
+    from planner.cost.compute import ComputeModel
+    from planner.engines import as_the_engine_computes, as_the_engine_runs
+    from planner.engines.megatron import stack_gpu
+
+    cluster = make_cluster(8, 8, "h100-80gb")
+    profile, priced_on, notes = as_the_engine_runs(gpt_h100, cluster, "megatron")
+    assert priced_on.gpu == stack_gpu(cluster.gpu) != cluster.gpu
+    assert profile.target_gpu_spec["attention_causal_ratio"] == 0.5 and ComputeModel(profile, priced_on.gpu).source == "profiled"
+    assert any("Megatron-Core's published runs" in n for n in notes)
+    same_profile, same_cluster, _ = as_the_engine_runs(gpt_h100, cluster, "torchtitan")
+    assert same_cluster == cluster
+    a100 = make_cluster(8, 8, "a100-80gb")
+    assert as_the_engine_runs(gpt_h100, a100, "megatron")[1] == a100  # the GEMM rate there already
+    mega = megatron.parse("--tensor-model-parallel-size 2 --micro-batch-size 1 --global-batch-size 16 --bf16 --use-flash-attn\n")
+    slower = price(profile, priced_on, mega, BATCH).prediction.iteration_time_s
+    pure, _ = as_the_engine_computes(gpt_h100, "megatron")  # the same profile at the preset's kernel rates
+    assert slower >= price(pure, cluster, mega, BATCH).prediction.iteration_time_s  # (this small GPT: memory-bound, equal)

@@ -156,6 +156,40 @@ def as_the_engine_computes(profile, engine: str):
                   "analytically with --precision pure (the profile given computes under autocast, as `planner run` trains)")
 
 
+def as_the_engine_runs(profile, cluster, engine: str):
+    """The profile and cluster to price `engine`'s configuration with, and notes: the profile as the
+    engine computes (`as_the_engine_computes`); for Megatron-LM the GPU as its runs price
+    (planner/engines/megatron.py `stack_gpu`), an analytic profile made again for that spec so that
+    its per-op times are the spec's (planner/cost/compute.py `profile_matches`)."""
+    profile, note = as_the_engine_computes(profile, engine)
+    notes = [note] if note else []
+    if engine != "megatron":
+        return profile, cluster, notes
+    from dataclasses import replace
+
+    from planner.engines.megatron import stack_gpu
+
+    gpu = stack_gpu(cluster.gpu)
+    if gpu == cluster.gpu:
+        return profile, cluster, notes
+    cluster = replace(cluster, gpu=gpu)
+    notes.append(f"Megatron-LM's attention (Transformer Engine) priced on {gpu.name} as Megatron-Core's published runs show it: "
+                 "35% of the peak on every score, where the preset prices FlashAttention-2's benchmarked rates "
+                 "(planner/hardware.py)")
+    if profile.mode == "analytic":
+        from planner.profiler import profile_model
+
+        model = profile.model
+        try:
+            again = profile_model(model.file, model.args, profile.micro_batch_sizes, device="meta", gpu=gpu, dtype=profile.dtype,
+                                  fusion=profile.fusion, precision=profile.computes_as() or "autocast")
+        except (PlannerError, OSError):
+            return profile, cluster, notes  # priced by roofline at the spec's rates
+        if again.model.fingerprint == model.fingerprint:
+            profile = again
+    return profile, cluster, notes
+
+
 def guess_engine(path: Path, text: str) -> str:
     """The engine a configuration file is for, from its suffix and content."""
     suffix = path.suffix.lower()

@@ -83,6 +83,7 @@ from planner.engines.common import (
     plan_layout,
 )
 from planner.errors import PlannerError
+from planner.hardware import END_TO_END_ATTENTION_FRACTION, GPUS, GPUSpec
 from planner.plan import Plan
 
 FLAGS = {"--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
@@ -340,6 +341,20 @@ steps in place, and its pipeline (megatron/core/pipeline_parallel/p2p_communicat
 receives one micro-batch at a time; and how its distributed optimizer communicates: its flat
 gradient and parameter buffers in buckets (megatron/core/distributed/param_and_grad_buffer.py),
 not a collective per layer as FSDP2. Pins and EngineLayout fields."""
+
+
+def stack_gpu(gpu: GPUSpec) -> GPUSpec:
+    """The GPU as Megatron-LM's runs price: on a GPU whose preset prices fused attention at a kernel's
+    benchmarked rates (Hopper), Transformer Engine's attention as Megatron-Core's published H100 runs
+    show it end to end (shared/reference/): FlashAttention-2's 35% of the peak, sustained, on every
+    score in both passes (planner/hardware.py `END_TO_END_ATTENTION_FRACTION`, module docstring).
+    A GPU without such rates (A100, Blackwell: the GEMM rate) or with a cluster file's own is kept."""
+    preset = GPUS.get(gpu.name)
+    own = ("attention_efficiency", "attention_backward_ratio", "attention_causal_ratio")
+    if gpu.attention_efficiency is None or preset is None or any(getattr(gpu, f) != getattr(preset, f) for f in own):
+        return gpu
+    return replace(gpu, attention_efficiency=END_TO_END_ATTENTION_FRACTION, attention_backward_ratio=1.0,
+                   attention_causal_ratio=0.5)
 
 
 def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
