@@ -200,7 +200,9 @@ def _worker(args) -> None:
 
 def _sweep(r: _Rank, args) -> tuple[dict[str, list], dict[str, str]]:
     """Each collective timed at message sizes doubling from --min-bytes to --max-bytes, until its
-    share of --time-budget is spent: ({kind: [[bytes, seconds], ...]}, {kind: method that ran})."""
+    share of --time-budget is spent, at two sizes at least (a fit needs two: on a loaded machine the
+    first size alone could spend the share, and the collective went unfitted):
+    ({kind: [[bytes, seconds], ...]}, {kind: method that ran})."""
     sizes = [args.min_bytes * 2**k for k in range(64) if args.min_bytes * 2**k <= args.max_bytes]
     kinds = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"] + (["p2p"] if r.per_node > 1 else []) \
         + (["p2p_inter_node"] if r.per_node < r.n else [])
@@ -220,6 +222,8 @@ def _sweep(r: _Rank, args) -> tuple[dict[str, list], dict[str, str]]:
             results[kind].append([numel * 4 * whole, t / 2 if kind.startswith("p2p") else t])
             if bar:
                 bar.update(task, advance=1, description=f"{kind:>15} {numel * 4:>10} B {t * 1e3:9.3f} ms")
+            if len(results[kind]) < 2:  # a fit needs two sizes (planner/cluster_fit.py): measured however long they take
+                continue
             budget_left = r.torch.tensor([float(time.perf_counter() - started < args.time_budget / len(kinds))], device=r.device)
             r.dist.all_reduce(budget_left, op=r.dist.ReduceOp.MIN)  # all ranks stop together
             if not budget_left.item():

@@ -463,6 +463,21 @@ class Profile(_Model):
     op_checks: int = OP_CHECKS
     """`OP_CHECKS` of the profiler that wrote it (0: before the field existed)."""
 
+    def analytic_gpu(self):
+        """The GPUSpec an analytic profile's times were computed with (`target_gpu_spec`; a profile
+        written before it was recorded: its preset's; None for a measured profile). Fields this
+        version does not know are left out, ones it has that the file lacks take their defaults."""
+        from dataclasses import fields
+
+        from planner.hardware import GPUS, GPUSpec
+
+        if self.mode != "analytic":
+            return None
+        if not self.target_gpu_spec:
+            return GPUS.get(self.target_gpu or "h100-80gb")
+        known = {f.name for f in fields(GPUSpec)}
+        return GPUSpec(**{k: v for k, v in self.target_gpu_spec.items() if k in known})
+
     def computes_as(self) -> str | None:
         """`precision`, or for a profile that did not record it, what its profiler did."""
         if self.precision is not None or self.dtype == "float32":

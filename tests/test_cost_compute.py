@@ -170,6 +170,8 @@ def test_an_analytic_profile_prices_per_op_for_the_spec_it_was_made_for(tmp_path
     assert ComputeModel(preset, replace(h100, memory_bytes=10**9, inter_node_bandwidth_bytes_per_s=1e9)).source == "profiled"
     older = preset.model_copy(update={"target_gpu_spec": None})  # written before the spec was recorded: the preset's
     assert ComputeModel(older, h100).source == "profiled" and ComputeModel(older, kernel).source == "roofline"
+    newer = preset.model_copy(update={"target_gpu_spec": {**preset.target_gpu_spec, "a_later_field": 1.0}})
+    assert newer.analytic_gpu() == h100 and ComputeModel(newer, h100).source == "profiled"
     # The blocks' times at the cluster's rates are the profile's own per-op times.
     block = own.units[1]
     assert ComputeModel(own, kernel).unit_time(block, 1).backward_s == pytest.approx(block.costs[1].backward_time_s)

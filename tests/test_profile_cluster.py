@@ -146,3 +146,17 @@ def test_profile_cluster_rejects_an_unknown_backend():
     done = subprocess.run([sys.executable, "-m", "planner.cli", "profile-cluster", "--backend", "mpi"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "Unknown --backend" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_spent_time_budget_still_fits_every_collective(tmp_path):
+    # A loaded machine can spend a collective's share of the budget on its first size; a fit needs
+    # two, so each is measured at two sizes at least (CI once lost all_reduce so, with 4 s shared by 5).
+    out = tmp_path / "c.yaml"
+    done = subprocess.run([sys.executable, "-m", "planner.cli", "profile-cluster", "--nproc", "2", "--max-bytes", "262144",
+                           "--time-budget", "0.000001", "--repeats", "1", "--backend", "gloo", "--timeout", "100", "-o", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fitted = load_cluster(out).fitted
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        assert len(fitted[kind]["points"]) == 2, (kind, fitted.get(kind))

@@ -116,7 +116,7 @@ def profile_matches(profile: Profile, gpu: GPUSpec, dtype: str) -> bool:
         # overrides of them (its attention kernel, a calibrated matmul rate) make another GPU, priced
         # by roofline; of its memory or links, not. A profile without its spec (before 2026-11-30)
         # was made for the preset of its name.
-        made_for = GPUSpec(**profile.target_gpu_spec) if profile.target_gpu_spec else GPUS.get(gpu.name, gpu)
+        made_for = profile.analytic_gpu() if profile.target_gpu_spec else GPUS.get(gpu.name, gpu)
         return profile.target_gpu == gpu.name and same_rates(made_for, gpu)
     if profile.device == "cpu":
         return gpu.name == "cpu"

@@ -143,9 +143,7 @@ def as_the_engine_computes(profile, engine: str):
 
     model = profile.model
     try:
-        from planner.hardware import GPUSpec
-
-        spec = GPUSpec(**profile.target_gpu_spec) if profile.target_gpu_spec else profile.target_gpu
+        spec = profile.analytic_gpu() or profile.target_gpu
         pure = profile_model(model.file, model.args, profile.micro_batch_sizes, device="meta", gpu=spec,
                              dtype=profile.dtype, fusion=profile.fusion, precision="pure")
     except (PlannerError, OSError):
