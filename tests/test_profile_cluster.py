@@ -113,14 +113,18 @@ def test_failed_job_is_reported():
                  " sys.exit(1)"], 30.0, ROOT)
 
 
-@pytest.mark.slow
-def test_profile_cluster_writes_a_cluster_the_solver_reads(tmp_path):
-    out = tmp_path / "c.yaml"
+def _profile_cluster(out, budget: str, repeats: str):
+    """`planner profile-cluster` on 2 gloo processes into `out`; the cluster file it wrote."""
     done = subprocess.run([sys.executable, "-m", "planner.cli", "profile-cluster", "--nproc", "2", "--max-bytes", "262144",
-                           "--time-budget", "4", "--repeats", "3", "--backend", "gloo", "--timeout", "100", "-o", str(out)],
+                           "--time-budget", budget, "--repeats", repeats, "--backend", "gloo", "--timeout", "100", "-o", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    cluster = load_cluster(out)
+    return load_cluster(out)
+
+
+@pytest.mark.slow
+def test_profile_cluster_writes_a_cluster_the_solver_reads(tmp_path):
+    cluster = _profile_cluster(tmp_path / "c.yaml", "4", "3")
     assert cluster.world_size == 2 and cluster.num_nodes == 1 and cluster.gpu.name == "cpu"
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         fitted = cluster.fitted[kind]
@@ -152,11 +156,6 @@ def test_profile_cluster_rejects_an_unknown_backend():
 def test_a_spent_time_budget_still_fits_every_collective(tmp_path):
     # A loaded machine can spend a collective's share of the budget on its first size; a fit needs
     # two, so each is measured at two sizes at least (CI once lost all_reduce so, with 4 s shared by 5).
-    out = tmp_path / "c.yaml"
-    done = subprocess.run([sys.executable, "-m", "planner.cli", "profile-cluster", "--nproc", "2", "--max-bytes", "262144",
-                           "--time-budget", "0.000001", "--repeats", "1", "--backend", "gloo", "--timeout", "100", "-o", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    fitted = load_cluster(out).fitted
+    fitted = _profile_cluster(tmp_path / "c.yaml", "0.000001", "1").fitted
     for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
         assert len(fitted[kind]["points"]) == 2, (kind, fitted.get(kind))
