@@ -137,21 +137,29 @@ def as_the_engine_computes(profile, engine: str):
     and no device. Where that model cannot be loaded again as it was (moved, changed: another
     fingerprint), the profile is used as it is and `precision_note` says what that misprices."""
     note = precision_note(engine, profile)
-    if note is None or profile.mode != "analytic":
+    pure = _profiled_again(profile, precision="pure") if note is not None else None
+    if pure is None:
         return profile, note
+    return pure, (f"{engine} computes in pure 16 bits ({PURE_16_BIT[engine]}): priced from {profile.model.file} profiled again "
+                  "analytically with --precision pure (the profile given computes under autocast, as `planner run` trains)")
+
+
+def _profiled_again(profile, gpu=None, precision: str | None = None):
+    """An analytic profile made again from its model file with another GPU spec or precision (the
+    rest as it was); None for a measured profile, or where the model cannot be loaded again as it
+    was (moved, changed: another fingerprint)."""
+    if profile.mode != "analytic":
+        return None
     from planner.profiler import profile_model
 
     model = profile.model
     try:
-        spec = profile.analytic_gpu() or profile.target_gpu
-        pure = profile_model(model.file, model.args, profile.micro_batch_sizes, device="meta", gpu=spec,
-                             dtype=profile.dtype, fusion=profile.fusion, precision="pure")
+        again = profile_model(model.file, model.args, profile.micro_batch_sizes, device="meta",
+                              gpu=gpu or profile.analytic_gpu() or profile.target_gpu, dtype=profile.dtype, fusion=profile.fusion,
+                              precision=precision or profile.computes_as() or "autocast")
     except (PlannerError, OSError):
-        return profile, note
-    if pure.model.fingerprint != model.fingerprint:
-        return profile, note
-    return pure, (f"{engine} computes in pure 16 bits ({PURE_16_BIT[engine]}): priced from {model.file} profiled again "
-                  "analytically with --precision pure (the profile given computes under autocast, as `planner run` trains)")
+        return None
+    return again if again.model.fingerprint == model.fingerprint else None
 
 
 def as_the_engine_runs(profile, cluster, engine: str):
@@ -174,18 +182,8 @@ def as_the_engine_runs(profile, cluster, engine: str):
     notes.append(f"Megatron-LM's attention (Transformer Engine) priced on {gpu.name} as Megatron-Core's published runs show it: "
                  "35% of the peak on every score, where the preset prices FlashAttention-2's benchmarked rates "
                  "(planner/hardware.py)")
-    if profile.mode == "analytic":
-        from planner.profiler import profile_model
-
-        model = profile.model
-        try:
-            again = profile_model(model.file, model.args, profile.micro_batch_sizes, device="meta", gpu=gpu, dtype=profile.dtype,
-                                  fusion=profile.fusion, precision=profile.computes_as() or "autocast")
-        except (PlannerError, OSError):
-            return profile, cluster, notes  # priced by roofline at the spec's rates
-        if again.model.fingerprint == model.fingerprint:
-            profile = again
-    return profile, cluster, notes
+    # Unless it cannot be made again (then priced by roofline at the spec's rates).
+    return _profiled_again(profile, gpu=gpu) or profile, cluster, notes
 
 
 def guess_engine(path: Path, text: str) -> str:
