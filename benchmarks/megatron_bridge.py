@@ -21,7 +21,8 @@ planner/cost/fp8.py), recomputation the solver's choice among Megatron-LM's mode
 not state it). CP folds onto the data-parallel ranks in the planner (its dp counts them).
 
 What it shows (2026-11-30): every row is predicted too slow. The B200 rows are +17% (8B on 8
-GPUs) and +35% (405B on 128, CP 2 with 8 virtual stages); the five H100 rows +62% to +85%. Per
+GPUs) and +38% (405B on 128, CP 2 with 8 virtual stages; +35% while its data-parallel reduction took a
+hierarchical algorithm NCCL does not run); the five H100 rows +62% to +85%. Per
 8192-token micro-batch of the H100 8B row the model's FP8 GEMMs alone (at the H100's sustained
 GEMM rate times its measured FP8 ratio, planner/hardware.py; the output layer in bf16) take about
 0.39 s of the 0.57 s measured, attention another 0.42 s. With attention priced at the GEMM rate,

@@ -34,11 +34,12 @@ and priced with `planner.engines.pricing.price`. Nothing is fitted to these rows
 shared/reference/.
 
 What it shows (2026-11-30), each row profiled for the source's GPU (2.4 TB/s HBM2e: its memory-bound
-ops slower than on the 3.35 TB/s preset) and priced per op: 10 of 18 within 10%, median |error| 8.1%.
+ops slower than on the 3.35 TB/s preset) and priced per op: 10 of 18 within 10%, median |error| 7.2%
+(8.1% with textbook collectives before NCCL's tuner model priced them, planner/cost/nccl.py).
 - Eager FSDP -15.2% (8 GPUs) and -17.7% (128), predicted fast; with torch.compile -4.7% and -7.2%
   (the published compile speedup is 17%, the profile's elementwise fusion prices 2.5%); with FP8
   linears too +2.9% and +0.7%.
-- 405B 3D +4.5% (1F1B) and +2.4% (interleaved); 70B 2D +19.1% (+9.0% with async TP).
+- 405B 3D +3.4% (1F1B) and +1.2% (interleaved); 70B 2D +15.1% (+7.2% with async TP).
 - 32K-262K tokens (Tables 2 and 6): 8B -0.5% and +3.1% with CP 1 and 2, -24% and -28% with CP 4
   and 8; 405B +4.8% with CP 1, -14% to -28% with CP 2 to 8: the more CP ranks, the faster predicted.
 - With attention priced as Megatron-Core's published runs show it (35% of the peak on every score;

@@ -4,7 +4,9 @@ Presets come from planner/hardware.py (`make_cluster(gpus, gpus_per_node, gpu)`)
 YAML or JSON (`load_cluster`) describe or override them, and `planner profile-cluster`
 writes one from measurements. Link bandwidths are the GPU preset's (NVLink per GPU per
 direction inside a node, one NIC per GPU across nodes). Link latencies are typical
-published values, per message (one hop of a ring):
+published values, per message: what a point-to-point send and NCCL's all-to-all (grouped
+sends) pay, and gloo's collectives per step. NCCL's collectives take NCCL's own per-hop
+latencies by protocol instead (planner/cost/nccl.py):
 
 - NVLink/NVSwitch ~3 us: NCCL tests on DGX A100/H100 report 5-10 us for a small
   all-reduce inside a node, a few us of which is per-step link latency.
@@ -69,7 +71,7 @@ class Link:
     bandwidth_bytes_per_s: float
     """Per GPU, per direction."""
     latency_s: float
-    """Fixed cost of one message (one step of a ring)."""
+    """Fixed cost of one message (p2p, all-to-all; a ring step of gloo's collectives)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,11 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+    @property
+    def backend(self) -> str:
+        """The collective library its processes use: gloo on the CPU preset, NCCL on GPUs (as `planner run` launches them)."""
+        return "gloo" if self.gpu.name == "cpu" else "nccl"
 
     def to_ref(self) -> dict:
         """The plan file's ClusterRef."""

@@ -98,6 +98,8 @@ class GPUOverride(_Model):
     """NVLink/NVSwitch bandwidth per GPU per direction, bytes/s (the default intra-node link follows it)."""
     inter_node_bandwidth_bytes_per_s: Positive | None = None
     """Network bandwidth per GPU per direction, bytes/s (the default inter-node link follows it)."""
+    nvls_all_reduce_bytes_per_s: Positive | None = None
+    """Bytes all-reduced per second by NCCL's NVLink SHARP inside a node (default: the preset's)."""
     matmul_efficiency: Positive | None = None
     """Fraction of peak FLOP/s a transformer block's matrix products sustain."""
     memory_efficiency: Positive | None = None
@@ -136,7 +138,7 @@ class LinkFile(_Model):
     bandwidth_bytes_per_s: Positive | None = None
     """Per GPU, per direction, bytes/s."""
     latency_s: Positive | None = None
-    """Fixed cost of one message (one step of a ring), seconds."""
+    """Fixed cost of one message (p2p, all-to-all; a ring step of gloo's collectives; NCCL's collectives use NCCL's own), seconds."""
 
 
 class CollectiveFit(_Model):

@@ -42,7 +42,8 @@ generation, the product of two factors:
   (GPT-3 2.7B's shape, micro-batches 2-4: 1.09-1.22; GPT 1.3B, micro-batches 4-8: 1.13-1.22), where
   the sustained / burst ratio alone gives 1.18; priced at 35% of the peak on every score (the presets
   until 2026-11-30) 1.20-1.36. torchtitan's published H100 runs agree (benchmarks/torchtitan_h100.py:
-  median |error| 8.1%, 10 of 18 within 10%; 20.9% and 3 of 18 the old way), and llm-foundry's H100
+  median |error| 8.1%, 10 of 18 within 10%, 7.2% with NCCL's collectives as its tuner prices them;
+  20.9% and 3 of 18 the old way), and llm-foundry's H100
   runs then show the biases its A100 runs show (without checkpointing -16% against -13% on A100, with
   it -6% against -1%; the old way -4% and +15%: benchmarks/llm_foundry_tables.py).
   Megatron-Core's published H100 runs of shared/reference/ (Transformer Engine, 4096 tokens) do not:
@@ -125,6 +126,11 @@ class GPUSpec:
     """NVLink/NVSwitch bandwidth per GPU per direction, bytes/s."""
     inter_node_bandwidth_bytes_per_s: float = 0.0
     """Network bandwidth per GPU per direction across nodes, bytes/s (one NIC per GPU)."""
+    nvls_all_reduce_bytes_per_s: float | None = None
+    """Bytes all-reduced per second (algorithm bandwidth, M / t) by NCCL's NVLink SHARP algorithm
+    (NVLS: the NVSwitch reduces, each GPU sends its data once and receives the sum once) inside one
+    node, large messages; None where the node's switch has no SHARP (A100's NVSwitch) or no figure
+    is published (`NVLS_ALL_REDUCE_ALGBW`)."""
     matmul_efficiency: float = 0.72
     """Fraction of peak FLOP/s a transformer block's matrix products sustain in training
     (presets: `SUSTAINED_MATMUL_FRACTION` x `BLOCK_GEMM_FACTOR`, module docstring)."""
@@ -315,6 +321,20 @@ B200 = GPUSpec(
 """B200 SXM (DGX B200); B300 differs in memory (288 GB), network (ConnectX-8, 100 GB/s per GPU) and its MAMF."""
 
 
+NVLS_ALL_REDUCE_ALGBW = {"h100": 275 * GB, "h200": 475 * GB * 8 / 14}
+"""NCCL's NVLink SHARP all-reduce on 8 GPUs of an NVSwitch (gen 3) node, the default algorithm there
+since NCCL 2.17, as bytes all-reduced per second. H100: "on 8 GPUs, you should reach a peak busBw of
+~480GB/s (algbw ~275GB/s)" (sjeaugey, NVIDIA/nccl-tests issue #212); H200: busbw 475 GB/s
+(nccl-tests issue #272, NCCL 2.20.3), algbw = busbw x 8 / (2 x 7). The ring reaches ~370 GB/s of
+busbw on the same node (NVIDIA/nccl issue #1455), so NVLS is about 1.3x faster on 8 GPUs; on 2-4
+GPUs that issue measures no gain (busbw 365-370 either way), where this model's NVLS (algbw 275
+for any group) is 10% optimistic at 4 GPUs and the ring wins at 2. NVLink SHARP moves no fewer
+bytes for all-gather and reduce-scatter, and NCCL's NVLS all-gather is slower than its ring (300
+against 350 GB/s at 1 GB, NVIDIA/nccl issue #1506), so only the all-reduce gets it
+(planner/cost/collectives.py). B200/B300 (NVSwitch gen 4) have it too, with no published figure:
+left out, priced as the ring."""
+
+
 # 8 x 200 Gb/s HDR InfiniBand per DGX A100 node: one 25 GB/s NIC per GPU.
 # DGX H100/H200 and DGX B200: 8 x 400 Gb/s (ConnectX-7, NDR), 50 GB/s per GPU; DGX B300: 8 x 800 Gb/s
 # (ConnectX-8, XDR), 100 GB/s (stas00/ml-engineering network/README.md, inter-node table, 2026-07).
@@ -350,6 +370,7 @@ GPUS: dict[str, GPUSpec] = {
             memory_bandwidth_bytes_per_s=3350 * GB,
             intra_node_bandwidth_bytes_per_s=450 * GB,
             inter_node_bandwidth_bytes_per_s=50 * GB,
+            nvls_all_reduce_bytes_per_s=NVLS_ALL_REDUCE_ALGBW["h100"],
             matmul_efficiency=_matmul_efficiency("h100"),
             **kernel_attention("flash-attention-2"),
             fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["h100"],
@@ -362,6 +383,7 @@ GPUS: dict[str, GPUSpec] = {
             memory_bandwidth_bytes_per_s=4800 * GB,
             intra_node_bandwidth_bytes_per_s=450 * GB,
             inter_node_bandwidth_bytes_per_s=50 * GB,
+            nvls_all_reduce_bytes_per_s=NVLS_ALL_REDUCE_ALGBW["h200"],
             matmul_efficiency=_matmul_efficiency("h200"),
             **kernel_attention("flash-attention-2"),
             fp8_relative_efficiency=FP8_RELATIVE_MATMUL_FRACTION["h200"],

@@ -14,8 +14,10 @@ M = 64 * 2**20  # a 64 MiB message
 ALPHA, BETA = 5e-6, 100e9
 
 
-def _cluster(per_node=8, nodes=1, inter_bw=BETA / 10, fitted=None) -> Cluster:
-    c = make_cluster(per_node * nodes, per_node, "a100-80gb")
+def _cluster(per_node=8, nodes=1, inter_bw=BETA / 10, fitted=None, gpu="cpu") -> Cluster:
+    """Links of round numbers; the CPU preset's collectives are gloo's (the textbook algorithms),
+    a GPU preset's NCCL's (planner/cost/nccl.py)."""
+    c = make_cluster(per_node * nodes, per_node, gpu)
     return Cluster(c.name, c.gpu, nodes, per_node, Link(BETA, ALPHA), Link(inter_bw, 2 * ALPHA), fitted or {})
 
 
@@ -165,31 +167,85 @@ def test_unknown_collective_is_rejected():
         CollectiveModel(make_cluster(8)).algorithm_times("all_scatter", M, Group(8, 1))
 
 
+def _ring_s(kind: str, n: int, nodes: int, nbytes: float, busbw: float, protocol: str = "Simple") -> float:
+    """NCCL's ring as its tuner prices it (planner/cost/nccl.py), written out."""
+    from planner.cost.nccl import BASE_LATENCY_US, HOP_LATENCY_US, PROTOCOLS
+
+    p = PROTOCOLS.index(protocol)
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    inter = (2 * (nodes - 1) if kind == "all_reduce" else nodes - 1) if nodes > 1 else 0
+    intra = HOP_LATENCY_US["nvlink"]["ring"][p]
+    if nodes > 1:
+        intra = max(intra, 3.0 if protocol == "Simple" else 1.0)
+    latency = BASE_LATENCY_US["ring"][p] + (steps - inter) * intra + inter * HOP_LATENCY_US["net"]["ring"][p]
+    return latency * 1e-6 + nbytes / (busbw * n / steps)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter"])
+def test_nccl_prices_its_own_algorithms(kind):
+    # A GPU cluster's collectives are NCCL's: rings (and for all-reduce trees) in three protocols,
+    # nothing NCCL does not run (no recursive doubling, no hierarchical all-gather).
+    model = CollectiveModel(_cluster(8, nodes=4, gpu="a100-80gb"))
+    for group in (Group(8, 1), Group(32, 4)):
+        times = model.algorithm_times(kind, M, group)
+        algorithms = {name.rsplit("_", 1)[0] for name in times}
+        assert algorithms == ({"ring", "tree"} if kind == "all_reduce" else {"ring"})
+        busbw = BETA if group.num_nodes == 1 else min(BETA, 8 * BETA / 10)
+        assert times["ring_Simple"] == pytest.approx(_ring_s(kind, group.size, group.num_nodes, M, busbw))
+
+
 def test_nccl_rings_across_nodes_use_one_nic_per_gpu_of_the_group():
     # Eight GPUs of a node in one data-parallel group push the ring through eight NICs (one ring
     # per NIC); a group with one GPU per node has one NIC. Large message: bandwidth-bound.
-    c = _cluster(8, nodes=4)
-    model = CollectiveModel(c)
+    model = CollectiveModel(_cluster(8, nodes=4, gpu="a100-80gb"))
     wide, narrow = model.algorithm_times("all_reduce", M, Group(32, 4)), model.algorithm_times("all_reduce", M, Group(4, 4))
     network = BETA / 10
-    assert wide["nccl_ring"] == pytest.approx(2 * 31 * 2 * ALPHA + 2 * 31 / 32 * M / (8 * network))
-    assert narrow["nccl_ring"] == pytest.approx(2 * 3 * 2 * ALPHA + 2 * 3 / 4 * M / network)
+    assert wide["ring_Simple"] == pytest.approx(_ring_s("all_reduce", 32, 4, M, 8 * network))
+    # One GPU per node: one NIC, and every hop crosses the network at the tree's network latency (NCCL 2.28).
+    assert narrow["ring_Simple"] == pytest.approx((8.4 + 6 * 14.0) * 1e-6 + 2 * 3 / 4 * M / network)
     # The node's links are shared: never more than NVLink carries, whatever the NIC count.
-    fast_network = _cluster(8, nodes=4, inter_bw=BETA)
-    assert CollectiveModel(fast_network).algorithm_times("all_gather", M, Group(32, 4))["nccl_ring"] == pytest.approx(
-        31 * 2 * ALPHA + 31 / 32 * M / BETA)
+    fast_network = CollectiveModel(_cluster(8, nodes=4, inter_bw=BETA, gpu="a100-80gb"))
+    assert fast_network.algorithm_times("all_gather", M, Group(32, 4))["ring_Simple"] == pytest.approx(
+        _ring_s("all_gather", 32, 4, M, BETA))
+    # With one GPU per node all-gather and reduce-scatter may also take PAT (NCCL >= 2.23).
+    assert "pat_Simple" in model.algorithm_times("all_gather", M, Group(4, 4))
 
 
 def test_ring_latency_over_thousands_of_ranks_makes_the_tree_win():
-    # 3072 ranks on 384 nodes: the ring pays 2 (n - 1) network latencies, the tree 2 log2(nodes).
-    c = _cluster(8, nodes=384)
-    model = CollectiveModel(c)
+    # 3072 ranks on 384 nodes: the ring pays a latency per rank, the tree 2 log2(nodes).
+    model = CollectiveModel(_cluster(8, nodes=384, gpu="a100-80gb"))
     small = model.algorithm_times("all_reduce", 1e6, Group(3072, 384))
-    assert small["nccl_ring"] > 2 * 3071 * 2 * ALPHA
-    assert small["nccl_tree"] == pytest.approx(2 * (9 * 2 * ALPHA + 7 * ALPHA) + 2 * 1e6 / (8 * BETA / 10))
-    # Small messages: a logarithmic algorithm (the tree, or in-node then across) is ~100x cheaper.
-    assert model.all_reduce_s(1e6, Group(3072, 384)) < small["nccl_ring"] / 100
-    # Large messages: the tree's 2 M and the ring's 2 (n - 1)/n M take the node's 8 links alike,
-    # and the ring's 30 ms of latency still costs it: 8 NICs per node beat one (flat) by ~8x.
+    assert min(small, key=small.get).startswith("tree")
+    assert small["ring_Simple"] > 2 * 3071 * 3e-6
+    # Small messages: the tree is ~20x cheaper than the ring.
+    assert model.all_reduce_s(1e6, Group(3072, 384)) < small["ring_LL"] / 20
+    # Large messages: both take the node's 8 links (bandwidth-bound): within 20% of each other.
     large = model.algorithm_times("all_reduce", 64e9, Group(3072, 384))
-    assert large["nccl_tree"] < large["nccl_ring"] < large["flat_ring"] / 7
+    assert large["tree_Simple"] == pytest.approx(large["ring_Simple"], rel=0.2)
+    # An all-gather has no tree: over thousands of ranks its latency is the ring's, linear in them.
+    gather = model.all_gather_s(1e6, Group(3072, 384))
+    assert gather > 3071 * 0.6e-6 and gather > 10 * model.all_gather_s(1e6, Group(24, 3))
+
+
+def test_nvlink_sharp_all_reduce_inside_a_hopper_node():
+    # NCCL's NVLS all-reduce on 8 H100s: busbw ~480 GB/s (algbw 275) against the ring's ~370
+    # (nccl-tests #212, nccl #1455): the model's busbw on a large message lands there.
+    from planner.cost.collectives import NVLS_LATENCY_S
+
+    big = 8 * 2**30
+    h100 = CollectiveModel(make_cluster(8, 8, "h100-80gb"))
+    name, seconds = h100.best_algorithm("all_reduce", big, Group(8, 1))
+    assert name == "nvls"
+    assert seconds == pytest.approx(NVLS_LATENCY_S + big / 275e9)
+    assert RING_TRAFFIC["all_reduce"](8) * big / seconds / 1e9 == pytest.approx(480, rel=0.01)
+    # Two GPUs: the ring moves M once each way, faster than NVLS's rate.
+    assert h100.best_algorithm("all_reduce", big, Group(2, 1))[0] != "nvls"
+    # It moves no fewer bytes for all-gather or reduce-scatter (nccl #1506): not offered there.
+    for kind in ("all_gather", "reduce_scatter"):
+        assert "nvls" not in h100.algorithm_times(kind, big, Group(8, 1))
+    # A100's NVSwitch has no SHARP; a measured fit (profile-cluster on the node) replaces the model.
+    assert "nvls" not in CollectiveModel(make_cluster(8, 8, "a100-80gb")).algorithm_times("all_reduce", big, Group(8, 1))
+    fitted = make_cluster(8, 8, "h100-80gb")
+    fitted = Cluster(fitted.name, fitted.gpu, 1, 8, fitted.intra_node, fitted.inter_node,
+                     {"all_reduce": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 3e11, "num_ranks": 8}})
+    assert CollectiveModel(fitted).algorithm_times("all_reduce", big, Group(8, 1)).keys() == {"fitted"}

@@ -160,8 +160,9 @@ def test_folded_layout_is_priced(moe_meta):
     assert cfg.ep_folded and cfg.expert_dp == 1 and cfg.expert_dp_stride == 4
     e = price_config(moe_meta, cluster, cfg)
     assert e.feasible and e.breakdown_s["ep_comm"] > 0
-    result = search(moe_meta, cluster, 8)
-    assert any(c.config.ep_folded for c in result.ranked)
+    # The search reaches it: EP 4 beside TP 2 on 4 GPUs is only possible folded.
+    result = search(moe_meta, cluster, 8, Pins(ep=4, tp=2, sequence_parallel=True))
+    assert result.ranked and all(c.config.ep_folded for c in result.ranked)
 
 
 def test_moe_imbalance_slows_the_experts(moe_meta):

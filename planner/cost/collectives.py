@@ -1,16 +1,42 @@
-"""Collective and point-to-point times: alpha-beta models per algorithm, cheapest wins.
+"""Collective and point-to-point times: the library's algorithms, cheapest wins.
 
-A message of M bytes over a link of latency alpha and bandwidth beta (per GPU, per
-direction) costs alpha + M / beta. For a group of n ranks, with lg = ceil(log2 n) (Thakur,
-Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in
-MPICH", IJHPCA 19(1), section 4; NCCL's documentation and nccl-tests' PERFORMANCE.md for
-ring and tree):
+Which algorithms a group can run depends on the library the cluster's processes use
+(`Cluster.backend`): NCCL on GPUs, gloo on the CPU preset.
+
+NCCL (GPU clusters): the algorithms and protocols NCCL has, each timed as its own tuner times
+them (planner/cost/nccl.py: rings and trees in the LL, LL128 and Simple protocols, NVLink SHARP,
+PAT; NCCL 2.28's constants). Across nodes NCCL does not run one ring over the network links. It
+builds one ring per NIC ("channel"), each through every rank of the group (nccl/src/graph/
+tuning.cc; the NCCL 2.4 blog post "Massively Scale Your Deep Learning Training with NCCL 2.4",
+Jeaugey 2019), so a node's g GPUs of the group push the ring's traffic through g NICs at once,
+while the node's other GPUs run their own groups' collectives (the other data-parallel groups,
+one per tensor/pipeline coordinate) on their own NICs: eight GPUs share a node's network links
+evenly, and a group holding g of them gets g of the links. The rings' bus bandwidth is
+therefore min(beta_nvl, g beta_net) across nodes (beta_net: the preset's inter-node link, one
+NIC per GPU), beta_nvl inside a node. The ring pays a latency per rank (2 (n-1) hops for an
+all-reduce), so over thousands of ranks the tree, logarithmic in the nodes, wins the all-reduces
+of small and medium messages; all-gather and reduce-scatter have no tree (PAT only with one GPU
+per node), so theirs stays linear in the ranks. Inside a node whose NVSwitch reduces (NVLink
+SHARP: H100, H200), the all-reduce may take NVLS: each GPU sends its M bytes to the switch once
+and reads the sum once, at the rate nccl-tests measure (`GPUSpec.nvls_all_reduce_bytes_per_s`,
+planner/hardware.py `NVLS_ALL_REDUCE_ALGBW`): 25 us + M / nvls_rate, about 1.3x the ring on 8
+GPUs. benchmarks/results/nccl_bus_bandwidth.csv checks the bus bandwidths this predicts against
+published nccl-tests figures. All-to-all is grouped sends to every peer (nccl-tests
+alltoall_perf), not a tuned collective:
+
+    all-to-all     (n-1) alpha_net + max((g-1)/n^2 M / beta_nvl, (n-g)/n^2 M / beta_net)
+                   (in a node: the pairwise exchange below on NVLink)
+
+gloo (the CPU preset): alpha-beta models of the textbook algorithms. A message of M bytes over
+a link of latency alpha and bandwidth beta (per process, per direction) costs alpha + M / beta.
+For a group of n ranks, with lg = ceil(log2 n) (Thakur, Rabenseifner and Gropp 2005,
+"Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1), section 4):
 
     all-reduce     ring                     2(n-1) alpha + 2(n-1)/n M / beta
                    recursive doubling       lg alpha + lg M / beta      (short messages)
                    Rabenseifner (reduce-scatter by recursive halving, all-gather by
                    recursive doubling)      2 lg alpha + 2(n-1)/n M / beta
-                   tree (reduce up a binary tree, broadcast down, pipelined as in NCCL)
+                   tree (reduce up a binary tree, broadcast down, pipelined)
                                             2 lg alpha + 2 M / beta
     all-gather /   ring                     (n-1) alpha + (n-1)/n M / beta
     reduce-scatter recursive doubling / halving (Bruck for n not a power of two)
@@ -18,51 +44,26 @@ ring and tree):
     broadcast      pipelined ring           (n-1) alpha + M / beta
                    binomial tree            lg (alpha + M / beta)
     all-to-all     pairwise exchange        (n-1) alpha + (n-1)/n^2 M / beta
-                   across nodes (nccl_p2p)  (n-1) alpha_net + max((g-1)/n^2 M / beta_nvl,
-                                                               (n-g)/n^2 M / beta_net)
     p2p                                     alpha + M / beta
 
+The ring moves each rank's bytes over n-1 (twice for all-reduce) steps, so it pays the most
+latency terms and the fewest bytes; recursive doubling the reverse. Which is cheapest therefore
+switches from the latency-optimal algorithm to the bandwidth-optimal one as M grows. A group
+spread over several nodes is priced flat (the algorithms above on the inter-node link, whose
+slowest hop paces the whole ring) and hierarchical (all-reduce: reduce-scatter inside each node
+over g = size / nodes ranks, all-reduce of the 1/g shard across nodes, all-gather inside the
+node; all-gather and reduce-scatter likewise in two levels; broadcast across then within).
+
 M is the full (unsharded) tensor: the all-gather's output, the reduce-scatter's input, the
-all-to-all's whole tensor (every rank holds M/n and keeps 1/n of it). The ring moves each
-rank's bytes over n-1 (twice for all-reduce) steps, so it pays the most latency terms and
-the fewest bytes; recursive doubling the reverse. Which is cheapest therefore switches from
-the latency-optimal algorithm to the bandwidth-optimal one as M grows.
-
-Placement decides the link: a group inside one node uses the intra-node link; a group
-spread over several nodes is priced two ways and the cheaper is used: flat (the algorithms
-above on the inter-node link, whose slowest hop paces the whole ring) and hierarchical
-(all-reduce: reduce-scatter inside each node over g = size / nodes GPUs, all-reduce of the
-1/g shard across nodes with every GPU using its own NIC, all-gather inside the node, as in
-NCCL's and Horovod's hierarchical all-reduce; all-gather and reduce-scatter likewise in
-two levels; broadcast across then within).
-
-At scale (NCCL's algorithms, nccl/src/graph/tuning.cc and the NCCL 2.4 blog post "Massively
-Scale Your Deep Learning Training with NCCL 2.4", Jeaugey 2019): across nodes NCCL does not
-run one ring over the network links. It builds one ring per NIC ("channel"), each through
-every rank of the group, so a node's g GPUs of the group push the ring's traffic through g
-NICs at once, while the node's other GPUs run their own groups' collectives (the other
-data-parallel groups, one per tensor/pipeline coordinate) on their own NICs: eight GPUs share
-a node's network links evenly, and a group holding g of them gets g of the links. With
-n ranks on N nodes and a per-GPU NIC bandwidth beta_net (the preset's inter-node link,
-one NIC per GPU), beta_nvl inside a node:
-
-    nccl_ring      all-reduce 2 (n-1) alpha_net + 2 (n-1)/n M / min(beta_nvl, g beta_net)
-                   all-gather / reduce-scatter: half the steps, half the bytes
-    nccl_tree      (all-reduce only: a chain inside each node, a double binary tree across)
-                   2 (lg N alpha_net + (g-1) alpha_nvl) + 2 M / min(beta_nvl, g beta_net)
-
-Every ring step waits for its slowest hop, so the ring's latency is 2 (n-1) alpha_net: 30 ms
-over 3072 ranks at 5 us, which is why NCCL switches to the tree, logarithmic in the nodes,
-for all-reduces over thousands of ranks and small or medium messages; the cheapest of the
-algorithms is taken, as NCCL's tuner does. benchmarks/results/nccl_bus_bandwidth.csv checks
-the bus bandwidths this predicts against published nccl-tests figures.
+all-to-all's whole tensor (every rank holds M/n and keeps 1/n of it). A p2p message costs the
+link's alpha + M / beta under either library.
 
 A cluster measured by `planner profile-cluster` carries a fitted latency and bandwidth per
 collective, in terms of the ring's per-rank traffic (2(n-1)/n M for all-reduce, (n-1)/n M
-for all-gather and reduce-scatter, M for p2p). Those replace the alpha-beta terms for
-groups inside one node. A fit made with k ranks (`num_ranks`) is applied to a group of n
-by scaling its latency by the ring's step count, (n-1)/(k-1); fits made across several
-nodes (`num_nodes` > 1) are not used.
+for all-gather and reduce-scatter, M for p2p). Those replace the models above for groups
+inside one node. A fit made with k ranks (`num_ranks`) is applied to a group of n by scaling
+its latency by the ring's step count, (n-1)/(k-1); fits made across several nodes
+(`num_nodes` > 1) are not used.
 """
 
 from __future__ import annotations
@@ -71,8 +72,12 @@ import math
 from dataclasses import dataclass
 
 from planner.cluster import Cluster, Link
+from planner.cost.nccl import tuned_times
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+NVLS_LATENCY_S = 25e-6
+"""The NVLink SHARP all-reduce's latency as NCCL's tuner models it (src/graph/tuning.cc, `hwLat`,
+NVLink, NVLS, Simple: 25 us in NCCL 2.21 to 2.28)."""
 
 RING_TRAFFIC = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -139,27 +144,16 @@ def flat_times(kind: str, n: int, nbytes: float, link: Link) -> dict[str, float]
     return {"pairwise": (n - 1) * a + (n - 1) / n**2 * nbytes / b}
 
 
-def nccl_times(kind: str, group: Group, nbytes: float, intra: Link, inter: Link) -> dict[str, float]:
-    """NCCL's ring (one per NIC) and tree across nodes, the node's links shared (module docstring)."""
-    n, nodes, g = group.size, group.num_nodes, group.per_node
-    bandwidth = min(intra.bandwidth_bytes_per_s, g * inter.bandwidth_bytes_per_s)
-    a = inter.latency_s  # a ring step waits for its slowest hop
-    if kind == "all_reduce":
-        return {
-            "nccl_ring": 2 * (n - 1) * a + 2 * (n - 1) / n * nbytes / bandwidth,
-            "nccl_tree": 2 * (_log2(nodes) * a + (g - 1) * intra.latency_s) + 2 * nbytes / bandwidth,
-        }
-    if kind in ("all_gather", "reduce_scatter"):
-        return {"nccl_ring": (n - 1) * a + (n - 1) / n * nbytes / bandwidth}
-    if kind == "broadcast":
-        return {"nccl_ring": (n - 1) * a + nbytes / bandwidth}
-    # all-to-all: grouped sends to every peer at once (NCCL runs it as send/recv pairs,
-    # nccl-tests alltoall_perf). Each rank holds M/n and keeps 1/n of it; of the rest, the
-    # share bound for its node's g - 1 other ranks crosses NVLink, the share bound for the
-    # n - g remote ranks leaves through the GPU's own NIC, both at once.
+def grouped_all_to_all_s(group: Group, nbytes: float, intra: Link, inter: Link) -> float:
+    """NCCL's all-to-all across nodes: grouped sends to every peer at once (module docstring).
+
+    Each rank holds M/n and keeps 1/n of it; of the rest, the share bound for its node's g - 1
+    other ranks crosses NVLink, the share bound for the n - g remote ranks leaves through the
+    GPU's own NIC, both at once."""
+    n, g = group.size, group.per_node
     per_rank = nbytes / n
-    return {"nccl_p2p": (n - 1) * a + max((g - 1) / n * per_rank / intra.bandwidth_bytes_per_s,
-                                         (n - g) / n * per_rank / inter.bandwidth_bytes_per_s)}
+    return (n - 1) * inter.latency_s + max((g - 1) / n * per_rank / intra.bandwidth_bytes_per_s,
+                                           (n - g) / n * per_rank / inter.bandwidth_bytes_per_s)
 
 
 class CollectiveModel:
@@ -184,12 +178,24 @@ class CollectiveModel:
         if group.size <= 1 or nbytes <= 0:
             return {"none": 0.0}
         c = self.cluster
-        if group.num_nodes <= 1:
-            fitted = self._fitted_s(kind, nbytes, group.size)
-            return {"fitted": fitted} if fitted is not None else flat_times(kind, group.size, nbytes, c.intra_node)
-        times = {f"flat_{k}": v for k, v in flat_times(kind, group.size, nbytes, c.inter_node).items()}
         g, nodes = group.per_node, group.num_nodes
-        times.update(nccl_times(kind, group, nbytes, c.intra_node, c.inter_node))
+        if nodes <= 1:
+            fitted = self._fitted_s(kind, nbytes, group.size)
+            if fitted is not None:
+                return {"fitted": fitted}
+        if c.backend == "nccl":  # NCCL's algorithms and protocols, as its tuner prices them
+            if kind == "all_to_all":  # grouped sends, not a tuned collective
+                return {"grouped_p2p": grouped_all_to_all_s(group, nbytes, c.intra_node, c.inter_node)} if nodes > 1 \
+                    else flat_times(kind, group.size, nbytes, c.intra_node)
+            busbw = c.intra_node.bandwidth_bytes_per_s if nodes <= 1 else \
+                min(c.intra_node.bandwidth_bytes_per_s, g * c.inter_node.bandwidth_bytes_per_s)
+            times = tuned_times(kind, group.size, nodes, nbytes, busbw, c.gpu.name)
+            if kind == "all_reduce" and nodes <= 1 and c.gpu.nvls_all_reduce_bytes_per_s:
+                times["nvls"] = NVLS_LATENCY_S + nbytes / c.gpu.nvls_all_reduce_bytes_per_s
+            return times
+        if nodes <= 1:
+            return flat_times(kind, group.size, nbytes, c.intra_node)
+        times = {f"flat_{k}": v for k, v in flat_times(kind, group.size, nbytes, c.inter_node).items()}
 
         def inside(k: str, m: float) -> float:
             fitted = self._fitted_s(k, m, g) if g > 1 else None

@@ -104,7 +104,8 @@ def interpolate_time(points: dict[int, float], x: float) -> float:
 def same_rates(a: GPUSpec, b: GPUSpec) -> bool:
     """Whether two specs time every kernel alike: equal but for memory size and links."""
     return replace(a, memory_bytes=b.memory_bytes, intra_node_bandwidth_bytes_per_s=b.intra_node_bandwidth_bytes_per_s,
-                   inter_node_bandwidth_bytes_per_s=b.inter_node_bandwidth_bytes_per_s) == b
+                   inter_node_bandwidth_bytes_per_s=b.inter_node_bandwidth_bytes_per_s,
+                   nvls_all_reduce_bytes_per_s=b.nvls_all_reduce_bytes_per_s) == b
 
 
 def profile_matches(profile: Profile, gpu: GPUSpec, dtype: str) -> bool:
