@@ -49,3 +49,35 @@ def test_a_gpu_profile_keeps_the_fused_rms_norms_input_and_rstd(write_model):
     tokens, width = 2 * 32, 64
     assert saved["a100-80gb"] == tokens * width * 2 + tokens * 4  # its bf16 input, an fp32 rstd per row
     assert saved["cpu"] >= 2 * tokens * width * 4  # the composite's fp32 input and normalised input
+
+
+def test_llama_norm_written_out_in_fp32_costs_its_kernels_and_matches_torchs():
+    # examples/llama.py norm="fp32": the reference Llama RMSNorm (x.float(), pow, mean, rsqrt, ...), each
+    # its own kernel in eager mode, where norm="torch" runs the fused kernel on a GPU: same numbers,
+    # more time and more saved activations in an analytic H100 profile.
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = importlib.util.spec_from_file_location("llama_example", examples / "llama.py")
+    llama = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llama)
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    norm = llama.Fp32RMSNorm(64).to(torch.bfloat16)
+    expected = torch.nn.functional.rms_norm(x.float(), (64,), eps=1e-5).to(torch.bfloat16)
+    assert torch.equal(norm(x), expected)
+    with pytest.raises(ValueError, match="norm='layer'"):
+        llama.build_model(norm="layer")
+
+    args = dict(n_layers=2, d_model=512, n_heads=8, n_kv_heads=4, d_ff=1024, vocab_size=256, seq_len=512)
+    units = {}
+    for kind in ("torch", "fp32"):
+        profile = profile_model(str(examples / "llama.py"), {**args, "norm": kind}, [1], device="meta", gpu="h100-80gb",
+                                dtype="bfloat16", precision="pure")
+        units[kind] = next(u.costs[1] for u in profile.units if u.name == "layers.0")
+    fused, written = units["torch"], units["fp32"]
+    assert written.forward_time_s + written.backward_time_s > 1.02 * (fused.forward_time_s + fused.backward_time_s)
+    assert written.saved_bytes > fused.saved_bytes
