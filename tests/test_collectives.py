@@ -249,3 +249,31 @@ def test_nvlink_sharp_all_reduce_inside_a_hopper_node():
     fitted = Cluster(fitted.name, fitted.gpu, 1, 8, fitted.intra_node, fitted.inter_node,
                      {"all_reduce": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 3e11, "num_ranks": 8}})
     assert CollectiveModel(fitted).algorithm_times("all_reduce", big, Group(8, 1)).keys() == {"fitted"}
+
+
+def test_nccl_times_are_positive_and_grow_with_the_message():
+    # Over group shapes from one node to thousands of ranks: every (algorithm, protocol) time is
+    # positive and finite, the cheapest never falls as the message grows, and a huge message costs
+    # the ring's bytes over the bus bandwidth (latency negligible).
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from planner.cost.nccl import tuned_times
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "broadcast"]), st.integers(0, 9),
+           st.sampled_from([1, 2, 4, 8]), st.floats(1, 1e10), st.sampled_from(["a100-80gb", "h100-80gb", "b200"]))
+    def check(kind, log_nodes, per_node, nbytes, gpu):
+        nodes = 2**log_nodes
+        n = nodes * per_node
+        if n < 2:
+            return
+        busbw = 200e9 if nodes == 1 else min(200e9, per_node * 25e9)
+        small, large = tuned_times(kind, n, nodes, nbytes, busbw, gpu), tuned_times(kind, n, nodes, 2 * nbytes, busbw, gpu)
+        assert all(0 < t < float("inf") for t in [*small.values(), *large.values()])
+        assert min(large.values()) >= min(small.values())
+        huge = tuned_times(kind, n, nodes, 1e15, busbw, gpu)["ring_Simple"]
+        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1 if kind != "broadcast" else n
+        assert huge == pytest.approx(1e15 / (busbw * n / steps), rel=1e-3)
+
+    check()
