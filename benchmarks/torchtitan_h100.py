@@ -34,14 +34,16 @@ and priced with `planner.engines.pricing.price`. Nothing is fitted to these rows
 shared/reference/.
 
 What it shows (2026-11-30), each row profiled for the source's GPU (2.4 TB/s HBM2e: its memory-bound
-ops slower than on the 3.35 TB/s preset) and priced per op: 11 of 18 within 10%, median |error| 7.2%
-(10 of 18, 8.1% with textbook collectives before NCCL's tuner model priced them, planner/cost/nccl.py).
+ops slower than on the 3.35 TB/s preset) and priced per op: 11 of 18 within 10%, median |error| 6.5%
+(10 of 18, 8.1% with textbook collectives before NCCL's tuner model priced them, planner/cost/nccl.py,
+and before torchtitan's Float8 TP all-gathers were priced in FP8: `Pins.float8_tp_gather`).
 - Eager FSDP -8.7% (8 GPUs) and -11.5% (128), with torchtitan 9dec370's own RMSNorm, written out in
   float32 and run kernel by kernel (examples/llama.py norm="fp32"; torch had no fused RMSNorm kernel
   before 2025: pytorch/pytorch PRs #150576, #153666); -15.2% and -17.7% priced with torch's fused
   kernel. With torch.compile, which makes the norm one kernel, -4.7% and -7.2% (the published
   compile speedup is 15.7% and 16.0%, the profiles' 11%); with FP8 linears too +2.9% and +0.7%.
-- 405B 3D +3.4% (1F1B) and +1.2% (interleaved); 70B 2D +15.1% (+7.2% with async TP).
+- 405B 3D +2.4% (1F1B) and +0.3% (interleaved); 70B 2D +12.8% (+5.9% with async TP); +3.4%, +1.2%,
+  +15.1% and +7.2% with their sequence-parallel inputs gathered in bf16 rather than torchao's FP8.
 - 32K-262K tokens (Tables 2 and 6): 8B -0.5% and +3.1% with CP 1 and 2, -24% and -28% with CP 4
   and 8; 405B +4.8% with CP 1, -14% to -28% with CP 2 to 8: the more CP ranks, the faster predicted.
 - With attention priced as Megatron-Core's published runs show it (35% of the peak on every score;

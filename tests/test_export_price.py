@@ -76,7 +76,13 @@ def _assert_priced_as_planned(priced, plan, engine_layout) -> None:
     autocast: torchtitan gathers bf16 weights, Megatron-LM keeps bf16 weights and fp32 gradients;
     `Prediction.state_bytes`); nor the pass that adds each micro-batch's gradients to the step's,
     where the engine makes it otherwise (Megatron-Core fuses it into the weight-gradient GEMM) or
-    in other dtypes (planner/cost/memory.py `accumulation_pass_bytes`)."""
+    in other dtypes (planner/cost/memory.py `accumulation_pass_bytes`); nor the TP all-gathers an
+    engine makes in FP8 (torchtitan's Float8 TP, `EngineLayout.float8_tp_gather`), which can only
+    save, at most the plan's TP communication."""
+    if engine_layout.float8_tp_gather and plan.layout.tp_degree > 1 and plan.layout.sequence_parallel:
+        saved = plan.prediction.iteration_time_s - priced.prediction.iteration_time_s
+        assert 0 <= saved <= plan.prediction.breakdown_s["tp_comm"] * (1 + 1e-9)
+        return
     bucketed = engine_layout.dp_collectives != "per-unit" and plan.layout.zero_stage in (1, 2)
     uncopied = not engine_layout.gather_copy_out and plan.layout.zero_stage == 3
     dtypes = priced.prediction.state_bytes != plan.prediction.state_bytes and plan.layout.dp_degree > 1

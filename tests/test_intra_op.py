@@ -380,3 +380,41 @@ def test_a_graph_built_once_prices_every_micro_batch_alike(request, block):
         scaled = dataclasses.replace(problem, activation_scale=scale)
         built, reused = evaluate(scaled, chosen), evaluate(scaled, chosen, unit_scale_graph(scaled))
         assert reused == built
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_float8_inputs_gathered_in_fp8_under_sequence_parallelism(llama_block, tp):
+    # torchtitan's Float8 TP (torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput) casts the
+    # sequence-sharded input of an FP8 linear before gathering it: those forward all-gathers move
+    # half the bytes; reductions and the backward do not change.
+    from planner.cost.fp8 import FP8_ALL_GATHER_BYTES_FACTOR
+
+    ops, _ = llama_block
+    linears = frozenset(op.name for op in ops if op.kind == "linear")
+    bf16 = _problem(ops, tp, sequence_parallel=True)
+    fp8 = dataclasses.replace(bf16, fp8_gathered_ops=linears)
+    chosen = solve_intra_op(fp8)
+    assert chosen.comm_time_s <= solve_intra_op(bf16).comm_time_s
+    # The ILP prices what `evaluate` prices.
+    assert evaluate(fp8, chosen.strategies).comm_time_s == pytest.approx(chosen.comm_time_s)
+    # Against the same layout in bf16: the forward all-gathers, at half the bytes, and nothing else.
+    graph, ring = _build_graph(fp8), Ring(tp)
+    gathers = [c.split()[-1] for c in chosen.collectives if c.startswith("fwd S->R")]
+    assert gathers and set(gathers) <= graph.fp8_sources
+    saved = sum(ring.all_gather_s(graph.nbytes[g]) - ring.all_gather_s(graph.nbytes[g] * FP8_ALL_GATHER_BYTES_FACTOR)
+                for g in gathers)
+    plain = evaluate(bf16, chosen.strategies)
+    assert chosen.comm_time_s == pytest.approx(plain.comm_time_s - saved)
+    assert chosen.forward_comm_time_s == pytest.approx(plain.forward_comm_time_s - saved)
+    # A tensor a bf16 op also reads is gathered in bf16.
+    assert "merge:feed_forward.w1+feed_forward.w3" not in _build_graph(
+        dataclasses.replace(bf16, fp8_gathered_ops=linears - {"feed_forward.w2"})).fp8_sources
+
+
+def test_torchtitan_float8_under_tp_gathers_fp8():
+    from planner.engines import torchtitan
+
+    float8 = '\n[model]\nconverters = ["float8"]\n'
+    assert torchtitan.parse("[parallelism]\ntensor_parallel_degree = 4\n" + float8).float8_tp_gather
+    assert not torchtitan.parse("[parallelism]\ntensor_parallel_degree = 4\n").float8_tp_gather  # bf16
+    assert not torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 8\n" + float8).float8_tp_gather  # no TP

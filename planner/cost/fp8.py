@@ -39,7 +39,13 @@ and cast as separate elementwise kernels, so a run without compile spends more t
 
 All-gather. Under FSDP with FP8 all-gather each converted weight travels as 1 byte per element
 instead of bf16's 2 (`FP8_ALL_GATHER_BYTES_FACTOR`), and the gathered (unsharded) weight held
-between all-gather and reshard is 1 byte per element too.
+between all-gather and reshard is 1 byte per element too. Under TP with sequence parallelism,
+torchtitan applies torchao's `Float8ColwiseParallel` and `PrepareFloat8ModuleInput` (torchtitan
+9dec370, parallelize_llama.py `apply_tp`), which cast a sequence-sharded input to FP8 and then
+all-gather it: those forward all-gathers move 1 byte per element (`Pins.float8_tp_gather`,
+planner/solver/intra_op.py `forward_conversion_s`); their backward reduce-scatters, and the
+row-parallel outputs' reduce-scatters, stay bf16. The planner's runtime wraps torchao's
+`Float8Linear` in plain `ColwiseParallel`, which gathers bf16.
 
 Memory. Compiled, as the runtime and torchtitan run it, a converted linear keeps for backward
 its input in FP8 (1 byte per element) and its weight parameter: torch.compile's partitioner
@@ -186,6 +192,24 @@ def _linear_shape(op: OpNode, unit: Unit, micro_batch_size: float, tp_degree: in
     )
 
 
+def _fqn(unit: Unit, op: OpNode) -> str:
+    return ".".join(p for p in (unit.name, op.module or "") if p)
+
+
+def _why_not_converted(unit: Unit, op: OpNode, skip_fqns: tuple[str, ...]) -> str | None:
+    """None when the runtime's filter converts this op of `unit` (`is_convertible`, less `skip_fqns`)."""
+    why = is_convertible(op)
+    fqn = _fqn(unit, op)
+    if why is None and any(fqn == s or fqn.startswith(s + ".") for s in skip_fqns):
+        why = "filtered (output head)"
+    return why
+
+
+def converted_ops(unit: Unit, skip_fqns: tuple[str, ...] = ()) -> frozenset[str]:
+    """The names of the unit's ops torchao converts (`price_fp8_unit`'s `converted`)."""
+    return frozenset(op.name for op in unit.ops if op.kind == "linear" and _why_not_converted(unit, op, skip_fqns) is None)
+
+
 def _cast_s(elements: float, gpu: GPUSpec) -> float:
     """One dynamic tensorwise cast: amax + scale-and-cast passes, and their kernel overheads."""
     return elements * CAST_PASS_BYTES_PER_ELEMENT / gpu.achievable_bandwidth + KERNELS_PER_CAST * gpu.kernel_overhead_s
@@ -209,10 +233,8 @@ def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree:
     for op in unit.ops:
         if op.kind != "linear":
             continue
-        fqn = ".".join(p for p in (unit.name, op.module or "") if p)
-        why = is_convertible(op)
-        if why is None and any(fqn == s or fqn.startswith(s + ".") for s in skip_fqns):
-            why = "filtered (output head)"
+        fqn = _fqn(unit, op)
+        why = _why_not_converted(unit, op, skip_fqns)
         if why is not None:
             skipped.append(f"{op.name} ({why})")
             continue

@@ -83,6 +83,9 @@ class EngineLayout:
     loss_parallel: bool = False
     """The engine keeps the output layer's logits sharded over the TP ranks and computes the loss on
     the shards (torchtitan's default under TP; planner/solver/solve.py `Pins.loss_parallel`)."""
+    float8_tp_gather: bool = False
+    """With FP8 linears under TP, the engine gathers their sequence-sharded inputs in FP8
+    (torchtitan's Float8 TP; planner/solver/solve.py `Pins.float8_tp_gather`)."""
     fused_optimizer: bool = False
     """The engine's AdamW steps in place, without temporaries (Megatron-LM's and DeepSpeed's
     FusedAdam, torchtitan's default implementation "fused"); False: torch's foreach AdamW."""

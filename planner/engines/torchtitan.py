@@ -294,6 +294,9 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         # torchtitan's loss parallelism: on under TP unless [parallelism] disable_loss_parallel
         # (job_config.py `disable_loss_parallel`; the trainer enters `loss_parallel()` when TP is on and it is not set)
         loss_parallel=int(par.get("tensor_parallel_degree", 1)) > 1 and not par.get("disable_loss_parallel", False),
+        # Float8 under TP: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput (parallelize_llama.py `apply_tp`)
+        # cast the sequence-sharded inputs to FP8 before gathering them
+        float8_tp_gather=float8 and int(par.get("tensor_parallel_degree", 1)) > 1,
         # torchtitan/config/job_config.py: Optimizer.implementation, "fused" unless the file says otherwise
         fused_optimizer=data.get("optimizer", {}).get("implementation", "fused") == "fused")
 

@@ -20,7 +20,7 @@ from planner.cost.compute import (
     tp_time_s,
 )
 from planner.cost.cp import attention_share, cp_unit_s, gathered_kv_bytes, kv_bytes, saved_kv_bytes
-from planner.cost.fp8 import price_fp8_unit, skipped_units
+from planner.cost.fp8 import converted_ops, price_fp8_unit, skipped_units
 from planner.cost.memory import DTYPE_SIZES, op_activation_bytes, unit_activation_bytes
 from planner.cost.moe import (
     ALL_TO_ALLS_PER_STEP,
@@ -303,7 +303,7 @@ class UnitCosts:
 
     def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str,
                  ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False, cp_collectives=None,
-                 expert_tp: int = 1):
+                 expert_tp: int = 1, float8_tp_gather: bool = False):
         self.profile, self.compute, self.dtype = profile, compute, dtype
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
@@ -313,6 +313,7 @@ class UnitCosts:
         self.expert_tp = expert_tp  # experts split over the TP ranks (pinned only: Pins.expert_tp; planner/cost/moe.py)
         self.float8 = float8  # linears in FP8 (planner/cost/fp8.py); the runtime's filter skips the same units
         self.fp8_skip = skipped_units(profile) if float8 else ()
+        self.float8_tp_gather = float8 and float8_tp_gather  # FP8 inputs gathered under TP (`Pins.float8_tp_gather`)
         self._ilp: dict[tuple, IntraOpSolution] = {}
         self._graphs: dict[tuple, OpGraph] = {}  # `tp_solution`'s unit-scale graphs
         self._tables: dict[tuple, UnitCostTable] = {}
@@ -337,6 +338,7 @@ class UnitCosts:
             replicated_ops=self.moe_ops(unit),
             moe_blocks=moe_blocks(unit),
             mixes_tokens=bool(unit.mixes_tokens),
+            fp8_gathered_ops=converted_ops(unit, self.fp8_skip) if self.float8_tp_gather else frozenset(),
             tp_degree=t,
             dtype_bytes=self.dtype_bytes,
             seconds_per_flop=1.0 / self.compute.gpu.achievable_flops(self.dtype),

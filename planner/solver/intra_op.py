@@ -96,6 +96,7 @@ from typing import NoReturn, Protocol
 
 import numpy as np
 
+from planner.cost.fp8 import FP8_ALL_GATHER_BYTES_FACTOR
 from planner.errors import PlannerError
 from planner.profile_schema import OpNode, Unit
 
@@ -157,6 +158,12 @@ class IntraOpProblem:
     mixes_tokens: bool = False
     """The unit moves information between tokens outside fused attention (profile
     `Unit.mixes_tokens`): SP keeps it whole (`_sequence_parallel_blocked`)."""
+    fp8_gathered_ops: frozenset[str] = frozenset()
+    """Linears whose input the stack casts to FP8 before gathering it (torchao's
+    `Float8ColwiseParallel` / `PrepareFloat8ModuleInput`, as torchtitan applies them under Float8
+    with TP): a forward all-gather all of whose readers are these moves 1 byte per element
+    (`_Graph.fp8_sources`, planner/cost/fp8.py `FP8_ALL_GATHER_BYTES_FACTOR`). Empty: bf16, as the
+    planner's runtime gathers (plain `ColwiseParallel` around torchao's `Float8Linear`)."""
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,7 @@ class _Graph:
     nodes: dict[str, dict[str, tuple]]  # node -> strategy -> (in, out, grad)
     sources: dict[str, str]  # consumer -> the single node it reads (an op, merge, or input)
     nbytes: dict[str, float]  # producer -> bytes of its output at this micro-batch size
+    fp8_sources: frozenset[str] = frozenset()  # producers whose forward all-gathers move FP8 (`forward_conversion_s`)
 
 
 OpGraph = _Graph
@@ -472,7 +480,29 @@ def _build_graph(problem: IntraOpProblem) -> _Graph:
         out_bytes = max(nbytes[s] for s in sinks)
         nodes[OUTPUT] = {"fixed": (boundary, None, boundary)}
         sources.update(_attach(OUTPUT, sinks, nodes, nbytes, out_bytes, tp))
-    return _Graph(nodes, sources, nbytes)
+    return _Graph(nodes, sources, nbytes, _fp8_sources(sources, problem.fp8_gathered_ops, {op.name for op in ops}))
+
+
+def _fp8_sources(sources: dict[str, str], fp8_ops: AbstractSet[str], op_names: AbstractSet[str]) -> frozenset[str]:
+    """Producers every op reading them casts to FP8 before a gather (`IntraOpProblem.fp8_gathered_ops`);
+    merge and output nodes are the residual's plumbing, which reads the tensor as it is."""
+    if not fp8_ops:
+        return frozenset()
+    readers: dict[str, set[str]] = {}
+    for key, src in sources.items():
+        consumer = _consumer_of(key)
+        if consumer in op_names:
+            readers.setdefault(src, set()).add(consumer)
+    return frozenset(src for src, ops in readers.items() if ops <= fp8_ops)
+
+
+def forward_conversion_s(src: str, out: str, need: str, graph: _Graph, coll: TPCollectives) -> float:
+    """`conversion_s` of producer `src`'s output in the forward: its all-gathers at FP8's bytes where
+    its readers gather it in FP8 (`_Graph.fp8_sources`)."""
+    nbytes = graph.nbytes[src]
+    if src in graph.fp8_sources and need == "R" and out not in ("R", "P"):
+        nbytes *= FP8_ALL_GATHER_BYTES_FACTOR
+    return conversion_s(out, need, nbytes, coll)
 
 
 def _attach(consumer: str, inputs: list[str], nodes, nbytes, act_bytes: float, tp: int) -> dict[str, str]:
@@ -541,7 +571,8 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _G
         graph = _build_graph(problem)
     else:
         scale = problem.activation_scale
-        graph = _Graph(unit_graph.nodes, unit_graph.sources, {k: v * scale for k, v in unit_graph.nbytes.items()})
+        graph = _Graph(unit_graph.nodes, unit_graph.sources, {k: v * scale for k, v in unit_graph.nbytes.items()},
+                       unit_graph.fp8_sources)
     by_name = {op.name: op for op in problem.ops}
     coll = problem.collectives
     compute = comm = params = 0.0
@@ -560,7 +591,7 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _G
             bwd.add((src, out, grad))
     forward_comm = 0.0
     for src, out, need in sorted(fwd):
-        t = conversion_s(out, need, graph.nbytes[src], coll)
+        t = forward_conversion_s(src, out, need, graph, coll)
         if t > 0:
             forward_comm += t
             paid.append(f"fwd {out}->{need} {src}")
@@ -773,6 +804,10 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
     def convert(have: str, want: str, nbytes: float) -> float:
         return conversion_s(have, want, nbytes, coll)
 
+    @functools.lru_cache(maxsize=None)
+    def convert_forward(src: str, have: str, want: str) -> float:
+        return forward_conversion_s(src, have, want, graph, coll)
+
     # Per producer, the layouts its decided readers read and hand back gradients in: conversions
     # to those are paid whatever a free reader does (updated as nodes are fixed).
     paid_reads: dict[str, set] = {src: set() for src in readers}
@@ -795,12 +830,12 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
             written = {layouts[1] for layouts in nodes[src].values()}
             nbytes = graph.nbytes[src]
             if read not in paid_reads[src]:
-                cost += max(convert(a, read, nbytes) for a in written)
+                cost += max(convert_forward(src, a, read) for a in written)
             if grad is not None and grad not in paid_grads[src]:
                 cost += max(convert(grad, _grad_target(a), nbytes) for a in written)
         nbytes = graph.nbytes[node]
         for consumer in readers.get(node, ()):
-            cost += max(convert(out, layouts[0], nbytes) for layouts in nodes[consumer].values())
+            cost += max(convert_forward(node, out, layouts[0]) for layouts in nodes[consumer].values())
             grads = {layouts[2] for layouts in nodes[consumer].values()} - {None}
             cost += max((convert(g, _grad_target(out), nbytes) for g in grads), default=0.0)
         return cost
@@ -815,13 +850,13 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
             if len(readers[src]) > 1:
                 continue  # shared with the producer's other readers: may be paid by them
             written = {layouts[1] for layouts in nodes[src].values()}
-            cost += min(convert(a, read, graph.nbytes[src]) for a in written)
+            cost += min(convert_forward(src, a, read) for a in written)
             if grad is not None:
                 cost += min(convert(grad, _grad_target(a), graph.nbytes[src]) for a in written)
         forward = backward = 0.0
         nbytes = graph.nbytes[node]
         for consumer in readers.get(node, ()):
-            forward = max(forward, min(convert(out, layouts[0], nbytes) for layouts in nodes[consumer].values()))
+            forward = max(forward, min(convert_forward(node, out, layouts[0]) for layouts in nodes[consumer].values()))
             grads = {layouts[2] for layouts in nodes[consumer].values()}
             if None not in grads:
                 backward = max(backward, min(convert(g, _grad_target(out), nbytes) for g in grads))
@@ -857,7 +892,7 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
                 nodes[node] = {chosen: strategies[chosen]}
                 decide(node)
                 changed = True
-    return _Graph(nodes, graph.sources, graph.nbytes)
+    return _Graph(nodes, graph.sources, graph.nbytes, graph.fp8_sources)
 
 
 TABLE_UP_TO = 1 << 20
@@ -914,7 +949,7 @@ def _by_table(problem: IntraOpProblem, graph: _Graph, free: dict) -> IntraOpSolu
                     wanted[layout] = np.maximum(wanted.get(layout, 0.0), hit)
             for layout, hit in wanted.items():
                 if position == 0:
-                    seconds = [conversion_s(out, layout, graph.nbytes[src], coll) for out in outs]
+                    seconds = [forward_conversion_s(src, out, layout, graph, coll) for out in outs]
                 else:
                     seconds = [conversion_s(layout, _grad_target(out), graph.nbytes[src], coll) for out in outs]
                 if any(seconds):  # one payment per (producer, its layout, the layout wanted), as the ILP's y
@@ -1095,7 +1130,8 @@ def _add_conversions(model, x, graph: _Graph, coll: TPCollectives) -> list:
                     model += pulp.lpSum(v for (_, t2), v in e.items() if t2 == t) == want[t], f"edge_in_{len(model.constraints)}"
             for (a, t), var in e.items():
                 nbytes = graph.nbytes[src]
-                cost = conversion_s(a, t, nbytes, coll) if direction == "F" else conversion_s(t, _grad_target(a), nbytes, coll)
+                cost = forward_conversion_s(src, a, t, graph, coll) if direction == "F" \
+                    else conversion_s(t, _grad_target(a), nbytes, coll)
                 if cost <= 0:
                     continue
                 k = (direction, src, a, t)

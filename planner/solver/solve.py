@@ -110,6 +110,10 @@ class Pins:
     fused_optimizer: bool = False
     """Price the optimizer step without AdamW's temporaries, as an engine stepping in place runs
     it (planner/solver/search.py `Environment.fused_optimizer`). False: as the planner's runtime runs it."""
+    float8_tp_gather: bool = False
+    """With FP8 linears under TP: the stack casts a sequence-sharded input to FP8 before gathering it
+    (torchao's `Float8ColwiseParallel` / `PrepareFloat8ModuleInput`, torchtitan's Float8 TP), so those
+    all-gathers move 1 byte per element (planner/cost/fp8.py). False: bf16, as the planner's runtime runs it."""
     pipeline_buffers: str = "per-microbatch"
     """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
     `Environment.pipeline_buffers`): "per-microbatch" as the planner's runtime, or "in-flight"."""
@@ -768,7 +772,8 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     # cost more than the compute they split (then dp or pp wins), as `planner price` prices it.
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll),
-                      imbalance=moe_imbalance, float8=float8, expert_tp=pins.expert_tp or 1)
+                      imbalance=moe_imbalance, float8=float8, expert_tp=pins.expert_tp or 1,
+                      float8_tp_gather=pins.float8_tp_gather)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     if pins.pp is None and pp_refusal(profile):  # the search offers such a model no pipeline
         pins = dataclasses.replace(pins, pp=1)
@@ -934,7 +939,7 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll), imbalance=moe_imbalance,
-                      float8=float8, expert_tp=cfg.expert_tp)
+                      float8=float8, expert_tp=cfg.expert_tp, float8_tp_gather=pins.float8_tp_gather)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm),
                            cfg, env)
