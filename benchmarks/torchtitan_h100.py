@@ -50,7 +50,7 @@ and before torchtitan's Float8 TP all-gathers were priced in FP8: `Pins.float8_t
   the preset's until 2026-11-30: columns `*_end_to_end_attention`): 3 of 18 within 10%, median 20.9%,
   every run at 32K tokens or more +16% to +61%.
 - Memory (the published maximum over the GPUs, column `published_peak_gib`, against the largest
-  rank's predicted peak, `rank_peak_bytes`): 13 of 18 within 10%, median 5.7%. The 8B runs land within 6% (all four CP runs within 1%). torchtitan's loss
+  rank's predicted peak, `rank_peak_bytes`): 13 of 18 within 10%, median 5.4%. The 8B runs land within 6% (all four CP runs within 1%). torchtitan's loss
   parallelism (the logits kept vocabulary-sharded over TP, the loss computed on the shards;
   `Pins.loss_parallel`, read from the job file) brings the 70B 2D run to 59.3 GiB (published 71.9
   and 67.6); priced on whole logits it was 251 GiB, "does not fit". torchtitan shards with FSDP
