@@ -30,6 +30,15 @@ prices FlashAttention-2's benchmarked rates (planner/hardware.py, module docstri
 attention at 35% of the peak on every score, as before, 98 landed within 10% but the H100 tables
 parted from the A100 ones (-4.2% without checkpointing, +14.9% with it), long sequences most.
 
+A lead, not priced (2026-11-30): these runs used MPT's `attn_impl: triton` (the default of
+scripts/train/benchmarking/submit_benchmarks.py; the FP8 runs excepted), a Triton FlashAttention of
+FlashAttention-1's generation ("slightly faster than flash", llm-foundry's TUTORIAL.md, when `flash`
+was flash-attn 1.x), and FlashAttention-2's paper (Dao 2023, abstract) puts FlashAttention-1 at
+25-40% of an A100's peak against its own 50-73%. Pricing their attention at (25+40)/(50+73) = 0.53
+of the presets' rates takes 108 of the 209 runs within 10% (median 9.7%) and centres the runs without
+checkpointing (A100-40GB -1.5%, H100 -1.9%), but overshoots the checkpointed and long-sequence ones
+(table medians +8% to +28%, up to +65%): one factor fits neither both nor a source, so the presets stay.
+
     python benchmarks/llm_foundry_tables.py
 
 Writes benchmarks/results/llm_foundry_tables.csv.
