@@ -230,7 +230,7 @@ def test_ring_latency_over_thousands_of_ranks_makes_the_tree_win():
 def test_nvlink_sharp_all_reduce_inside_a_hopper_node():
     # NCCL's NVLS all-reduce on 8 H100s: busbw ~480 GB/s (algbw 275) against the ring's ~370
     # (nccl-tests #212, nccl #1455): the model's busbw on a large message lands there.
-    from planner.cost.collectives import NVLS_LATENCY_S
+    from planner.cost.nccl import NVLS_LATENCY_S
 
     big = 8 * 2**30
     h100 = CollectiveModel(make_cluster(8, 8, "h100-80gb"))

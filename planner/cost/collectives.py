@@ -72,12 +72,9 @@ import math
 from dataclasses import dataclass
 
 from planner.cluster import Cluster, Link
-from planner.cost.nccl import tuned_times
+from planner.cost.nccl import NVLS_LATENCY_S, tuned_times
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-NVLS_LATENCY_S = 25e-6
-"""The NVLink SHARP all-reduce's latency as NCCL's tuner models it (src/graph/tuning.cc, `hwLat`,
-NVLink, NVLS, Simple: 25 us in NCCL 2.21 to 2.28)."""
 
 RING_TRAFFIC = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

@@ -47,6 +47,9 @@ HOP_LATENCY_US = {
     "net": {"tree": (5.0, 8.5, 14.0), "ring": (2.7, 4.0, 14.0), "pat": (0.0, 0.0, 14.0)},
 }
 """`hwLatencies`, per hop and protocol."""
+NVLS_LATENCY_S = 25e-6
+"""The NVLink SHARP all-reduce's latency (`hwLatencies`, NVLink, NVLS, Simple: 25 us in NCCL 2.21
+to 2.28); its rate is nccl-tests' (planner/hardware.py `NVLS_ALL_REDUCE_ALGBW`)."""
 NET_OVERHEAD_US = 1.0
 """`getNetOverhead` on an Intel x86 host (AMD: 2.0); three times that for Simple."""
 LL_MAX_BUSBW_GB_S = {"ampere": 87.7, "hopper": 141.0, "blackwell": 282.0}
