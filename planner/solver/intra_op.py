@@ -571,8 +571,7 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _G
         graph = _build_graph(problem)
     else:
         scale = problem.activation_scale
-        graph = _Graph(unit_graph.nodes, unit_graph.sources, {k: v * scale for k, v in unit_graph.nbytes.items()},
-                       unit_graph.fp8_sources)
+        graph = dataclasses.replace(unit_graph, nbytes={k: v * scale for k, v in unit_graph.nbytes.items()})
     by_name = {op.name: op for op in problem.ops}
     coll = problem.collectives
     compute = comm = params = 0.0
@@ -892,7 +891,7 @@ def _presolved(problem: IntraOpProblem, graph: _Graph) -> _Graph:
                 nodes[node] = {chosen: strategies[chosen]}
                 decide(node)
                 changed = True
-    return _Graph(nodes, graph.sources, graph.nbytes, graph.fp8_sources)
+    return dataclasses.replace(graph, nodes=nodes)
 
 
 TABLE_UP_TO = 1 << 20
