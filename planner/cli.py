@@ -184,7 +184,8 @@ def profile(
     device: str = typer.Option("cpu", help="cpu or cuda (measured), or meta (analytic)."),
     gpu: Optional[str] = typer.Option(None, help="GPU spec for analytic times: a preset (a100-40gb, a100-80gb, h100-80gb, "
                                       "h200, b200, b300) or a cluster file whose GPU it takes (its overrides of a preset's rates)."),
-    dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
+    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16; default: bfloat16 for a GPU "
+                                        "(--device cuda, or --device meta for a GPU spec), float32 on CPU."),
     precision: str = typer.Option("autocast", help="16-bit dtypes: autocast computes as `planner run` trains (fp32 "
                                   "weights, each forward under autocast; emulated on meta), pure as the model converted "
                                   "to the 16-bit type (Megatron-LM, DeepSpeed bf16, FSDP2 mixed precision)."),
@@ -205,12 +206,16 @@ def profile(
     args = parse_model_args(model_arg)
     model_file, args = _model_source(model_file, args, hf_config, seq_len)
     sizes = _int_list(micro_batch_sizes)
-    check_output_path(output or default_profile_path("model", device, None, dtype), "--output")  # before any work
     spec = None
     if gpu is not None:
         spec = _analytic_gpu(gpu)  # reject unknown names and bad cluster files before any work
         if device != "meta":
             console.print(f"note: --gpu {gpu} only sets analytic times; with --device {device} times are measured.")
+    if dtype is None:
+        dtype, target = _default_dtype(device, spec)
+        if dtype != "float32":
+            console.print(f"note: {target} is profiled in {dtype} ({precision}), as GPUs train; --dtype float32 for float32.")
+    check_output_path(output or default_profile_path("model", device, None, dtype), "--output")  # before any work
     with Progress(console=err_console, transient=True) as bar:
         task = bar.add_task("profiling", total=None)
 
@@ -219,10 +224,34 @@ def profile(
 
         result = profile_model(model_file, args, sizes, device=device, gpu=spec, dtype=dtype, repeats=repeats, progress=step,
                                fusion=fusion, threads=threads, precision=precision)
-    named = str(hf_config.parent / hf_config.stem) if hf_config is not None and hf_config.suffix else str(hf_config or model_file)
+    named = str(hf_config or model_file)
+    if hf_config is not None and hf_config.suffix:  # a config file: its stem, or its folder's name for a config.json
+        named = str(hf_config.parent if hf_config.stem == "config" else hf_config.parent / hf_config.stem)
     path = result.save(output or default_profile_path(named, device, result.target_gpu, dtype))
     print_profile(result, console=console)
     console.print(f"wrote {path}")
+
+
+def _default_dtype(device: str, spec) -> tuple[str, str]:
+    """`planner profile` without --dtype: (dtype, what is profiled). A GPU trains in 16 bits (mixed
+    precision: fp32 weights, bf16 compute, as `planner run` trains), so a GPU target gets bfloat16
+    (float16 where the GPU has no bf16: CUDA before compute capability 8.0; float32 for an analytic
+    spec whose bf16 peak is not above its fp32 one, as the cpu preset's); a CPU float32. An analytic
+    profile without --gpu prices the h100-80gb (planner/profiler `profile_model`)."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "float32", "cpu"  # the profiler refuses --device cuda here, with its own message
+        name = torch.cuda.get_device_name()
+        return ("bfloat16" if torch.cuda.is_bf16_supported() else "float16"), name
+    if device == "meta":
+        from planner.hardware import get_gpu
+
+        spec = spec or get_gpu("h100-80gb")
+        fast = spec.peak_flops.get("bfloat16", 0.0) > spec.peak_flops.get("float32", 0.0)  # tensor cores (not the cpu preset)
+        return ("bfloat16" if fast else "float32"), spec.name
+    return "float32", device
 
 
 def _analytic_gpu(gpu: str):
@@ -290,7 +319,9 @@ def load_cluster_args(cluster: Optional[Path], gpus: Optional[int], gpus_per_nod
 
 @app.command()
 def solve(
-    profile_file: Path = typer.Option(..., "--profile", "-p", help="Profile JSON from `planner profile`."),
+    profile_arg: Optional[Path] = typer.Argument(None, metavar="PROFILE", help="Profile JSON from `planner profile` "
+                                                 "(or --profile)."),
+    profile_opt: Optional[Path] = typer.Option(None, "--profile", "-p", help="Profile JSON from `planner profile`."),
     global_batch: int = typer.Option(..., "--global-batch", "-b", help="Samples per optimizer step."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="Number of GPUs (with a preset GPU)."),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (default min(gpus, 8))."),
@@ -347,6 +378,12 @@ def solve(
 
     if top < 1:
         raise PlannerError(f"--top must be at least 1 (got {top}).", "--top K keeps the K best configurations; 1 keeps the best alone.")
+    if (profile_arg is None) == (profile_opt is None):
+        raise PlannerError("The profile was given twice, as an argument and as --profile." if profile_arg else
+                           "No profile given: pass it as an argument or as --profile.",
+                           "e.g. planner solve runs/profiles/gpt-cpu-float32.json --gpus 8 --global-batch 64")
+    profile_file = profile_arg or profile_opt
+    assert profile_file is not None, "exactly one of the two (checked above)"
     check_output_path(output, "--output")
     prof = load_profile(profile_file)
     if gpu is None and cluster is None and gpus is not None:
@@ -513,6 +550,12 @@ def price_command(
     from planner.engines.pricing import compare
     from planner.profile_schema import load_profile
 
+    if (profile_arg is None) == (profile_opt is None):
+        raise PlannerError("The profile was given twice, as an argument and as --profile." if profile_arg else
+                           "No profile given: pass it as an argument or as --profile.",
+                           "e.g. planner solve runs/profiles/gpt-cpu-float32.json --gpus 8 --global-batch 64")
+    profile_file = profile_arg or profile_opt
+    assert profile_file is not None, "exactly one of the two (checked above)"
     check_output_path(output, "--output")
     prof = load_profile(profile_file)
     if gpu is None and cluster is None and gpus is not None:

@@ -193,6 +193,28 @@ def test_an_analytic_profile_prices_per_op_for_the_spec_it_was_made_for(tmp_path
     assert missing.exit_code != 0 and "does not exist" in str(missing.exception)
 
 
+@pytest.mark.parametrize("flags, dtype", [(["--device", "meta", "--gpu", "h100-80gb"], "bfloat16"),
+                                          (["--device", "meta"], "bfloat16"),  # analytic without --gpu: the h100-80gb
+                                          (["--device", "meta", "--gpu", "cpu"], "float32"),  # its bf16 is slower than fp32
+                                          (["--device", "meta", "--gpu", "a100-80gb", "--dtype", "float32"], "float32"),
+                                          (["--device", "cpu", "--repeats", "1"], "float32")])
+def test_profile_trains_a_gpu_in_16_bits_unless_told(tmp_path, flags, dtype):
+    """Without --dtype a GPU target is profiled in bfloat16 (mixed precision, as GPUs train and
+    `planner run` trains), not float32 at a GPU's tenth-of-the-peak fp32 rate; a CPU in float32;
+    --dtype wins. The note says what was chosen and how to have float32."""
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+    from planner.profile_schema import Profile
+
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(app, ["profile", "examples/gpt.py", *flags, "-o", str(out), "--model-arg", "n_layers=1",
+                                      "--model-arg", "d_model=32", "--model-arg", "seq_len=16"])
+    assert result.exit_code == 0, result.output
+    assert Profile.model_validate_json(out.read_text()).dtype == dtype
+    assert ("--dtype float32 for float32" in result.output) == (dtype != "float32" and "--dtype" not in flags)
+
+
 def test_float32_convolutions_run_at_the_tf32_peak_and_linears_do_not():
     """PyTorch runs float32 convolutions in TF32 on Ampere and later (`cudnn.allow_tf32`) and
     float32 matrix products in float32 (`cuda.matmul.allow_tf32`): an analytic A100 profile prices

@@ -180,6 +180,16 @@ def test_top_zero_is_refused(meta_profile, tmp_path):
                                                        "--top", "0", "-o", str(tmp_path / "p.json")))
 
 
+def test_solve_takes_the_profile_as_an_argument_or_option_once(meta_profile, tmp_path):
+    plan = tmp_path / "plan.json"
+    positional = invoke("solve", str(meta_profile), "--gpus", "8", "--global-batch", "8", "-o", str(plan))
+    assert positional.exit_code == 0, positional.output
+    assert json.loads(plan.read_text())["profile"] == str(meta_profile)
+    assert "given twice" in message(invoke("solve", str(meta_profile), "--profile", str(meta_profile), "--gpus", "8",
+                                          "--global-batch", "8", "-o", str(plan)))
+    assert "No profile given" in message(invoke("solve", "--gpus", "8", "--global-batch", "8", "-o", str(plan)))
+
+
 def test_plan_carries_the_model_source_hash(meta_profile):
     from planner.cluster import make_cluster
     from planner.profile_schema import load_profile
