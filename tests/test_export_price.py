@@ -130,6 +130,20 @@ def test_non_uniform_cuts_warn_with_their_price(gpt):
 MEGATRON_1F1B = dict(overlap=megatron.overlap(interleaved=False))  # plans priced as Megatron-LM runs 1F1B
 
 
+def test_a_translation_that_overflows_the_gpu_says_so(gpt, cluster):
+    """An engine's layout is re-priced with its memory; where that memory exceeds the GPU's usable
+    share the warning says it does not fit, not only the figure."""
+    from dataclasses import replace
+
+    from planner.engines.pricing import reprice_warning
+
+    plan = solve(gpt, cluster, BATCH, PINS["accelerate"], top_k=1, dtype="bfloat16")
+    fits = reprice_warning("same layout", plan, plan_layout(plan), gpt, cluster)
+    assert "by the cost model" in fits and "does not fit" not in fits
+    small = replace(cluster, gpu=replace(cluster.gpu, memory_bytes=max(plan.prediction.peak_memory_bytes) // 2))
+    assert "which does not fit" in reprice_warning("same layout", plan, plan_layout(plan), gpt, small)
+
+
 def test_megatron_non_uniform_cuts(gpt):
     # First/last stage sizes: Megatron's own flags, no warning.
     plan = _plan_with_cuts(gpt, [UNITS[:2], UNITS[2:5], UNITS[5:8] + ["head"]], **MEGATRON_1F1B)  # blocks 1, 3, 2

@@ -193,7 +193,10 @@ def compare(profile: Profile, cluster: Cluster, layout: EngineLayout, global_bat
 
 
 def reprice_warning(what: str, plan: Plan, mapped: EngineLayout, profile: Profile | None, cluster: Cluster | None) -> str:
-    """`<what>; by the cost model 12.1 ms -> 13.0 ms (+7.4%), peak memory 30.1 -> 33.0 GiB`."""
+    """`<what>; by the cost model 12.1 ms -> 13.0 ms (+7.4%), peak memory 30.1 -> 33.0 GiB`, and
+    `, which does not fit (72.0 GiB usable per h100-80gb)` when the engine's layout overflows a GPU."""
+    from planner.solver.solve import MEMORY_FRACTION
+
     if profile is None or cluster is None or plan.prediction is None:
         return f"{what} (not re-priced: the plan's profile is not available)"
     try:
@@ -203,4 +206,7 @@ def reprice_warning(what: str, plan: Plan, mapped: EngineLayout, profile: Profil
     before, after = prediction(plan), prediction(priced)
     t0, t1 = before.iteration_time_s, after.iteration_time_s
     m0, m1 = max(before.peak_memory_bytes) / 2**30, max(after.peak_memory_bytes) / 2**30
-    return f"{what}; by the cost model {seconds(t0)} -> {seconds(t1)} ({t1 / t0 - 1:+.1%}), peak memory {m0:.2f} -> {m1:.2f} GiB"
+    usable = cluster.gpu.memory_bytes * MEMORY_FRACTION
+    overflow = f", which does not fit ({usable / 2**30:.1f} GiB usable per {cluster.gpu.name})" if m1 * 2**30 > usable else ""
+    return (f"{what}; by the cost model {seconds(t0)} -> {seconds(t1)} ({t1 / t0 - 1:+.1%}), "
+            f"peak memory {m0:.2f} -> {m1:.2f} GiB{overflow}")
