@@ -550,12 +550,6 @@ def price_command(
     from planner.engines.pricing import compare
     from planner.profile_schema import load_profile
 
-    if (profile_arg is None) == (profile_opt is None):
-        raise PlannerError("The profile was given twice, as an argument and as --profile." if profile_arg else
-                           "No profile given: pass it as an argument or as --profile.",
-                           "e.g. planner solve runs/profiles/gpt-cpu-float32.json --gpus 8 --global-batch 64")
-    profile_file = profile_arg or profile_opt
-    assert profile_file is not None, "exactly one of the two (checked above)"
     check_output_path(output, "--output")
     prof = load_profile(profile_file)
     if gpu is None and cluster is None and gpus is not None:
