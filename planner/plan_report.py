@@ -209,10 +209,11 @@ def simulated_timeline(plan: Plan):
                     grad_ready=(search.grad_reduce_ready if search else None) or "backward")
 
 
-SCHEDULE_TERMS = ("compute", "tp_comm", "p2p", "bubble")
+SCHEDULE_TERMS = ("compute", "tp_comm", "ep_comm", "cp_comm", "p2p", "bubble")
 """Breakdown terms spent inside the pipeline schedule (planner/solver/search.py `_price`:
-iteration = pipeline + the slowest rank's dp_comm + tie_comm + optimizer); the others run
-once per step after a rank's last backward."""
+iteration = pipeline + the slowest rank's grad_accumulation + dp_comm + tie_comm + optimizer);
+the others run once per step after a rank's last backward. EP's all-to-alls and CP's K/V
+gathers run in every micro-batch, inside the stage times the schedule is simulated on."""
 
 
 def _ranks_summary(ranks: list[int]) -> str:

@@ -207,6 +207,37 @@ def test_a_solved_plan_records_its_reduction_stream_and_its_gantt_adds_up():
     assert serial.search.rank_grad_reduce_s is None and simulated_timeline(serial).comm_events == ()
 
 
+@pytest.mark.parametrize("dimension", ["ep", "cp"])
+def test_token_collectives_are_inside_the_schedule_and_the_terms_add_up(dimension):
+    """EP's all-to-alls and CP's K/V gathers run in every micro-batch: they are in the stage times
+    the schedule is simulated on, not once per step after it, and the schedule plus the terms after
+    it make the predicted iteration."""
+    from planner.cluster import make_cluster
+    from planner.cost.overlap import SERIAL
+    from planner.plan_report import after_schedule_terms, simulated_timeline
+    from planner.profiler import profile_model
+    from planner.solver.solve import Pins, solve
+
+    if dimension == "ep":
+        model, args = "examples/moe.py", dict(n_layers=4, d_model=256, n_heads=4, vocab_size=256, seq_len=128, num_experts=8,
+                                               top_k=2, moe_d_ff=512)
+        pins = Pins(pp=2, tp=1, dp=4, ep=4, micro_batch_size=1, zero_stage=1, recompute="none", schedule="1f1b",
+                    overlap=SERIAL)
+    else:
+        model, args = "examples/llama.py", dict(n_layers=4, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, vocab_size=256,
+                                                 seq_len=256)
+        pins = Pins(pp=2, tp=1, dp=4, cp=2, cp_algorithm="all-gather", micro_batch_size=1, zero_stage=1, recompute="none",
+                    schedule="1f1b", overlap=SERIAL)
+    prof = profile_model(model, args, [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    plan = solve(prof, make_cluster(8, 4, "h100-80gb"), 16, pins, top_k=1, dtype="bfloat16")
+    term = f"{dimension}_comm"
+    assert plan.prediction.breakdown_s[term] > 0
+    timeline = simulated_timeline(plan)
+    after = dict(after_schedule_terms(plan, timeline.makespan_s))
+    assert term not in after
+    assert timeline.makespan_s + sum(after.values()) == pytest.approx(plan.prediction.iteration_time_s, rel=1e-6)
+
+
 def _rgb(color: str) -> tuple[float, float, float]:
     from matplotlib.colors import to_rgb
 
