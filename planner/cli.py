@@ -440,10 +440,10 @@ def run(
 
     if steps < 1:
         raise PlannerError(f"--steps must be positive (got {steps}).", "Run at least one step.")
-    run_plan(str(plan_file), str(model_file) if model_file else None, steps, seed, lr,
+    ran = run_plan(str(plan_file), str(model_file) if model_file else None, steps, seed, lr,
              str(output) if output else None, reference, timeout_s=timeout,
              checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, resume=resume, overwrite=overwrite)
-    if output:
+    if output and ran:  # a plan over several nodes prints their commands and runs nothing here
         console.print(f"wrote {output}")
 
 

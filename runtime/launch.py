@@ -123,7 +123,9 @@ def check_checkpoint_dir(checkpoint_dir: str | None, resume: bool, overwrite: bo
 
 def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed: int = 0, lr: float | None = None,
              output: str | None = None, reference: bool = False, save_params: str | None = None,
-             timeout_s: float = 600.0, checkpoint_dir: str | None = None, resume: bool = False, overwrite: bool = False) -> int:
+             timeout_s: float = 600.0, checkpoint_dir: str | None = None, resume: bool = False, overwrite: bool = False) -> bool:
+    """Run the plan here (True), or, for a plan over several nodes, print each node's torchrun
+    command and run nothing (False). Refuses bad arguments before any work (PlannerError)."""
     from planner.cli import check_output_path
 
     check_output_path(output, "--output")
@@ -142,11 +144,13 @@ def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed
     threads = plan.training.cpu_threads or os.environ.get("OMP_NUM_THREADS", "1")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if plan.cluster.num_nodes > 1 and not reference:
+        print(f"The plan spans {plan.cluster.num_nodes} nodes of {plan.cluster.gpus_per_node} GPUs: start one torchrun on "
+              "each (HOST: node 0's address, reachable from the others; this checkout and the model file on every node):")
         for node in range(plan.cluster.num_nodes):
             print(f"node {node}: torchrun --nnodes {plan.cluster.num_nodes} --node-rank {node} "
                   f"--nproc-per-node {plan.cluster.gpus_per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500 "
                   f"-m runtime {plan_path} {' '.join(extra)}")
-        return 0
+        return False
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="planner-run-") as log_dir:
         if reference:
@@ -155,7 +159,7 @@ def run_plan(plan_path: str, model_file: str | None = None, steps: int = 5, seed
             command, logs = torchrun_command(plan.world_size, ["-m", "runtime", plan_path, *extra], log_dir), Path(log_dir)
         launch(command, env, timeout_s, what="The run", log_dir=logs, timeout_hint="Run fewer steps or raise --timeout.",
                kept=lambda: kept_after_stop(checkpoint_dir, output, started))
-    return 0
+    return True
 
 
 def kept_after_stop(checkpoint_dir: str | None, output: str | None, started: float) -> str:

@@ -190,6 +190,19 @@ def test_solve_takes_the_profile_as_an_argument_or_option_once(meta_profile, tmp
     assert "No profile given" in message(invoke("solve", "--gpus", "8", "--global-batch", "8", "-o", str(plan)))
 
 
+def test_a_plan_over_several_nodes_prints_their_commands_and_claims_no_metrics(tmp_path, model_file):
+    """`planner run` of a plan over two nodes starts nothing here: it prints each node's torchrun
+    command, and does not say it wrote the metrics file it could not have written."""
+    plan = make_plan(dp=2, args={"width": 8}, units=["blocks.0", "blocks.1", "head"])
+    plan.model.file = str(model_file)
+    plan.cluster.num_nodes, plan.cluster.gpus_per_node = 2, 1
+    path = plan.save(tmp_path / "plan.json")
+    result = invoke("run", str(path), "-o", str(tmp_path / "m.json"))
+    assert result.exit_code == 0, result.output
+    assert "spans 2 nodes" in result.output and "--node-rank 1" in result.output
+    assert "wrote" not in result.output and not (tmp_path / "m.json").exists()
+
+
 def test_plan_carries_the_model_source_hash(meta_profile):
     from planner.cluster import make_cluster
     from planner.profile_schema import load_profile
