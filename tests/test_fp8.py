@@ -412,6 +412,31 @@ def test_solver_prices_fp8_and_records_it(gpt_h100):
     assert 0 < fp8_plan.prediction.mfu_fp8 < fp8_plan.prediction.mfu
 
 
+def test_an_fp8_plan_says_what_fp8_reaches_and_when_it_does_not_pay(gpt_h100):
+    """The plan's note counts the converted linears and their share of the forward FLOPs (GPT's
+    head is filtered, attention stays bf16), and says to solve without --fp8 where the casts cost
+    more than the GEMMs save: never for this wide model, always for a narrow one."""
+    from planner.cluster import make_cluster
+    from planner.cost.fp8 import converted_ops, skipped_units
+    from planner.profiler import profile_model
+    from planner.solver.solve import solve
+    from tests.conftest import EXAMPLES
+
+    cluster = make_cluster(8, 8, "h100-80gb")
+    wide = solve(gpt_h100, cluster, 32, float8=True)
+    [note] = [n for n in wide.search.notes if n.startswith("FP8:")]
+    converted = sum(len(converted_ops(u, skipped_units(gpt_h100))) for u in gpt_h100.units)
+    linears = sum(op.kind == "linear" for u in gpt_h100.units for op in u.ops)
+    assert f"{converted} of {linears} linears converted" in note and converted == linears - 1
+    assert "filtered (output head) x1" in note and "solve without --fp8" not in note
+    share = int(note.split("linears converted (torchao Float8Linear), ")[1].split("%")[0])
+    assert 50 < share < 100  # the attention scores and the filtered head stay in bf16
+    narrow = profile_model(str(EXAMPLES / "gpt.py"), dict(n_layers=2, d_model=256, n_heads=4, d_ff=1024, vocab_size=1024,
+                                                          seq_len=128), [1], device="meta", gpu="h100-80gb", dtype="bfloat16")
+    assert any("solve without --fp8" in n for n in solve(narrow, cluster, 8, float8=True).search.notes)
+    assert not any(n.startswith("FP8:") for n in solve(narrow, cluster, 8).search.notes)
+
+
 def test_solver_fp8_gathers_weights_in_fp8(gpt_h100):
     from planner.cluster import make_cluster
     from planner.solver.search import Config

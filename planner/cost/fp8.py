@@ -268,6 +268,48 @@ def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree:
     )
 
 
+def fp8_coverage_note(profile: Profile, gpu: GPUSpec, micro_batch_size: float, tp_degree: int = 1,
+                      tp_plans: list[Mapping[str, str]] | None = None) -> str:
+    """An FP8 plan's note on what FP8 reaches: the linears converted and their share of the model's
+    forward FLOPs (the rest, attention, experts that are not `nn.Linear` modules and the linears
+    the filter keeps, stays bf16, each kept linear's reason counted), and, where the casts cost
+    more than the FP8 GEMMs save over the model's linears at the plan's micro-batch and TP degree,
+    that FP8 slows it down. `tp_plans`: per unit, the module -> TP style of the plan's stage."""
+    from collections import Counter
+
+    skip = skipped_units(profile)
+    converted = total = 0
+    fp8_flops = all_flops = saved_s = 0.0
+    kept: Counter[str] = Counter()
+    for k, unit in enumerate(profile.units):
+        all_flops += sum(op.forward_flops for op in unit.ops)
+        names = converted_ops(unit, skip)
+        for op in unit.ops:
+            if op.kind != "linear":
+                continue
+            total += 1
+            if op.name in names:
+                converted += 1
+                fp8_flops += op.forward_flops
+            else:
+                why = _why_not_converted(unit, op, skip) or ""
+                kept[f"dims not a multiple of {FP8_ALIGNMENT}" if "not a multiple" in why else why] += 1
+        if names:
+            plan = tp_plans[k] if tp_plans is not None and tp_degree > 1 else None
+            styles = {f"{unit.name}.{m}" if m else unit.name: v for m, v in plan.items()} if plan is not None else None
+            price = price_fp8_unit(unit, micro_batch_size, gpu, tp_degree, skip_fqns=skip, tp_plan=styles)
+            saved_s += price.forward_saved_s + price.backward_saved_s
+    share = fp8_flops / all_flops if all_flops else 0.0
+    note = (f"FP8: {converted} of {total} linears converted (torchao Float8Linear), {share:.0%} of the model's forward "
+            f"FLOPs; the rest runs in bf16")
+    if kept:
+        note += " (linears kept: " + ", ".join(f"{why} x{n}" for why, n in kept.most_common()) + ")"
+    if saved_s < 0:
+        note += (f". Here the casts cost more than the FP8 GEMMs save ({-saved_s * 1e3:.3g} ms more per micro-batch over "
+                 "the model): solve without --fp8")
+    return note + "."
+
+
 def matmul_time_s(flops: float, gpu: GPUSpec, dtype: str) -> float:
     """GEMM seconds for `flops` at the GPU's achievable rate in `dtype` (`float8` for FP8)."""
     return flops / gpu.achievable_flops(dtype)

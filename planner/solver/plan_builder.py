@@ -6,7 +6,7 @@ import math
 import re
 
 from planner.cluster import Cluster
-from planner.cost.fp8 import mfu_conventions
+from planner.cost.fp8 import fp8_coverage_note, mfu_conventions
 from planner.plan import (
     Alternative,
     Batch,
@@ -263,7 +263,9 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
             stage_weight_fraction=list(best.stage_weight_fraction) or None,
             **reduction_lane(best.reduction_stream),
             alternatives=alternatives,
-            notes=[tp_coverage_note(profile, table.tp_plans, cfg.tp, cfg.sequence_parallel)] if cfg.tp > 1 else [],
+            notes=([tp_coverage_note(profile, table.tp_plans, cfg.tp, cfg.sequence_parallel)] if cfg.tp > 1 else [])
+            + ([fp8_coverage_note(profile, cluster.gpu, cfg.micro_batch_size / cfg.cp, cfg.tp, table.tp_plans)]
+               if result.costs.float8 else []),
         ),
         device_mismatch=device_mismatch(profile, cluster),
     )
