@@ -44,11 +44,18 @@ def load_config(config: str, **overrides: Any):
     if not model_type:
         raise PlannerError(f"{path} has no `model_type`, so no model class can be chosen for it.",
                            "Pass a config.json as Hugging Face ships it (it names its model_type).")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        raise PlannerError(f"transformers does not know model_type {model_type!r} of {path}.",
+                           "Upgrade transformers, or check the config's model_type.")
     try:
         cfg = AutoConfig.for_model(model_type, **fields)
-    except (KeyError, ValueError) as exc:
-        raise PlannerError(f"transformers does not know model_type {model_type!r} of {path}: {exc}.",
-                           "Upgrade transformers, or check the config.") from exc
+    except Exception as exc:  # noqa: BLE001 - the config class's own checks (ValueError, huggingface_hub's validators)
+        said = " ".join(str(exc).split())
+        raise PlannerError(f"transformers refuses the {model_type} config {path}: {said}",
+                           "Fix the fields it names (a config.json as the model ships it is accepted), or start from "
+                           "the published config and change fields with -a KEY=VALUE.") from exc
     known = _field_names(cfg)
     unknown = sorted(k for k in overrides if k not in known)
     if unknown:

@@ -150,6 +150,21 @@ def test_a_config_with_no_causal_lm_is_refused_with_what_to_do(tmp_path):
     assert "Write a model file" in caught.value.hint
 
 
+def test_a_config_its_class_refuses_or_an_unknown_type_is_a_clear_error(tmp_path):
+    """A config.json whose fields its class's validators refuse (Gemma 3's layer_types, one per
+    layer) names the refusal; an unknown model_type says to upgrade. Neither is an internal error."""
+    fields = json.loads(Path(_shipped_default("gemma3_text", tmp_path)).read_text())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(fields, num_hidden_layers=2)))  # layer_types still lists the shipped depth
+    with pytest.raises(PlannerError, match="transformers refuses the gemma3_text config .*layer_types") as caught:
+        hf.load_config(str(bad))
+    assert "-a KEY=VALUE" in caught.value.hint
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps(dict(fields, model_type="no_such_model")))
+    with pytest.raises(PlannerError, match="does not know model_type 'no_such_model'"):
+        hf.load_config(str(unknown))
+
+
 def test_a_nested_config_field_is_overridden_by_its_path(tmp_path):
     """A multimodal config (Gemma 3) keeps its language model's fields in text_config: -a
     text_config.num_hidden_layers=2 reaches them, and the batch takes that config's vocabulary."""

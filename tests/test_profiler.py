@@ -160,6 +160,41 @@ def test_analytic_times_follow_the_roofline(write_model):
     assert prof.target_gpu == "a100-80gb" and prof.device_name == "analytic:a100-80gb"
 
 
+UNCALLED_TOWER = """
+import torch
+from torch import nn
+
+class TextOnly(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.text = nn.ModuleList([nn.Linear(d, d) for _ in range(2)])
+        self.vision = nn.ModuleDict({"patch": nn.Linear(d, d), "layers": nn.ModuleList([nn.Linear(d, d) for _ in range(3)])})
+        self.projector = nn.Linear(d, d)
+
+    def forward(self, x):
+        for layer in self.text:
+            x = layer(x)
+        return x
+
+def build_model(**_):
+    return TextOnly()
+
+def make_batch(batch_size, **_):
+    return torch.randn(batch_size, 8), torch.randint(8, (batch_size,))
+"""
+
+
+def test_uncalled_submodules_are_named_by_their_shallowest_uncalled_ancestor(write_model):
+    """A tower the batch never reaches (a vision-language model fed text) is one name with a count,
+    in the unused-modules note and in the note on parameters no unit holds."""
+    from planner.profiler import _collapsed
+
+    notes = profile_model(str(write_model(UNCALLED_TOWER)), {}, [2], device="meta").notes
+    assert "modules never called in forward (left out of the units): vision (4 modules), projector" in notes
+    assert "parameters held outside every unit: vision (8 parameters), projector (2 parameters)" in notes
+    assert _collapsed(["a.b.c", "a.b.d", "a.e"], ["a.f", "a.e2"]) == ["a.b (2 modules)", "a.e"]
+
+
 def test_profile_round_trips_through_json(write_model, tmp_path):
     prof = profile_model(str(write_model(SKIP)), {}, [1, 2], device="meta")
     path = prof.save(tmp_path / "p.json")
