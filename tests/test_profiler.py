@@ -189,9 +189,14 @@ def test_uncalled_submodules_are_named_by_their_shallowest_uncalled_ancestor(wri
     in the unused-modules note and in the note on parameters no unit holds."""
     from planner.profiler import _collapsed
 
-    notes = profile_model(str(write_model(UNCALLED_TOWER)), {}, [2], device="meta").notes
+    from planner.solver.solve import pp_refusal
+
+    profile = profile_model(str(write_model(UNCALLED_TOWER)), {}, [2], device="meta")
+    notes = profile.notes
     assert "modules never called in forward (left out of the units): vision (4 modules), projector" in notes
     assert "parameters held outside every unit: vision (8 parameters), projector (2 parameters)" in notes
+    # No pipeline stage owns them: the refusal says why, and what to profile instead.
+    assert "modules the forward never calls (vision (8 parameters), projector (2 parameters))" in pp_refusal(profile)
     assert _collapsed(["a.b.c", "a.b.d", "a.e"], ["a.f", "a.e2"]) == ["a.b (2 modules)", "a.e"]
 
 

@@ -279,11 +279,19 @@ def pp_refusal(profile: Profile) -> str | None:
     """Why the runtime cannot run this model in a pipeline (None: it can): parameters the model
     root holds itself, outside every unit, which no stage owns (runtime/pp_split.py
     `check_splittable`). Move them into a submodule to pipeline the model."""
+    from planner.profiler import _collapsed
+
     root = profile.model.root_parameters
     if not root:
         return None
-    return (f"parameters {root[:4]} belong to the model root, not to a unit, so no pipeline stage owns them "
-            "(move them into a submodule to pipeline the model)")
+    own = [name for name in root if "." not in name]
+    if own:
+        return (f"parameters {own[:4]} belong to the model root, not to a unit, so no pipeline stage owns them "
+                "(move them into a submodule to pipeline the model)")
+    uncalled = ", ".join(_collapsed(root, profile.unit_names(), "parameters")[:4])
+    return (f"the parameters of modules the forward never calls ({uncalled}) are in no unit, so no pipeline stage "
+            "owns them (a vision-language model fed text leaves its vision tower so: profile the language model alone, "
+            "e.g. --hf-config of its text_config as a config of its own, to pipeline it)")
 
 
 def check_model_pins(pins: Pins, profile: Profile) -> None:
