@@ -85,7 +85,7 @@ class StackPins(Pins):
     place) and llm-foundry's `fused_crossentropy` (flash-attn's kernel, in-place backward; its
     MPT benchmark configs)."""
 
-    fused_loss: bool = True  # (Pins' field, True for these stacks)
+    loss_kernel: str = "fused"  # (Pins' field, "fused" for these stacks)
 
 
 def _virtual_stages(text: str) -> int:

@@ -114,7 +114,7 @@ def main() -> pd.DataFrame:
     # search.py `Environment`); in bf16 it accumulates and reduces gradients in fp32 (`gradient_dtype`),
     # the accumulation fused into the weight-gradient GEMMs (--gradient-accumulation-fusion, its default).
     theirs = price_config(prof, cluster, published_config(row),
-                          Pins(fused_loss=True, grad_dtype=gradient_dtype("bfloat16"), grad_accumulation="fused",
+                          Pins(loss_kernel="fused", grad_dtype=gradient_dtype("bfloat16"), grad_accumulation="fused",
                                **MEGATRON_MEMORY))  # the row: bf16
     rows = [record("published layout", theirs, published, time.perf_counter() - tick, "")]
     for name, pins in ((f"best with EP {row.ep}", Pins(ep=int(row.ep))), ("free choice", Pins())):

@@ -110,7 +110,7 @@ def table2_case(scheme: str, model: str, batch: int, gpus: int, mbs: int | None,
     if scheme == "ZeRO-3":
         return dict(**common, source="SC21 Table 2 (ZeRO-3)", stack="DeepSpeed ZeRO-3", profile_mbs=[mbs],
                     pins=StackPins(pp=1, tp=1, dp=gpus, cp=1, micro_batch_size=mbs, recompute="full", zero_stage=3,
-                                   sequence_parallel=False, overlap=deepspeed.overlap(3, 1), fused_loss=False,
+                                   sequence_parallel=False, overlap=deepspeed.overlap(3, 1), loss_kernel="eager",
                                    param_dtype="float16", zero3_live=LiveParameters(), **DEEPSPEED_HABITS))
     return dict(**common, source="SC21 Table 2 (PTD-P)", stack="Megatron-LM 2021", profile_mbs=[1, 2],
                 schedules=["1f1b", "interleaved-1f1b"],
@@ -125,7 +125,7 @@ def mtnlg_case(gpus: int, seconds: float) -> dict:
                 global_batch=1920, published_s=seconds, derived_from="published s/iteration", published_tflops=float("nan"),
                 profile_mbs=[1, 2], schedules=["1f1b"],  # DeepSpeed's TrainSchedule
                 pins=StackPins(pp=pp, tp=tp, dp=gpus // (tp * pp), cp=1, recompute="full", zero_stage=1,
-                               sequence_parallel=False, overlap=deepspeed.overlap(1, pp), fused_loss=False,
+                               sequence_parallel=False, overlap=deepspeed.overlap(1, pp), loss_kernel="eager",
                                param_dtype="bfloat16", **BF16_OPTIMIZER, **DEEPSPEED_HABITS))
 
 
@@ -157,7 +157,7 @@ def bloom_case() -> dict:
                 published_tflops=b["tflops"], profile_mbs=[b["mbs"]], schedules=["1f1b"], cuts=bloom_cuts,
                 pins=StackPins(pp=b["pp"], tp=b["tp"], dp=b["gpus"] // (b["tp"] * b["pp"]), cp=1, micro_batch_size=b["mbs"],
                                recompute="full", zero_stage=1, sequence_parallel=False, overlap=deepspeed.overlap(1, b["pp"]),
-                               fused_loss=False, param_dtype="bfloat16", **BF16_OPTIMIZER, **DEEPSPEED_HABITS))
+                               loss_kernel="eager", param_dtype="bfloat16", **BF16_OPTIMIZER, **DEEPSPEED_HABITS))
 
 
 def main() -> pd.DataFrame:

@@ -29,6 +29,21 @@ the solver refuses it tensor parallelism (planner/solver/solve.py `tp_refusal`) 
 shard a fused or normalised projection."""
 
 
+def collapsed_names(unused: list[str], used: list[str], noun: str = "modules") -> list[str]:
+    """Uncalled modules (or their parameters) by their shallowest ancestor that holds no called
+    unit, with how many it stands for: a text-only batch leaves a vision-language model's whole
+    vision tower uncalled, `model.vision_tower (87 modules)` rather than its 87 names."""
+    groups: dict[str, int] = {}
+    for name in unused:
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if not any(u == prefix or u.startswith(prefix + ".") for u in used):
+                groups[prefix] = groups.get(prefix, 0) + 1
+                break
+    return [f"{prefix} ({n} {noun})" if n > 1 else prefix for prefix, n in groups.items()]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 

@@ -569,3 +569,17 @@ def test_megatron_configurations_are_priced_with_its_attention(gpt_h100):
     slower = price(profile, priced_on, mega, BATCH).prediction.iteration_time_s
     pure, _ = as_the_engine_computes(gpt_h100, "megatron")  # the same profile at the preset's kernel rates
     assert slower >= price(pure, cluster, mega, BATCH).prediction.iteration_time_s  # (this small GPT: memory-bound, equal)
+
+
+def test_torchtitan_compiles_its_loss_with_the_model():
+    """torchtitan compiles its cross-entropy when compile is on (components/loss.py; [compile]
+    components, default ["model", "loss"]): its loss is priced as compiled, holding the logits and
+    their gradient, far under the eager loss the planner's runtime runs."""
+    from planner.cost.memory import loss_bytes
+    from planner.engines import torchtitan
+
+    assert torchtitan.parse("[compile]\nenable = true\n").loss_kernel == "compiled"
+    assert torchtitan.parse("[training]\ncompile = true\n").loss_kernel == "compiled"  # the older key
+    assert torchtitan.parse('[compile]\nenable = true\ncomponents = ["model"]\n').loss_kernel == "eager"
+    assert torchtitan.parse("[training]\nlocal_batch_size = 2\n").loss_kernel == "eager"
+    assert loss_bytes(100.0, 2, 1, "compiled") == 200.0 < loss_bytes(100.0, 2, 1) == 700.0

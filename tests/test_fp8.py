@@ -39,8 +39,9 @@ def _linear(name: str, m: int, k: int, n: int, **extra) -> OpNode:
     """A linear x[1, m, k] @ W[n, k]^T as the profiler records it: 2 m k n forward FLOPs; its
     module is `name` unless `module=` says otherwise."""
     extra.setdefault("module", name)
+    extra.setdefault("inputs", ["input"])
     return OpNode(name=name, kind="linear", weight_shape=[n, k], input_shape=[1, m, k], output_shape=[1, m, n],
-                  forward_flops=2 * m * k * n, inputs=["input"], **extra)
+                  forward_flops=2 * m * k * n, **extra)
 
 
 def _cast_s(elements: float, gpu=H100) -> float:
@@ -120,6 +121,57 @@ def test_big_linears_gain_and_small_ones_lose():
     small = fp8.price_fp8_unit(_unit("b", [_linear("fc", 256, 256, 256)]), 1, H100)
     assert big.forward_saved_s > 0 and big.backward_saved_s > 0
     assert small.forward_saved_s < 0 and small.backward_saved_s < 0
+
+
+def test_linears_reading_one_input_cast_it_once_when_compiled_together():
+    """A block compiled whole (torchtitan) casts an input its q, k and v projections share once,
+    and one its gate and up projections share once; the planner's runtime, compiling each linear
+    alone, casts it per linear. Only the forward input casts change: each dy is a linear's own."""
+    m, d, kv, ff = 4096, 1024, 256, 2048
+    attn = _linear("wq", m, d, d), _linear("wk", m, d, kv), _linear("wv", m, d, kv)
+    mlp = (_linear("w1", m, d, ff, inputs=["wo", "input"]), _linear("w3", m, d, ff, inputs=["wo", "input"]),
+           _linear("w2", m, ff, d, inputs=["w1", "w3"]))
+    unit = _unit("layers.0", [*attn, _linear("wo", m, d, d, inputs=["attention"]), *mlp])
+    apart, shared = fp8.price_fp8_unit(unit, 1, H100), fp8.price_fp8_unit(unit, 1, H100, shared_input_casts=True)
+    assert apart.forward_cast_s - shared.forward_cast_s == pytest.approx(3 * _cast_s(m * d))  # 2 of q,k,v + 1 of gate,up
+    assert shared.backward_cast_s == apart.backward_cast_s
+    assert shared.forward_gemm_saved_s == apart.forward_gemm_saved_s
+    # Under TP a colwise and a rowwise linear reading one tensor read different shards of it: cast apart.
+    styles = {"layers.0.wq": "colwise", "layers.0.wk": "rowwise", "layers.0.wv": "colwise"}
+    tp = fp8.price_fp8_unit(_unit("layers.0", list(attn)), 1, H100, 2, tp_plan=styles, shared_input_casts=True)
+    assert tp.forward_cast_s == pytest.approx(_cast_s(m * d) + _cast_s(m * d / 2) + sum(_cast_s(d * n / 2) for n in (d, kv, kv)))
+
+
+def test_a_block_compiled_whole_computes_a_shared_input_cast_once():
+    """What `shared_input_casts` rests on: torch.compile's AOTAutograd merges identical operations
+    on one tensor (torch/_functorch/config.py `cse`, in the min-cut partitioner inductor uses), so
+    three linears casting one input as torchao's tensorwise scaling does (amax of |x|, scale,
+    saturated cast) leave one amax and one cast in the compiled forward (checked on CPU)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs = []
+
+    def backend(gm, inputs):
+        def keep(fw, _):
+            graphs.append(fw)
+            return fw.forward
+
+        return aot_module_simplified(gm, inputs, fw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+
+    def cast(x):  # torchao/float8/float8_utils.py: amax_to_scale, to_fp8_saturated
+        scale = torch.finfo(torch.float8_e4m3fn).max / torch.clamp(torch.max(torch.abs(x)).to(torch.float64), min=1e-12)
+        scale = scale.to(torch.float32)
+        return (x.to(torch.float32) * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+    def block(x, *weights):
+        return sum(((xf := cast(x))[0].to(torch.float32) @ w.t()) / xf[1] for w in weights)
+
+    torch._dynamo.reset()
+    x = torch.randn(64, 32, requires_grad=True)
+    torch.compile(block, backend=backend)(x, *(torch.randn(16, 32, requires_grad=True) for _ in range(3)))
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten.abs.default) == 1 and ops.count(torch.ops.aten.max.default) == 1
 
 
 def test_micro_batch_size_scales_from_the_profiled_one():

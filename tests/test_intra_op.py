@@ -418,3 +418,7 @@ def test_torchtitan_float8_under_tp_gathers_fp8():
     assert torchtitan.parse("[parallelism]\ntensor_parallel_degree = 4\n" + float8).float8_tp_gather
     assert not torchtitan.parse("[parallelism]\ntensor_parallel_degree = 4\n").float8_tp_gather  # bf16
     assert not torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = 8\n" + float8).float8_tp_gather  # no TP
+    # Compiled, a block at a time: the Float8 casts of a shared input are one (planner/cost/fp8.py, Casts).
+    assert torchtitan.parse("[compile]\nenable = true\n" + float8).float8_shared_casts
+    assert not torchtitan.parse(float8).float8_shared_casts  # eager
+    assert not torchtitan.parse("[compile]\nenable = true\n").float8_shared_casts  # bf16

@@ -312,3 +312,40 @@ def test_loss_bytes_match_a_measured_cross_entropy():
     inputs = before + weight.numel() * 2  # the weight, x and the rest, and the weight's 16-bit copy
     predicted = loss_bytes(tokens * vocab * 2, 2, in_flight=1)
     assert meter.peak_bytes - inputs == pytest.approx(predicted, rel=0.05)
+
+
+@pytest.mark.slow  # inductor compiles the loss on CPU (about 10 s)
+def test_loss_bytes_match_a_measured_compiled_cross_entropy():
+    """`loss_bytes(kernel="compiled")`, torchtitan's compiled loss: the 16-bit logits and their
+    gradient, not the fp32 log-softmax and backward tensors of the eager loss (measured here as
+    the eager case is, above)."""
+    import gc
+
+    import torch
+    import torch.nn.functional as F
+
+    from runtime.metrics import TensorPeakMeter, live_tensor_bytes
+
+    torch.manual_seed(0)
+    tokens, vocab, width = 512, 8192, 64
+    weight = torch.randn(vocab, width, requires_grad=True)
+    x, targets = torch.randn(tokens, width), torch.randint(0, vocab, (tokens,))
+    loss_fn = torch.compile(lambda out, t: F.cross_entropy(out.float(), t))  # torchtitan: cross_entropy_loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(x @ weight.t(), targets).backward()  # compiled here, outside the measured steps
+    weight.grad = None
+    gc.collect()
+    before = live_tensor_bytes(torch.device("cpu"))
+    meter = TensorPeakMeter(torch.device("cpu"), num_steps=3)
+    for step in range(3):
+        meter.start(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = x @ weight.t()
+        loss_fn(out, targets).backward()
+        meter.stop(step)
+        weight.grad = None
+        del out
+    measured = meter.peak_bytes - before - weight.numel() * 2
+    output = tokens * vocab * 2
+    assert measured == pytest.approx(loss_bytes(output, 2, in_flight=1, kernel="compiled"), rel=0.15)
+    assert measured < loss_bytes(output, 2, in_flight=1) / 2  # far under the eager loss

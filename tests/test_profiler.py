@@ -187,7 +187,7 @@ def make_batch(batch_size, **_):
 def test_uncalled_submodules_are_named_by_their_shallowest_uncalled_ancestor(write_model):
     """A tower the batch never reaches (a vision-language model fed text) is one name with a count,
     in the unused-modules note and in the note on parameters no unit holds."""
-    from planner.profiler import _collapsed
+    from planner.profile_schema import collapsed_names
 
     from planner.solver.solve import pp_refusal
 
@@ -197,7 +197,7 @@ def test_uncalled_submodules_are_named_by_their_shallowest_uncalled_ancestor(wri
     assert "parameters held outside every unit: vision (8 parameters), projector (2 parameters)" in notes
     # No pipeline stage owns them: the refusal says why, and what to profile instead.
     assert "modules the forward never calls (vision (8 parameters), projector (2 parameters))" in pp_refusal(profile)
-    assert _collapsed(["a.b.c", "a.b.d", "a.e"], ["a.f", "a.e2"]) == ["a.b (2 modules)", "a.e"]
+    assert collapsed_names(["a.b.c", "a.b.d", "a.e"], ["a.f", "a.e2"]) == ["a.b (2 modules)", "a.e"]
 
 
 def test_profile_round_trips_through_json(write_model, tmp_path):

@@ -36,6 +36,15 @@ gathered FP8 weight serves both forward and backward: the weight passes become o
 the shard (ZeRO-3 re-gathers for backward and casts its shard again, 1/dp of W, not counted). This is the fused (torch.compile) traffic; eager torchao issues the abs, amax, scale
 and cast as separate elementwise kernels, so a run without compile spends more than this
 (torchao's README: compile is needed "for competitive performance").
+Compiled a block at a time (torchtitan compiles each TransformerBlock, parallelize_llama.py
+`apply_compile`), the linears that read one tensor (a block's q, k and v projections; its gate and
+up projections) cast it once: their amax, scale and cast are the same operations on the same
+input, which AOTAutograd's common-subexpression elimination merges (torch/_functorch/config.py
+`cse`, applied by the min-cut partitioner inductor uses; tests/test_fp8.py checks it on CPU).
+`price_fp8_unit(shared_input_casts=True)` prices that: one forward cast per input, told apart by
+the op graph's sources and the linear's TP style (`Pins.float8_shared_casts`, set for torchtitan
+job files with compile and Float8). The planner's runtime compiles each Float8Linear alone
+(runtime/apply_fp8.py), so its plans cast per linear.
 
 All-gather. Under FSDP with FP8 all-gather each converted weight travels as 1 byte per element
 instead of bf16's 2 (`FP8_ALL_GATHER_BYTES_FACTOR`), and the gathered (unsharded) weight held
@@ -217,7 +226,7 @@ def _cast_s(elements: float, gpu: GPUSpec) -> float:
 
 def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree: int = 1,
                    fsdp_float8_all_gather_degree: int = 1, skip_fqns: tuple[str, ...] = (),
-                   tp_plan: Mapping[str, str] | None = None) -> Fp8UnitPrice:
+                   tp_plan: Mapping[str, str] | None = None, shared_input_casts: bool = False) -> Fp8UnitPrice:
     """The seconds FP8 saves on `unit` per micro-batch of `micro_batch_size`, on one GPU of a
     TP group of `tp_degree` (module docstring has the formulas).
 
@@ -227,9 +236,11 @@ def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree:
     bf16 (`output_head`'s unit; a module whose FQN equals one or starts with it plus "."). tp_plan:
     the stage's FQN -> TP style (planner/plan.py `Stage.tp_plan`); without it every linear's GEMM
     and weight count as 1/tp and its activations whole (an upper bound on the casts).
+    shared_input_casts: linears reading one input (the same op-graph sources, the same TP style)
+    cast it once in forward, as a block compiled whole does (module docstring, Casts).
     Raises PlannerError for a GPU without FP8 (planner/hardware.py)."""
     bf16_rate, fp8_rate = gpu.achievable_flops(BASELINE_DTYPE), gpu.achievable_flops(FP8_DTYPE)
-    shapes, skipped = [], []
+    shapes, skipped, inputs = [], [], []
     for op in unit.ops:
         if op.kind != "linear":
             continue
@@ -242,13 +253,18 @@ def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree:
         if tp_plan is not None and style is None:
             style = "replicate"
         shapes.append(_linear_shape(op, unit, micro_batch_size, tp_degree, style))
+        inputs.append((tuple(op.inputs), style))
     gather = fsdp_float8_all_gather_degree > 1
     fwd_gemm = sum(s.forward_flops for s in shapes) * (1 / bf16_rate - 1 / fp8_rate)
     fwd_cast = bwd_cast = 0.0
     transient = 0.0
-    for s in shapes:
+    cast_inputs: set[tuple] = set()
+    for s, source in zip(shapes, inputs, strict=True):
         x, dy, w = s.input_elements, s.grad_output_elements, s.weight_elements
-        fwd_cast += _cast_s(x, gpu) + _cast_s(w / fsdp_float8_all_gather_degree if gather else w, gpu)
+        if not (shared_input_casts and source in cast_inputs):
+            fwd_cast += _cast_s(x, gpu)
+        cast_inputs.add(source)
+        fwd_cast += _cast_s(w / fsdp_float8_all_gather_degree if gather else w, gpu)
         bwd_cast += 2 * _cast_s(dy, gpu) + (0.0 if gather else _cast_s(w, gpu))
         # The two FP8 operands of each GEMM: y = x W^T, dx = dy W, dW = dy^T x.
         transient = max(transient, (x + w) * FP8_BYTES, (dy + w) * FP8_BYTES, (dy + x) * FP8_BYTES)

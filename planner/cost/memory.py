@@ -308,18 +308,34 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return sbh * (34 + scores) / t if sp else sbh * (10 + 24 / t + scores / t)
 
 
-def loss_bytes(output_bytes: float, output_element_bytes: int, in_flight: float, fused: bool = False) -> float:
+LOSS_KERNELS = ("eager", "fused", "compiled")
+"""How a stack computes the cross-entropy, for its memory (`loss_bytes`)."""
+
+
+def loss_bytes(output_bytes: float, output_element_bytes: int, in_flight: float, kernel: str = "eager") -> float:
     """The loss's bytes at its peak on the last stage (module docstring, "The loss"):
     `output_bytes` of one micro-batch's model output in elements of `output_element_bytes`,
-    `in_flight` micro-batches whose loss waits for its backward. `fused`: a stack whose fused
-    cross-entropy writes the gradient in place of the logits, so only the output itself is
-    held (flash-attn's `CrossEntropyLoss(inplace_backward=True)`, which llm-foundry's
-    `loss_fn: fused_crossentropy` runs; Megatron-LM's vocab-parallel cross-entropy, which
-    turns its saved softmax into the gradient in place, on a logits shard of 1/tp). The
-    planner's own runtime runs the eager loss."""
-    if fused:
+    `in_flight` micro-batches whose loss waits for its backward. `kernel` (`LOSS_KERNELS`):
+    - "eager", as the planner's runtime runs it: the fp32 log-softmax kept, two fp32 tensors of
+      its backward, and the output;
+    - "fused": a fused cross-entropy that writes the gradient in place of the logits, so only the
+      output itself is held (flash-attn's `CrossEntropyLoss(inplace_backward=True)`, which
+      llm-foundry's `loss_fn: fused_crossentropy` runs; Megatron-LM's vocab-parallel
+      cross-entropy, which turns its saved softmax into the gradient in place, on a logits
+      shard of 1/tp);
+    - "compiled": torch.compile's cross-entropy (torchtitan compiles its loss since 2025,
+      components/loss.py `build_cross_entropy_loss`): inductor keeps the output and a log-sum-exp
+      per row, and its backward makes the gradient in the output's dtype in fused kernels, the
+      fp32 upcast and softmax never materialised: the output and its gradient, 2 x the output's
+      bytes (measured on CPU at 4.2-4.8 bytes per logit for a bf16 output, against 14 eager:
+      tests/test_memory_measured.py)."""
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss kernel {kernel!r} is not one of {LOSS_KERNELS}")
+    if kernel == "fused":
         return output_bytes
     elements = output_bytes / output_element_bytes
+    if kernel == "compiled":
+        return 2 * output_bytes
     return in_flight * 4 * elements + 8 * elements + output_bytes
 
 

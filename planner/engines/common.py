@@ -77,15 +77,19 @@ class EngineLayout:
     recompute_modes: tuple[str, ...] = RECOMPUTE
     """The recomputation modes the engine runs (read from its file: its own); `planner price` sets
     the configuration beside the best plan with these only (planner/engines/pricing.py `compare`)."""
-    fused_loss: bool = False
-    """The engine's cross-entropy is fused, holding only the logits (planner/cost/memory.py
-    `loss_bytes`; Megatron-LM's vocab-parallel cross-entropy); False: the eager loss."""
+    loss_kernel: str = "eager"
+    """How the engine computes the cross-entropy (planner/cost/memory.py `loss_bytes`): "fused"
+    (Megatron-LM's vocab-parallel cross-entropy: the logits only), "compiled" (torchtitan with
+    compile), "eager"."""
     loss_parallel: bool = False
     """The engine keeps the output layer's logits sharded over the TP ranks and computes the loss on
     the shards (torchtitan's default under TP; planner/solver/solve.py `Pins.loss_parallel`)."""
     float8_tp_gather: bool = False
     """With FP8 linears under TP, the engine gathers their sequence-sharded inputs in FP8
     (torchtitan's Float8 TP; planner/solver/solve.py `Pins.float8_tp_gather`)."""
+    float8_shared_casts: bool = False
+    """With FP8 linears, the engine compiles a block at a time, so linears reading one input cast it
+    once (torchtitan with compile; planner/solver/solve.py `Pins.float8_shared_casts`)."""
     fused_optimizer: bool = False
     """The engine's AdamW steps in place, without temporaries (Megatron-LM's and DeepSpeed's
     FusedAdam, torchtitan's default implementation "fused"); False: torch's foreach AdamW."""

@@ -428,7 +428,7 @@ def parse(text: str, source: str = "megatron-args.txt") -> EngineLayout:
     return EngineLayout(
         recompute_modes=("none", "selective", "full"),  # what it can run (planner price's best plan uses only these)
         # megatron/core/tensor_parallel/cross_entropy.py: the saved softmax becomes the gradient in place
-        fused_loss=True,
+        loss_kernel="fused",
         **MEMORY_HABITS,
         pp_degree=pp, tp_degree=tp, zero_stage=zero, sequence_parallel=bool(args.get("--sequence-parallel")),
         schedule="interleaved-1f1b" if v > 1 else "1f1b", virtual_stages=v, micro_batch_size=mbs,

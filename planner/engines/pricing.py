@@ -108,8 +108,9 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
                 layout.virtual_stages, None if some_layers else layout.recompute, layout.zero_stage, layout.sequence_parallel,
                 recompute_modes=("none", layout.recompute) if some_layers else None,
                 ep=layout.ep_degree, shard_degree=layout.shard_degree, offload=layout.offload, cp=layout.cp_degree,
-                expert_tp=layout.expert_tp_degree, fused_loss=layout.fused_loss, fused_optimizer=layout.fused_optimizer,
+                expert_tp=layout.expert_tp_degree, loss_kernel=layout.loss_kernel, fused_optimizer=layout.fused_optimizer,
                 loss_parallel=layout.loss_parallel, float8_tp_gather=layout.float8_tp_gather,
+                float8_shared_casts=layout.float8_shared_casts,
                 pipeline_buffers=layout.pipeline_buffers, dp_collectives=layout.dp_collectives,
                 gather_copy_out=layout.gather_copy_out, param_dtype=layout.param_dtype or dtype,
                 grad_dtype=layout.grad_dtype, reduce_dtype=layout.reduce_dtype, overlap=layout.overlap,
@@ -122,7 +123,7 @@ def price(profile: Profile, cluster: Cluster, layout: EngineLayout, global_batch
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       ep_all_to_all_s=ep_all_to_all(cluster, coll),
                       float8=layout.float8, cp_collectives=cp_collectives(cluster, coll), expert_tp=layout.expert_tp_degree,
-                      float8_tp_gather=layout.float8_tp_gather)
+                      float8_tp_gather=layout.float8_tp_gather, float8_shared_casts=layout.float8_shared_casts)
     env = replace(_environment(cluster, compute, dtype, pins, UNBOUNDED_MEMORY_FRACTION), cut_allowed=_cut_allowed(profile))
     m = batch * layout.cp_degree // (layout.dp * layout.micro_batch)  # a CP group shares its samples
     cfg = Config(layout.tp_degree, layout.sequence_parallel, layout.pp_degree, layout.dp, layout.micro_batch, m,

@@ -297,6 +297,12 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         # Float8 under TP: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput (parallelize_llama.py `apply_tp`)
         # cast the sequence-sharded inputs to FP8 before gathering them
         float8_tp_gather=float8 and int(par.get("tensor_parallel_degree", 1)) > 1,
+        # torch.compile of each TransformerBlock (parallelize_llama.py `apply_compile`): the Float8
+        # casts of an input several linears read are one (planner/cost/fp8.py, Casts)
+        float8_shared_casts=float8 and compiled,
+        # torchtitan compiles its cross-entropy with the model (components/loss.py
+        # `build_cross_entropy_loss`; [compile] components, default ["model", "loss"])
+        loss_kernel="compiled" if compiled and "loss" in data.get("compile", {}).get("components", ["loss"]) else "eager",
         # torchtitan/config/job_config.py: Optimizer.implementation, "fused" unless the file says otherwise
         fused_optimizer=data.get("optimizer", {}).get("implementation", "fused") == "fused")
 

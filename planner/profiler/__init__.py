@@ -47,6 +47,7 @@ from planner.profile_schema import (
     Unit,
     UnitCosts,
     WholeModel,
+    collapsed_names,
 )
 from planner.profiler.autocast import CPU_POLICY, CUDA_POLICY, EmulatedAutocast
 from planner.profiler.counters import FUSIONS, MetaAttentionMode, SequenceSplitChecks, sequence_length, tensor_bytes
@@ -654,30 +655,15 @@ def _split_notes(jobs: dict) -> list[str]:
             + "; ".join(f"{name} ({error})" for name, error in failed.items()) + ": priced as one backward there"]
 
 
-def _collapsed(unused: list[str], used: list[str], noun: str = "modules") -> list[str]:
-    """Uncalled modules (or their parameters) by their shallowest ancestor that holds no called
-    unit, with how many it stands for: a text-only batch leaves a vision-language model's whole
-    vision tower uncalled, `model.vision_tower (87 modules)` rather than its 87 names."""
-    groups: dict[str, int] = {}
-    for name in unused:
-        parts = name.split(".")
-        for depth in range(1, len(parts) + 1):
-            prefix = ".".join(parts[:depth])
-            if not any(u == prefix or u.startswith(prefix + ".") for u in used):
-                groups[prefix] = groups.get(prefix, 0) + 1
-                break
-    return [f"{prefix} ({n} {noun})" if n > 1 else prefix for prefix, n in groups.items()]
-
-
 def _notes(trace: UnitTrace, owned, values: KnownValues, meta_traced: bool) -> list[str]:
     notes = []
     if trace.unused:
-        notes.append(f"modules never called in forward (left out of the units): {', '.join(_collapsed(trace.unused, trace.units))}")
+        notes.append(f"modules never called in forward (left out of the units): {', '.join(collapsed_names(trace.unused, trace.units))}")
     if trace.repeated_calls:
         notes.append(f"units called more than once (a pipeline stage holds each with the units up to its last call): "
                      f"{', '.join(trace.repeated_calls)}")
     if owned.get(""):
-        held = _collapsed([n for n, _ in owned[""]], trace.units, "parameters")
+        held = collapsed_names([n for n, _ in owned[""]], trace.units, "parameters")
         notes.append(f"parameters held outside every unit: {', '.join(held)}")
     if not meta_traced:
         notes.append("the meta-device trace could not answer a data-dependent operation; units were traced on the real model")

@@ -303,7 +303,7 @@ class UnitCosts:
 
     def __init__(self, profile: Profile, compute: ComputeModel, tp_collectives, dtype: str,
                  ep_all_to_all_s=None, imbalance: float = 1.0, float8: bool = False, cp_collectives=None,
-                 expert_tp: int = 1, float8_tp_gather: bool = False):
+                 expert_tp: int = 1, float8_tp_gather: bool = False, float8_shared_casts: bool = False):
         self.profile, self.compute, self.dtype = profile, compute, dtype
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.tp_collectives = tp_collectives  # t -> object with all_reduce_s(nbytes) etc.
@@ -314,6 +314,7 @@ class UnitCosts:
         self.float8 = float8  # linears in FP8 (planner/cost/fp8.py); the runtime's filter skips the same units
         self.fp8_skip = skipped_units(profile) if float8 else ()
         self.float8_tp_gather = float8 and float8_tp_gather  # FP8 inputs gathered under TP (`Pins.float8_tp_gather`)
+        self.float8_shared_casts = float8 and float8_shared_casts  # one cast per shared input (`Pins.float8_shared_casts`)
         self._ilp: dict[tuple, IntraOpSolution] = {}
         self._graphs: dict[tuple, OpGraph] = {}  # `tp_solution`'s unit-scale graphs
         self._tables: dict[tuple, UnitCostTable] = {}
@@ -571,7 +572,8 @@ class UnitCosts:
         fp8 = None
         if self.float8:
             fp8 = price_fp8_unit(u, b, self.compute.gpu, t, skip_fqns=self.fp8_skip,
-                                 tp_plan={f"{u.name}.{m}" if m else u.name: v for m, v in row["plan"].items()} if t > 1 else None)
+                                 tp_plan={f"{u.name}.{m}" if m else u.name: v for m, v in row["plan"].items()} if t > 1 else None,
+                                 shared_input_casts=self.float8_shared_casts)
             # The saving is taken from the unit's time, which is never below zero (a unit
             # whose roofline is memory-bound gains less than its GEMMs' difference).
             row["fwd"] = max(row["fwd"] - fp8.forward_saved_s * self.compute.slowdown, 0.0)

@@ -239,9 +239,9 @@ class Environment:
     runtime runs it (a receive buffer per micro-batch, kept; planner/cost/memory.py
     `p2p_buffer_bytes`); "in-flight": one micro-batch's sends and receives at a time (Megatron-LM's
     `p2p_communication`, DeepSpeed's pipeline engine): the outgoing activation and its gradient."""
-    fused_loss: bool = False
-    """The stack's cross-entropy is fused, holding no more than the logits (planner/cost/memory.py
-    `loss_bytes`); the planner's runtime runs the eager loss (False)."""
+    loss_kernel: str = "eager"
+    """How the stack computes the cross-entropy, for its memory (planner/cost/memory.py
+    `loss_bytes`: "eager" as the planner's runtime, "fused" or "compiled"; `Pins.loss_kernel`)."""
     loss_parallel: bool = False
     """The stack computes the loss on the logits' 1/tp vocabulary shard (`Pins.loss_parallel`); the
     planner's runtime on the whole logits (False)."""
@@ -1220,7 +1220,7 @@ def stage_loss_bytes(table: UnitCostTable, env: Environment, cfg: Config) -> flo
     logits where the stack computes the loss in parallel (`Environment.loss_parallel`)."""
     output = table.output_bytes / (cfg.tp if env.loss_parallel else 1)
     return loss_bytes(output, table.output_element_bytes, loss_in_flight(cfg.schedule, cfg.pp, cfg.num_microbatches),
-                      fused=env.fused_loss)
+                      kernel=env.loss_kernel)
 
 
 def memory_terms(table: UnitCostTable, cfg: Config, env: Environment, starts: np.ndarray, ends: np.ndarray,

@@ -97,10 +97,10 @@ class Pins:
     """The recomputation modes the search may give units when `recompute` is not pinned; None:
     all of planner/plan.py `RECOMPUTE` (an engine's own, e.g. Megatron-LM's none, selective and
     full, which has no op-level mode)."""
-    fused_loss: bool = False
-    """Price the loss's memory as a fused cross-entropy holds it (the logits only; planner/cost/
-    memory.py `loss_bytes`): for an engine that fuses it (Megatron-LM). False: as the planner's
-    runtime runs it."""
+    loss_kernel: str = "eager"
+    """Price the loss's memory as the stack's cross-entropy holds it (planner/cost/memory.py
+    `loss_bytes`): "fused" for an engine that fuses it (Megatron-LM: the logits only), "compiled"
+    for one that compiles it (torchtitan). "eager": as the planner's runtime runs it."""
     loss_parallel: bool = False
     """Price the loss's memory on the logits' 1/tp vocabulary shard (planner/cost/memory.py
     `loss_bytes`): for an engine that keeps the output layer's logits sharded under TP and computes
@@ -114,6 +114,10 @@ class Pins:
     """With FP8 linears under TP: the stack casts a sequence-sharded input to FP8 before gathering it
     (torchao's `Float8ColwiseParallel` / `PrepareFloat8ModuleInput`, torchtitan's Float8 TP), so those
     all-gathers move 1 byte per element (planner/cost/fp8.py). False: bf16, as the planner's runtime runs it."""
+    float8_shared_casts: bool = False
+    """With FP8 linears compiled a block at a time, linears reading one input cast it once
+    (planner/cost/fp8.py, Casts: torchtitan compiles each TransformerBlock). False: one cast per
+    linear, as the planner's runtime compiles each Float8Linear alone."""
     pipeline_buffers: str = "per-microbatch"
     """How the engine's pipeline holds what crosses a cut (planner/solver/search.py
     `Environment.pipeline_buffers`): "per-microbatch" as the planner's runtime, or "in-flight"."""
@@ -279,7 +283,7 @@ def pp_refusal(profile: Profile) -> str | None:
     """Why the runtime cannot run this model in a pipeline (None: it can): parameters the model
     root holds itself, outside every unit, which no stage owns (runtime/pp_split.py
     `check_splittable`). Move them into a submodule to pipeline the model."""
-    from planner.profiler import _collapsed
+    from planner.profile_schema import collapsed_names
 
     root = profile.model.root_parameters
     if not root:
@@ -288,7 +292,7 @@ def pp_refusal(profile: Profile) -> str | None:
     if own:
         return (f"parameters {own[:4]} belong to the model root, not to a unit, so no pipeline stage owns them "
                 "(move them into a submodule to pipeline the model)")
-    uncalled = ", ".join(_collapsed(root, profile.unit_names(), "parameters")[:4])
+    uncalled = ", ".join(collapsed_names(root, profile.unit_names(), "parameters")[:4])
     return (f"the parameters of modules the forward never calls ({uncalled}) are in no unit, so no pipeline stage "
             "owns them (a vision-language model fed text leaves its vision tower so: profile the language model alone, "
             "e.g. --hf-config of its text_config as a config of its own, to pipeline it)")
@@ -593,7 +597,7 @@ def _environment(cluster: Cluster, compute: ComputeModel, dtype: str, pins: Pins
         tie_all_reduce_s=cached(lambda nbytes, pp_ranks, stride: coll.all_reduce_s(
             nbytes, Group(len(pp_ranks), len({(r * stride) // cluster.gpus_per_node for r in pp_ranks})))),
         overlap=pins.overlap or (SERIAL if cluster.gpu.name == "cpu" else Overlap()),  # `Pins.overlap`
-        fused_loss=pins.fused_loss,
+        loss_kernel=pins.loss_kernel,
         loss_parallel=pins.loss_parallel,
         fused_optimizer=pins.fused_optimizer,
         pipeline_buffers=pins.pipeline_buffers,
@@ -781,7 +785,7 @@ def search(profile: Profile, cluster: Cluster, global_batch_size: int, pins: Pin
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll),
                       imbalance=moe_imbalance, float8=float8, expert_tp=pins.expert_tp or 1,
-                      float8_tp_gather=pins.float8_tp_gather)
+                      float8_tp_gather=pins.float8_tp_gather, float8_shared_casts=pins.float8_shared_casts)
     tp_degrees = {t for t in _divisors(cluster.world_size) if tp_refusal(profile, t) is None}
     if pins.pp is None and pp_refusal(profile):  # the search offers such a model no pipeline
         pins = dataclasses.replace(pins, pp=1)
@@ -947,7 +951,8 @@ def price_config(profile: Profile, cluster: Cluster, cfg: Config, pins: Pins = P
     coll = CollectiveModel(cluster)
     costs = UnitCosts(profile, compute, lambda t: coll.for_group(group_placement(cluster, t, 1)), dtype,
                       ep_all_to_all_s=ep_all_to_all(cluster, coll), cp_collectives=cp_collectives(cluster, coll), imbalance=moe_imbalance,
-                      float8=float8, expert_tp=cfg.expert_tp, float8_tp_gather=pins.float8_tp_gather)
+                      float8=float8, expert_tp=cfg.expert_tp, float8_tp_gather=pins.float8_tp_gather,
+                      float8_shared_casts=pins.float8_shared_casts)
     env = dataclasses.replace(_environment(cluster, compute, dtype, pins, memory_fraction), cut_allowed=_cut_allowed(profile))
     return evaluate_config(costs.table(cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.ep, cfg.cp, cfg.cp_algorithm),
                            cfg, env)
