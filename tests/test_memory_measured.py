@@ -282,59 +282,25 @@ def test_plan_show_table_lists_the_terms_per_stage():
     assert "stashed" not in text  # a synchronous plan has none
 
 
-def test_loss_bytes_match_a_measured_cross_entropy():
-    """`loss_bytes` against the measured peak of a head and its loss, as the runtime runs them
-    (autocast head, 16-bit logits taken to fp32, softmax cross-entropy, backward)."""
+def _measured_loss_bytes(vocab: int, loss_fn) -> tuple[float, float]:
+    """(measured peak above the inputs, the logits' bytes) of an autocast head and `loss_fn` on
+    its 16-bit logits, forward and backward, 512 tokens: the runtime's meter on CPU."""
     import gc
 
     import torch
-    import torch.nn.functional as F
 
     from runtime.metrics import TensorPeakMeter, live_tensor_bytes
-    from runtime.train import _fp32
 
     torch.manual_seed(0)
-    tokens, vocab, width = 512, 2048, 64
+    tokens, width = 512, 64
     weight = torch.randn(vocab, width, requires_grad=True)
     x, targets = torch.randn(tokens, width), torch.randint(0, vocab, (tokens,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(x @ weight.t(), targets).backward()  # a compiled loss compiles here, outside the measured steps
+    weight.grad = None
     # The meter counts every tensor the heap reaches: these, and whatever earlier tests in this
     # process left reachable (a model an example module built), so that is the baseline.
     gc.collect()  # as the meter collects before it counts
-    before = live_tensor_bytes(torch.device("cpu"))
-    meter = TensorPeakMeter(torch.device("cpu"), num_steps=3)
-    for step in range(3):
-        meter.start(step)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = x @ weight.t()
-        F.cross_entropy(_fp32(out), targets).backward()
-        meter.stop(step)
-        weight.grad = None
-    inputs = before + weight.numel() * 2  # the weight, x and the rest, and the weight's 16-bit copy
-    predicted = loss_bytes(tokens * vocab * 2, 2, in_flight=1)
-    assert meter.peak_bytes - inputs == pytest.approx(predicted, rel=0.05)
-
-
-@pytest.mark.slow  # inductor compiles the loss on CPU (about 10 s)
-def test_loss_bytes_match_a_measured_compiled_cross_entropy():
-    """`loss_bytes(kernel="compiled")`, torchtitan's compiled loss: the 16-bit logits and their
-    gradient, not the fp32 log-softmax and backward tensors of the eager loss (measured here as
-    the eager case is, above)."""
-    import gc
-
-    import torch
-    import torch.nn.functional as F
-
-    from runtime.metrics import TensorPeakMeter, live_tensor_bytes
-
-    torch.manual_seed(0)
-    tokens, vocab, width = 512, 8192, 64
-    weight = torch.randn(vocab, width, requires_grad=True)
-    x, targets = torch.randn(tokens, width), torch.randint(0, vocab, (tokens,))
-    loss_fn = torch.compile(lambda out, t: F.cross_entropy(out.float(), t))  # torchtitan: cross_entropy_loss
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss_fn(x @ weight.t(), targets).backward()  # compiled here, outside the measured steps
-    weight.grad = None
-    gc.collect()
     before = live_tensor_bytes(torch.device("cpu"))
     meter = TensorPeakMeter(torch.device("cpu"), num_steps=3)
     for step in range(3):
@@ -345,7 +311,29 @@ def test_loss_bytes_match_a_measured_compiled_cross_entropy():
         meter.stop(step)
         weight.grad = None
         del out
-    measured = meter.peak_bytes - before - weight.numel() * 2
-    output = tokens * vocab * 2
+    inputs = before + weight.numel() * 2  # the weight, x and the rest, and the weight's 16-bit copy
+    return meter.peak_bytes - inputs, tokens * vocab * 2
+
+
+def test_loss_bytes_match_a_measured_cross_entropy():
+    """`loss_bytes` against the measured peak of a head and its loss, as the runtime runs them
+    (autocast head, 16-bit logits taken to fp32, softmax cross-entropy, backward)."""
+    import torch.nn.functional as F
+
+    from runtime.train import _fp32
+
+    measured, output = _measured_loss_bytes(2048, lambda out, t: F.cross_entropy(_fp32(out), t))
+    assert measured == pytest.approx(loss_bytes(output, 2, in_flight=1), rel=0.05)
+
+
+@pytest.mark.slow  # inductor compiles the loss on CPU (about 10 s)
+def test_loss_bytes_match_a_measured_compiled_cross_entropy():
+    """`loss_bytes(kernel="compiled")`, torchtitan's compiled loss: the 16-bit logits and their
+    gradient, not the fp32 log-softmax and backward tensors of the eager loss."""
+    import torch
+    import torch.nn.functional as F
+
+    loss_fn = torch.compile(lambda out, t: F.cross_entropy(out.float(), t))  # torchtitan: cross_entropy_loss
+    measured, output = _measured_loss_bytes(8192, loss_fn)
     assert measured == pytest.approx(loss_bytes(output, 2, in_flight=1, kernel="compiled"), rel=0.15)
     assert measured < loss_bytes(output, 2, in_flight=1) / 2  # far under the eager loss
