@@ -285,12 +285,13 @@ def price_fp8_unit(unit: Unit, micro_batch_size: float, gpu: GPUSpec, tp_degree:
 
 
 def fp8_coverage_note(profile: Profile, gpu: GPUSpec, micro_batch_size: float, tp_degree: int = 1,
-                      tp_plans: list[Mapping[str, str]] | None = None) -> str:
+                      tp_plans: list[Mapping[str, str]] | None = None, shared_input_casts: bool = False) -> str:
     """An FP8 plan's note on what FP8 reaches: the linears converted and their share of the model's
     forward FLOPs (the rest, attention, experts that are not `nn.Linear` modules and the linears
     the filter keeps, stays bf16, each kept linear's reason counted), and, where the casts cost
     more than the FP8 GEMMs save over the model's linears at the plan's micro-batch and TP degree,
-    that FP8 slows it down. `tp_plans`: per unit, the module -> TP style of the plan's stage."""
+    that FP8 slows it down. `tp_plans`: per unit, the module -> TP style of the plan's stage;
+    `shared_input_casts` as `price_fp8_unit` takes it (the stack's, `Pins.float8_shared_casts`)."""
     from collections import Counter
 
     skip = skipped_units(profile)
@@ -313,7 +314,8 @@ def fp8_coverage_note(profile: Profile, gpu: GPUSpec, micro_batch_size: float, t
         if names:
             plan = tp_plans[k] if tp_plans is not None and tp_degree > 1 else None
             styles = {f"{unit.name}.{m}" if m else unit.name: v for m, v in plan.items()} if plan is not None else None
-            price = price_fp8_unit(unit, micro_batch_size, gpu, tp_degree, skip_fqns=skip, tp_plan=styles)
+            price = price_fp8_unit(unit, micro_batch_size, gpu, tp_degree, skip_fqns=skip, tp_plan=styles,
+                                   shared_input_casts=shared_input_casts)
             saved_s += price.forward_saved_s + price.backward_saved_s
     share = fp8_flops / all_flops if all_flops else 0.0
     note = (f"FP8: {converted} of {total} linears converted (torchao Float8Linear), {share:.0%} of the model's forward "

@@ -264,7 +264,8 @@ def build_plan(profile: Profile, cluster: Cluster, global_batch_size: int, resul
             **reduction_lane(best.reduction_stream),
             alternatives=alternatives,
             notes=([tp_coverage_note(profile, table.tp_plans, cfg.tp, cfg.sequence_parallel)] if cfg.tp > 1 else [])
-            + ([fp8_coverage_note(profile, cluster.gpu, cfg.micro_batch_size / cfg.cp, cfg.tp, table.tp_plans)]
+            + ([fp8_coverage_note(profile, cluster.gpu, cfg.micro_batch_size / cfg.cp, cfg.tp, table.tp_plans,
+                                  result.costs.float8_shared_casts)]
                if result.costs.float8 else []),
         ),
         device_mismatch=device_mismatch(profile, cluster),
