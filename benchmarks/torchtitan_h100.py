@@ -45,7 +45,7 @@ were priced in FP8: `Pins.float8_tp_gather`).
   kernel. With torch.compile, which makes the norm one kernel, -4.7% and -7.2% (the published
   compile speedup is 15.7% and 16.0%, the profiles' 11%); with FP8 linears too +1.8% and -0.4%
   (+2.9% and +0.7% with a cast per linear).
-- 405B 3D -2.2% (1F1B) and -4.3% (interleaved); 70B 2D +6.4% (-0.9% with async TP); +12.8% and
+- 405B 3D -2.2% (1F1B) and -4.3% (interleaved); 70B 2D +6.4% (+0.9% with async TP); +12.8% and
   +5.9% with a cast per linear, +15.1% and +7.2% with their sequence-parallel inputs gathered in
   bf16 rather than torchao's FP8 as well.
 - 32K-262K tokens (Tables 2 and 6): 8B -1.2% and +2.6% with CP 1 and 2, -24% and -28% with CP 4

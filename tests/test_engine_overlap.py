@@ -171,3 +171,25 @@ def test_the_accumulation_pass_is_charged_once_per_micro_batch(gpt):
     assert autograd.prediction.breakdown_s["grad_accumulation"] == pytest.approx(expected, rel=1e-6)
     assert fused.prediction.breakdown_s["grad_accumulation"] == 0.0
     assert autograd.prediction.iteration_time_s - fused.prediction.iteration_time_s == pytest.approx(expected, rel=1e-6)
+
+
+def test_async_tp_hides_each_collective_behind_its_own_gemms_only():
+    """Async TP decomposes a collective with the GEMM it feeds or follows: one chunk's transfer
+    is always exposed, and where the transfers outlast that GEMM, the difference. A narrow model at
+    TP 8 (the attention projections' GEMMs far shorter than their gathers) keeps more exposed than
+    its whole unit's compute would hide; the serial collectives bound it above."""
+    from planner.solver.intra_op import async_exposed_s
+
+    assert async_exposed_s(8.0, 100.0, 8) == 1.0  # hidden but for one chunk
+    assert async_exposed_s(8.0, 4.0, 8) == pytest.approx(8.0 - 4.0 * 7 / 8)  # the GEMM too short
+    assert async_exposed_s(0.0, 4.0, 8) == 0.0
+    narrow = profile_model(EXAMPLES / "llama.py", {"n_layers": 2, "d_model": 512, "n_heads": 8, "n_kv_heads": 2,
+                                                   "d_ff": 4096, "vocab_size": 1024, "seq_len": 2048}, [4],
+                           device="meta", gpu="h100-80gb", dtype="bfloat16")
+    cluster = make_cluster(8, 8, "h100-80gb")
+    layout = EngineLayout(pp_degree=1, tp_degree=8, dp_degree=1, zero_stage=1, sequence_parallel=True, micro_batch_size=4,
+                          global_batch_size=4, dtype="bfloat16")
+    serial, overlapped = (price(narrow, cluster, replace(layout, overlap=o)).prediction.breakdown_s["tp_comm"]
+                          for o in (SERIAL, Overlap(tp_comm=True)))
+    whole_unit = serial / 8  # what hiding behind the whole unit's compute left: the first chunk of each
+    assert whole_unit * 1.5 < overlapped < serial

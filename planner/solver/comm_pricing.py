@@ -27,12 +27,16 @@ def range_sums(per_mode: np.ndarray, modes: np.ndarray, starts: np.ndarray, ends
 
 def tp_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray:
     """TP collectives per unit and micro-batch the compute stream waits for: all of them, or
-    with async TP (`tp_comm` overlap: Megatron's --tp-comm-overlap splits each collective and its
-    GEMM into tp chunks, Wang et al. 2023, "Overlap Communication with Dependent Computation via
-    Decomposition", ASPLOS) what the unit's compute cannot hide, the first chunk at least."""
+    with async TP (`tp_comm` overlap: Megatron's --tp-comm-overlap and torch's micro-pipelined TP
+    split each collective and the GEMM it feeds or follows into tp chunks, Wang et al. 2023,
+    "Overlap Communication with Dependent Computation via Decomposition", ASPLOS) what those
+    GEMMs cannot hide, one chunk at least, collective by collective (planner/solver/intra_op.py
+    `async_exposed_s`)."""
     comm = table.tp_comm_s
     if not env.overlap.tp_comm or cfg.tp == 1:
         return comm
+    if table.tp_async_comm_s is not None:
+        return np.minimum(table.tp_async_comm_s, comm)
     compute = table.forward_s + table.backward_s
     return np.where(comm > 0, np.maximum(comm / cfg.tp, comm - compute * (cfg.tp - 1) / cfg.tp), 0.0)
 

@@ -165,6 +165,9 @@ class UnitCostTable:
     """CP's K/V all-gathers and their gradients' reduce-scatters per micro-batch; None: no CP."""
     recompute_cp_comm_s: np.ndarray | None = None
     """The gathers inside `recompute_s["full"]` (the replayed forward gathers K/V again)."""
+    tp_async_comm_s: np.ndarray | None = None
+    """`tp_comm_s` as async TP leaves it exposed, each collective overlapped with the GEMMs it feeds
+    or follows (planner/solver/intra_op.py `async_exposed_s`); None: no TP."""
     fp8_weight_parameters: np.ndarray | None = None
     """Per unit (per TP rank), weights of the linears running in FP8: FSDP all-gathers them in
     FP8, 1 byte per element (planner/cost/fp8.py). None: no FP8."""
@@ -567,6 +570,7 @@ class UnitCosts:
         row["fwd"], row["bwd"], row["layers"] = self._unit_seconds(u, t, sp, b, sharded_ops)
         row["fwd"] += self._copy_s(u, sol.strategies if sol else {}, t, sp, scale)
         row["comm"] = sol.comm_time_s if sol else 0.0
+        row["async_comm"] = sol.async_comm_time_s if sol else 0.0
         row["plan"] = dict(sol.tp_plan) if (sol and is_sharded) else {}
         row["feeds"] = dict(sol.feeds) if (sol and is_sharded) else {}
         fp8 = None
@@ -663,7 +667,7 @@ class UnitCosts:
         units = self.profile.units
         n = len(units)
         arrays: dict[str | tuple[str, str], np.ndarray] = {
-            name: np.zeros(n) for name in ("fwd", "bwd", "comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
+            name: np.zeros(n) for name in ("fwd", "bwd", "comm", "async_comm", "rec_comm", "params", "largest", "flops", "fp8_weights",
                                            "fp8_flops", "wgrad_inputs", "wgrad_share", "split_extra", "working",
                                            "working_held", "start_saved")}
         arrays |= {(kind, m): np.zeros(n) for kind in ("rec", "rec_flops", "act", "transient") for m in RECOMPUTE_MODES}
@@ -708,6 +712,8 @@ class UnitCosts:
                               stage_start_saved=arrays["start_saved"] if arrays["start_saved"].any() else None)
         if arrays["split_extra"].any():
             table = replace(table, split_backward_extra_s=arrays["split_extra"])
+        if t > 1:
+            table = replace(table, tp_async_comm_s=arrays["async_comm"])
         if self.float8:
             table = replace(table, fp8_weight_parameters=arrays["fp8_weights"], fp8_flops=arrays["fp8_flops"])
         frozen = np.array([params[u.index] * (1 - (u.trainable_parameter_bytes or 0) / u.parameter_bytes)

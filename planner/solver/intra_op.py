@@ -187,6 +187,9 @@ class IntraOpSolution:
     feeds: dict[str, list[str]] = field(default_factory=dict)
     """Each row-parallel op reading column-sharded features -> the column-parallel ops they come
     from (`sharded_feeds`); the plan's `Stage.tp_feeds` by module FQN."""
+    async_comm_time_s: float = 0.0
+    """`comm_time_s` as async TP leaves it exposed (`async_exposed_s`): each resharding collective
+    overlapped only with the GEMMs it feeds or follows, chunk by chunk."""
 
 
 @dataclass(frozen=True)
@@ -562,6 +565,26 @@ def _node_cost(problem: IntraOpProblem, op: OpNode | None, strategy: str) -> tup
     return compute, wgrad, weight_bytes / problem.tp_degree if sharded_weight else weight_bytes
 
 
+def _forward_gemm_s(problem: IntraOpProblem, op: OpNode | None, strategy: str) -> float:
+    """One node's forward matmul seconds per GPU (a third of `_node_cost`'s compute; the backward's
+    input-gradient GEMM takes as long); 0 for merges and inputs."""
+    if op is None:
+        return 0.0
+    split = problem.tp_degree if strategy in SHARDED else 1
+    return op.forward_flops * problem.activation_scale * problem.seconds_per_flop / split
+
+
+def async_exposed_s(comm_s: float, gemm_s: float, tp: int) -> float:
+    """What async TP leaves exposed of a collective of `comm_s` decomposed with the `gemm_s` it
+    feeds or follows into tp chunks (Megatron-LM's --tp-comm-overlap, torch's micro-pipelined TP;
+    Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition",
+    ASPLOS): chunk i's transfer runs under chunk i-1's GEMM, so one chunk's transfer is always
+    exposed, and where the transfers outlast the GEMMs, the difference: max(c/tp, c - g (tp-1)/tp).
+    A collective beside small GEMMs (the attention projections of a narrow model at a large TP
+    degree) stays mostly exposed; one beside a wide MLP GEMM hides."""
+    return max(comm_s / tp, comm_s - gemm_s * (tp - 1) / tp) if comm_s > 0 else 0.0
+
+
 def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _Graph | None = None) -> IntraOpSolution:
     """Price an assignment exactly as the ILP's objective does. `unit_graph`: the problem's graph
     built at activation scale 1 (`unit_scale_graph`), scaled here instead of built again: a unit
@@ -579,6 +602,7 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _G
     for node in graph.nodes:
         c, w, p = _node_cost(problem, by_name.get(node), strategies.get(node, "fixed"))
         compute, comm, params = compute + c, comm + w, params + p
+    wgrad = comm  # the weight-gradient all-reduces: not paired with a GEMM, in series under async TP too
     fwd: set[tuple] = set()
     bwd: set[tuple] = set()
     for key, src in graph.sources.items():
@@ -588,17 +612,27 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _G
         fwd.add((src, out, need))
         if grad is not None:
             bwd.add((src, out, grad))
-    forward_comm = 0.0
+    readers: dict[str, list[str]] = {}
+    for key, src in graph.sources.items():
+        readers.setdefault(src, []).append(_consumer_of(key))
+    gemm = lambda node: _forward_gemm_s(problem, by_name.get(node), strategies.get(node, "fixed"))  # noqa: E731
+    # The GEMMs a collective can hide behind under async TP: the producer's, for the reduction of
+    # its partial sums (and, in the backward, the gather of their gradient); the readers', for a
+    # gather of their input (and, in the backward, the reduction of its gradient).
+    paired = lambda src, out: gemm(src) if out == "P" else sum(gemm(r) for r in readers.get(src, ()))  # noqa: E731
+    forward_comm = exposed = 0.0
     for src, out, need in sorted(fwd):
         t = forward_conversion_s(src, out, need, graph, coll)
         if t > 0:
             forward_comm += t
+            exposed += async_exposed_s(t, paired(src, out), problem.tp_degree)
             paid.append(f"fwd {out}->{need} {src}")
     comm += forward_comm
     for src, out, grad in sorted(bwd):
         t = conversion_s(grad, _grad_target(out), graph.nbytes[src], coll)
         if t > 0:
             comm += t
+            exposed += async_exposed_s(t, paired(src, out), problem.tp_degree)
             paid.append(f"bwd {grad}->{_grad_target(out)} {src}")
     plan = {}
     for n, s in strategies.items():
@@ -606,7 +640,7 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _G
         if module is not None and s in STYLE:
             plan[module] = STYLE[s]
     return IntraOpSolution(dict(strategies), plan, compute, comm, params, paid, forward_comm,
-                           sharded_feeds(problem.ops, strategies))
+                           sharded_feeds(problem.ops, strategies), exposed + wgrad)
 
 
 def solve_intra_op(problem: IntraOpProblem) -> IntraOpSolution:
