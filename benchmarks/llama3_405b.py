@@ -25,8 +25,8 @@ benchmarks/results/llama3_405b.csv.
 What it shows (2026-11-30): every run is predicted slower than published, +22% to +32% at 8K
 tokens against either FLOP reading (the solver needs recomputation on some units to fit 32
 micro-batches of 8K tokens in interleaved 1F1B; Meta's schedule and memory balancing are their
-own), and +15% to +60% at 131K tokens with CP 16. The same cost model is within 7% of
-Megatron-Core's 2024 H100 runs of similar size (462B at TP 8 x PP 16: +3.3%,
+own), and +15% to +60% at 131K tokens with CP 16. The same cost model is within 7.1% of
+Megatron-Core's 2024 H100 runs of similar size (462B at TP 8 x PP 16: +3.7%,
 benchmarks/cost_model_vs_reference.py): Meta's stack ran this model faster than the planner prices
 H100 GEMMs and attention, as NVIDIA's Megatron-Bridge runs of 2025 do (benchmarks/megatron_bridge.py).
 
