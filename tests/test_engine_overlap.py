@@ -60,7 +60,9 @@ def test_torchtitan_async_tp_needs_compile():
     base = "[parallelism]\ntensor_parallel_degree = 2\nenable_async_tensor_parallel = true\n"
     assert torchtitan.parse(base + "[compile]\nenable = true\n").overlap == Overlap(tp_comm=True)
     uncompiled = torchtitan.parse(base)
-    assert uncompiled.overlap is None and any("without compile" in n for n in uncompiled.notes)
+    assert uncompiled.overlap is None and any("without the model compiled" in n for n in uncompiled.notes)
+    loss_only = torchtitan.parse(base + '[compile]\nenable = true\ncomponents = ["loss"]\n')  # the model runs eager
+    assert loss_only.overlap is None and loss_only.loss_kernel == "compiled"
     assert torchtitan.parse("[parallelism]\ndata_parallel_shard_degree = -1\n").overlap is None  # FSDP2's: the runtime's
 
 

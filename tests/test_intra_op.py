@@ -422,3 +422,4 @@ def test_torchtitan_float8_under_tp_gathers_fp8():
     assert torchtitan.parse("[compile]\nenable = true\n" + float8).float8_shared_casts
     assert not torchtitan.parse(float8).float8_shared_casts  # eager
     assert not torchtitan.parse("[compile]\nenable = true\n").float8_shared_casts  # bf16
+    assert not torchtitan.parse('[compile]\nenable = true\ncomponents = ["loss"]\n' + float8).float8_shared_casts

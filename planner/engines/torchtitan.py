@@ -264,9 +264,13 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
     # torchtitan asks for; FSDP2's prefetch and reduce-scatter, DDP's buckets and the pipelining
     # schedules' sends are the planner runtime's own.
     compiled = bool(data.get("compile", {}).get("enable", train.get("compile", False)))
+    # What compile covers ([compile] components, default ["model", "loss"]; the older [training]
+    # compile, both): the model (its blocks, which async TP and the shared Float8 casts need) and the loss.
+    components = data.get("compile", {}).get("components", ["model", "loss"])
+    model_compiled, loss_compiled = compiled and "model" in components, compiled and "loss" in components
     async_tp = bool(par.get("enable_async_tensor_parallel", False))
-    if async_tp and not compiled:
-        notes.append("enable_async_tensor_parallel without compile: priced with TP collectives in series")
+    if async_tp and not model_compiled:
+        notes.append("enable_async_tensor_parallel without the model compiled: priced with TP collectives in series")
     reduce = str(train.get("mixed_precision_reduce", "float32"))
     return EngineLayout(
         recompute_modes=("none", "op", "full"),  # what it can run (planner price's best plan uses only these)
@@ -290,7 +294,7 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         cp_algorithm={v: k for k, v in ROTATE_METHOD.items()}.get(str(par.get("context_parallel_rotate_method", "allgather")),
                                                                    "all-gather"),
         replicate_degree=replicate if hsdp and shard == -1 else None, offload=bool(train.get("enable_cpu_offload", False)),
-        float8=float8, overlap=Overlap(tp_comm=True) if async_tp and compiled else None,
+        float8=float8, overlap=Overlap(tp_comm=True) if async_tp and model_compiled else None,
         # torchtitan's loss parallelism: on under TP unless [parallelism] disable_loss_parallel
         # (job_config.py `disable_loss_parallel`; the trainer enters `loss_parallel()` when TP is on and it is not set)
         loss_parallel=int(par.get("tensor_parallel_degree", 1)) > 1 and not par.get("disable_loss_parallel", False),
@@ -299,10 +303,10 @@ def parse(text: str, source: str = "torchtitan.toml") -> EngineLayout:
         float8_tp_gather=float8 and int(par.get("tensor_parallel_degree", 1)) > 1,
         # torch.compile of each TransformerBlock (parallelize_llama.py `apply_compile`): the Float8
         # casts of an input several linears read are one (planner/cost/fp8.py, Casts)
-        float8_shared_casts=float8 and compiled,
+        float8_shared_casts=float8 and model_compiled,
         # torchtitan compiles its cross-entropy with the model (components/loss.py
         # `build_cross_entropy_loss`; [compile] components, default ["model", "loss"])
-        loss_kernel="compiled" if compiled and "loss" in data.get("compile", {}).get("components", ["loss"]) else "eager",
+        loss_kernel="compiled" if loss_compiled else "eager",
         # torchtitan/config/job_config.py: Optimizer.implementation, "fused" unless the file says otherwise
         fused_optimizer=data.get("optimizer", {}).get("implementation", "fused") == "fused")
 
