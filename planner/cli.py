@@ -246,9 +246,9 @@ def _default_dtype(device: str, spec) -> tuple[str, str]:
         name = torch.cuda.get_device_name()
         return ("bfloat16" if torch.cuda.is_bf16_supported() else "float16"), name
     if device == "meta":
-        from planner.hardware import get_gpu
+        from planner.hardware import DEFAULT_ANALYTIC_GPU, get_gpu
 
-        spec = spec or get_gpu("h100-80gb")
+        spec = spec or get_gpu(DEFAULT_ANALYTIC_GPU)
         fast = spec.peak_flops.get("bfloat16", 0.0) > spec.peak_flops.get("float32", 0.0)  # tensor cores (not the cpu preset)
         return ("bfloat16" if fast else "float32"), spec.name
     return "float32", device

@@ -405,6 +405,9 @@ GPUS: dict[str, GPUSpec] = {
     )
 }
 
+DEFAULT_ANALYTIC_GPU = "h100-80gb"
+"""The GPU an analytic (meta-device) profile prices when none is named."""
+
 ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200",
            "b200-180gb": "b200", "b300-288gb": "b300"}
 

@@ -333,9 +333,9 @@ def loss_bytes(output_bytes: float, output_element_bytes: int, in_flight: float,
         raise ValueError(f"loss kernel {kernel!r} is not one of {LOSS_KERNELS}")
     if kernel == "fused":
         return output_bytes
-    elements = output_bytes / output_element_bytes
     if kernel == "compiled":
         return 2 * output_bytes
+    elements = output_bytes / output_element_bytes
     return in_flight * 4 * elements + 8 * elements + output_bytes
 
 

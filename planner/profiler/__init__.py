@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import planner
 from planner.errors import PlannerError
-from planner.hardware import GPUSpec, get_gpu
+from planner.hardware import DEFAULT_ANALYTIC_GPU, GPUSpec, get_gpu
 from planner.meta_values import KnownValues
 from planner.model_file import ModelFile, load_model_file, user_code_error
 from planner.profile_schema import (
@@ -211,7 +211,7 @@ def _profile_model(model_file, model_args, micro_batch_sizes, device, gpu, dtype
                    threads: int | None, precision: str) -> Profile:
     """The steps: check the options, build on meta, trace, count (and time), record op graphs."""
     sizes = _check_options(device, dtype, fusion, micro_batch_sizes, precision)
-    analytic_gpu = (gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu or "h100-80gb")) if device == "meta" else None
+    analytic_gpu = (gpu if isinstance(gpu, GPUSpec) else get_gpu(gpu or DEFAULT_ANALYTIC_GPU)) if device == "meta" else None
     torch_dtype = DTYPES[dtype]
     run_as = mixed_precision(device, torch_dtype, precision)
     mf = load_model_file(model_file, model_args)

@@ -35,10 +35,8 @@ def tp_comm_s(table: UnitCostTable, cfg: Config, env: Environment) -> np.ndarray
     comm = table.tp_comm_s
     if not env.overlap.tp_comm or cfg.tp == 1:
         return comm
-    if table.tp_async_comm_s is not None:
-        return np.minimum(table.tp_async_comm_s, comm)
-    compute = table.forward_s + table.backward_s
-    return np.where(comm > 0, np.maximum(comm / cfg.tp, comm - compute * (cfg.tp - 1) / cfg.tp), 0.0)
+    assert table.tp_async_comm_s is not None, "UnitCosts builds every table with tp > 1 with it"
+    return np.minimum(table.tp_async_comm_s, comm)
 
 
 def zero_unit_s(table: UnitCostTable, cfg: Config, env: Environment) -> dict:

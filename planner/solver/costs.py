@@ -167,7 +167,7 @@ class UnitCostTable:
     """The gathers inside `recompute_s["full"]` (the replayed forward gathers K/V again)."""
     tp_async_comm_s: np.ndarray | None = None
     """`tp_comm_s` as async TP leaves it exposed, each collective overlapped with the GEMMs it feeds
-    or follows (planner/solver/intra_op.py `async_exposed_s`); None: no TP."""
+    or follows (planner/solver/intra_op.py `async_exposed_s`); set for every table with tp > 1."""
     fp8_weight_parameters: np.ndarray | None = None
     """Per unit (per TP rank), weights of the linears running in FP8: FSDP all-gathers them in
     FP8, 1 byte per element (planner/cost/fp8.py). None: no FP8."""

@@ -556,8 +556,7 @@ def _node_cost(problem: IntraOpProblem, op: OpNode | None, strategy: str) -> tup
     """(compute_s, weight-gradient all-reduce_s, parameter bytes per GPU) of one node."""
     if op is None:
         return 0.0, 0.0, 0.0
-    split = problem.tp_degree if strategy in SHARDED else 1
-    compute = 3 * op.forward_flops * problem.activation_scale * problem.seconds_per_flop / split
+    compute = 3 * _forward_gemm_s(problem, op, strategy)  # forward, input and weight gradients
     bias = (_linear_features(op)[1] if op.kind == "linear" else op.weight_shape[0]) if op.weight_shape and op.has_bias else 0
     weight_bytes = (_numel(op.weight_shape) + bias) * problem.dtype_bytes if op.weight_shape else 0
     sharded_weight = strategy in ("colwise", "rowwise")
@@ -605,16 +604,15 @@ def evaluate(problem: IntraOpProblem, strategies: dict[str, str], unit_graph: _G
     wgrad = comm  # the weight-gradient all-reduces: not paired with a GEMM, in series under async TP too
     fwd: set[tuple] = set()
     bwd: set[tuple] = set()
+    readers: dict[str, list[str]] = {}
     for key, src in graph.sources.items():
         consumer = _consumer_of(key)
+        readers.setdefault(src, []).append(consumer)
         need, _, grad = graph.nodes[consumer][strategies.get(consumer, "fixed")]
         out = graph.nodes[src][strategies.get(src, "fixed")][1]
         fwd.add((src, out, need))
         if grad is not None:
             bwd.add((src, out, grad))
-    readers: dict[str, list[str]] = {}
-    for key, src in graph.sources.items():
-        readers.setdefault(src, []).append(_consumer_of(key))
     gemm = lambda node: _forward_gemm_s(problem, by_name.get(node), strategies.get(node, "fixed"))  # noqa: E731
     # The GEMMs a collective can hide behind under async TP: the producer's, for the reduction of
     # its partial sums (and, in the backward, the gather of their gradient); the readers', for a
